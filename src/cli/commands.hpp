@@ -1,0 +1,13 @@
+// dflash.cpp — the `dflash` subcommands. Each `add_*_command` registers one subcommand (its flags
+// and a callback that runs it) on the root CLI11 app. A callback reports failures by throwing
+// dflash::Error; main() prints the message and exits with status 1.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace dflash::cli {
+
+/// `dflash inspect MODEL_DIR`: architecture, sizes, parameter count, dtypes, shards, default taps.
+void add_inspect_command(CLI::App& app);
+
+}  // namespace dflash::cli

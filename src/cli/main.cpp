@@ -1,0 +1,37 @@
+// dflash.cpp — the `dflash` binary: parses the command line and runs one subcommand.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <exception>
+
+#include "cli/commands.hpp"
+#include "core/error.hpp"
+#include "core/log.hpp"
+
+int main(int argc, char** argv) {
+  CLI::App app{"dflash: train DFlash block-diffusion drafters and run speculative decoding"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("dflash ") + DFLASH_VERSION);
+  std::string log_level = "info";
+  app.add_option("--log-level", log_level, "trace, debug, info, warn, error or off")
+      ->capture_default_str();
+  app.parse_complete_callback([&] { dflash::log_init(log_level); });
+
+  dflash::cli::add_inspect_command(app);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const dflash::Error& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "dflash: error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "dflash: internal error: %s\n", e.what());
+    return 2;
+  }
+  return 0;
+}

@@ -1,0 +1,48 @@
+// dflash.cpp — logging and progress.
+//
+// Logging goes through spdlog's default logger (stderr, "[time] [level] message"); `log_init` sets
+// the level once at start-up, before worker threads exist. A ProgressBar draws one updating line on a
+// terminal, and prints a plain line every few seconds when stderr is not a terminal (CI logs, files).
+#pragma once
+
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+namespace dflash {
+
+/// Configures the default logger: level by name ("trace", "debug", "info", "warn", "error",
+/// "off"); throws dflash::Error on an unknown name. Call once from the main thread.
+void log_init(const std::string& level = "info");
+
+/// Progress of a long operation with a known (or unknown: total = 0) amount of work.
+/// Not thread-safe: one owner updates it.
+class ProgressBar {
+ public:
+  /// `label` prefixes the line, `total` is the amount of work in `unit`s (0 = unknown).
+  ProgressBar(std::string label, int64_t total, std::string unit = "");
+  ~ProgressBar();
+  ProgressBar(const ProgressBar&) = delete;
+  ProgressBar& operator=(const ProgressBar&) = delete;
+
+  /// Adds `n` units of work done and redraws at most ~10 times a second.
+  void advance(int64_t n = 1);
+  /// Sets a free-text suffix shown after the counters (e.g. "loss 2.31 τ 3.4").
+  void set_suffix(std::string s) { suffix_ = std::move(s); }
+  /// Draws the final state and ends the line. Called by the destructor if not called before.
+  void finish();
+
+ private:
+  void draw(bool final);
+  std::string label_, unit_, suffix_;
+  int64_t total_, done_ = 0;
+  bool tty_, finished_ = false;
+  std::chrono::steady_clock::time_point start_, last_draw_;
+};
+
+/// "1.2 s", "3 min 4 s", "2 h 5 min".
+std::string format_duration(double seconds);
+
+}  // namespace dflash

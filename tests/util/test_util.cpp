@@ -1,0 +1,116 @@
+#include "util/test_util.hpp"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+namespace dflash::test {
+
+fs::path source_dir() { return fs::path(DFLASH_SOURCE_DIR); }
+
+fs::path shared_dir() {
+  const char* env = std::getenv("DFLASH_SHARED_DIR");
+  fs::path p = env ? fs::path(env) : fs::path(DFLASH_SHARED_DIR_DEFAULT);
+  if (!fs::exists(p / "fixtures")) {
+    ADD_FAILURE() << "shared fixtures not found at " << p
+                  << " (set DFLASH_SHARED_DIR or -DDFLASH_SHARED_DIR=...)";
+    throw std::runtime_error("shared fixtures missing");
+  }
+  return p;
+}
+
+fs::path assets_dir() { return source_dir() / "assets"; }
+
+TempDir::TempDir() {
+  std::string tmpl = (fs::temp_directory_path() / "dflash-test-XXXXXX").string();
+  std::vector<char> buf(tmpl.begin(), tmpl.end());
+  buf.push_back('\0');
+  char* p = mkdtemp(buf.data());
+  if (!p) throw std::runtime_error("mkdtemp failed");
+  path_ = p;
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  fs::remove_all(path_, ec);
+}
+
+namespace {
+std::string shell_quote(const std::string& s) {
+  std::string r = "'";
+  for (char c : s) {
+    if (c == '\'') r += "'\\''";
+    else r += c;
+  }
+  return r + "'";
+}
+}  // namespace
+
+RunResult run_dflash(const std::vector<std::string>& args, const std::string& stdin_text) {
+  TempDir tmp;
+  std::string cmd = shell_quote(DFLASH_BINARY_PATH);
+  for (const auto& a : args) cmd += " " + shell_quote(a);
+  write_file(tmp / "in", stdin_text);
+  cmd += " <" + shell_quote((tmp / "in").string()) + " >" + shell_quote((tmp / "out").string()) +
+         " 2>" + shell_quote((tmp / "err").string());
+  int st = std::system(cmd.c_str());
+  RunResult r;
+  r.exit_code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  r.out = read_file(tmp / "out");
+  r.err = read_file(tmp / "err");
+  return r;
+}
+
+void write_file(const fs::path& path, const std::string& bytes) {
+  std::ofstream f(path, std::ios::binary);
+  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (!f) throw std::runtime_error("cannot write " + path.string());
+}
+
+std::string read_file(const fs::path& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    double d = static_cast<double>(a[i]) - static_cast<double>(b[i]);
+    num += d * d;
+    den += static_cast<double>(b[i]) * static_cast<double>(b[i]);
+  }
+  if (std::isnan(num)) return INFINITY;
+  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+}
+
+double rel_error(const Tensor& a, const Tensor& b) {
+  EXPECT_EQ(a.shape(), b.shape()) << a.str() << " vs " << b.str();
+  return rel_error(a.to_f32_vector(), b.to_f32_vector());
+}
+
+GuardedBuffer::GuardedBuffer(size_t n, size_t guard) : n_(n), buf_(n + guard) {
+  for (size_t i = n; i < buf_.size(); ++i) {
+    uint32_t bits = 0x7fc0beefu ^ static_cast<uint32_t>(i);
+    std::memcpy(&buf_[i], &bits, 4);
+  }
+}
+
+bool GuardedBuffer::intact() const {
+  for (size_t i = n_; i < buf_.size(); ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &buf_[i], 4);
+    if (bits != (0x7fc0beefu ^ static_cast<uint32_t>(i))) return false;
+  }
+  return true;
+}
+
+}  // namespace dflash::test

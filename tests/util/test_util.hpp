@@ -1,0 +1,70 @@
+// dflash.cpp — helpers shared by the C++ tests: fixture paths, temporary folders, running the
+// `dflash` binary, tolerance checks and guard regions.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "core/tensor.hpp"
+
+namespace dflash::test {
+
+namespace fs = std::filesystem;
+
+/// The repository root (compile-time path).
+fs::path source_dir();
+/// The shared fixtures folder: $DFLASH_SHARED_DIR if set, else the configured ../shared. Fails the
+/// test (fatal) when it does not exist.
+fs::path shared_dir();
+/// The project's embedded assets: source_dir()/assets.
+fs::path assets_dir();
+/// A fresh, empty temporary folder removed when the returned object is destroyed.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const fs::path& path() const { return path_; }
+  fs::path operator/(const std::string& name) const { return path_ / name; }
+
+ private:
+  fs::path path_;
+};
+
+/// Result of running the dflash binary.
+struct RunResult {
+  int exit_code = -1;
+  std::string out;  ///< stdout
+  std::string err;  ///< stderr
+};
+/// Runs the built `dflash` binary with `args` (shell-quoted for you), optional stdin text.
+RunResult run_dflash(const std::vector<std::string>& args, const std::string& stdin_text = "");
+
+/// Writes `bytes` to `path` (binary).
+void write_file(const fs::path& path, const std::string& bytes);
+/// Reads a whole file.
+std::string read_file(const fs::path& path);
+
+/// Relative Frobenius error ||a-b|| / max(||b||, tiny), computed in double. Shapes must match.
+double rel_error(const Tensor& a, const Tensor& b);
+double rel_error(const std::vector<float>& a, const std::vector<float>& b);
+
+/// Guard region: a buffer of `n` payload floats followed by `guard` floats holding a fixed
+/// pattern; `intact()` checks that nothing was written past the payload.
+class GuardedBuffer {
+ public:
+  explicit GuardedBuffer(size_t n, size_t guard = 64);
+  float* data() { return buf_.data(); }
+  size_t size() const { return n_; }
+  bool intact() const;
+
+ private:
+  size_t n_;
+  std::vector<float> buf_;
+};
+
+}  // namespace dflash::test
