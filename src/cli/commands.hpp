@@ -10,4 +10,7 @@ namespace dflash::cli {
 /// `dflash inspect MODEL_DIR`: architecture, sizes, parameter count, dtypes, shards, default taps.
 void add_inspect_command(CLI::App& app);
 
+/// `dflash status RUN_DIR`: alive or not, phase, step, loss, τ, tokens/s, ETA (from status.json).
+void add_status_command(CLI::App& app);
+
 }  // namespace dflash::cli
