@@ -28,10 +28,12 @@ void attention_causal_varlen_ranges(AttnRange* ranges, const int32_t* doc_offset
   DFLASH_CHECK(doc_offsets[0] == 0, "attention: doc_offsets[0] must be 0, got {}", doc_offsets[0]);
   DFLASH_CHECK(doc_offsets[n_docs] == T, "attention: doc_offsets[{}] must equal T={}, got {}",
                n_docs, T, doc_offsets[n_docs]);
+  for (int64_t d = 0; d < n_docs; ++d)  // validate everything before writing anything
+    DFLASH_CHECK(doc_offsets[d] <= doc_offsets[d + 1],
+                 "attention: doc_offsets must be non-decreasing, [{}]={} > [{}]={}", d,
+                 doc_offsets[d], d + 1, doc_offsets[d + 1]);
   for (int64_t d = 0; d < n_docs; ++d) {
     const int32_t s = doc_offsets[d], e = doc_offsets[d + 1];
-    DFLASH_CHECK(s <= e, "attention: doc_offsets must be non-decreasing, [{}]={} > [{}]={}", d, s,
-                 d + 1, e);
     for (int32_t t = s; t < e; ++t) ranges[t] = AttnRange{s, t + 1, 0, 0};
   }
 }
