@@ -333,12 +333,17 @@ SafetensorsCheckpoint::SafetensorsCheckpoint(const fs::path& path) {
     shards_.push_back(std::make_shared<const SafetensorsFile>(p));
   }
 
-  // Each shard's tensors: no tensor in two shards, none the index omits.
+  // No tensor in two shards.
   for (const auto& [shard, i] : shard_index) {
     for (const auto& t : shards_[i]->tensors()) {
       auto [it, fresh] = where_.emplace(t.name, i);
       DFLASH_CHECK(fresh, "{}: tensor '{}' is in two shards, '{}' and '{}'", idx, t.name,
                    shards_[it->second]->path().filename().string(), shard);
+    }
+  }
+  // Each shard holds only tensors the index assigns to it.
+  for (const auto& [shard, i] : shard_index) {
+    for (const auto& t : shards_[i]->tensors()) {
       auto listed = wm->find(t.name);
       DFLASH_CHECK(listed != wm->end(),
                    "{}: shard '{}' holds tensor '{}', which the index does not list", idx, shard,
@@ -487,6 +492,13 @@ void safetensors_write(const fs::path& path,
 }
 
 void safetensors_write(const fs::path& path, const std::map<std::string, Tensor>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  std::vector<std::pair<std::string, Tensor>> v(tensors.begin(), tensors.end());
+  safetensors_write(path, v, metadata);
+}
+
+void safetensors_write(const fs::path& path,
+                       std::initializer_list<std::pair<std::string, Tensor>> tensors,
                        const std::map<std::string, std::string>& metadata) {
   std::vector<std::pair<std::string, Tensor>> v(tensors.begin(), tensors.end());
   safetensors_write(path, v, metadata);

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <string>
@@ -146,6 +147,10 @@ void safetensors_write(const std::filesystem::path& path,
                        const std::map<std::string, std::string>& metadata = {});
 /// Same, from a name-ordered map.
 void safetensors_write(const std::filesystem::path& path, const std::map<std::string, Tensor>& tensors,
+                       const std::map<std::string, std::string>& metadata = {});
+/// Same, from a braced list: `safetensors_write(p, {{"w", w}, {"b", b}})`.
+void safetensors_write(const std::filesystem::path& path,
+                       std::initializer_list<std::pair<std::string, Tensor>> tensors,
                        const std::map<std::string, std::string>& metadata = {});
 
 }  // namespace dflash
