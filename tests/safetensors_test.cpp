@@ -69,6 +69,7 @@ Tensor random_tensor(DType dtype, const Shape& shape, std::mt19937& rng) {
         reinterpret_cast<int64_t*>(b)[i] = (static_cast<int64_t>(rng()) << 32) ^ rng();
         break;
       case DType::boolean: b[i] = static_cast<uint8_t>(rng() & 1); break;
+      case DType::u8: b[i] = static_cast<uint8_t>(rng()); break;
     }
   }
   return t;
@@ -80,7 +81,7 @@ bool same_bytes(const Tensor& a, const Tensor& b) {
 }
 
 const std::vector<DType> kAllDtypes = {DType::f32, DType::bf16, DType::f16,
-                                       DType::i32, DType::i64,  DType::boolean};
+                                       DType::i32, DType::i64,  DType::boolean, DType::u8};
 
 }  // namespace
 

@@ -102,25 +102,6 @@ void DrafterCache::truncate(int64_t new_len) {
 
 // --------------------------------------------------------------------------------------- workspace
 
-// Per-layer activations kept for the backward.
-template <typename S>
-struct LayerActs {
-  std::vector<S> x_in, hn, q_raw, q, k_raw, k, v, o, lse, h_mid, hn2, gate_up, act;
-};
-
-template <typename S>
-struct DrafterWorkspace {
-  std::vector<S> ctx_pre, ctx, h, hf, dh, dhn, dtmp, dctx, dctx_pre, logits;
-  std::vector<S> d_o, dq, dk, dv, dq_n, dk_n, dq_raw, dk_raw, d_act, d_gate_up, dhn2, dbuf;
-  std::vector<LayerActs<S>> layers;
-  std::vector<int32_t> pos_kv, pos_q, block_tokens, labels;
-  std::vector<S> weights, lse_out;
-  std::vector<S> inv_freq;
-  std::vector<AttnRange> ranges;
-};
-
-template struct DrafterWorkspace<float>;
-template struct DrafterWorkspace<double>;
 
 namespace {
 

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "core/rng.hpp"
+#include "ops/attention.hpp"
 #include "ops/rope.hpp"
 #include "train/objective.hpp"
 
@@ -94,9 +95,24 @@ struct DrafterRowResult {
   std::vector<int32_t> argmax;  ///< [N·K] drafter argmax per slot
 };
 
-/// Scratch buffers of the step (capacity kept between calls).
+/// Per-layer activations kept for the backward (internal to the drafter step).
 template <typename S>
-struct DrafterWorkspace;
+struct LayerActs {
+  std::vector<S> x_in, hn, q_raw, q, k_raw, k, v, o, lse, h_mid, hn2, gate_up, act;
+};
+
+/// Scratch buffers of the step (capacity kept between calls; one per thread).
+template <typename S>
+struct DrafterWorkspace {
+  std::vector<S> ctx_pre, ctx, h, hf, dh, dhn, dtmp, dctx, dctx_pre, logits;
+  std::vector<S> d_o, dq, dk, dv, dq_n, dk_n, dq_raw, dk_raw, d_act, d_gate_up, dhn2, dbuf;
+  std::vector<LayerActs<S>> layers;
+  std::vector<int32_t> pos_kv, pos_q, block_tokens, labels;
+  std::vector<S> weights, lse_out;
+  std::vector<S> inv_freq;
+  std::vector<AttnRange> ranges;
+};
+
 
 /// Frozen target tables the drafter borrows: embedding [V, H] and LM head [V, H] (the same array
 /// when the target ties them).
