@@ -12,7 +12,8 @@
 //   models/bpe/word.rs (merge_word: a min-heap on (rank, position) with stale-entry checks).
 // - Offsets are byte ranges of the caller's text. A token covering part of a character gets the
 //   whole character; a token coming from a normalised chunk (e.g. NFC composed a base + combining
-//   marks) gets the chunk's original range; a virtual prefix space maps to an empty range.
+//   marks) gets the chunk's original range; a token that is only the virtual prefix space gets the
+//   range of the character it precedes (as HF).
 #include "data/tokenizer.hpp"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
@@ -271,7 +272,17 @@ struct Normalizer {
       }
       const std::string n = apply(src);
       res += n;
-      if (ostart) {
+      if (ostart && n == src) {  // unchanged chunk: per-character ranges
+        for (size_t k = 0; k < src.size();) {
+          size_t len = 0;
+          utf8::decode(src, k, &len);
+          for (size_t q = 0; q < len; ++q) {
+            ostart->push_back(base + ch.b + k);
+            oend->push_back(base + ch.b + k + len);
+          }
+          k += len;
+        }
+      } else if (ostart) {
         for (size_t k = 0; k < n.size(); ++k) {
           ostart->push_back(base + ch.b);
           oend->push_back(base + ch.e);
@@ -944,9 +955,8 @@ struct Tokenizer::Impl {
           if (virt) {
             virt = false;
             --tl;
-            if (tl == 0) {
-              const size_t at = map_range(pos, pos + 1).first;
-              offs->push_back({at, at});
+            if (tl == 0) {  // the virtual space alone: HF gives it the next character's range
+              offs->push_back(map_range(pos, pos + 1));
               continue;
             }
           }
@@ -1013,7 +1023,37 @@ Tokenizer Tokenizer::load(const std::filesystem::path& path) {
     int32_t max_id = -1;
     for (const auto& [tok, idj] : vocab.items()) max_id = std::max(max_id, idj.get<int32_t>());
     const json& added_j = j.value("added_tokens", json::array());
-    for (const auto& a : added_j) max_id = std::max(max_id, a.at("id").get<int32_t>());
+    // Ids of added tokens as HF AddedVocabulary::add_tokens assigns them while deserializing (in
+    // file order): a content already known keeps its id; a new one gets the model's vocabulary
+    // size, or max assigned id + 1 once that is past it. The file's "id" is only checked.
+    std::vector<int32_t> added_ids;
+    {
+      const auto model_size = static_cast<int32_t>(vocab.size());
+      std::unordered_map<std::string, int32_t> assigned;
+      int32_t max_assigned = -1;
+      for (const auto& a : added_j) {
+        const std::string content = a.at("content").get<std::string>();
+        int32_t id;
+        if (auto it = assigned.find(content); it != assigned.end()) {
+          id = it->second;
+        } else if (vocab.contains(content)) {
+          id = vocab.at(content).get<int32_t>();
+        } else {
+          id = max_assigned < 0 ? model_size
+               : (max_assigned >= model_size || model_size == 0) ? max_assigned + 1
+                                                                 : model_size;
+        }
+        const int32_t file_id = a.at("id").get<int32_t>();
+        if (id != file_id)
+          spdlog::warn("{}: added token '{}' has id {} in the file but HF tokenizers assigns {}; "
+                       "using {}",
+                       where, content, file_id, id, id);
+        assigned[content] = id;
+        max_assigned = std::max(max_assigned, id);
+        added_ids.push_back(id);
+        max_id = std::max(max_id, id);
+      }
+    }
     DFLASH_CHECK(max_id >= 0, "{}: empty vocabulary", where);
     t.n_ids = max_id + 1;
     t.id_str.assign(static_cast<size_t>(t.n_ids), "");
@@ -1095,19 +1135,33 @@ Tokenizer Tokenizer::load(const std::filesystem::path& path) {
                  "{}: decoder '{}' is not supported (only ByteLevel)", where, dec_type);
 
     // Added tokens.
-    for (const auto& a : added_j) {
-      AddedToken at{a.at("id").get<int32_t>(),        a.at("content").get<std::string>(),
-                    a.value("single_word", false),    a.value("lstrip", false),
-                    a.value("rstrip", false),         a.value("normalized", false),
+    for (size_t ai = 0; ai < added_j.size(); ++ai) {
+      const json& a = added_j[ai];
+      AddedToken at{added_ids[ai],                  a.at("content").get<std::string>(),
+                    a.value("single_word", false),  a.value("lstrip", false),
+                    a.value("rstrip", false),       a.value("normalized", false),
                     a.value("special", false)};
-      DFLASH_CHECK(at.id >= 0, "{}: added_tokens '{}' has negative id", where, at.content);
+      if (at.content.empty()) continue;  // HF ignores empty added tokens
+      if (auto it = t.added_by_content.find(at.content); it != t.added_by_content.end()) {
+        // Same content again: the later entry's flags replace the earlier ones.
+        for (auto& old : t.added)
+          if (old.content == at.content) old = at;
+        t.id_special[static_cast<size_t>(at.id)] = at.special ? 1 : 0;
+        continue;
+      }
       const auto idx = static_cast<size_t>(at.id);
-      t.id_str[idx] = at.content;
+      // HF reports (and decodes) a normalized added token by its normalized content.
+      std::string shown = at.content;
+      if (at.normalized) {
+        std::string n;
+        if (t.normalizer.normalize(at.content, 0, n, nullptr, nullptr)) shown = n;
+      }
       t.id_used[idx] = 1;
       t.id_special[idx] = at.special ? 1 : 0;
       // The ByteLevel decoder maps the token's characters back to bytes when it can.
-      if (auto b = byte_level_to_bytes(at.content)) t.id_bytes[idx] = *b;
-      else t.id_bytes[idx] = at.content;
+      if (auto b = byte_level_to_bytes(shown)) t.id_bytes[idx] = *b;
+      else t.id_bytes[idx] = shown;
+      t.id_str[idx] = std::move(shown);
       t.added_by_content[at.content] = at.id;
       t.added.push_back(std::move(at));
     }

@@ -9,7 +9,7 @@ case variants (incl. U+017F and U+212A, which case-fold to s and k), special-tok
 ("<|im_start", "<|endoftext|>x", "|im_end|>") and the real special tokens, plus long runs.
 All are encoded by HF (add_special_tokens=False) and by `dflash tokenize --jsonl --offsets` in one
 process call; ids must be identical. We also check, against HF, the token offsets (converted from
-our byte ranges to character indices) for inputs that NFC leaves unchanged, and decode(ids).
+our byte ranges to character indices) for inputs the normalizer leaves unchanged, and decode(ids).
 On the first difference the test prints the string (repr) and both results and fails.
 """
 import argparse
@@ -105,7 +105,7 @@ def check(dflash, model_dir, name, n, rng):
             print(f"[{name}] first differing string: {t!r}\n  HF:   {h.ids}\n  ours: {o['ids']}\n"
                   f"  HF tokens:   {h.tokens}")
             sys.exit(f"FAIL [{name}]: ids differ")
-        if unicodedata.is_normalized("NFC", t):
+        if (hf.normalizer.normalize_str(t) if hf.normalizer else t) == t:
             ho = [tuple(x) for x in h.offsets]
             oo = char_offsets(t, o["offsets"])
             if ho != oo:
@@ -113,7 +113,7 @@ def check(dflash, model_dir, name, n, rng):
                       f"  tokens: {h.tokens}")
                 sys.exit(f"FAIL [{name}]: offsets differ")
             n_offsets += 1
-    # decode(ids) against HF decode.
+    # decode(ids) against HF decode; decode(encode(s)) == normalized s.
     inp = "".join(json.dumps({"ids": h.ids}) + "\n" for h in hf_enc).encode("utf-8")
     r = subprocess.run([dflash, "tokenize", "--model", model_dir, "--jsonl", "--decode"],
                        input=inp, capture_output=True)
@@ -124,11 +124,56 @@ def check(dflash, model_dir, name, n, rng):
     for t, h, o in zip(texts, hf_dec, dec):
         if h != o:
             sys.exit(f"FAIL [{name}]: decode differs for {t!r}: HF {h!r} ours {o!r}")
-        if unicodedata.normalize("NFC", t) != o:
+        if (hf.normalizer.normalize_str(t) if hf.normalizer else t) != o and \
+                name in ("tiny-qwen3", "qwen3"):
             sys.exit(f"FAIL [{name}]: decode(encode(s)) != NFC(s) for {t!r}: {o!r}")
     n_tok = sum(len(h.ids) for h in hf_enc)
     print(f"[{name}] {n} random strings ({n_tok} tokens): ids identical to HF; offsets identical on "
-          f"{n_offsets} NFC inputs; decode identical and round-trips")
+          f"{n_offsets} inputs the normalizer leaves unchanged; decode identical and round-trips")
+
+
+def variants(base_dir, out_dir):
+    """Tokenizers derived from the tiny one that exercise the other supported pieces: added-token
+    flags (lstrip, rstrip, single_word, normalized, non-special), NFKC in a normalizer Sequence,
+    ByteLevel with its own GPT-2 regex and add_prefix_space, and the other Split behaviours."""
+    base = json.load(open(os.path.join(base_dir, "tokenizer.json"), encoding="utf-8"))
+    added = [
+        {"id": 8000, "content": "<mask>", "single_word": False, "lstrip": True, "rstrip": True,
+         "normalized": False, "special": False},
+        {"id": 8001, "content": "ony", "single_word": True, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": False},
+        {"id": 8002, "content": "ﬁx", "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": True, "special": False},
+        {"id": 8003, "content": "<|im_start|>x", "single_word": False, "lstrip": False,
+         "rstrip": True, "normalized": False, "special": True},
+    ]
+    bl = lambda prefix, regex: {"type": "ByteLevel", "add_prefix_space": prefix,
+                                "trim_offsets": False, "use_regex": regex}
+    split = lambda pat, behavior, invert=False: {"type": "Split", "pattern": pat,
+                                                 "behavior": behavior, "invert": invert}
+    specs = {
+        "flags+nfkc+gpt2": ({"type": "Sequence", "normalizers": [{"type": "NFKC"}, {"type": "NFC"}]},
+                            bl(True, True)),
+        "merged-with-next": (None, {"type": "Sequence", "pretokenizers": [
+            split({"String": " "}, "MergedWithNext"), bl(False, False)]}),
+        "merged-with-prev+removed": ({"type": "NFD"}, {"type": "Sequence", "pretokenizers": [
+            split({"Regex": "\\s+"}, "MergedWithPrevious"),
+            split({"Regex": "[,;]"}, "Removed"), bl(False, True)]}),
+        "contiguous+invert": (None, {"type": "Sequence", "pretokenizers": [
+            split({"Regex": "\\p{N}"}, "Contiguous"),
+            split({"Regex": "[^\\s]+"}, "Isolated", True), bl(True, False)]}),
+    }
+    out = []
+    for name, (norm, pre) in specs.items():
+        j = dict(base)
+        j["added_tokens"] = base["added_tokens"] + added
+        j["normalizer"] = norm
+        j["pre_tokenizer"] = pre
+        d = os.path.join(out_dir, name)
+        os.makedirs(d)
+        json.dump(j, open(os.path.join(d, "tokenizer.json"), "w", encoding="utf-8"))
+        out.append((name, d))
+    return out
 
 
 def main():
@@ -147,6 +192,11 @@ def main():
                 open(os.path.join(tmp, "tokenizer.json"), "wb") as g:
             g.write(f.read())
         check(a.dflash, tmp, "qwen3", a.n, rng)
+    SPECIAL_LIKE.extend(["<mask>", " <mask> ", "\t<mask>\n", "ony", "Anthony", "(ony)", "ﬁx", "fix",
+                         "<|im_start|>x  ", "ony_", "_ony"])
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, d in variants(os.path.join(a.source, "assets", "tiny-qwen3"), tmp):
+            check(a.dflash, d, name, a.n // 5, rng)
     print("PASS")
 
 
