@@ -10,4 +10,8 @@ namespace dflash::cli {
 /// `dflash inspect MODEL_DIR`: architecture, sizes, parameter count, dtypes, shards, default taps.
 void add_inspect_command(CLI::App& app);
 
+/// `dflash data prepare --model DIR --data FILE [--template NAME] [--max-length N] ...`: writes
+/// (or reuses) the token cache and prints its figures (src/cli/cmd_data.cpp).
+void add_data_command(CLI::App& app);
+
 }  // namespace dflash::cli

@@ -11,6 +11,7 @@
 #include <bit>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <thread>
@@ -377,6 +378,23 @@ uint64_t TokenDataset::fingerprint() const {
 }
 
 // ------------------------------------------------------------------ cache I/O
+
+std::filesystem::path default_cache_path(const std::filesystem::path& data,
+                                         const std::filesystem::path& model_dir) {
+  std::filesystem::path dir;
+  if (const char* d = std::getenv("DFLASH_CACHE_DIR"); d && *d) {
+    dir = d;
+  } else if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x) {
+    dir = std::filesystem::path(x) / "dflash";
+  } else if (const char* h = std::getenv("HOME"); h && *h) {
+    dir = std::filesystem::path(h) / ".cache" / "dflash";
+  } else {
+    fail("no cache folder: set DFLASH_CACHE_DIR or HOME, or pass --cache");
+  }
+  uint64_t h = hash_bytes(std::filesystem::absolute(data).lexically_normal().string());
+  h = hash_bytes("\n" + std::filesystem::absolute(model_dir).lexically_normal().string(), h);
+  return dir / fmt::format("{}-{:016x}.dftok", data.filename().string(), h);
+}
 
 std::optional<CacheKey> read_cache_key(const std::filesystem::path& path) {
   std::ifstream f(path, std::ios::binary);

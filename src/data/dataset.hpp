@@ -153,6 +153,12 @@ struct PrepareResult {
 /// supervised token left; I/O errors naming the file.
 PrepareResult prepare_dataset(const PrepareOptions& opts);
 
+/// Default cache file for `data` tokenized for the model in `model_dir`:
+/// `$DFLASH_CACHE_DIR`, else `$XDG_CACHE_HOME/dflash`, else `$HOME/.cache/dflash`, then
+/// `<data file name>-<hash of both absolute paths>.dftok`. Throws when none of the variables is set.
+std::filesystem::path default_cache_path(const std::filesystem::path& data,
+                                         const std::filesystem::path& model_dir);
+
 /// The key stored in a cache file, or std::nullopt when the file is missing or not a cache.
 std::optional<CacheKey> read_cache_key(const std::filesystem::path& path);
 
