@@ -1,14 +1,116 @@
-// `dflash inspect MODEL_DIR` (placeholder until the model files land in this issue).
+// `dflash inspect MODEL_DIR`: reads config.json and the safetensors checkpoint of a HF model folder,
+// checks that the weights match the config (missing tensors or wrong shapes are errors), and prints
+// one "key: value" line per figure on stdout. The keys and their order are stable (tests and scripts
+// grep them); counts use thousands separators.
+#include <fmt/format.h>
+
+#include <map>
+
 #include "cli/commands.hpp"
 #include "core/error.hpp"
+#include "core/log.hpp"
+#include "model/config.hpp"
+#include "model/safetensors.hpp"
+#include "model/weights.hpp"
 
 namespace dflash::cli {
 
+namespace {
+
+std::string rope_str(const RopeConfig& r) {
+  std::string s = fmt::format("{}, theta {}", rope_type_name(r.type), r.theta);
+  switch (r.type) {
+    case RopeType::default_: break;
+    case RopeType::linear: s += fmt::format(", factor {}", r.factor); break;
+    case RopeType::llama3:
+      s += fmt::format(", factor {}, low_freq_factor {}, high_freq_factor {}, "
+                       "original_max_position_embeddings {}",
+                       r.factor, r.low_freq_factor, r.high_freq_factor,
+                       r.original_max_position_embeddings);
+      break;
+    case RopeType::yarn:
+      s += fmt::format(", factor {}, original_max_position_embeddings {}, beta_fast {}, "
+                       "beta_slow {}, attention_factor {:.6g}{}",
+                       r.factor, r.original_max_position_embeddings, r.beta_fast, r.beta_slow,
+                       r.attention_factor, r.truncate ? "" : ", truncate false");
+      break;
+  }
+  if (r.partial_rotary_factor != 1.0) s += fmt::format(", partial_rotary_factor {}", r.partial_rotary_factor);
+  return s;
+}
+
+void print_line(const std::string& key, const std::string& value) {
+  fmt::print("{:<34}{}\n", key + ":", value);
+}
+
+void run_inspect(const std::string& dir) {
+  const ModelConfig c = model_config_load(dir);
+  const SafetensorsCheckpoint ckpt(dir);
+  const WeightReport rep = check_weights(c, ckpt);
+
+  int64_t params = 0;
+  std::map<std::string, int64_t> bytes_by_dtype;
+  for (const std::string& n : ckpt.names()) {
+    const TensorInfo& ti = ckpt.info(n);
+    params += ti.numel();
+    bytes_by_dtype[std::string(dtype_name(ti.dtype))] += static_cast<int64_t>(ti.nbytes());
+  }
+  std::string bytes;
+  for (const auto& [dt, b] : bytes_by_dtype) {
+    bytes += fmt::format("{}{} {}", bytes.empty() ? "" : ", ", dt, format_thousands(b));
+  }
+  std::string arch = std::string(arch_name(c.arch));
+  if (c.model_type != arch) arch += fmt::format(" (model_type {})", c.model_type);
+  if (!c.architectures.empty()) arch += fmt::format(" [{}]", fmt::join(c.architectures, ", "));
+
+  print_line("model", dir);
+  print_line("architecture", arch);
+  print_line("layers", std::to_string(c.num_hidden_layers));
+  print_line("hidden size", std::to_string(c.hidden_size));
+  print_line("intermediate size", std::to_string(c.intermediate_size));
+  print_line("attention heads", std::to_string(c.num_attention_heads));
+  print_line("kv heads", std::to_string(c.num_key_value_heads));
+  print_line("head dim", std::to_string(c.head_dim));
+  print_line("vocab size", std::to_string(c.vocab_size));
+  print_line("tied embeddings", c.tie_word_embeddings ? "yes" : "no");
+  print_line("qk norm", c.qk_norm ? "yes" : "no");
+  print_line("attention bias", c.attention_bias ? (c.o_proj_bias ? "q, k, v, o" : "q, k, v") : "no");
+  print_line("rms norm eps", fmt::format("{}", c.rms_norm_eps));
+  print_line("max position embeddings", std::to_string(c.max_position_embeddings));
+  print_line("rope", rope_str(c.rope));
+  print_line("sliding window",
+             c.sliding_window > 0 ? fmt::format("{} tokens on {} of {} layers", c.sliding_window,
+                                                c.num_sliding_layers(), c.num_hidden_layers)
+                                  : std::string("none"));
+  print_line("eos token ids",
+             c.eos_token_ids.empty() ? std::string("none") : fmt::format("{}", fmt::join(c.eos_token_ids, ", ")));
+  print_line("parameters", format_thousands(params));
+  print_line("bytes by dtype", bytes);
+  print_line("shards", std::to_string(ckpt.num_shards()));
+  print_line("tensors", std::to_string(ckpt.size()));
+  print_line("unexpected tensors",
+             rep.unexpected.empty() ? std::string("none")
+                                    : fmt::format("{} ({})", rep.unexpected.size(),
+                                                  fmt::join(rep.unexpected, ", ")));
+  const int n_layers = static_cast<int>(c.num_hidden_layers);
+  print_line("default taps (1 drafter layer)",
+             fmt::format("[{}]", fmt::join(default_target_layer_ids(n_layers, 1), ", ")));
+  std::string taps5;
+  try {
+    taps5 = fmt::format("[{}]", fmt::join(default_target_layer_ids(n_layers, 5), ", "));
+  } catch (const Error& e) {
+    taps5 = fmt::format("none ({})", e.what());
+  }
+  print_line("default taps (5 drafter layers)", taps5);
+}
+
+}  // namespace
+
 void add_inspect_command(CLI::App& app) {
-  auto* sub = app.add_subcommand("inspect", "Describe a HF model folder");
+  auto* sub = app.add_subcommand("inspect", "Describe a HF model folder (config.json + safetensors)");
   auto dir = std::make_shared<std::string>();
   sub->add_option("model_dir", *dir, "Folder with config.json and safetensors")->required();
-  sub->callback([dir] { fail("inspect: not built yet ({})", *dir); });
+  sub->callback([dir] { run_inspect(*dir); });
 }
 
 }  // namespace dflash::cli

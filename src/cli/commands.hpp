@@ -14,4 +14,7 @@ void add_inspect_command(CLI::App& app);
 /// (or reuses) the token cache and prints its figures (src/cli/cmd_data.cpp).
 void add_data_command(CLI::App& app);
 
+/// `dflash status RUN_DIR`: alive or not, phase, step, loss, τ, tokens/s, ETA (from status.json).
+void add_status_command(CLI::App& app);
+
 }  // namespace dflash::cli

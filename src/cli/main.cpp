@@ -19,6 +19,7 @@ int main(int argc, char** argv) {
   app.parse_complete_callback([&] { dflash::log_init(log_level); });
 
   dflash::cli::add_inspect_command(app);
+  dflash::cli::add_status_command(app);
 
   try {
     app.parse(argc, argv);

@@ -15,6 +15,7 @@ size_t dtype_size(DType t) {
     case DType::i32: return 4;
     case DType::i64: return 8;
     case DType::boolean: return 1;
+    case DType::u8: return 1;
   }
   return 0;
 }
@@ -27,6 +28,7 @@ std::string_view dtype_name(DType t) {
     case DType::i32: return "i32";
     case DType::i64: return "i64";
     case DType::boolean: return "bool";
+    case DType::u8: return "u8";
   }
   return "?";
 }
@@ -39,6 +41,7 @@ std::string_view dtype_safetensors_name(DType t) {
     case DType::i32: return "I32";
     case DType::i64: return "I64";
     case DType::boolean: return "BOOL";
+    case DType::u8: return "U8";
   }
   return "?";
 }
@@ -50,6 +53,7 @@ bool dtype_from_safetensors_name(std::string_view n, DType* out) {
   else if (n == "I32") *out = DType::i32;
   else if (n == "I64") *out = DType::i64;
   else if (n == "BOOL") *out = DType::boolean;
+  else if (n == "U8") *out = DType::u8;
   else return false;
   return true;
 }
@@ -61,6 +65,7 @@ DType dtype_from_name(std::string_view n) {
   if (n == "i32" || n == "int32") return DType::i32;
   if (n == "i64" || n == "int64") return DType::i64;
   if (n == "bool") return DType::boolean;
+  if (n == "u8" || n == "uint8") return DType::u8;
   fail("unknown dtype '{}' (expected one of f32, bf16, f16, i32, i64, bool)", n);
 }
 
@@ -126,6 +131,7 @@ double load_as_double(const void* p, DType t, size_t i) {
     case DType::i32: return static_cast<const int32_t*>(p)[i];
     case DType::i64: return static_cast<double>(static_cast<const int64_t*>(p)[i]);
     case DType::boolean: return static_cast<const uint8_t*>(p)[i] ? 1.0 : 0.0;
+    case DType::u8: return static_cast<const uint8_t*>(p)[i];
   }
   return 0;
 }
@@ -167,6 +173,7 @@ void convert_elements(void* dst, DType dt, const void* src, DType st, size_t n) 
       case DType::i32: static_cast<int32_t*>(dst)[i] = static_cast<int32_t>(v); break;
       case DType::i64: static_cast<int64_t*>(dst)[i] = static_cast<int64_t>(v); break;
       case DType::boolean: static_cast<uint8_t*>(dst)[i] = v != 0.0 ? 1 : 0; break;
+      case DType::u8: static_cast<uint8_t*>(dst)[i] = static_cast<uint8_t>(v); break;
     }
   }
 }

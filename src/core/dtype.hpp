@@ -12,16 +12,17 @@
 
 namespace dflash {
 
-/// Element type of a tensor. `boolean` is one byte per element (0 or 1), as in safetensors BOOL.
-enum class DType : uint8_t { f32, bf16, f16, i32, i64, boolean };
+/// Element type of a tensor. `boolean` is one byte per element (0 or 1), as in safetensors BOOL;
+/// `u8` is an unsigned byte (safetensors U8, e.g. masks written by PyTorch).
+enum class DType : uint8_t { f32, bf16, f16, i32, i64, boolean, u8 };
 
 /// Size of one element in bytes.
 size_t dtype_size(DType t);
-/// Short lower-case name: "f32", "bf16", "f16", "i32", "i64", "bool".
+/// Short lower-case name: "f32", "bf16", "f16", "i32", "i64", "bool", "u8".
 std::string_view dtype_name(DType t);
-/// The safetensors header name: "F32", "BF16", "F16", "I32", "I64", "BOOL".
+/// The safetensors header name: "F32", "BF16", "F16", "I32", "I64", "BOOL", "U8".
 std::string_view dtype_safetensors_name(DType t);
-/// Parses a safetensors dtype name; returns false when the name is not one of the six above.
+/// Parses a safetensors dtype name; returns false when the name is not one of the seven above.
 bool dtype_from_safetensors_name(std::string_view name, DType* out);
 /// Parses a short name ("f32", "bf16", "float32", "bfloat16", …); throws dflash::Error naming it.
 DType dtype_from_name(std::string_view name);

@@ -82,4 +82,15 @@ void ProgressBar::draw(bool final) {
   std::fflush(stderr);
 }
 
+std::string format_thousands(int64_t n) {
+  // Work on the magnitude as unsigned so INT64_MIN is fine.
+  uint64_t m = n < 0 ? 0 - static_cast<uint64_t>(n) : static_cast<uint64_t>(n);
+  std::string digits = std::to_string(m), out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out.push_back(',');
+    out.push_back(digits[i]);
+  }
+  return n < 0 ? "-" + out : out;
+}
+
 }  // namespace dflash

@@ -45,4 +45,7 @@ class ProgressBar {
 /// "1.2 s", "3 min 4 s", "2 h 5 min".
 std::string format_duration(double seconds);
 
+/// An integer with thousands separators: 12588672 -> "12,588,672", -1234 -> "-1,234".
+std::string format_thousands(int64_t n);
+
 }  // namespace dflash

@@ -1,0 +1,226 @@
+// dflash.cpp — CPU attention over per-query key ranges (see ops/attention.hpp for shapes,
+// visibility rule and the gradient contract).
+//
+// Forward: one (query row, head) at a time, two passes over its visible keys (scores into a
+// per-worker buffer, then max / sum-exp / weighted sum of v). Backward (FlashAttention-2 style,
+// recomputing probabilities from the saved lse):
+//   p_j = exp(scale·q·k_j − lse),  dp_j = dO·v_j,  ds_j = p_j·(dp_j − Δ),  Δ = dO·o
+//   dq = scale·Σ_j ds_j k_j,  dk_j = scale·Σ_rows ds_j q,  dv_j = Σ_rows p_j dO
+// dq is parallel over query rows; dk/dv are parallel over blocks of keys, each worker scanning
+// every query row in order and intersecting its ranges with the worker's key block.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "core/error.hpp"
+#include "core/parallel.hpp"
+#include "ops/attention.hpp"
+
+namespace dflash {
+
+static_assert(sizeof(AttnRange) == 16, "AttnRange is four int32 (shared with the CUDA kernels)");
+
+void attention_causal_varlen_ranges(AttnRange* ranges, const int32_t* doc_offsets,
+                                    int64_t n_docs, int64_t T) {
+  DFLASH_CHECK(n_docs >= 1 && T >= 0, "attention: bad document count {} or length {}", n_docs, T);
+  DFLASH_CHECK(doc_offsets[0] == 0, "attention: doc_offsets[0] must be 0, got {}", doc_offsets[0]);
+  DFLASH_CHECK(doc_offsets[n_docs] == T, "attention: doc_offsets[{}] must equal T={}, got {}",
+               n_docs, T, doc_offsets[n_docs]);
+  for (int64_t d = 0; d < n_docs; ++d)  // validate everything before writing anything
+    DFLASH_CHECK(doc_offsets[d] <= doc_offsets[d + 1],
+                 "attention: doc_offsets must be non-decreasing, [{}]={} > [{}]={}", d,
+                 doc_offsets[d], d + 1, doc_offsets[d + 1]);
+  for (int64_t d = 0; d < n_docs; ++d) {
+    const int32_t s = doc_offsets[d], e = doc_offsets[d + 1];
+    for (int32_t t = s; t < e; ++t) ranges[t] = AttnRange{s, t + 1, 0, 0};
+  }
+}
+
+std::vector<AttnRange> attention_causal_varlen_ranges(const int32_t* doc_offsets, int64_t n_docs,
+                                                      int64_t T) {
+  std::vector<AttnRange> r(static_cast<size_t>(T));
+  attention_causal_varlen_ranges(r.data(), doc_offsets, n_docs, T);
+  return r;
+}
+
+namespace {
+
+void check_params(const char* op, const AttnRange* ranges, const AttnParams& p) {
+  DFLASH_CHECK(p.Tq >= 0 && p.Tk >= 0 && p.NH > 0 && p.NKV > 0 && p.D > 0 && p.NH % p.NKV == 0 &&
+                   p.Tk <= std::numeric_limits<int32_t>::max(),
+               "{}: bad sizes Tq={} Tk={} NH={} NKV={} D={} (NH must be a multiple of NKV)", op,
+               p.Tq, p.Tk, p.NH, p.NKV, p.D);
+  DFLASH_CHECK(std::isfinite(p.scale), "{}: scale must be finite, got {}", op, p.scale);
+  for (int64_t t = 0; t < p.Tq; ++t) {
+    const AttnRange& r = ranges[t];
+    const bool ok = 0 <= r.lo1 && r.lo1 <= r.hi1 && r.hi1 <= p.Tk && 0 <= r.lo2 &&
+                    r.lo2 <= r.hi2 && r.hi2 <= p.Tk;
+    const bool disjoint = r.lo1 == r.hi1 || r.lo2 == r.hi2 || r.hi1 <= r.lo2 || r.hi2 <= r.lo1;
+    DFLASH_CHECK(ok && disjoint,
+                 "{}: query row {} has invalid key ranges [{}, {}) + [{}, {}) for Tk={} (need "
+                 "0 <= lo <= hi <= Tk and no overlap)",
+                 op, t, r.lo1, r.hi1, r.lo2, r.hi2, p.Tk);
+  }
+}
+
+template <typename S>
+S dot(const S* a, const S* b, int64_t n) {
+  S s = 0;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Calls fn(j) for every visible key of `r` that lies in [j0, j1), in ascending order.
+template <typename Fn>
+void for_visible(const AttnRange& r, int64_t j0, int64_t j1, Fn&& fn) {
+  int64_t a0 = r.lo1, a1 = r.hi1, b0 = r.lo2, b1 = r.hi2;
+  if (b0 < a0) {  // visit the lower range first (the ranges are disjoint)
+    std::swap(a0, b0);
+    std::swap(a1, b1);
+  }
+  for (int64_t j = std::max(a0, j0); j < std::min(a1, j1); ++j) fn(j);
+  for (int64_t j = std::max(b0, j0); j < std::min(b1, j1); ++j) fn(j);
+}
+
+template <typename S>
+void fwd_impl(S* o, S* lse, const S* q, const S* k, const S* v, const AttnRange* ranges,
+              const AttnParams& p) {
+  check_params("attention_fwd", ranges, p);
+  const int64_t NH = p.NH, NKV = p.NKV, D = p.D, rep = NH / NKV;
+  const S scale = static_cast<S>(p.scale);
+  parallel_for(
+      p.Tq * NH,
+      [&](int64_t r0, int64_t r1) {
+        std::vector<S> s(static_cast<size_t>(p.Tk));
+        for (int64_t row = r0; row < r1; ++row) {
+          const int64_t t = row / NH, h = row % NH, g = h / rep;
+          const S* qr = q + row * D;
+          S* orow = o + row * D;
+          const AttnRange& rg = ranges[t];
+          // Pass 1: scores and their maximum.
+          S m = -std::numeric_limits<S>::infinity();
+          int64_t n = 0;
+          for_visible(rg, 0, p.Tk, [&](int64_t j) {
+            const S sj = scale * dot(qr, k + (j * NKV + g) * D, D);
+            s[static_cast<size_t>(n++)] = sj;
+            m = std::max(m, sj);
+          });
+          std::fill(orow, orow + D, S(0));
+          if (n == 0) {
+            if (lse) lse[h * p.Tq + t] = -std::numeric_limits<S>::infinity();
+            continue;
+          }
+          // Pass 2: unnormalised weights, their sum and the weighted sum of values.
+          S sum = 0;
+          n = 0;
+          for_visible(rg, 0, p.Tk, [&](int64_t j) {
+            const S e = std::exp(s[static_cast<size_t>(n++)] - m);
+            sum += e;
+            const S* vj = v + (j * NKV + g) * D;
+            for (int64_t d = 0; d < D; ++d) orow[d] += e * vj[d];
+          });
+          const S inv = S(1) / sum;
+          for (int64_t d = 0; d < D; ++d) orow[d] *= inv;
+          if (lse) lse[h * p.Tq + t] = m + std::log(sum);
+        }
+      },
+      4);
+}
+
+template <typename S>
+void bwd_impl(S* dq, S* dk, S* dv, const S* dout, const S* q, const S* k, const S* v, const S* o,
+              const S* lse, const AttnRange* ranges, const AttnParams& p) {
+  check_params("attention_bwd", ranges, p);
+  DFLASH_CHECK(dout && q && k && v && o && lse, "attention_bwd: an input pointer is null");
+  const int64_t Tq = p.Tq, Tk = p.Tk, NH = p.NH, NKV = p.NKV, D = p.D, rep = NH / NKV;
+  const S scale = static_cast<S>(p.scale);
+  // Δ[row] = dO·o per (query row, head), row = t*NH + h.
+  std::vector<S> delta(static_cast<size_t>(Tq * NH));
+  parallel_for(
+      Tq * NH,
+      [&](int64_t r0, int64_t r1) {
+        for (int64_t row = r0; row < r1; ++row)
+          delta[static_cast<size_t>(row)] = dot(dout + row * D, o + row * D, D);
+      },
+      64);
+
+  // dq: one row at a time, keys ascending.
+  if (dq) {
+    parallel_for(
+        Tq * NH,
+        [&](int64_t r0, int64_t r1) {
+          for (int64_t row = r0; row < r1; ++row) {
+            const int64_t t = row / NH, h = row % NH, g = h / rep;
+            const S* qr = q + row * D;
+            const S* dor = dout + row * D;
+            const S l = lse[h * Tq + t], dl = delta[static_cast<size_t>(row)];
+            S* dqr = dq + row * D;
+            std::fill(dqr, dqr + D, S(0));
+            for_visible(ranges[t], 0, Tk, [&](int64_t j) {
+              const S* kj = k + (j * NKV + g) * D;
+              const S pj = std::exp(scale * dot(qr, kj, D) - l);
+              const S ds = pj * (dot(dor, v + (j * NKV + g) * D, D) - dl);
+              for (int64_t d = 0; d < D; ++d) dqr[d] += scale * ds * kj[d];
+            });
+          }
+        },
+        4);
+  }
+
+  // dk, dv: workers own blocks of keys; each scans all query rows in order.
+  if (!dk && !dv) return;
+  constexpr int64_t kKeyBlock = 16;
+  const int64_t n_blocks = (Tk + kKeyBlock - 1) / kKeyBlock;
+  parallel_for(n_blocks, [&](int64_t b0, int64_t b1) {
+    const int64_t j0 = b0 * kKeyBlock, j1 = std::min(Tk, b1 * kKeyBlock);
+    if (dk) std::fill(dk + j0 * NKV * D, dk + j1 * NKV * D, S(0));
+    if (dv) std::fill(dv + j0 * NKV * D, dv + j1 * NKV * D, S(0));
+    for (int64_t g = 0; g < NKV; ++g)
+      for (int64_t h = g * rep; h < (g + 1) * rep; ++h)
+        for (int64_t t = 0; t < Tq; ++t) {
+          const int64_t row = t * NH + h;
+          const S* qr = q + row * D;
+          const S* dor = dout + row * D;
+          const S l = lse[h * Tq + t], dl = delta[static_cast<size_t>(row)];
+          for_visible(ranges[t], j0, j1, [&](int64_t j) {
+            const S* kj = k + (j * NKV + g) * D;
+            const S* vj = v + (j * NKV + g) * D;
+            const S pj = std::exp(scale * dot(qr, kj, D) - l);
+            if (dv) {
+              S* dvj = dv + (j * NKV + g) * D;
+              for (int64_t d = 0; d < D; ++d) dvj[d] += pj * dor[d];
+            }
+            if (dk) {
+              const S ds = pj * (dot(dor, vj, D) - dl);
+              S* dkj = dk + (j * NKV + g) * D;
+              for (int64_t d = 0; d < D; ++d) dkj[d] += scale * ds * qr[d];
+            }
+          });
+        }
+  });
+}
+
+}  // namespace
+
+void attention_fwd_cpu(float* o, float* lse, const float* q, const float* k, const float* v,
+                       const AttnRange* ranges, const AttnParams& p) {
+  fwd_impl(o, lse, q, k, v, ranges, p);
+}
+void attention_fwd_cpu(double* o, double* lse, const double* q, const double* k, const double* v,
+                       const AttnRange* ranges, const AttnParams& p) {
+  fwd_impl(o, lse, q, k, v, ranges, p);
+}
+void attention_bwd_cpu(float* dq, float* dk, float* dv, const float* dout, const float* q,
+                       const float* k, const float* v, const float* o, const float* lse,
+                       const AttnRange* ranges, const AttnParams& p) {
+  bwd_impl(dq, dk, dv, dout, q, k, v, o, lse, ranges, p);
+}
+void attention_bwd_cpu(double* dq, double* dk, double* dv, const double* dout, const double* q,
+                       const double* k, const double* v, const double* o, const double* lse,
+                       const AttnRange* ranges, const AttnParams& p) {
+  bwd_impl(dq, dk, dv, dout, q, k, v, o, lse, ranges, p);
+}
+
+}  // namespace dflash

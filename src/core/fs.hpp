@@ -1,0 +1,22 @@
+// dflash.cpp — file-system helpers: atomic file writes, fsync of folders, whole-file reads.
+//
+// Invariant: a file written with write_file_atomic is either the old version or the complete new
+// one, never a torn mix (temporary file in the same folder, fsync, rename, fsync of the folder).
+#pragma once
+
+#include <filesystem>
+#include <string>
+#include <string_view>
+
+namespace dflash {
+
+/// Replaces `path` atomically with `bytes`. Throws dflash::Error naming the path on any failure.
+void write_file_atomic(const std::filesystem::path& path, std::string_view bytes);
+
+/// fsyncs a file or folder (so that a rename or new entry is durable). Throws on failure.
+void fsync_path(const std::filesystem::path& path);
+
+/// Reads a whole file; throws dflash::Error naming the path when it cannot be read.
+std::string read_file_text(const std::filesystem::path& path);
+
+}  // namespace dflash

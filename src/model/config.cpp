@@ -1,0 +1,401 @@
+#include "model/config.hpp"
+
+#include <cmath>
+#include <limits>
+
+#include "core/error.hpp"
+#include "core/log.hpp"
+#include "model/json_util.hpp"
+
+namespace dflash {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+std::string_view arch_name(Arch a) {
+  switch (a) {
+    case Arch::qwen3: return "qwen3";
+    case Arch::qwen2: return "qwen2";
+    case Arch::llama: return "llama";
+  }
+  return "?";
+}
+
+std::string_view rope_type_name(RopeType t) {
+  switch (t) {
+    case RopeType::default_: return "default";
+    case RopeType::linear: return "linear";
+    case RopeType::llama3: return "llama3";
+    case RopeType::yarn: return "yarn";
+  }
+  return "?";
+}
+
+int ModelConfig::num_sliding_layers() const {
+  int n = 0;
+  for (LayerType t : layer_types) n += t == LayerType::sliding_attention;
+  return n;
+}
+
+namespace {
+
+/// Typed access to one JSON object with errors "<source>: key '<prefix><key>' ...".
+struct Reader {
+  const json& j;
+  const std::string& source;
+  std::string prefix;  // "rope_scaling." for nested objects
+
+  const json* find(const std::string& key) const {
+    auto it = j.find(key);
+    if (it == j.end() || it->is_null()) return nullptr;
+    return &*it;
+  }
+  bool has(const std::string& key) const { return find(key) != nullptr; }
+  std::string name(const std::string& key) const { return prefix + key; }
+
+  [[noreturn]] void missing(const std::string& key) const {
+    fail("{}: missing required key '{}'", source, name(key));
+  }
+  int64_t integer(const std::string& key, const json& v) const {
+    // Accept 4096 and 4096.0 (some exporters write floats), nothing fractional.
+    if (v.is_number_integer()) return v.get<int64_t>();
+    if (v.is_number_float()) {
+      double d = v.get<double>();
+      DFLASH_CHECK(std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9.0e15,
+                   "{}: key '{}' must be an integer, got {}", source, name(key), v.dump());
+      return static_cast<int64_t>(d);
+    }
+    fail("{}: key '{}' must be an integer, got a JSON {} ({})", source, name(key), json_type(v),
+         v.dump());
+  }
+  int64_t req_int(const std::string& key, int64_t min_value = 1) const {
+    const json* v = find(key);
+    if (!v) missing(key);
+    int64_t x = integer(key, *v);
+    DFLASH_CHECK(x >= min_value, "{}: key '{}' must be >= {}, got {}", source, name(key),
+                 min_value, x);
+    return x;
+  }
+  int64_t opt_int(const std::string& key, int64_t dflt, int64_t min_value = 1) const {
+    return has(key) ? req_int(key, min_value) : dflt;
+  }
+  double number(const std::string& key, const json& v) const {
+    DFLASH_CHECK(v.is_number(), "{}: key '{}' must be a number, got a JSON {} ({})", source,
+                 name(key), json_type(v), v.dump());
+    double d = v.get<double>();
+    DFLASH_CHECK(std::isfinite(d), "{}: key '{}' must be finite, got {}", source, name(key), d);
+    return d;
+  }
+  double req_num(const std::string& key) const {
+    const json* v = find(key);
+    if (!v) missing(key);
+    return number(key, *v);
+  }
+  double req_pos(const std::string& key) const {
+    double d = req_num(key);
+    DFLASH_CHECK(d > 0, "{}: key '{}' must be > 0, got {}", source, name(key), d);
+    return d;
+  }
+  double opt_num(const std::string& key, double dflt) const {
+    return has(key) ? req_num(key) : dflt;
+  }
+  bool opt_bool(const std::string& key, bool dflt) const {
+    const json* v = find(key);
+    if (!v) return dflt;
+    DFLASH_CHECK(v->is_boolean(), "{}: key '{}' must be true or false, got {}", source, name(key),
+                 v->dump());
+    return v->get<bool>();
+  }
+  std::string opt_str(const std::string& key, const std::string& dflt) const {
+    const json* v = find(key);
+    if (!v) return dflt;
+    DFLASH_CHECK(v->is_string(), "{}: key '{}' must be a string, got {}", source, name(key),
+                 v->dump());
+    return v->get<std::string>();
+  }
+};
+
+void parse_rope(const json& j, const std::string& source, ModelConfig& c) {
+  Reader top{j, source, ""};
+  const json* params = top.find("rope_parameters");
+  const json* scaling = top.find("rope_scaling");
+  const json* rp = nullptr;
+  std::string key;
+  if (params) {
+    DFLASH_CHECK(params->is_object(), "{}: key 'rope_parameters' must be an object, got {}", source,
+                 params->dump());
+    bool per_layer = !params->contains("rope_type") && !params->contains("type") &&
+                     !params->empty() && params->begin()->is_object();
+    DFLASH_CHECK(!per_layer,
+                 "{}: per-layer-type 'rope_parameters' (keys {}) are not supported; dflash reads "
+                 "one RoPE setting for all layers",
+                 source, params->dump());
+    rp = params;
+    key = "rope_parameters";
+  }
+  auto type_of = [&](const json& o, const std::string& k) -> std::string {
+    Reader r{o, source, k + "."};
+    if (r.has("rope_type")) return r.opt_str("rope_type", "default");
+    return r.opt_str("type", "default");
+  };
+  if (scaling) {
+    DFLASH_CHECK(scaling->is_object(), "{}: key 'rope_scaling' must be an object or null, got {}",
+                 source, scaling->dump());
+    if (rp) {
+      DFLASH_CHECK(type_of(*scaling, "rope_scaling") == type_of(*rp, key),
+                   "{}: 'rope_scaling' (type '{}') and 'rope_parameters' (type '{}') disagree",
+                   source, type_of(*scaling, "rope_scaling"), type_of(*rp, key));
+    } else {
+      rp = scaling;
+      key = "rope_scaling";
+    }
+  }
+
+  RopeConfig& r = c.rope;
+  static const json kEmpty = json::object();
+  Reader p{rp ? *rp : kEmpty, source, rp ? key + "." : ""};
+  if (p.has("rope_theta")) {
+    r.theta = p.req_num("rope_theta");
+  } else if (top.has("rope_theta")) {
+    r.theta = top.req_num("rope_theta");
+  } else {
+    r.theta = 10000.0;  // HF's class default for llama, mistral, qwen2 and qwen3
+    spdlog::warn("{}: no rope_theta; using HF's default 10000", source);
+  }
+  DFLASH_CHECK(r.theta > 1.0, "{}: rope_theta must be > 1, got {}", source, r.theta);
+  r.partial_rotary_factor = p.has("partial_rotary_factor") ? p.req_pos("partial_rotary_factor")
+                                                           : top.opt_num("partial_rotary_factor", 1.0);
+  DFLASH_CHECK(r.partial_rotary_factor > 0 && r.partial_rotary_factor <= 1.0,
+               "{}: partial_rotary_factor must be in (0, 1], got {}", source,
+               r.partial_rotary_factor);
+
+  const std::string type = rp ? type_of(*rp, key) : "default";
+  if (type == "default") {
+    r.type = RopeType::default_;
+  } else if (type == "linear") {
+    r.type = RopeType::linear;
+    r.factor = p.req_pos("factor");
+  } else if (type == "llama3") {
+    r.type = RopeType::llama3;
+    r.factor = p.req_pos("factor");
+    r.low_freq_factor = p.req_pos("low_freq_factor");
+    r.high_freq_factor = p.req_pos("high_freq_factor");
+    r.original_max_position_embeddings = p.req_int("original_max_position_embeddings");
+    DFLASH_CHECK(r.high_freq_factor > r.low_freq_factor,
+                 "{}: {}high_freq_factor ({}) must be larger than low_freq_factor ({})", source,
+                 p.prefix, r.high_freq_factor, r.low_freq_factor);
+  } else if (type == "yarn") {
+    r.type = RopeType::yarn;
+    r.original_max_position_embeddings =
+        p.opt_int("original_max_position_embeddings", c.max_position_embeddings);
+    if (p.has("factor")) {
+      r.factor = p.req_pos("factor");
+    } else {
+      // transformers 5: a missing factor is max_position_embeddings / original (DeepSeek-V3 style).
+      DFLASH_CHECK(p.has("original_max_position_embeddings"),
+                   "{}: missing required key '{}factor' (yarn needs factor or "
+                   "original_max_position_embeddings)",
+                   source, p.prefix);
+      r.factor = static_cast<double>(c.max_position_embeddings) /
+                 static_cast<double>(r.original_max_position_embeddings);
+    }
+    // Python `x.get(k) or default`: absent, null and 0 all give the default.
+    r.beta_fast = p.opt_num("beta_fast", 0.0);
+    if (r.beta_fast == 0.0) r.beta_fast = 32.0;
+    r.beta_slow = p.opt_num("beta_slow", 0.0);
+    if (r.beta_slow == 0.0) r.beta_slow = 1.0;
+    r.mscale = p.opt_num("mscale", 0.0);
+    r.mscale_all_dim = p.opt_num("mscale_all_dim", 0.0);
+    r.truncate = p.opt_bool("truncate", true);
+    auto get_mscale = [](double s, double m) { return s <= 1.0 ? 1.0 : 0.1 * m * std::log(s) + 1.0; };
+    if (p.has("attention_factor")) {
+      r.attention_factor = p.req_pos("attention_factor");
+    } else if (r.mscale != 0.0 && r.mscale_all_dim != 0.0) {
+      r.attention_factor = get_mscale(r.factor, r.mscale) / get_mscale(r.factor, r.mscale_all_dim);
+    } else {
+      r.attention_factor = get_mscale(r.factor, 1.0);
+    }
+  } else {
+    fail("{}: unsupported RoPE type '{}' in '{}' (supported: default, linear, llama3, yarn)", source,
+         type, key);
+  }
+}
+
+void parse_layer_types(const json& j, const std::string& source, ModelConfig& c) {
+  Reader r{j, source, ""};
+  const int64_t n = c.num_hidden_layers;
+  // The window, as HF sets config.sliding_window.
+  int64_t window = 0;
+  const bool mistral = c.model_type == "mistral";
+  if (mistral) {
+    // MistralConfig: sliding_window defaults to 4096 when the key is absent; null disables it.
+    if (!j.contains("sliding_window")) window = 4096;
+    else window = r.opt_int("sliding_window", 0);
+  } else if (c.arch == Arch::qwen2 || c.arch == Arch::qwen3) {
+    // Qwen2/Qwen3Config: sliding_window = sliding_window if use_sliding_window else None.
+    if (r.opt_bool("use_sliding_window", false)) window = r.opt_int("sliding_window", 0);
+  }
+
+  if (const json* lt = r.find("layer_types")) {
+    DFLASH_CHECK(lt->is_array(), "{}: key 'layer_types' must be a list, got {}", source,
+                 lt->dump());
+    DFLASH_CHECK(static_cast<int64_t>(lt->size()) == n,
+                 "{}: key 'layer_types' has {} entries but num_hidden_layers is {}", source,
+                 lt->size(), n);
+    for (size_t i = 0; i < lt->size(); ++i) {
+      const json& v = (*lt)[i];
+      std::string s = v.is_string() ? v.get<std::string>() : v.dump();
+      if (s == "full_attention") c.layer_types.push_back(LayerType::full_attention);
+      else if (s == "sliding_attention") c.layer_types.push_back(LayerType::sliding_attention);
+      else
+        fail("{}: layer_types[{}] is '{}' (supported: full_attention, sliding_attention)", source,
+             i, s);
+    }
+  } else {
+    int64_t first_sliding = n;  // no sliding layer
+    if (window > 0) {
+      if (mistral) first_sliding = 0;
+      else if (c.arch != Arch::llama) first_sliding = r.opt_int("max_window_layers", 28, 0);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      c.layer_types.push_back(i >= first_sliding ? LayerType::sliding_attention
+                                                 : LayerType::full_attention);
+    }
+  }
+  if (c.num_sliding_layers() > 0) {
+    DFLASH_CHECK(window > 0,
+                 "{}: layer_types has sliding_attention layers but the sliding window is "
+                 "disabled or unset (sliding_window / use_sliding_window)",
+                 source);
+    c.sliding_window = window;
+  } else {
+    c.sliding_window = 0;
+  }
+}
+
+}  // namespace
+
+ModelConfig model_config_from_json(const json& j, const std::string& source) {
+  DFLASH_CHECK(j.is_object(), "{}: expected a JSON object, got a JSON {}", source, json_type(j));
+  Reader r{j, source, ""};
+  ModelConfig c;
+  c.source = source;
+
+  if (!r.has("model_type")) r.missing("model_type");
+  c.model_type = r.opt_str("model_type", "");
+  if (c.model_type == "qwen3") c.arch = Arch::qwen3;
+  else if (c.model_type == "qwen2") c.arch = Arch::qwen2;
+  else if (c.model_type == "llama" || c.model_type == "mistral") c.arch = Arch::llama;
+  else
+    fail("{}: unsupported model_type '{}' (supported: qwen3, qwen2, llama, mistral)", source,
+         c.model_type);
+
+  if (const json* a = r.find("architectures")) {
+    DFLASH_CHECK(a->is_array(), "{}: key 'architectures' must be a list, got {}", source,
+                 a->dump());
+    for (const json& s : *a) {
+      DFLASH_CHECK(s.is_string(), "{}: key 'architectures' must list strings, got {}", source,
+                   a->dump());
+      c.architectures.push_back(s.get<std::string>());
+    }
+  }
+
+  c.hidden_size = r.req_int("hidden_size");
+  c.intermediate_size = r.req_int("intermediate_size");
+  c.num_attention_heads = r.req_int("num_attention_heads");
+  c.num_hidden_layers = r.req_int("num_hidden_layers");
+  c.vocab_size = r.req_int("vocab_size");
+  c.max_position_embeddings = r.req_int("max_position_embeddings");
+  c.rms_norm_eps = r.req_num("rms_norm_eps");
+  DFLASH_CHECK(c.rms_norm_eps > 0 && c.rms_norm_eps < 1, "{}: key 'rms_norm_eps' must be in (0, 1), got {}",
+               source, c.rms_norm_eps);
+  c.num_key_value_heads = r.opt_int("num_key_value_heads", c.num_attention_heads);
+  DFLASH_CHECK(c.num_attention_heads % c.num_key_value_heads == 0,
+               "{}: num_attention_heads ({}) is not a multiple of num_key_value_heads ({})", source,
+               c.num_attention_heads, c.num_key_value_heads);
+  if (r.has("head_dim")) {
+    c.head_dim = r.req_int("head_dim");
+  } else {
+    DFLASH_CHECK(c.arch != Arch::qwen3,
+                 "{}: missing required key 'head_dim' (qwen3's HF default is 128, not "
+                 "hidden_size / num_attention_heads; write it explicitly)",
+                 source);
+    DFLASH_CHECK(c.hidden_size % c.num_attention_heads == 0,
+                 "{}: no 'head_dim' and hidden_size ({}) is not a multiple of num_attention_heads "
+                 "({})",
+                 source, c.hidden_size, c.num_attention_heads);
+    c.head_dim = c.hidden_size / c.num_attention_heads;
+  }
+  DFLASH_CHECK(c.head_dim % 2 == 0, "{}: head_dim must be even for RoPE, got {}", source,
+               c.head_dim);
+
+  c.tie_word_embeddings = r.opt_bool("tie_word_embeddings", false);
+  c.qk_norm = c.arch == Arch::qwen3;
+  if (c.arch == Arch::qwen2) {
+    c.attention_bias = true;  // Qwen2Attention: q/k/v with bias, o_proj without
+    c.o_proj_bias = false;
+  } else if (c.model_type == "mistral") {
+    c.attention_bias = c.o_proj_bias = false;  // MistralAttention has no biases
+  } else {
+    c.attention_bias = c.o_proj_bias = r.opt_bool("attention_bias", false);
+  }
+  c.mlp_bias = c.model_type == "llama" && r.opt_bool("mlp_bias", false);
+
+  if (const json* e = r.find("eos_token_id")) {
+    auto add = [&](const json& v) {
+      DFLASH_CHECK(v.is_number_integer() && v.get<int64_t>() >= 0,
+                   "{}: key 'eos_token_id' must be a token id or a list of them, got {}", source,
+                   e->dump());
+      c.eos_token_ids.push_back(v.get<int64_t>());
+    };
+    if (e->is_array()) {
+      for (const json& v : *e) add(v);
+    } else {
+      add(*e);
+    }
+  }
+  if (r.has("dtype")) c.dtype = r.opt_str("dtype", "");
+  else c.dtype = r.opt_str("torch_dtype", "");
+
+  parse_rope(j, source, c);
+  parse_layer_types(j, source, c);
+  return c;
+}
+
+ModelConfig model_config_load(const fs::path& path) {
+  std::error_code ec;
+  fs::path file = fs::is_directory(path, ec) ? path / "config.json" : path;
+  return model_config_from_json(json_load_file(file), file.string());
+}
+
+std::vector<int> default_target_layer_ids(int num_target_layers, int num_draft_layers) {
+  const int N = num_target_layers, n = num_draft_layers;
+  DFLASH_CHECK(N >= 1, "default_target_layer_ids: the target needs at least 1 layer, got {}", N);
+  DFLASH_CHECK(n >= 1, "default_target_layer_ids: the drafter needs at least 1 layer, got {}", n);
+  std::vector<int> ids;
+  if (n == 1) {
+    ids.push_back(N / 2);
+  } else {
+    // value = 1 + i*(N-4)/(n-1) = num/den exactly; round half to even in integers.
+    const int64_t den = n - 1;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t num = den + i * (N - 4);
+      int64_t q = num / den, rem = num % den;
+      if (rem < 0) {  // floor division
+        rem += den;
+        q -= 1;
+      }
+      if (2 * rem > den || (2 * rem == den && (q % 2 != 0))) q += 1;
+      ids.push_back(static_cast<int>(q));
+    }
+  }
+  for (int id : ids) {
+    DFLASH_CHECK(id >= 0 && id < N,
+                 "default_target_layer_ids: layer {} is outside a target of {} layers (a drafter "
+                 "of {} layers needs a deeper target)",
+                 id, N, n);
+  }
+  return ids;
+}
+
+}  // namespace dflash

@@ -1,0 +1,116 @@
+// dflash.cpp — a HF `config.json` as a typed ModelConfig (qwen3, qwen2, llama, mistral).
+//
+// Invariants of a returned ModelConfig: every size is positive; num_attention_heads is a multiple of
+// num_key_value_heads; head_dim is even; layer_types has num_hidden_layers entries and a
+// sliding-attention layer implies sliding_window > 0; rope fields are resolved to the values HF
+// transformers would use (`modeling_rope_utils.py`, transformers 5: `rope_parameters`, or the
+// classic `rope_theta` + `rope_scaling` keys). Keys HF gives a class default are optional here with
+// that same default (e.g. num_key_value_heads = num_attention_heads); the keys listed as required
+// have no sound default and their absence is an error naming the file and the key.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dflash {
+
+/// Decoder family. `llama` also covers `model_type: "mistral"` (same weights and blocks; Mistral
+/// adds a sliding window).
+enum class Arch { qwen3, qwen2, llama };
+/// "qwen3", "qwen2", "llama".
+std::string_view arch_name(Arch a);
+
+/// RoPE frequency scaling variants supported (HF `rope_type`).
+enum class RopeType { default_, linear, llama3, yarn };
+/// "default", "linear", "llama3", "yarn".
+std::string_view rope_type_name(RopeType t);
+
+/// RoPE settings as HF resolves them (transformers `modeling_rope_utils.py`):
+/// - default: inv_freq[i] = theta^(-2i/d), d = head_dim * partial_rotary_factor.
+/// - linear: inv_freq / factor.
+/// - llama3: wavelengths above original_max_position_embeddings / low_freq_factor are divided by
+///   factor, below original_max_position_embeddings / high_freq_factor kept, in between smoothly
+///   interpolated.
+/// - yarn: per-dimension blend of interpolated (/factor) and extrapolated frequencies with a linear
+///   ramp between the correction dims of beta_fast and beta_slow rotations over
+///   original_max_position_embeddings (floor/ceil when `truncate`), cos/sin scaled by
+///   attention_factor.
+struct RopeConfig {
+  RopeType type = RopeType::default_;
+  double theta = 10000.0;               ///< `rope_theta` (base)
+  double partial_rotary_factor = 1.0;   ///< fraction of head_dim that is rotated
+  double factor = 1.0;                  ///< linear/llama3/yarn scaling factor (1 for default)
+  double low_freq_factor = 0.0;         ///< llama3 only
+  double high_freq_factor = 0.0;        ///< llama3 only
+  /// llama3: required key; yarn: the key, or max_position_embeddings when absent; else 0.
+  int64_t original_max_position_embeddings = 0;
+  double beta_fast = 32.0;              ///< yarn (HF default 32)
+  double beta_slow = 1.0;               ///< yarn (HF default 1)
+  double mscale = 0.0;                  ///< yarn, 0 when absent
+  double mscale_all_dim = 0.0;          ///< yarn, 0 when absent
+  bool truncate = true;                 ///< yarn (HF default true)
+  /// Scale applied to cos/sin. 1 except for yarn, where it is the key `attention_factor` if given,
+  /// else get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) when both are set, else
+  /// get_mscale(factor) with get_mscale(s, m) = 1 if s <= 1 else 0.1 * m * ln(s) + 1.
+  double attention_factor = 1.0;
+};
+
+/// Attention kind of one layer (HF `layer_types`).
+enum class LayerType { full_attention, sliding_attention };
+
+/// The architecture-relevant content of a HF config.json.
+struct ModelConfig {
+  Arch arch = Arch::qwen3;
+  std::string model_type;      ///< as written ("qwen3", "qwen2", "llama", "mistral")
+  std::vector<std::string> architectures;  ///< `architectures` (may be empty)
+  std::string source;          ///< the file it came from, for messages
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;  ///< default num_attention_heads
+  int64_t head_dim = 0;             ///< `head_dim`, else hidden_size / num_attention_heads
+  int64_t num_hidden_layers = 0;
+  int64_t vocab_size = 0;
+  int64_t max_position_embeddings = 0;
+  double rms_norm_eps = 0.0;
+  bool tie_word_embeddings = false;  ///< HF default false
+  bool attention_bias = false;  ///< q/k/v projections have biases (always true for qwen2)
+  bool o_proj_bias = false;     ///< o_proj has a bias (attention_bias for llama/qwen3, never qwen2)
+  bool mlp_bias = false;        ///< gate/up/down biases (llama `mlp_bias`)
+  bool qk_norm = false;         ///< per-head RMSNorm on q and k (qwen3)
+  std::vector<int64_t> eos_token_ids;  ///< `eos_token_id` (int or list; empty when absent/null)
+  /// Window of sliding-attention layers in tokens; 0 when no layer slides.
+  int64_t sliding_window = 0;
+  std::vector<LayerType> layer_types;  ///< one per layer
+  RopeConfig rope;
+  std::string dtype;  ///< `dtype` / `torch_dtype` as written ("bfloat16"), may be empty
+
+  /// Number of layers of type sliding_attention.
+  int num_sliding_layers() const;
+};
+
+/// Parses a config.json object. `source` names the file in error messages. Required keys:
+/// `model_type`, `hidden_size`, `intermediate_size`, `num_attention_heads`, `num_hidden_layers`,
+/// `vocab_size`, `rms_norm_eps`, `max_position_embeddings` (and `head_dim` for qwen3, whose HF
+/// default of 128 is not derived from the other sizes). Throws dflash::Error "<source>: ..." naming
+/// the key for a missing/ill-typed/out-of-range key, and listing the supported model types for an
+/// unknown `model_type`.
+ModelConfig model_config_from_json(const nlohmann::json& j, const std::string& source);
+
+/// Loads `path`: a config.json file, or a folder holding one. Errors as model_config_from_json.
+ModelConfig model_config_load(const std::filesystem::path& path);
+
+/// Default DFlash target layers (0-based decoder layer indices whose outputs are tapped) for a
+/// drafter of `num_draft_layers` over a target of `num_target_layers` (DESIGN.md §1, the DFlash
+/// reference): n == 1 -> [N / 2]; else round(1 + i * (N - 4) / (n - 1)) for i in 0..n-1, with
+/// Python's round (ties to even), computed exactly in integers. Qwen3-8B, N = 36, n = 5 ->
+/// [1, 9, 17, 25, 33]. Ids may repeat for small N (N = 6, n = 5 -> [1, 2, 2, 2, 3]), as in the
+/// reference. Throws dflash::Error when n < 1, N < 1, or an id falls outside [0, N).
+std::vector<int> default_target_layer_ids(int num_target_layers, int num_draft_layers);
+
+}  // namespace dflash

@@ -1,0 +1,533 @@
+#include "model/drafter.hpp"
+
+#include <cmath>
+#include <cstring>
+
+#include "core/error.hpp"
+#include "ops/attention.hpp"
+#include "ops/cross_entropy.hpp"
+#include "ops/embedding.hpp"
+#include "ops/linear.hpp"
+#include "ops/residual.hpp"
+#include "ops/rmsnorm.hpp"
+#include "ops/swiglu.hpp"
+
+namespace dflash {
+
+// ------------------------------------------------------------------------------------------ config
+
+void DrafterConfig::validate() const {
+  DFLASH_CHECK(hidden_size > 0, "drafter hidden_size must be > 0 (got {})", hidden_size);
+  DFLASH_CHECK(intermediate_size > 0, "drafter intermediate_size must be > 0 (got {})",
+               intermediate_size);
+  DFLASH_CHECK(num_layers > 0, "drafter num_hidden_layers must be > 0 (got {})", num_layers);
+  DFLASH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+               "drafter num_attention_heads ({}) must be a positive multiple of "
+               "num_key_value_heads ({})", num_heads, num_kv_heads);
+  DFLASH_CHECK(head_dim > 0 && head_dim % 2 == 0, "drafter head_dim must be even and > 0 (got {})",
+               head_dim);
+  DFLASH_CHECK(vocab_size > 0, "drafter vocab_size must be > 0 (got {})", vocab_size);
+  DFLASH_CHECK(block_size >= 2, "block_size must be >= 2 (got {})", block_size);
+  DFLASH_CHECK(num_target_layers > 0, "num_target_layers must be > 0 (got {})", num_target_layers);
+  DFLASH_CHECK(!target_layer_ids.empty(), "target_layer_ids must not be empty");
+  for (int id : target_layer_ids) {
+    DFLASH_CHECK(id >= 0 && id < num_target_layers,
+                 "target_layer_ids: layer {} is outside the target's layers [0, {})", id,
+                 num_target_layers);
+  }
+  DFLASH_CHECK(mask_token_id >= 0 && mask_token_id < vocab_size,
+               "mask_token_id {} is outside the target's embedding rows [0, {})", mask_token_id,
+               vocab_size);
+}
+
+DrafterLayout::DrafterLayout(const DrafterConfig& c) {
+  const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
+  const int64_t QD = c.num_heads * D, KD = c.num_kv_heads * D;
+  auto add = [&](std::string name, std::vector<int64_t> shape, bool norm) {
+    ParamInfo p;
+    p.name = std::move(name);
+    p.numel = 1;
+    for (int64_t d : shape) p.numel *= d;
+    p.shape = std::move(shape);
+    p.offset = total;
+    p.is_norm = norm;
+    total += p.numel;
+    params.push_back(std::move(p));
+  };
+  add("fc.weight", {H, c.n_taps() * H}, false);
+  add("hidden_norm.weight", {H}, true);
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    add(p + "input_layernorm.weight", {H}, true);
+    add(p + "self_attn.q_proj.weight", {QD, H}, false);
+    add(p + "self_attn.k_proj.weight", {KD, H}, false);
+    add(p + "self_attn.v_proj.weight", {KD, H}, false);
+    add(p + "self_attn.o_proj.weight", {H, QD}, false);
+    add(p + "self_attn.q_norm.weight", {D}, true);
+    add(p + "self_attn.k_norm.weight", {D}, true);
+    add(p + "post_attention_layernorm.weight", {H}, true);
+    add(p + "mlp.gate_proj.weight", {I, H}, false);
+    add(p + "mlp.up_proj.weight", {I, H}, false);
+    add(p + "mlp.down_proj.weight", {H, I}, false);
+  }
+  add("norm.weight", {H}, true);
+}
+
+const ParamInfo& DrafterLayout::find(const std::string& name) const {
+  for (const auto& p : params) {
+    if (p.name == name) return p;
+  }
+  fail("drafter has no parameter named '{}'", name);
+}
+
+void drafter_init(std::span<float> params, const DrafterLayout& layout, uint64_t seed) {
+  DFLASH_CHECK(static_cast<int64_t>(params.size()) == layout.total,
+               "drafter_init: {} values for a layout of {}", params.size(), layout.total);
+  Rng rng(seed);
+  for (const auto& p : layout.params) {
+    float* w = params.data() + p.offset;
+    for (int64_t i = 0; i < p.numel; ++i) {
+      w[i] = p.is_norm ? 1.0f : static_cast<float>(0.02 * rng.normal());
+    }
+  }
+}
+
+void DrafterCache::truncate(int64_t new_len) {
+  DFLASH_CHECK(new_len >= 0 && new_len <= len,
+               "drafter cache rollback to {} outside [0, {}]", new_len, len);
+  for (auto& x : k) x.resize(static_cast<size_t>(new_len) * (x.size() / std::max<int64_t>(len, 1)));
+  for (auto& x : v) x.resize(static_cast<size_t>(new_len) * (x.size() / std::max<int64_t>(len, 1)));
+  len = new_len;
+}
+
+// --------------------------------------------------------------------------------------- workspace
+
+
+namespace {
+
+template <typename S>
+void fit(std::vector<S>& v, int64_t n) {
+  v.resize(static_cast<size_t>(n));
+}
+
+// Pointers into the flat parameter (or gradient) array for one layer.
+template <typename S>
+struct LayerParams {
+  S *in_norm, *wq, *wk, *wv, *wo, *q_norm, *k_norm, *post_norm, *wg, *wu, *wd;
+};
+
+template <typename S>
+LayerParams<S> layer_params(S* base, const DrafterLayout& L, int64_t l) {
+  // Layout: 2 leading params, 11 per layer.
+  const auto& p = L.params;
+  const size_t b = 2 + static_cast<size_t>(l) * 11;
+  auto at = [&](size_t i) { return base + p[b + i].offset; };
+  return {at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7), at(8), at(9), at(10)};
+}
+
+template <typename S>
+struct Dims {
+  int64_t H, I, NH, NKV, D, QD, KD, F, K, V;
+  explicit Dims(const DrafterConfig& c)
+      : H(c.hidden_size),
+        I(c.intermediate_size),
+        NH(c.num_heads),
+        NKV(c.num_kv_heads),
+        D(c.head_dim),
+        QD(c.num_heads * c.head_dim),
+        KD(c.num_kv_heads * c.head_dim),
+        F(c.n_taps() * c.hidden_size),
+        K(c.block_size),
+        V(c.vocab_size) {}
+};
+
+template <typename S>
+void rope_table(std::vector<S>& out, const DrafterConfig& c) {
+  if (!out.empty()) return;
+  std::vector<double> f = rope_inv_freq(c.rope, c.head_dim);
+  out.assign(f.begin(), f.end());
+}
+
+// The forward of the block rows through all layers, given k/v rows of the context already in
+// ws.layers[l].k / .v rows [0, Tc) (the block's own k/v are appended at rows [Tc, Tc+NK)).
+// Saves activations for the backward when `save` is set. Leaves the final hidden state in ws.h.
+template <typename S>
+void block_forward(const DrafterConfig& cfg, const DrafterLayout& layout, const S* params,
+                   const S* embed, DrafterWorkspace<S>& ws, int64_t Tc, int64_t NK,
+                   const AttnRange* ranges) {
+  const Dims<S> d(cfg);
+  const S scaling = static_cast<S>(rope_attention_scaling(cfg.rope));
+  fit(ws.h, NK * d.H);
+  embedding_fwd_cpu(ws.h.data(), embed, ws.block_tokens.data(), NK, d.V, d.H);
+  AttnParams ap{NK, Tc + NK, d.NH, d.NKV, d.D, 1.0 / std::sqrt(static_cast<double>(d.D))};
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    auto P = layer_params(const_cast<S*>(params), layout, l);
+    LayerActs<S>& a = ws.layers[static_cast<size_t>(l)];
+    a.x_in = ws.h;
+    fit(a.hn, NK * d.H);
+    rmsnorm_fwd_cpu(a.hn.data(), nullptr, a.x_in.data(), P.in_norm, NK, d.H, cfg.rms_norm_eps);
+    // q: [NK, NH, D] -> per-head norm -> RoPE.
+    fit(a.q_raw, NK * d.QD);
+    linear_fwd_cpu(a.q_raw.data(), a.hn.data(), P.wq, nullptr, NK, d.H, d.QD);
+    fit(ws.dbuf, NK * d.QD);
+    rmsnorm_fwd_cpu(ws.dbuf.data(), nullptr, a.q_raw.data(), P.q_norm, NK * d.NH, d.D,
+                    cfg.rms_norm_eps);
+    fit(a.q, NK * d.QD);
+    rope_fwd_cpu(a.q.data(), ws.dbuf.data(), ws.pos_q.data(), ws.inv_freq.data(), scaling, NK,
+                 d.NH, d.D);
+    // Block k/v rows appended after the Tc context rows.
+    fit(a.k_raw, (Tc + NK) * d.KD);
+    fit(a.k, (Tc + NK) * d.KD);
+    fit(a.v, (Tc + NK) * d.KD);
+    S* kr = a.k_raw.data() + Tc * d.KD;
+    linear_fwd_cpu(kr, a.hn.data(), P.wk, nullptr, NK, d.H, d.KD);
+    fit(ws.dbuf, NK * d.KD);
+    rmsnorm_fwd_cpu(ws.dbuf.data(), nullptr, kr, P.k_norm, NK * d.NKV, d.D, cfg.rms_norm_eps);
+    rope_fwd_cpu(a.k.data() + Tc * d.KD, ws.dbuf.data(), ws.pos_kv.data() + Tc,
+                 ws.inv_freq.data(), scaling, NK, d.NKV, d.D);
+    linear_fwd_cpu(a.v.data() + Tc * d.KD, a.hn.data(), P.wv, nullptr, NK, d.H, d.KD);
+    // Attention.
+    fit(a.o, NK * d.QD);
+    fit(a.lse, d.NH * NK);
+    attention_fwd_cpu(a.o.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), ranges, ap);
+    fit(ws.dtmp, NK * d.H);
+    linear_fwd_cpu(ws.dtmp.data(), a.o.data(), P.wo, nullptr, NK, d.QD, d.H);
+    fit(a.h_mid, NK * d.H);
+    residual_fwd_cpu(a.h_mid.data(), a.x_in.data(), ws.dtmp.data(), NK * d.H);
+    // MLP.
+    fit(a.hn2, NK * d.H);
+    rmsnorm_fwd_cpu(a.hn2.data(), nullptr, a.h_mid.data(), P.post_norm, NK, d.H,
+                    cfg.rms_norm_eps);
+    fit(a.gate_up, NK * 2 * d.I);  // row t: [gate (I) | up (I)]
+    fit(ws.dbuf, NK * d.I);
+    linear_fwd_cpu(ws.dbuf.data(), a.hn2.data(), P.wg, nullptr, NK, d.H, d.I);
+    for (int64_t t = 0; t < NK; ++t) {
+      std::memcpy(a.gate_up.data() + t * 2 * d.I, ws.dbuf.data() + t * d.I, sizeof(S) * d.I);
+    }
+    linear_fwd_cpu(ws.dbuf.data(), a.hn2.data(), P.wu, nullptr, NK, d.H, d.I);
+    for (int64_t t = 0; t < NK; ++t) {
+      std::memcpy(a.gate_up.data() + t * 2 * d.I + d.I, ws.dbuf.data() + t * d.I,
+                  sizeof(S) * d.I);
+    }
+    fit(a.act, NK * d.I);
+    swiglu_fwd_cpu(a.act.data(), a.gate_up.data(), a.gate_up.data() + d.I, NK, d.I, 2 * d.I);
+    linear_fwd_cpu(ws.dtmp.data(), a.act.data(), P.wd, nullptr, NK, d.I, d.H);
+    residual_fwd_cpu(ws.h.data(), a.h_mid.data(), ws.dtmp.data(), NK * d.H);
+  }
+}
+
+// ctx rows and their per-layer k/v (rows [0, T); rows at or past `real` are zero).
+template <typename S>
+void context_forward(const DrafterConfig& cfg, const DrafterLayout& layout, const S* params,
+                     const S* features, int64_t T, int64_t real, DrafterWorkspace<S>& ws) {
+  const Dims<S> d(cfg);
+  const S scaling = static_cast<S>(rope_attention_scaling(cfg.rope));
+  fit(ws.ctx_pre, T * d.H);
+  fit(ws.ctx, T * d.H);
+  std::fill(ws.ctx_pre.begin(), ws.ctx_pre.end(), S(0));
+  std::fill(ws.ctx.begin(), ws.ctx.end(), S(0));
+  const S* fc = params + layout.params[0].offset;
+  const S* hidden_norm = params + layout.params[1].offset;
+  if (real > 0) {
+    linear_fwd_cpu(ws.ctx_pre.data(), features, fc, nullptr, real, d.F, d.H);
+    rmsnorm_fwd_cpu(ws.ctx.data(), nullptr, ws.ctx_pre.data(), hidden_norm, real, d.H,
+                    cfg.rms_norm_eps);
+  }
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    auto P = layer_params(const_cast<S*>(params), layout, l);
+    LayerActs<S>& a = ws.layers[static_cast<size_t>(l)];
+    fit(a.k_raw, T * d.KD);
+    fit(a.k, T * d.KD);
+    fit(a.v, T * d.KD);
+    linear_fwd_cpu(a.k_raw.data(), ws.ctx.data(), P.wk, nullptr, T, d.H, d.KD);
+    fit(ws.dbuf, T * d.KD);
+    rmsnorm_fwd_cpu(ws.dbuf.data(), nullptr, a.k_raw.data(), P.k_norm, T * d.NKV, d.D,
+                    cfg.rms_norm_eps);
+    rope_fwd_cpu(a.k.data(), ws.dbuf.data(), ws.pos_kv.data(), ws.inv_freq.data(), scaling, T,
+                 d.NKV, d.D);
+    linear_fwd_cpu(a.v.data(), ws.ctx.data(), P.wv, nullptr, T, d.H, d.KD);
+  }
+}
+
+// Sets up positions, block tokens and ranges of a training row.
+template <typename S>
+void plan_row(const DrafterConfig& cfg, const DrafterRow<S>& row, DrafterWorkspace<S>& ws) {
+  const int64_t T = row.T, K = cfg.block_size, N = static_cast<int64_t>(row.anchors.size());
+  check_doc_offsets(row.doc_offsets, T);
+  ws.pos_kv.assign(static_cast<size_t>(T + N * K), 0);
+  for (size_t dd = 0; dd + 1 < row.doc_offsets.size(); ++dd) {
+    for (int32_t p = row.doc_offsets[dd]; p < row.doc_offsets[dd + 1]; ++p) {
+      ws.pos_kv[p] = p - row.doc_offsets[dd];
+    }
+  }
+  ws.pos_q.resize(static_cast<size_t>(N * K));
+  ws.block_tokens.resize(static_cast<size_t>(N * K));
+  ws.ranges.resize(static_cast<size_t>(N * K));
+  for (int64_t b = 0; b < N; ++b) {
+    const Anchor& a = row.anchors[b];
+    DFLASH_CHECK(a.doc >= 0 && static_cast<size_t>(a.doc) + 1 < row.doc_offsets.size(),
+                 "anchor {} names document {} of {}", b, a.doc, row.doc_offsets.size() - 1);
+    const int32_t s = row.doc_offsets[a.doc], e = row.doc_offsets[a.doc + 1];
+    DFLASH_CHECK(a.pos >= s && a.pos < e,
+                 "anchor {} at position {} is outside its document [{}, {})", b, a.pos, s, e);
+    for (int64_t j = 0; j < K; ++j) {
+      const size_t i = static_cast<size_t>(b * K + j);
+      ws.pos_q[i] = static_cast<int32_t>(a.pos - s + j);
+      ws.pos_kv[static_cast<size_t>(T) + i] = ws.pos_q[i];
+      ws.block_tokens[i] = j == 0 ? row.tokens[a.pos] : cfg.mask_token_id;
+      ws.ranges[i] = AttnRange{s, a.pos, static_cast<int32_t>(T + b * K),
+                               static_cast<int32_t>(T + (b + 1) * K)};
+    }
+  }
+}
+
+template <typename S>
+void check_row(const DrafterConfig& cfg, const DrafterRow<S>& row) {
+  DFLASH_CHECK(row.features != nullptr && row.tokens != nullptr, "drafter row without inputs");
+  DFLASH_CHECK(row.T > 0, "drafter row with no tokens");
+  if (row.targets) {
+    DFLASH_CHECK(row.targets->K == cfg.block_size &&
+                     row.targets->num_blocks() == static_cast<int64_t>(row.anchors.size()),
+                 "targets for {} blocks of {} given {} anchors with block size {}",
+                 row.targets->num_blocks(), row.targets->K, row.anchors.size(), cfg.block_size);
+  }
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------ train step
+
+template <typename S>
+DrafterRowResult drafter_train_row(const DrafterConfig& cfg, const DrafterLayout& layout,
+                                   const S* params, S* grads, const DrafterTables<S>& tables,
+                                   const DrafterRow<S>& row, double grad_scale,
+                                   DrafterWorkspace<S>& ws) {
+  check_row(cfg, row);
+  DFLASH_CHECK(row.targets != nullptr, "drafter_train_row needs block targets");
+  const Dims<S> d(cfg);
+  const int64_t T = row.T, N = static_cast<int64_t>(row.anchors.size()), NK = N * d.K;
+  DrafterRowResult res;
+  res.argmax.assign(static_cast<size_t>(NK), -1);
+  if (N == 0) return res;
+  rope_table(ws.inv_freq, cfg);
+  ws.layers.resize(static_cast<size_t>(cfg.num_layers));
+  plan_row(cfg, row, ws);
+  const int64_t real = row.doc_offsets.back();
+  context_forward(cfg, layout, params, row.features, T, real, ws);
+  block_forward(cfg, layout, params, tables.embed, ws, T, NK, ws.ranges.data());
+
+  // Final norm + fused LM head cross-entropy.
+  const S* norm_w = params + layout.params.back().offset;
+  fit(ws.hf, NK * d.H);
+  rmsnorm_fwd_cpu(ws.hf.data(), nullptr, ws.h.data(), norm_w, NK, d.H, cfg.rms_norm_eps);
+  ws.labels.resize(static_cast<size_t>(NK));
+  fit(ws.weights, NK);
+  for (int64_t i = 0; i < NK; ++i) {
+    ws.labels[i] = std::max(row.targets->labels[i], 0);
+    ws.weights[i] = static_cast<S>(row.targets->weights[i]);
+  }
+  FusedCeParams cp;
+  cp.R = NK;
+  cp.H = d.H;
+  cp.V = d.V;
+  cp.grad_scale = grad_scale;
+  fit(ws.dh, NK * d.H);
+  fit(ws.lse_out, NK);
+  CrossEntropyStats st =
+      cross_entropy_fused_cpu(grads ? ws.dh.data() : nullptr, ws.lse_out.data(),
+                              res.argmax.data(), ws.hf.data(), tables.lm_head, ws.labels.data(),
+                              ws.weights.data(), cp);
+  res.loss_sum = st.loss_sum;
+  res.weight_sum = st.weight_sum;
+  if (!grads) return res;
+
+  // ---- backward
+  S* g_norm = grads + layout.params.back().offset;
+  fit(ws.dtmp, NK * d.H);
+  rmsnorm_bwd_cpu(ws.dtmp.data(), g_norm, ws.dh.data(), ws.h.data(), norm_w, NK, d.H,
+                  cfg.rms_norm_eps);
+  std::swap(ws.dh, ws.dtmp);  // dh = d(final hidden)
+  fit(ws.dctx, T * d.H);
+  std::fill(ws.dctx.begin(), ws.dctx.end(), S(0));
+  const S scaling = static_cast<S>(rope_attention_scaling(cfg.rope));
+  AttnParams ap{NK, T + NK, d.NH, d.NKV, d.D, 1.0 / std::sqrt(static_cast<double>(d.D))};
+  for (int64_t l = cfg.num_layers - 1; l >= 0; --l) {
+    auto P = layer_params(const_cast<S*>(params), layout, l);
+    auto G = layer_params(grads, layout, l);
+    LayerActs<S>& a = ws.layers[static_cast<size_t>(l)];
+    // MLP: h = h_mid + down(act).
+    fit(ws.d_act, NK * d.I);
+    linear_bwd_cpu(ws.d_act.data(), G.wd, nullptr, ws.dh.data(), a.act.data(), P.wd, NK, d.I,
+                   d.H);
+    fit(ws.d_gate_up, NK * 2 * d.I);
+    swiglu_bwd_cpu(ws.d_gate_up.data(), ws.d_gate_up.data() + d.I, ws.d_act.data(),
+                   a.gate_up.data(), a.gate_up.data() + d.I, NK, d.I, 2 * d.I);
+    // Split [gate | up] gradients into contiguous buffers for the two linears.
+    fit(ws.dbuf, NK * d.I);
+    fit(ws.dhn2, NK * d.H);
+    fit(ws.dhn, NK * d.H);
+    fit(ws.dq_n, NK * d.I);  // contiguous gate-input copy for the linear backward
+    for (int64_t t = 0; t < NK; ++t) {
+      std::memcpy(ws.dbuf.data() + t * d.I, ws.d_gate_up.data() + t * 2 * d.I, sizeof(S) * d.I);
+      std::memcpy(ws.dq_n.data() + t * d.I, ws.d_gate_up.data() + t * 2 * d.I + d.I,
+                  sizeof(S) * d.I);
+    }
+    linear_bwd_cpu(ws.dhn2.data(), G.wg, nullptr, ws.dbuf.data(), a.hn2.data(), P.wg, NK, d.H,
+                   d.I);
+    linear_bwd_cpu(ws.dhn.data(), G.wu, nullptr, ws.dq_n.data(), a.hn2.data(), P.wu, NK, d.H,
+                   d.I);
+    residual_accumulate_cpu(ws.dhn2.data(), ws.dhn.data(), NK * d.H);
+    rmsnorm_bwd_cpu(ws.dtmp.data(), G.post_norm, ws.dhn2.data(), a.h_mid.data(), P.post_norm, NK,
+                    d.H, cfg.rms_norm_eps);
+    residual_accumulate_cpu(ws.dh.data(), ws.dtmp.data(), NK * d.H);  // dh = d(h_mid)
+    // Attention: h_mid = x_in + o_proj(o).
+    fit(ws.d_o, NK * d.QD);
+    linear_bwd_cpu(ws.d_o.data(), G.wo, nullptr, ws.dh.data(), a.o.data(), P.wo, NK, d.QD, d.H);
+    fit(ws.dq, NK * d.QD);
+    fit(ws.dk, (T + NK) * d.KD);
+    fit(ws.dv, (T + NK) * d.KD);
+    attention_bwd_cpu(ws.dq.data(), ws.dk.data(), ws.dv.data(), ws.d_o.data(), a.q.data(),
+                      a.k.data(), a.v.data(), a.o.data(), a.lse.data(), ws.ranges.data(), ap);
+    // q path: rope -> q_norm -> q_proj.
+    fit(ws.dq_n, NK * d.QD);
+    rope_bwd_cpu(ws.dq_n.data(), ws.dq.data(), ws.pos_q.data(), ws.inv_freq.data(), scaling, NK,
+                 d.NH, d.D);
+    fit(ws.dq_raw, NK * d.QD);
+    rmsnorm_bwd_cpu(ws.dq_raw.data(), G.q_norm, ws.dq_n.data(), a.q_raw.data(), P.q_norm,
+                    NK * d.NH, d.D, cfg.rms_norm_eps);
+    linear_bwd_cpu(ws.dhn.data(), G.wq, nullptr, ws.dq_raw.data(), a.hn.data(), P.wq, NK, d.H,
+                   d.QD);
+    // k path over all rows [ctx ; block]: rope -> k_norm -> k_proj.
+    fit(ws.dk_n, (T + NK) * d.KD);
+    rope_bwd_cpu(ws.dk_n.data(), ws.dk.data(), ws.pos_kv.data(), ws.inv_freq.data(), scaling,
+                 T + NK, d.NKV, d.D);
+    fit(ws.dk_raw, (T + NK) * d.KD);
+    rmsnorm_bwd_cpu(ws.dk_raw.data(), G.k_norm, ws.dk_n.data(), a.k_raw.data(), P.k_norm,
+                    (T + NK) * d.NKV, d.D, cfg.rms_norm_eps);
+    // Block rows: dhn += dk_raw[T:]·Wk + dv[T:]·Wv.
+    fit(ws.dtmp, std::max(T, NK) * d.H);
+    linear_bwd_cpu(ws.dtmp.data(), G.wk, nullptr, ws.dk_raw.data() + T * d.KD, a.hn.data(), P.wk,
+                   NK, d.H, d.KD);
+    residual_accumulate_cpu(ws.dhn.data(), ws.dtmp.data(), NK * d.H);
+    linear_bwd_cpu(ws.dtmp.data(), G.wv, nullptr, ws.dv.data() + T * d.KD, a.hn.data(), P.wv, NK,
+                   d.H, d.KD);
+    residual_accumulate_cpu(ws.dhn.data(), ws.dtmp.data(), NK * d.H);
+    // Context rows: dctx += dk_raw[:T]·Wk + dv[:T]·Wv (ctx enters every layer unnormed).
+    linear_bwd_cpu(ws.dtmp.data(), G.wk, nullptr, ws.dk_raw.data(), ws.ctx.data(), P.wk, T, d.H,
+                   d.KD);
+    residual_accumulate_cpu(ws.dctx.data(), ws.dtmp.data(), T * d.H);
+    linear_bwd_cpu(ws.dtmp.data(), G.wv, nullptr, ws.dv.data(), ws.ctx.data(), P.wv, T, d.H,
+                   d.KD);
+    residual_accumulate_cpu(ws.dctx.data(), ws.dtmp.data(), T * d.H);
+    // input_layernorm: hn = norm(x_in); dh(x_in) = dh(h_mid) + norm_bwd(dhn).
+    rmsnorm_bwd_cpu(ws.dtmp.data(), G.in_norm, ws.dhn.data(), a.x_in.data(), P.in_norm, NK, d.H,
+                    cfg.rms_norm_eps);
+    residual_accumulate_cpu(ws.dh.data(), ws.dtmp.data(), NK * d.H);
+  }
+  // ctx = hidden_norm(fc(features)); features are frozen (no input gradient).
+  const S* hidden_norm = params + layout.params[1].offset;
+  S* g_fc = grads + layout.params[0].offset;
+  S* g_hn = grads + layout.params[1].offset;
+  if (real > 0) {
+    fit(ws.dctx_pre, real * d.H);
+    rmsnorm_bwd_cpu(ws.dctx_pre.data(), g_hn, ws.dctx.data(), ws.ctx_pre.data(), hidden_norm,
+                    real, d.H, cfg.rms_norm_eps);
+    linear_bwd_cpu(static_cast<S*>(nullptr), g_fc, nullptr, ws.dctx_pre.data(), row.features,
+                   params + layout.params[0].offset, real, d.F, d.H);
+  }
+  return res;
+}
+
+template <typename S>
+std::vector<S> drafter_block_logits(const DrafterConfig& cfg, const DrafterLayout& layout,
+                                    const S* params, const DrafterTables<S>& tables,
+                                    const DrafterRow<S>& row, DrafterWorkspace<S>& ws) {
+  check_row(cfg, row);
+  const Dims<S> d(cfg);
+  const int64_t T = row.T, N = static_cast<int64_t>(row.anchors.size()), NK = N * d.K;
+  rope_table(ws.inv_freq, cfg);
+  ws.layers.resize(static_cast<size_t>(cfg.num_layers));
+  plan_row(cfg, row, ws);
+  context_forward(cfg, layout, params, row.features, T, row.doc_offsets.back(), ws);
+  block_forward(cfg, layout, params, tables.embed, ws, T, NK, ws.ranges.data());
+  fit(ws.hf, NK * d.H);
+  rmsnorm_fwd_cpu(ws.hf.data(), nullptr, ws.h.data(), params + layout.params.back().offset, NK,
+                  d.H, cfg.rms_norm_eps);
+  std::vector<S> logits(static_cast<size_t>(NK * d.V));
+  linear_fwd_cpu(logits.data(), ws.hf.data(), tables.lm_head, nullptr, NK, d.H, d.V);
+  return logits;
+}
+
+// -------------------------------------------------------------------------------------- inference
+
+void drafter_cache_append(DrafterCache& cache, const DrafterConfig& cfg,
+                          const DrafterLayout& layout, const float* params, const float* features,
+                          int64_t n) {
+  DFLASH_CHECK(n >= 0, "drafter_cache_append: negative row count {}", n);
+  const Dims<float> d(cfg);
+  cache.k.resize(static_cast<size_t>(cfg.num_layers));
+  cache.v.resize(static_cast<size_t>(cfg.num_layers));
+  if (n == 0) return;
+  DrafterWorkspace<float> ws;
+  rope_table(ws.inv_freq, cfg);
+  ws.layers.resize(static_cast<size_t>(cfg.num_layers));
+  ws.pos_kv.resize(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) ws.pos_kv[i] = static_cast<int32_t>(cache.len + i);
+  context_forward(cfg, layout, params, features, n, n, ws);
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    auto& a = ws.layers[static_cast<size_t>(l)];
+    cache.k[l].insert(cache.k[l].end(), a.k.begin(), a.k.end());
+    cache.v[l].insert(cache.v[l].end(), a.v.begin(), a.v.end());
+  }
+  cache.len += n;
+}
+
+std::vector<float> drafter_draft_block(const DrafterCache& cache, const DrafterConfig& cfg,
+                                       const DrafterLayout& layout, const float* params,
+                                       const DrafterTables<float>& tables, int32_t anchor_token) {
+  const Dims<float> d(cfg);
+  const int64_t Tc = cache.len, K = d.K;
+  DrafterWorkspace<float> ws;
+  rope_table(ws.inv_freq, cfg);
+  ws.layers.resize(static_cast<size_t>(cfg.num_layers));
+  ws.pos_kv.resize(static_cast<size_t>(Tc + K));
+  ws.pos_q.resize(static_cast<size_t>(K));
+  ws.block_tokens.resize(static_cast<size_t>(K));
+  ws.ranges.resize(static_cast<size_t>(K));
+  for (int64_t j = 0; j < K; ++j) {
+    ws.pos_q[j] = static_cast<int32_t>(Tc + j);
+    ws.pos_kv[Tc + j] = ws.pos_q[j];
+    ws.block_tokens[j] = j == 0 ? anchor_token : cfg.mask_token_id;
+    ws.ranges[j] = AttnRange{0, static_cast<int32_t>(Tc), static_cast<int32_t>(Tc),
+                             static_cast<int32_t>(Tc + K)};
+  }
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    auto& a = ws.layers[static_cast<size_t>(l)];
+    DFLASH_CHECK(static_cast<int64_t>(cache.k[l].size()) == Tc * d.KD,
+                 "drafter cache layer {} holds {} values, expected {}", l, cache.k[l].size(),
+                 Tc * d.KD);
+    a.k_raw.assign(static_cast<size_t>((Tc + K) * d.KD), 0.0f);
+    a.k.assign(cache.k[l].begin(), cache.k[l].end());
+    a.v.assign(cache.v[l].begin(), cache.v[l].end());
+  }
+  block_forward(cfg, layout, params, tables.embed, ws, Tc, K, ws.ranges.data());
+  fit(ws.hf, K * d.H);
+  rmsnorm_fwd_cpu(ws.hf.data(), nullptr, ws.h.data(), params + layout.params.back().offset, K,
+                  d.H, cfg.rms_norm_eps);
+  std::vector<float> logits(static_cast<size_t>(K * d.V));
+  linear_fwd_cpu(logits.data(), ws.hf.data(), tables.lm_head, nullptr, K, d.H, d.V);
+  return logits;
+}
+
+#define DFLASH_DRAFTER_INSTANTIATE(S)                                                         \
+  template DrafterRowResult drafter_train_row<S>(const DrafterConfig&, const DrafterLayout&,  \
+                                                 const S*, S*, const DrafterTables<S>&,      \
+                                                 const DrafterRow<S>&, double,               \
+                                                 DrafterWorkspace<S>&);                      \
+  template std::vector<S> drafter_block_logits<S>(const DrafterConfig&, const DrafterLayout&, \
+                                                  const S*, const DrafterTables<S>&,         \
+                                                  const DrafterRow<S>&, DrafterWorkspace<S>&);
+DFLASH_DRAFTER_INSTANTIATE(float)
+DFLASH_DRAFTER_INSTANTIATE(double)
+
+}  // namespace dflash

@@ -1,0 +1,163 @@
+// dflash.cpp — the DFlash drafter (DESIGN.md §1): a Qwen3-style decoder over a block of K tokens
+// that attends to target features of the context through shared k/v projections.
+//
+//   ctx = hidden_norm(fc(features))                      features [T, n_taps·H] (frozen target)
+//   h   = embed([x_anchor, MASK × (K−1)])                 target's frozen embedding
+//   per layer: h += o_proj(Attn(q = block rows, k/v = [ctx rows ; block rows]))
+//              h += down(silu(gate(norm(h))) · up(norm(h)))
+//   logits = lm_head(norm(h))                              target's frozen LM head
+// q/k per-head RMSNorm (every k row, ctx and block), RoPE with positions relative to the document
+// start (ctx row p → p − doc_start; block slot j → anchor − doc_start + j), GQA, bidirectional
+// inside a block. Block b's queries see ctx rows [doc_start, anchor) and the K rows of block b.
+//
+// Invariants: parameters live in one flat array in export order (DrafterLayout); parameter
+// gradients ACCUMULATE (+=) into a flat array of the same layout, so several rows of a step add
+// up; activation gradients are overwritten. The step code is templated on the scalar (float for
+// training, double for finite-difference checks) and allocates only inside its workspace, whose
+// buffers keep their capacity between calls.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/rng.hpp"
+#include "ops/attention.hpp"
+#include "ops/rope.hpp"
+#include "train/objective.hpp"
+
+namespace dflash {
+
+/// Sizes and settings of a drafter (the Qwen3 fields of its export config.json plus DFlash's).
+struct DrafterConfig {
+  int64_t hidden_size = 0;        ///< H, equal to the target's
+  int64_t intermediate_size = 0;  ///< I
+  int64_t num_layers = 1;         ///< drafter decoder layers
+  int64_t num_heads = 0;          ///< NH
+  int64_t num_kv_heads = 0;       ///< NKV (NH % NKV == 0)
+  int64_t head_dim = 0;           ///< D
+  int64_t vocab_size = 0;         ///< V of the target's embedding / LM head
+  double rms_norm_eps = 1e-6;
+  RopeParams rope;                ///< copied from the target
+  int64_t max_position_embeddings = 0;
+  int block_size = 16;            ///< K
+  int mask_token_id = -1;
+  std::vector<int> target_layer_ids;
+  int num_target_layers = 0;
+
+  /// Number of tapped target layers (features are [T, n_taps·H]).
+  int64_t n_taps() const { return static_cast<int64_t>(target_layer_ids.size()); }
+  /// Throws dflash::Error naming the field when sizes are inconsistent, tap ids are outside
+  /// [0, num_target_layers), or mask_token_id is outside [0, vocab_size).
+  void validate() const;
+};
+
+/// Where one named parameter lives in the flat parameter array.
+struct ParamInfo {
+  std::string name;            ///< export name, e.g. "layers.0.self_attn.q_proj.weight"
+  std::vector<int64_t> shape;  ///< [OUT, IN] for linears, [n] for norms
+  int64_t offset = 0;          ///< elements from the start of the flat array
+  int64_t numel = 0;
+  bool is_norm = false;        ///< RMSNorm weight (initialised to 1)
+};
+
+/// The flat parameter layout of a config, in export order:
+/// fc, hidden_norm, per layer {input_layernorm, q, k, v, o, q_norm, k_norm, post_attention_layernorm,
+/// gate, up, down}, norm.
+struct DrafterLayout {
+  std::vector<ParamInfo> params;
+  int64_t total = 0;
+  explicit DrafterLayout(const DrafterConfig& c);
+  /// Index of a parameter by export name; throws dflash::Error listing none if unknown.
+  const ParamInfo& find(const std::string& name) const;
+};
+
+/// Fills `params` (layout.total values): linear weights ~ N(0, 0.02²) from `seed` in layout order,
+/// norm weights 1. Reproducible bit for bit from the seed.
+void drafter_init(std::span<float> params, const DrafterLayout& layout, uint64_t seed);
+
+/// One packed row of the training layout.
+template <typename S>
+struct DrafterRow {
+  const S* features = nullptr;           ///< [T, n_taps·H]
+  const int32_t* tokens = nullptr;       ///< [T]
+  int64_t T = 0;
+  std::span<const int32_t> doc_offsets;  ///< [n_docs+1], see train/objective.hpp
+  std::span<const Anchor> anchors;       ///< N blocks
+  const BlockTargets* targets = nullptr; ///< labels/weights of the N blocks (N·K entries)
+};
+
+/// Result of a forward (and backward) over one row.
+struct DrafterRowResult {
+  double loss_sum = 0;          ///< Σ w·CE over the row's blocks
+  double weight_sum = 0;        ///< Σ w
+  std::vector<int32_t> argmax;  ///< [N·K] drafter argmax per slot
+};
+
+/// Per-layer activations kept for the backward (internal to the drafter step).
+template <typename S>
+struct LayerActs {
+  std::vector<S> x_in, hn, q_raw, q, k_raw, k, v, o, lse, h_mid, hn2, gate_up, act;
+};
+
+/// Scratch buffers of the step (capacity kept between calls; one per thread).
+template <typename S>
+struct DrafterWorkspace {
+  std::vector<S> ctx_pre, ctx, h, hf, dh, dhn, dtmp, dctx, dctx_pre, logits;
+  std::vector<S> d_o, dq, dk, dv, dq_n, dk_n, dq_raw, dk_raw, d_act, d_gate_up, dhn2, dbuf;
+  std::vector<LayerActs<S>> layers;
+  std::vector<int32_t> pos_kv, pos_q, block_tokens, labels;
+  std::vector<S> weights, lse_out;
+  std::vector<S> inv_freq;
+  std::vector<AttnRange> ranges;
+};
+
+
+/// Frozen target tables the drafter borrows: embedding [V, H] and LM head [V, H] (the same array
+/// when the target ties them).
+template <typename S>
+struct DrafterTables {
+  const S* embed = nullptr;
+  const S* lm_head = nullptr;
+};
+
+/// Training forward over one row; when `grads` is not null, also the backward, accumulating
+/// parameter gradients (+=) scaled by `grad_scale` (use 1/Σw over the whole step so that the
+/// gradient is that of Σw·CE/Σw). Throws dflash::Error on inconsistent inputs (naming them).
+/// `ws` must not be shared between threads.
+template <typename S>
+DrafterRowResult drafter_train_row(const DrafterConfig& cfg, const DrafterLayout& layout,
+                                   const S* params, S* grads, const DrafterTables<S>& tables,
+                                   const DrafterRow<S>& row, double grad_scale,
+                                   DrafterWorkspace<S>& ws);
+
+/// Logits [N·K, V] of the blocks of `row` (training layout; no loss). For tests and tools.
+template <typename S>
+std::vector<S> drafter_block_logits(const DrafterConfig& cfg, const DrafterLayout& layout,
+                                    const S* params, const DrafterTables<S>& tables,
+                                    const DrafterRow<S>& row, DrafterWorkspace<S>& ws);
+
+/// Drafter KV cache for decoding: per layer the k (normed, roped) and v rows of the accepted
+/// context, positions 0..len-1 of one request.
+struct DrafterCache {
+  std::vector<std::vector<float>> k, v;  ///< per layer [len, NKV·D]
+  int64_t len = 0;
+  /// Drops rows past `new_len`; throws dflash::Error if new_len > len or < 0.
+  void truncate(int64_t new_len);
+};
+
+/// Appends `n` context rows to the cache: ctx = hidden_norm(fc(features [n, n_taps·H])) at
+/// positions cache.len .. cache.len+n-1, through every layer's k/v projections, k_norm and RoPE.
+void drafter_cache_append(DrafterCache& cache, const DrafterConfig& cfg,
+                          const DrafterLayout& layout, const float* params, const float* features,
+                          int64_t n);
+
+/// Inference layout: the block [anchor_token, MASK × (K−1)] at positions cache.len ..
+/// cache.len+K−1, attending to every cache row and to itself. Returns logits [K, V]. The cache
+/// is not modified.
+std::vector<float> drafter_draft_block(const DrafterCache& cache, const DrafterConfig& cfg,
+                                       const DrafterLayout& layout, const float* params,
+                                       const DrafterTables<float>& tables, int32_t anchor_token);
+
+}  // namespace dflash

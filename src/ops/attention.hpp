@@ -1,0 +1,71 @@
+// dflash.cpp — scaled dot-product attention with grouped-query heads (GQA) and per-query key
+// ranges ("visibility by key range").
+//
+// Each query row t attends to the keys in [lo1, hi1) ∪ [lo2, hi2) of one shared K/V array
+// (`AttnRange`). This single form covers:
+//   * causal attention over packed documents (cu_seqlens / "varlen"): row t of the document
+//     [s, e) sees [s, t+1) (`attention_causal_varlen_ranges`); nothing crosses documents;
+//   * the DFlash drafter: a block's queries see context keys [doc_start, anchor) plus the keys of
+//     their own block (a second range further down the same K/V array), DESIGN.md §1;
+//   * block verification over a KV cache (one range).
+// Shapes (row-major): q [Tq, NH, D], k and v [Tk, NKV, D], o [Tq, NH, D], lse [NH, Tq],
+// ranges [Tq]. NH must be a multiple of NKV; query head h uses key/value head h / (NH/NKV)
+// (HF `repeat_kv`). Scores are scale·q·k (scale usually 1/sqrt(D)); softmax statistics are kept
+// as the natural-log logsumexp `lse` of the scaled scores, needed by the backward.
+// A row with no visible key gets o = 0 and lse = -inf, and contributes no gradient.
+// Memory never grows with Tq·Tk: each worker keeps one score buffer of at most Tk values.
+// Keys outside a row's ranges are never read (they may hold anything, even NaN).
+// Backward: dq, dk, dv are activation gradients and are OVERWRITTEN. Every sum runs in a fixed
+// order (dq over keys ascending; dk, dv over query heads then queries ascending), so results are
+// bit-identical for any thread count.
+// Formulas: FlashAttention-2 (Dao 2023), Algorithm 2 backward with D_i = rowsum(dO ∘ O).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace dflash {
+
+/// Keys visible to one query row: [lo1, hi1) ∪ [lo2, hi2), indices into the K/V array.
+/// Requirements: 0 ≤ lo ≤ hi ≤ Tk for both ranges, and the ranges do not overlap. An empty range
+/// is lo == hi (e.g. {0, 0}).
+struct AttnRange {
+  int32_t lo1 = 0, hi1 = 0, lo2 = 0, hi2 = 0;
+};
+
+/// Sizes and softmax scale of one attention call.
+struct AttnParams {
+  int64_t Tq = 0;   ///< query rows
+  int64_t Tk = 0;   ///< key/value rows
+  int64_t NH = 0;   ///< query heads
+  int64_t NKV = 0;  ///< key/value heads (NH % NKV == 0)
+  int64_t D = 0;    ///< head dimension
+  double scale = 0; ///< multiplies q·k (usually 1/sqrt(D))
+};
+
+/// Fills `ranges` [T] for causal attention over packed documents: `doc_offsets` [n_docs+1]
+/// (cu_seqlens: doc_offsets[0] = 0, non-decreasing, doc_offsets[n_docs] = T); row t of document
+/// [s, e) gets {s, t+1, 0, 0}. Throws dflash::Error on malformed offsets.
+void attention_causal_varlen_ranges(AttnRange* ranges, const int32_t* doc_offsets,
+                                    int64_t n_docs, int64_t T);
+/// Same, returning a vector.
+std::vector<AttnRange> attention_causal_varlen_ranges(const int32_t* doc_offsets, int64_t n_docs,
+                                                      int64_t T);
+
+/// o = softmax(scale·q·kᵀ restricted to the row's ranges)·v per head; lse [NH, Tq] (may be null
+/// when no backward follows). Throws dflash::Error on bad sizes or ranges (naming the row).
+void attention_fwd_cpu(float* o, float* lse, const float* q, const float* k, const float* v,
+                       const AttnRange* ranges, const AttnParams& p);
+void attention_fwd_cpu(double* o, double* lse, const double* q, const double* k, const double* v,
+                       const AttnRange* ranges, const AttnParams& p);
+
+/// Backward of attention_fwd_cpu given dout [Tq, NH, D], the forward's o and lse. dq [Tq, NH, D],
+/// dk and dv [Tk, NKV, D] are overwritten (any may be null to skip it).
+void attention_bwd_cpu(float* dq, float* dk, float* dv, const float* dout, const float* q,
+                       const float* k, const float* v, const float* o, const float* lse,
+                       const AttnRange* ranges, const AttnParams& p);
+void attention_bwd_cpu(double* dq, double* dk, double* dv, const double* dout, const double* q,
+                       const double* k, const double* v, const double* o, const double* lse,
+                       const AttnRange* ranges, const AttnParams& p);
+
+}  // namespace dflash

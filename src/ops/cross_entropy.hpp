@@ -1,0 +1,71 @@
+// dflash.cpp — softmax cross-entropy with per-row weights, on logits or fused with the LM head.
+//
+// For row r with logits z [V], label y_r and weight w_r:
+//     lse_r = log Σ_v exp(z_v),   loss_r = lse_r − z_{y_r},   loss_sum = Σ_r w_r·loss_r
+//     dz = grad_scale · w_r · (softmax(z) − onehot(y_r))
+// (torch.nn.functional.cross_entropy with reduction="none", times the weights; DESIGN.md §1 "Loss":
+// the caller divides by Σ w through grad_scale = 1/Σw.) argmax_r is the first index of the
+// largest logit (torch.argmax). Rows with w_r = 0 contribute nothing and their label is not
+// read (padding may carry any label); any other row needs 0 ≤ y_r < V, else dflash::Error naming
+// the row and the label. Statistics in fp32 (fp64 in the double overloads); loss_sum and
+// weight_sum are summed in row order in double (deterministic).
+// Gradient contract: dlogits and d_hidden are activation gradients, OVERWRITTEN. The fused variant
+// never forms the whole [R, V] logits: it works on chunks of `chunk_rows` rows (workspace
+// chunk_rows·V floats), and leaves the (frozen) LM head without a gradient.
+#pragma once
+
+#include <cstdint>
+
+namespace dflash {
+
+/// Sums returned by the cross-entropy ops.
+struct CrossEntropyStats {
+  double loss_sum = 0;    ///< Σ_r w_r·loss_r
+  double weight_sum = 0;  ///< Σ_r w_r
+};
+
+/// Forward on materialised logits [R, V]. weights [R] (null = all 1). lse [R] and argmax [R] are
+/// outputs and may be null.
+CrossEntropyStats cross_entropy_fwd_cpu(float* lse, int32_t* argmax, const float* logits,
+                                        const int32_t* labels, const float* weights, int64_t R,
+                                        int64_t V);
+CrossEntropyStats cross_entropy_fwd_cpu(double* lse, int32_t* argmax, const double* logits,
+                                        const int32_t* labels, const double* weights, int64_t R,
+                                        int64_t V);
+
+/// Backward on logits: dlogits [R, V] = grad_scale·w_r·(softmax − onehot), from the forward's lse.
+void cross_entropy_bwd_cpu(float* dlogits, const float* logits, const float* lse,
+                           const int32_t* labels, const float* weights, double grad_scale,
+                           int64_t R, int64_t V);
+void cross_entropy_bwd_cpu(double* dlogits, const double* logits, const double* lse,
+                           const int32_t* labels, const double* weights, double grad_scale,
+                           int64_t R, int64_t V);
+
+/// Sizes of the fused LM-head cross-entropy.
+struct FusedCeParams {
+  int64_t R = 0;            ///< rows (hidden states)
+  int64_t H = 0;            ///< hidden size
+  int64_t V = 0;            ///< vocabulary (rows of the LM head)
+  int64_t chunk_rows = 64;  ///< rows per chunk; the workspace is chunk_rows·V values
+  double grad_scale = 1.0;  ///< multiplies d_hidden (e.g. 1/Σw)
+};
+
+/// Fused LM head + cross-entropy: logits = hidden [R,H] · head [V,H]ᵀ chunk by chunk, then the
+/// loss, lse [R] and argmax [R] (either may be null) and, when d_hidden [R,H] is not null, the
+/// input gradient d_hidden = dlogits · head (overwritten). Equal to linear_fwd_cpu +
+/// cross_entropy_fwd_cpu (+ cross_entropy_bwd_cpu + linear_bwd_cpu) up to GEMM blocking.
+CrossEntropyStats cross_entropy_fused_cpu(float* d_hidden, float* lse, int32_t* argmax,
+                                          const float* hidden, const float* head,
+                                          const int32_t* labels, const float* weights,
+                                          const FusedCeParams& p);
+/// bf16 LM head (raw bits), converted tile by tile; fp32 everything else.
+CrossEntropyStats cross_entropy_fused_cpu(float* d_hidden, float* lse, int32_t* argmax,
+                                          const float* hidden, const uint16_t* head_bf16,
+                                          const int32_t* labels, const float* weights,
+                                          const FusedCeParams& p);
+CrossEntropyStats cross_entropy_fused_cpu(double* d_hidden, double* lse, int32_t* argmax,
+                                          const double* hidden, const double* head,
+                                          const int32_t* labels, const double* weights,
+                                          const FusedCeParams& p);
+
+}  // namespace dflash

@@ -1,0 +1,36 @@
+// dflash.cpp — linear layer y = x·Wᵀ (+ b), as in torch.nn.Linear.
+//
+// Invariants: row-major; x [T, IN], W [OUT, IN] (the HF/PyTorch weight layout), b [OUT], y [T, OUT].
+// Accumulation is fp32 (fp64 in the double overloads, used by the finite-difference tests).
+// Backward: the activation gradient dx is OVERWRITTEN; the parameter gradients dW and db
+// ACCUMULATE (+=). Any of dx, dW, db may be null to skip it (e.g. frozen weights).
+// bf16 weights (raw bf16 bits, uint16_t) are converted to fp32 one tile of rows at a time, so no
+// fp32 copy of the whole matrix is made; their gradient, when asked for, is fp32.
+// A CUDA entry point with the same arguments will sit next to each CPU one (`linear_fwd_cuda`).
+#pragma once
+
+#include <cstdint>
+
+namespace dflash {
+
+/// y[T,OUT] = x[T,IN]·W[OUT,IN]ᵀ + bias[OUT] (bias may be null). OpenBLAS GEMM, fp32 accumulate.
+void linear_fwd_cpu(float* y, const float* x, const float* w, const float* bias, int64_t T,
+                    int64_t IN, int64_t OUT);
+/// Double-precision twin of the above (for float64 gradient checks).
+void linear_fwd_cpu(double* y, const double* x, const double* w, const double* bias, int64_t T,
+                    int64_t IN, int64_t OUT);
+/// bf16 weights (raw bits, round-to-nearest-even bf16 as produced by PyTorch), fp32 in/out.
+void linear_fwd_cpu(float* y, const float* x, const uint16_t* w_bf16, const float* bias,
+                    int64_t T, int64_t IN, int64_t OUT);
+
+/// Backward of linear_fwd_cpu: dx[T,IN] = dy·W (overwritten); dw[OUT,IN] += dyᵀ·x;
+/// db[OUT] += Σ_t dy[t]. Each output pointer may be null (skipped).
+void linear_bwd_cpu(float* dx, float* dw, float* db, const float* dy, const float* x,
+                    const float* w, int64_t T, int64_t IN, int64_t OUT);
+void linear_bwd_cpu(double* dx, double* dw, double* db, const double* dy, const double* x,
+                    const double* w, int64_t T, int64_t IN, int64_t OUT);
+/// bf16-weight backward; dw (if not null) is an fp32 [OUT,IN] buffer that accumulates.
+void linear_bwd_cpu(float* dx, float* dw, float* db, const float* dy, const float* x,
+                    const uint16_t* w_bf16, int64_t T, int64_t IN, int64_t OUT);
+
+}  // namespace dflash

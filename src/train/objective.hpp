@@ -1,0 +1,87 @@
+// dflash.cpp — the DFlash training objective around the drafter: anchors, labels, weights, metrics.
+// Formulas: DESIGN.md §1 ("Training").
+//
+// Invariants: positions are indices into one packed row of T tokens; `doc_offsets` has n_docs+1
+// entries, starts at 0, is non-decreasing and ends at the number of real tokens (padding, if any,
+// lies after the last offset and belongs to no document, so it never yields anchors or labels).
+// Blocks are ordered as their anchors: by document, then by position.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "core/rng.hpp"
+
+namespace dflash {
+
+/// One block of the training layout: its anchor position in the row and its document index.
+struct Anchor {
+  int32_t pos = 0;
+  int32_t doc = 0;
+  bool operator==(const Anchor&) const = default;
+};
+
+/// Checks `doc_offsets` against a row of `T` tokens (see the file invariants); throws dflash::Error
+/// naming the offending entry.
+void check_doc_offsets(std::span<const int32_t> doc_offsets, int64_t T);
+
+/// Candidate anchors of the document [doc_start, doc_end): positions p with loss_mask[p] and
+/// loss_mask[p+1] both set and p+1 < doc_end, ascending.
+std::vector<int32_t> anchor_candidates(std::span<const uint8_t> loss_mask, int32_t doc_start,
+                                       int32_t doc_end);
+
+/// Samples up to `num_anchors` anchors per document without replacement (partial Fisher–Yates on
+/// the candidates, with `rng`), sorted by position within each document; documents in order.
+/// A document with at most `num_anchors` candidates gets all of them.
+std::vector<Anchor> sample_anchors(std::span<const uint8_t> loss_mask,
+                                   std::span<const int32_t> doc_offsets, int num_anchors, Rng& rng);
+
+/// Labels and loss weights of N blocks of K slots, [N*K] each (slot-major within a block).
+struct BlockTargets {
+  int K = 0;
+  std::vector<int32_t> labels;   ///< x[a+k], or -1 where a+k is past the document end
+  std::vector<float> weights;    ///< DESIGN.md §1 weight (0 for slot 0 and invalid slots)
+  std::vector<uint8_t> counted;  ///< 1 where the slot is supervised (k ≥ 1, in the doc, mask 1)
+  int64_t num_blocks() const { return K ? static_cast<int64_t>(labels.size()) / K : 0; }
+};
+
+/// Slot weight of DESIGN.md §1 before the loss mask: 0 for k = 0, exp(-(k-1)/gamma) for k ≥ 1,
+/// 1 when gamma ≤ 0.
+double slot_decay(int k, double gamma);
+
+/// Builds labels/weights for blocks of `K` slots at `anchors` (tokens and loss_mask of the row).
+/// Throws dflash::Error if an anchor lies outside its document.
+BlockTargets block_targets(std::span<const int32_t> tokens, std::span<const uint8_t> loss_mask,
+                           std::span<const int32_t> doc_offsets, std::span<const Anchor> anchors,
+                           int K, double gamma);
+
+/// Accumulated metrics over blocks (one batch, or a log interval).
+struct ObjectiveMetrics {
+  int K = 0;
+  double loss_weighted_sum = 0;  ///< Σ w·CE
+  double weight_sum = 0;         ///< Σ w
+  std::vector<int64_t> slot_correct, slot_count;  ///< per slot k (k = 0 never counted)
+  double accept_len_sum = 0;  ///< Σ over blocks of (1 + leading correct supervised slots)
+  int64_t blocks = 0;
+
+  explicit ObjectiveMetrics(int K_ = 0) : K(K_), slot_correct(K_, 0), slot_count(K_, 0) {}
+  /// Σw·CE / Σw (0 when Σw = 0).
+  double loss() const { return weight_sum > 0 ? loss_weighted_sum / weight_sum : 0.0; }
+  /// Accuracy over all supervised slots.
+  double accuracy() const;
+  /// Accuracy of slot k (NaN when the slot was never supervised).
+  double slot_accuracy(int k) const;
+  /// Simulated acceptance length: mean over blocks of 1 + the number of leading slots k ≥ 1 that
+  /// are supervised and whose argmax equals the label.
+  double tau() const { return blocks ? accept_len_sum / static_cast<double>(blocks) : 0.0; }
+  /// Adds another accumulation (same K).
+  void merge(const ObjectiveMetrics& o);
+};
+
+/// Adds the metrics of blocks given the drafter's argmax per slot [N*K] and per-slot CE [N*K]
+/// (CE may be empty: then the loss terms are not accumulated).
+void accumulate_metrics(ObjectiveMetrics& m, const BlockTargets& t, std::span<const int32_t> argmax,
+                        std::span<const float> ce);
+
+}  // namespace dflash

@@ -1,0 +1,50 @@
+// dflash.cpp — AdamW on fp32 master weights, global grad-norm clipping, learning-rate schedule.
+//
+// Invariants: parameters, gradients and both moments are fp32 arrays of equal length; the optimizer
+// never allocates after construction; results are bit-identical for the same inputs (sequential
+// reductions in a fixed order, in double).
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+namespace dflash {
+
+/// AdamW hyper-parameters (Loshchilov & Hutter 2019, decoupled weight decay; PyTorch's
+/// torch.optim.AdamW semantics with bias correction).
+struct AdamWConfig {
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+};
+
+/// One AdamW update of `n` parameters at 1-based `step` with learning rate `lr`:
+///   p ← p − lr·wd·p;  m ← β1·m + (1−β1)·g;  v ← β2·v + (1−β2)·g²;
+///   p ← p − lr · (m / (1−β1^step)) / (sqrt(v / (1−β2^step)) + eps).
+/// `grad_scale` multiplies g first (clipping). Throws dflash::Error if step < 1.
+void adamw_step_cpu(float* param, float* m, float* v, const float* grad, int64_t n,
+                    const AdamWConfig& cfg, double lr, int64_t step, double grad_scale = 1.0);
+
+/// Σ g² over one array, accumulated in double in index order.
+double sum_squares_cpu(const float* g, int64_t n);
+
+/// Clip factor for a global gradient L2 norm: min(1, max_norm / (norm + 1e-6)); 1 when
+/// max_norm ≤ 0 (clipping off).
+double clip_scale(double global_norm, double max_norm);
+
+/// Learning-rate schedule: linear warmup then cosine decay to `min_lr_ratio`·`base_lr`
+/// (HF `get_cosine_schedule_with_warmup` with a floor):
+///   step < warmup:  base·step/warmup
+///   else:           base·(min + (1−min)·½(1 + cos(π·(step−warmup)/(total−warmup))))
+/// `step` is 0-based (the step about to be taken).
+struct LrSchedule {
+  double base_lr = 6e-4;
+  int64_t warmup_steps = 0;
+  int64_t total_steps = 1;
+  double min_lr_ratio = 0.0;
+  /// The learning rate of 0-based step `step`.
+  double at(int64_t step) const;
+};
+
+}  // namespace dflash

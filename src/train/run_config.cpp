@@ -1,0 +1,348 @@
+#include "train/run_config.hpp"
+
+#include <yaml-cpp/yaml.h>
+
+#include <fstream>
+#include <functional>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "core/error.hpp"
+
+namespace dflash {
+
+namespace {
+
+// YAML conversions with messages that name the key and line.
+template <typename T>
+T as(const YAML::Node& n, const std::string& key, const std::string& source) {
+  try {
+    return n.as<T>();
+  } catch (const YAML::Exception&) {
+    std::string what;
+    if constexpr (std::is_same_v<T, std::string>) what = "a string";
+    else if constexpr (std::is_same_v<T, bool>) what = "true or false";
+    else if constexpr (std::is_floating_point_v<T>) what = "a number";
+    else what = "an integer";
+    fail("{}:{}: {} must be {}, got '{}'", source, n.Mark().line + 1, key, what,
+         YAML::Dump(n));
+  }
+}
+
+template <typename T>
+void read_into(T& dst, const YAML::Node& n, const std::string& key, const std::string& src) {
+  if constexpr (std::is_same_v<T, std::optional<int>>) {
+    if (n.IsNull()) dst.reset();
+    else dst = as<int>(n, key, src);
+  } else if constexpr (std::is_same_v<T, std::vector<int>>) {
+    dst.clear();
+    if (n.IsNull()) return;
+    DFLASH_CHECK(n.IsSequence(), "{}:{}: {} must be a list of integers", src, n.Mark().line + 1,
+                 key);
+    for (const auto& e : n) dst.push_back(as<int>(e, key, src));
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    dst = n.IsNull() ? std::string() : as<std::string>(n, key, src);
+  } else {
+    dst = as<T>(n, key, src);
+  }
+}
+
+template <typename T>
+YAML::Node to_node(const T& v) {
+  if constexpr (std::is_same_v<T, std::optional<int>>) {
+    return v ? YAML::Node(*v) : YAML::Node(YAML::NodeType::Null);
+  } else if constexpr (std::is_same_v<T, std::vector<int>>) {
+    YAML::Node n(YAML::NodeType::Sequence);
+    for (int x : v) n.push_back(x);
+    n.SetStyle(YAML::EmitterStyle::Flow);
+    return n;
+  } else {
+    return YAML::Node(v);
+  }
+}
+
+// One key of the schema.
+struct Field {
+  std::string section, key;
+  bool affects_model_or_data;
+  std::function<void(RunConfig&, const YAML::Node&, const std::string&)> set;
+  std::function<YAML::Node(const RunConfig&)> get;
+  std::string path() const { return section.empty() ? key : section + "." + key; }
+};
+
+template <typename S, typename T>
+Field make_field(const char* section, const char* key, S RunConfig::*sec, T S::*mem, bool affects) {
+  Field f;
+  f.section = section;
+  f.key = key;
+  f.affects_model_or_data = affects;
+  const std::string path = f.path();
+  f.set = [sec, mem, path](RunConfig& c, const YAML::Node& n, const std::string& src) {
+    read_into(c.*sec.*mem, n, path, src);
+  };
+  f.get = [sec, mem](const RunConfig& c) { return to_node(c.*sec.*mem); };
+  return f;
+}
+
+const std::vector<Field>& schema() {
+  static const std::vector<Field> fields = [] {
+    using R = RunConfig;
+    std::vector<Field> f;
+    auto M = &R::model;
+    f.push_back(make_field("model", "target", M, &ModelSection::target, true));
+    f.push_back(make_field("model", "drafter_layers", M, &ModelSection::drafter_layers, true));
+    f.push_back(make_field("model", "intermediate_size", M, &ModelSection::intermediate_size, true));
+    f.push_back(
+        make_field("model", "num_attention_heads", M, &ModelSection::num_attention_heads, true));
+    f.push_back(
+        make_field("model", "num_key_value_heads", M, &ModelSection::num_key_value_heads, true));
+    f.push_back(make_field("model", "head_dim", M, &ModelSection::head_dim, true));
+    f.push_back(make_field("model", "mask_token_id", M, &ModelSection::mask_token_id, true));
+    f.push_back(make_field("model", "target_layer_ids", M, &ModelSection::target_layer_ids, true));
+    auto D = &R::data;
+    f.push_back(make_field("data", "train_file", D, &DataSection::train_file, true));
+    f.push_back(make_field("data", "template", D, &DataSection::template_name, true));
+    f.push_back(make_field("data", "max_length", D, &DataSection::max_length, true));
+    f.push_back(make_field("data", "token_budget", D, &DataSection::token_budget, true));
+    f.push_back(make_field("data", "rows_per_step", D, &DataSection::rows_per_step, true));
+    f.push_back(make_field("data", "cache_dir", D, &DataSection::cache_dir, false));
+    f.push_back(make_field("data", "skip_invalid", D, &DataSection::skip_invalid, true));
+    auto T = &R::training;
+    f.push_back(make_field("training", "epochs", T, &TrainingSection::epochs, true));
+    f.push_back(make_field("training", "max_steps", T, &TrainingSection::max_steps, true));
+    f.push_back(make_field("training", "lr", T, &TrainingSection::lr, true));
+    f.push_back(make_field("training", "warmup_ratio", T, &TrainingSection::warmup_ratio, true));
+    f.push_back(make_field("training", "min_lr_ratio", T, &TrainingSection::min_lr_ratio, true));
+    f.push_back(make_field("training", "weight_decay", T, &TrainingSection::weight_decay, true));
+    f.push_back(make_field("training", "beta1", T, &TrainingSection::beta1, true));
+    f.push_back(make_field("training", "beta2", T, &TrainingSection::beta2, true));
+    f.push_back(make_field("training", "adam_eps", T, &TrainingSection::adam_eps, true));
+    f.push_back(make_field("training", "clip_grad_norm", T, &TrainingSection::clip_grad_norm, true));
+    f.push_back(make_field("training", "num_anchors", T, &TrainingSection::num_anchors, true));
+    f.push_back(make_field("training", "block_size", T, &TrainingSection::block_size, true));
+    f.push_back(make_field("training", "gamma", T, &TrainingSection::gamma, true));
+    f.push_back(make_field("training", "seed", T, &TrainingSection::seed, true));
+    f.push_back(make_field("training", "save_interval", T, &TrainingSection::save_interval, false));
+    f.push_back(make_field("training", "keep_last", T, &TrainingSection::keep_last, false));
+    f.push_back(make_field("training", "log_interval", T, &TrainingSection::log_interval, false));
+    f.push_back(make_field("training", "eval_interval", T, &TrainingSection::eval_interval, false));
+    f.push_back(make_field("training", "max_consecutive_skips", T,
+                           &TrainingSection::max_consecutive_skips, false));
+    f.push_back(make_field("training", "export_dtype", T, &TrainingSection::export_dtype, false));
+    auto U = &R::runtime;
+    f.push_back(make_field("runtime", "backend", U, &RuntimeSection::backend, false));
+    f.push_back(make_field("runtime", "devices", U, &RuntimeSection::devices, false));
+    f.push_back(make_field("runtime", "threads", U, &RuntimeSection::threads, false));
+    // output_dir is top-level.
+    Field od;
+    od.key = "output_dir";
+    od.affects_model_or_data = false;
+    od.set = [](RunConfig& c, const YAML::Node& n, const std::string& src) {
+      read_into(c.output_dir, n, "output_dir", src);
+    };
+    od.get = [](const RunConfig& c) { return YAML::Node(c.output_dir); };
+    f.push_back(od);
+    return f;
+  }();
+  return fields;
+}
+
+const Field* find_field(const std::string& section, const std::string& key) {
+  for (const auto& f : schema()) {
+    if (f.section == section && f.key == key) return &f;
+  }
+  return nullptr;
+}
+
+std::string known_keys(const std::string& section) {
+  std::string s;
+  for (const auto& f : schema()) {
+    if (f.section != section) continue;
+    if (!s.empty()) s += ", ";
+    s += f.key;
+  }
+  return s;
+}
+
+void apply_node(RunConfig& c, const YAML::Node& root, const std::string& src) {
+  if (!root || root.IsNull()) return;
+  DFLASH_CHECK(root.IsMap(), "{}: the config must be a mapping of sections", src);
+  static const std::set<std::string> sections = {"model", "data", "training", "runtime"};
+  for (const auto& kv : root) {
+    const std::string name = kv.first.as<std::string>();
+    const int line = kv.first.Mark().line + 1;
+    if (name == "output_dir") {
+      find_field("", "output_dir")->set(c, kv.second, src);
+      continue;
+    }
+    DFLASH_CHECK(sections.count(name), "{}:{}: unknown section '{}' (expected model, data, "
+                 "training, runtime, output_dir)", src, line, name);
+    if (kv.second.IsNull()) continue;
+    DFLASH_CHECK(kv.second.IsMap(), "{}:{}: section '{}' must be a mapping", src, line, name);
+    for (const auto& e : kv.second) {
+      const std::string key = e.first.as<std::string>();
+      const Field* f = find_field(name, key);
+      DFLASH_CHECK(f != nullptr, "{}:{}: unknown key '{}.{}' (known keys of '{}': {})", src,
+                   e.first.Mark().line + 1, name, key, name, known_keys(name));
+      f->set(c, e.second, src);
+    }
+  }
+}
+
+void apply_override(RunConfig& c, const std::string& ov) {
+  const auto eq = ov.find('=');
+  DFLASH_CHECK(eq != std::string::npos && eq > 0,
+               "override '{}' must have the form section.key=value", ov);
+  const std::string path = ov.substr(0, eq);
+  const std::string value = ov.substr(eq + 1);
+  std::string section, key;
+  const auto dot = path.find('.');
+  if (dot == std::string::npos) {
+    key = path;
+  } else {
+    section = path.substr(0, dot);
+    key = path.substr(dot + 1);
+  }
+  const Field* f = find_field(section, key);
+  DFLASH_CHECK(f != nullptr, "override '{}': unknown key '{}'", ov, path);
+  YAML::Node n;
+  try {
+    n = YAML::Load(value);
+  } catch (const YAML::Exception& e) {
+    fail("override '{}': value is not valid YAML: {}", ov, e.msg);
+  }
+  f->set(c, n, "override '" + ov + "'");
+}
+
+}  // namespace
+
+RunConfig RunConfig::from_yaml(const std::string& text, const std::string& source,
+                               const std::vector<std::string>& overrides) {
+  RunConfig c;
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+  } catch (const YAML::ParserException& e) {
+    fail("{}:{}: YAML syntax error: {}", source, e.mark.line + 1, e.msg);
+  }
+  apply_node(c, root, source);
+  for (const auto& ov : overrides) apply_override(c, ov);
+  c.validate();
+  return c;
+}
+
+RunConfig RunConfig::load(const std::string& path, const std::vector<std::string>& overrides) {
+  std::ifstream f(path);
+  DFLASH_CHECK(f.good(), "cannot read config file '{}'", path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return from_yaml(ss.str(), path, overrides);
+}
+
+RunConfig RunConfig::embedded_default(const std::string& assets_dir) {
+  RunConfig c;
+  c.model.target = assets_dir + "/tiny-qwen3";
+  c.model.drafter_layers = 1;
+  c.model.mask_token_id = 8000;
+  c.data.train_file = assets_dir + "/data/train.jsonl.xz";
+  c.data.template_name = "chatml";
+  c.data.max_length = 512;
+  c.data.token_budget = 2048;
+  c.training.max_steps = 150;
+  c.training.lr = 1e-3;
+  c.training.num_anchors = 64;
+  c.training.block_size = 16;
+  c.training.log_interval = 10;
+  c.training.save_interval = 0;
+  c.output_dir = "runs/default";
+  c.validate();
+  return c;
+}
+
+void RunConfig::validate() const {
+  auto positive = [](const char* key, double v) {
+    DFLASH_CHECK(v > 0, "{} must be > 0, got {}", key, v);
+  };
+  auto non_negative = [](const char* key, double v) {
+    DFLASH_CHECK(v >= 0, "{} must be >= 0, got {}", key, v);
+  };
+  DFLASH_CHECK(!model.target.empty(), "model.target must name the target model folder");
+  positive("model.drafter_layers", model.drafter_layers);
+  if (model.intermediate_size) positive("model.intermediate_size", *model.intermediate_size);
+  if (model.num_attention_heads) positive("model.num_attention_heads", *model.num_attention_heads);
+  if (model.num_key_value_heads) positive("model.num_key_value_heads", *model.num_key_value_heads);
+  if (model.head_dim) positive("model.head_dim", *model.head_dim);
+  if (model.mask_token_id) non_negative("model.mask_token_id", *model.mask_token_id);
+  for (int id : model.target_layer_ids) non_negative("model.target_layer_ids[]", id);
+  DFLASH_CHECK(!data.train_file.empty(), "data.train_file must name a .jsonl file");
+  positive("data.max_length", data.max_length);
+  positive("data.token_budget", data.token_budget);
+  positive("data.rows_per_step", data.rows_per_step);
+  DFLASH_CHECK(data.max_length <= data.token_budget,
+               "data.max_length ({}) must not exceed data.token_budget ({}): a conversation must "
+               "fit in one row", data.max_length, data.token_budget);
+  DFLASH_CHECK(training.max_steps > 0 || training.epochs > 0,
+               "training.epochs or training.max_steps must be > 0");
+  non_negative("training.max_steps", static_cast<double>(training.max_steps));
+  non_negative("training.epochs", training.epochs);
+  positive("training.lr", training.lr);
+  DFLASH_CHECK(training.warmup_ratio >= 0 && training.warmup_ratio < 1,
+               "training.warmup_ratio must be in [0, 1), got {}", training.warmup_ratio);
+  DFLASH_CHECK(training.min_lr_ratio >= 0 && training.min_lr_ratio <= 1,
+               "training.min_lr_ratio must be in [0, 1], got {}", training.min_lr_ratio);
+  non_negative("training.weight_decay", training.weight_decay);
+  DFLASH_CHECK(training.beta1 >= 0 && training.beta1 < 1, "training.beta1 must be in [0, 1)");
+  DFLASH_CHECK(training.beta2 >= 0 && training.beta2 < 1, "training.beta2 must be in [0, 1)");
+  positive("training.adam_eps", training.adam_eps);
+  non_negative("training.clip_grad_norm", training.clip_grad_norm);
+  positive("training.num_anchors", training.num_anchors);
+  DFLASH_CHECK(training.block_size >= 2 && training.block_size <= 64,
+               "training.block_size must be in [2, 64], got {}", training.block_size);
+  non_negative("training.save_interval", static_cast<double>(training.save_interval));
+  positive("training.keep_last", training.keep_last);
+  positive("training.log_interval", static_cast<double>(training.log_interval));
+  non_negative("training.eval_interval", static_cast<double>(training.eval_interval));
+  positive("training.max_consecutive_skips", training.max_consecutive_skips);
+  DFLASH_CHECK(training.export_dtype == "bf16" || training.export_dtype == "f32",
+               "training.export_dtype must be bf16 or f32, got '{}'", training.export_dtype);
+  DFLASH_CHECK(runtime.backend == "cpu" || runtime.backend == "cuda",
+               "runtime.backend must be cpu or cuda, got '{}'", runtime.backend);
+  DFLASH_CHECK(!runtime.devices.empty(), "runtime.devices must list at least one device");
+  for (int d : runtime.devices) non_negative("runtime.devices[]", d);
+  non_negative("runtime.threads", runtime.threads);
+  DFLASH_CHECK(!output_dir.empty(), "output_dir must name the run directory");
+}
+
+std::string RunConfig::to_yaml() const {
+  YAML::Emitter out;
+  out << YAML::BeginMap;
+  std::string current;
+  bool open = false;
+  for (const auto& f : schema()) {
+    if (f.section.empty()) continue;
+    if (f.section != current) {
+      if (open) out << YAML::EndMap;
+      out << YAML::Key << f.section << YAML::Value << YAML::BeginMap;
+      current = f.section;
+      open = true;
+    }
+    out << YAML::Key << f.key << YAML::Value << f.get(*this);
+  }
+  if (open) out << YAML::EndMap;
+  out << YAML::Key << "output_dir" << YAML::Value << output_dir;
+  out << YAML::EndMap;
+  return std::string(out.c_str()) + "\n";
+}
+
+std::vector<std::string> RunConfig::resume_incompatibilities(const RunConfig& other) const {
+  std::vector<std::string> diffs;
+  for (const auto& f : schema()) {
+    if (!f.affects_model_or_data) continue;
+    const std::string a = YAML::Dump(f.get(*this)), b = YAML::Dump(f.get(other));
+    if (a != b) diffs.push_back(f.path() + ": " + a + " -> " + b);
+  }
+  return diffs;
+}
+
+}  // namespace dflash

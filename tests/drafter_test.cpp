@@ -1,0 +1,356 @@
+// Tests of the DFlash drafter (src/model/drafter): the public reference trainer's step (golden),
+// float64 finite differences of the whole drafter + loss, the visibility rule, and the agreement of
+// the training and inference layouts.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <nlohmann/json.hpp>
+
+#include "core/error.hpp"
+#include "core/fs.hpp"
+#include "model/drafter.hpp"
+#include "model/safetensors.hpp"
+#include "util/test_util.hpp"
+
+using namespace dflash;
+
+namespace {
+
+// A small random problem: config, params, tables, one row of documents with anchors.
+template <typename S>
+struct Problem {
+  DrafterConfig cfg;
+  std::shared_ptr<DrafterLayout> layout;
+  std::vector<S> params, embed, head, features;
+  std::vector<int32_t> tokens, doc_offsets;
+  std::vector<uint8_t> mask;
+  std::vector<Anchor> anchors;
+  BlockTargets targets;
+  int64_t T = 0;
+
+  DrafterRow<S> row() const {
+    DrafterRow<S> r;
+    r.features = features.data();
+    r.tokens = tokens.data();
+    r.T = T;
+    r.doc_offsets = doc_offsets;
+    r.anchors = anchors;
+    r.targets = &targets;
+    return r;
+  }
+  DrafterTables<S> tables() const { return {embed.data(), head.data()}; }
+};
+
+template <typename S>
+Problem<S> make_problem(uint64_t seed, int layers, int NH, int NKV, int D, int K, double gamma,
+                        std::vector<int32_t> docs, std::vector<Anchor> anchors, int H = 16,
+                        int V = 23) {
+  Problem<S> p;
+  Rng rng(seed);
+  p.cfg.hidden_size = H;
+  p.cfg.intermediate_size = 24;
+  p.cfg.num_layers = layers;
+  p.cfg.num_heads = NH;
+  p.cfg.num_kv_heads = NKV;
+  p.cfg.head_dim = D;
+  p.cfg.vocab_size = V;
+  p.cfg.rms_norm_eps = 1e-6;
+  p.cfg.rope.theta = 10000.0;
+  p.cfg.block_size = K;
+  p.cfg.mask_token_id = V - 1;
+  p.cfg.target_layer_ids = {0, 2};
+  p.cfg.num_target_layers = 3;
+  p.cfg.validate();
+  p.layout = std::make_shared<DrafterLayout>(p.cfg);
+  p.params.resize(p.layout->total);
+  for (const auto& info : p.layout->params) {
+    for (int64_t i = 0; i < info.numel; ++i) {
+      p.params[info.offset + i] = static_cast<S>(info.is_norm ? 1.0 + 0.1 * rng.normal()
+                                                              : 0.3 * rng.normal());
+    }
+  }
+  auto randv = [&](std::vector<S>& v, int64_t n, double sd) {
+    v.resize(n);
+    for (auto& x : v) x = static_cast<S>(sd * rng.normal());
+  };
+  randv(p.embed, static_cast<int64_t>(V) * H, 1.0);
+  randv(p.head, static_cast<int64_t>(V) * H, 0.5);
+  p.doc_offsets = std::move(docs);
+  p.T = p.doc_offsets.back() + 2;  // two padding tokens at the end
+  randv(p.features, p.T * 2 * H, 1.0);
+  p.tokens.resize(p.T);
+  p.mask.resize(p.T);
+  for (int64_t t = 0; t < p.T; ++t) {
+    p.tokens[t] = static_cast<int32_t>(rng.below(V - 1));
+    p.mask[t] = rng.uniform() < 0.8 ? 1 : 0;
+  }
+  p.anchors = std::move(anchors);
+  p.targets = block_targets(p.tokens, p.mask, p.doc_offsets, p.anchors, K, gamma);
+  return p;
+}
+
+template <typename S>
+double loss_of(const Problem<S>& p, std::vector<S>* grads) {
+  DrafterWorkspace<S>* ws = new DrafterWorkspace<S>();
+  double total_w = 0;
+  for (float w : p.targets.weights) total_w += w;
+  auto r = drafter_train_row<S>(p.cfg, *p.layout, p.params.data(), grads ? grads->data() : nullptr,
+                                p.tables(), p.row(), 1.0 / total_w, *ws);
+  delete ws;
+  return r.loss_sum / r.weight_sum;
+}
+
+}  // namespace
+
+TEST(Drafter, LayoutFollowsTheExportNames) {
+  auto p = make_problem<float>(1, 2, 4, 2, 8, 4, 7.0, {0, 10}, {{2, 0}});
+  const auto& L = *p.layout;
+  EXPECT_EQ(L.params.front().name, "fc.weight");
+  EXPECT_EQ(L.params.front().shape, (std::vector<int64_t>{16, 32}));
+  EXPECT_EQ(L.params.back().name, "norm.weight");
+  EXPECT_EQ(L.find("layers.1.self_attn.k_proj.weight").shape, (std::vector<int64_t>{16, 16}));
+  EXPECT_EQ(L.find("layers.0.mlp.down_proj.weight").shape, (std::vector<int64_t>{16, 24}));
+  EXPECT_EQ(L.params.size(), 2u + 2 * 11 + 1);
+  EXPECT_THROW(L.find("lm_head.weight"), Error);
+  // Init: reproducible, norms 1, linear std ≈ 0.02.
+  std::vector<float> a(L.total), b(L.total);
+  drafter_init(a, L, 9);
+  drafter_init(b, L, 9);
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(a[L.find("norm.weight").offset], 1.0f);
+  const auto& fc = L.find("fc.weight");
+  double s2 = 0;
+  for (int64_t i = 0; i < fc.numel; ++i) s2 += a[fc.offset + i] * a[fc.offset + i];
+  EXPECT_NEAR(std::sqrt(s2 / fc.numel), 0.02, 0.003);
+}
+
+TEST(Drafter, ConfigValidationNamesTheField) {
+  auto p = make_problem<float>(1, 1, 4, 2, 8, 4, 7.0, {0, 10}, {{2, 0}});
+  DrafterConfig c = p.cfg;
+  c.target_layer_ids = {0, 3};
+  try {
+    c.validate();
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("layer 3 is outside the target's layers [0, 3)"),
+              std::string::npos);
+  }
+  c = p.cfg;
+  c.mask_token_id = 23;
+  EXPECT_THROW(c.validate(), Error);
+  c = p.cfg;
+  c.num_kv_heads = 3;
+  EXPECT_THROW(c.validate(), Error);
+}
+
+// Whole drafter + loss against central finite differences in float64 (tiny dims, 2 layers,
+// 3 blocks over 2 documents, GQA 2).
+TEST(Drafter, GradientsMatchFiniteDifferencesInFloat64) {
+  for (double gamma : {7.0, 0.0}) {
+    auto p = make_problem<double>(3, 2, 4, 2, 8, 4, gamma, {0, 9, 17}, {{2, 0}, {4, 0}, {12, 1}});
+    std::vector<double> g(p.layout->total, 0.0);
+    loss_of(p, &g);
+    Rng pick(11);
+    double worst = 0;
+    for (const auto& info : p.layout->params) {
+      // A few coordinates of every parameter.
+      for (int s = 0; s < 3; ++s) {
+        const int64_t i = info.offset + static_cast<int64_t>(pick.below(info.numel));
+        const double h = 1e-5, old = p.params[i];
+        p.params[i] = old + h;
+        const double lp = loss_of<double>(p, nullptr);
+        p.params[i] = old - h;
+        const double lm = loss_of<double>(p, nullptr);
+        p.params[i] = old;
+        const double fd = (lp - lm) / (2 * h);
+        const double err = std::abs(fd - g[i]) / std::max(1e-6, std::abs(fd) + std::abs(g[i]));
+        worst = std::max(worst, err);
+        EXPECT_LT(err, 1e-5) << info.name << " fd " << fd << " analytic " << g[i];
+      }
+    }
+    EXPECT_LT(worst, 1e-5);
+  }
+}
+
+TEST(Drafter, Float32PathAgreesWithFloat64) {
+  auto pd = make_problem<double>(5, 2, 6, 2, 8, 5, 7.0, {0, 12, 20}, {{1, 0}, {6, 0}, {13, 1}});
+  auto pf = make_problem<float>(5, 2, 6, 2, 8, 5, 7.0, {0, 12, 20}, {{1, 0}, {6, 0}, {13, 1}});
+  std::vector<double> gd(pd.layout->total, 0.0);
+  std::vector<float> gf(pf.layout->total, 0.0f);
+  const double ld = loss_of(pd, &gd), lf = loss_of(pf, &gf);
+  EXPECT_NEAR(lf, ld, 1e-5 * std::abs(ld));
+  std::vector<float> gd32(gd.begin(), gd.end());
+  EXPECT_LT(test::rel_error(gf, gd32), 1e-4);
+}
+
+// Visibility: a block's logits depend only on context features of its own document strictly
+// before its anchor, and on its own anchor token.
+TEST(Drafter, VisibilityRuleIsExact) {
+  auto p = make_problem<float>(7, 2, 4, 2, 8, 4, 7.0, {0, 10, 20}, {{3, 0}, {6, 0}, {14, 1}});
+  DrafterWorkspace<float> ws;
+  const int64_t KV = 4 * 23;
+  auto base = drafter_block_logits(p.cfg, *p.layout, p.params.data(), p.tables(), p.row(), ws);
+  auto block = [&](const std::vector<float>& l, int b) {
+    return std::vector<float>(l.begin() + b * KV, l.begin() + (b + 1) * KV);
+  };
+  const int64_t F = 32;
+  // NaN in the features at and after anchor 6 of doc 0 (positions 6..9): block 0 (anchor 3) and
+  // block 1 (anchor 6) unchanged; also NaN in doc 1 leaves blocks 0 and 1 unchanged.
+  {
+    auto q = p;
+    for (int64_t t = 6; t < 10; ++t)
+      for (int64_t f = 0; f < F; ++f) q.features[t * F + f] = std::numeric_limits<float>::quiet_NaN();
+    for (int64_t f = 0; f < F; ++f) q.features[15 * F + f] = 1e3f;  // doc 1, after its anchor
+    auto l = drafter_block_logits(q.cfg, *q.layout, q.params.data(), q.tables(), q.row(), ws);
+    EXPECT_EQ(block(l, 0), block(base, 0));
+    EXPECT_EQ(block(l, 1), block(base, 1));
+    EXPECT_EQ(block(l, 2), block(base, 2));
+  }
+  // A feature before anchor 6 in doc 0 (position 4) changes block 1 but not block 0 (anchor 3) nor
+  // block 2 (other document).
+  {
+    auto q = p;
+    q.features[4 * F + 5] += 1.0f;
+    auto l = drafter_block_logits(q.cfg, *q.layout, q.params.data(), q.tables(), q.row(), ws);
+    EXPECT_EQ(block(l, 0), block(base, 0));
+    EXPECT_NE(block(l, 1), block(base, 1));
+    EXPECT_EQ(block(l, 2), block(base, 2));
+  }
+  // Tokens after an anchor change labels only, never logits; the anchor token changes its block.
+  {
+    auto q = p;
+    q.tokens[4] = (q.tokens[4] + 1) % 22;  // after anchor 3, before anchor 6
+    q.tokens[7] = (q.tokens[7] + 1) % 22;
+    auto l = drafter_block_logits(q.cfg, *q.layout, q.params.data(), q.tables(), q.row(), ws);
+    EXPECT_EQ(block(l, 0), block(base, 0));
+    EXPECT_EQ(block(l, 1), block(base, 1));
+    q.tokens[6] = (q.tokens[6] + 1) % 22;  // anchor of block 1
+    l = drafter_block_logits(q.cfg, *q.layout, q.params.data(), q.tables(), q.row(), ws);
+    EXPECT_EQ(block(l, 0), block(base, 0));
+    EXPECT_NE(block(l, 1), block(base, 1));
+  }
+  // Other blocks do not matter: block 1 alone gives the same logits.
+  {
+    auto q = p;
+    q.anchors = {{6, 0}};
+    q.targets = block_targets(q.tokens, q.mask, q.doc_offsets, q.anchors, 4, 7.0);
+    auto l = drafter_block_logits(q.cfg, *q.layout, q.params.data(), q.tables(), q.row(), ws);
+    EXPECT_EQ(block(l, 0), block(base, 1));
+  }
+}
+
+// Training layout vs inference layout (KV cache filled with the same context) for one anchor.
+TEST(Drafter, TrainingAndInferenceLayoutsAgree) {
+  auto p = make_problem<float>(8, 2, 6, 3, 8, 6, 7.0, {0, 7, 30}, {{5, 0}, {19, 1}});
+  DrafterWorkspace<float> ws;
+  auto train = drafter_block_logits(p.cfg, *p.layout, p.params.data(), p.tables(), p.row(), ws);
+  // Block 1: anchor 19 in doc [7, 30): context rows 7..18 at positions 0..11.
+  DrafterCache cache;
+  drafter_cache_append(cache, p.cfg, *p.layout, p.params.data(), p.features.data() + 7 * 32, 5);
+  drafter_cache_append(cache, p.cfg, *p.layout, p.params.data(), p.features.data() + 12 * 32, 7);
+  ASSERT_EQ(cache.len, 12);
+  auto inf = drafter_draft_block(cache, p.cfg, *p.layout, p.params.data(), p.tables(), p.tokens[19]);
+  std::vector<float> tb(train.begin() + 6 * 23, train.end());
+  EXPECT_LT(test::rel_error(inf, tb), 1e-5);
+  // Rolling back and re-appending gives the same cache.
+  auto k_before = cache.k[1];
+  cache.truncate(9);
+  drafter_cache_append(cache, p.cfg, *p.layout, p.params.data(), p.features.data() + 16 * 32, 3);
+  EXPECT_LT(test::rel_error(cache.k[1], k_before), 1e-6);
+  EXPECT_THROW(cache.truncate(13), Error);
+}
+
+// The public reference trainer's step on tiny-qwen3 (../shared/fixtures/dflash-step.golden.*):
+// loss and every parameter gradient within 1e-4 relative in fp32.
+TEST(Drafter, ReproducesTheReferenceTrainingStep) {
+  const auto dir = test::shared_dir() / "fixtures";
+  SafetensorsFile g(dir / "dflash-step.golden.safetensors");
+  const auto meta = nlohmann::json::parse(read_file_text(dir / "dflash-step.golden.json"));
+  const auto& dc = meta["drafter_config"];
+  DrafterConfig cfg;
+  cfg.hidden_size = dc["hidden_size"];
+  cfg.intermediate_size = dc["intermediate_size"];
+  cfg.num_layers = dc["num_hidden_layers"];
+  cfg.num_heads = dc["num_attention_heads"];
+  cfg.num_kv_heads = dc["num_key_value_heads"];
+  cfg.head_dim = dc["head_dim"];
+  cfg.vocab_size = dc["vocab_size"];
+  cfg.rms_norm_eps = dc["rms_norm_eps"];
+  cfg.rope.theta = dc["rope_theta"];
+  cfg.block_size = dc["block_size"];
+  cfg.mask_token_id = dc["dflash_config"]["mask_token_id"];
+  cfg.target_layer_ids = dc["dflash_config"]["target_layer_ids"].get<std::vector<int>>();
+  cfg.num_target_layers = dc["num_target_layers"];
+  cfg.validate();
+  DrafterLayout layout(cfg);
+  std::vector<float> params(layout.total), grads(layout.total, 0.0f);
+  for (const auto& info : layout.params) {
+    auto t = g.get_as("init." + info.name, DType::f32);
+    ASSERT_EQ(t.numel(), info.numel) << info.name;
+    std::copy_n(t.data<float>(), info.numel, params.begin() + info.offset);
+  }
+  SafetensorsCheckpoint target(test::assets_dir() / "tiny-qwen3");
+  auto embed = target.get_as("model.embed_tokens.weight", DType::f32);  // tied: also the LM head
+  DrafterTables<float> tables{embed.data<float>(), embed.data<float>()};
+
+  auto ids = g.get_as("input_ids", DType::i32);
+  auto lmask = g.get_as("loss_mask", DType::f32);
+  auto feats = g.get_as("features", DType::f32);
+  auto anchors_t = g.get_as("anchors", DType::i64);
+  auto keep = g.get_as("anchor_keep", DType::u8);
+  const int64_t R = ids.dim(0), T = ids.dim(1), NA = anchors_t.dim(1);
+  struct RowData {
+    std::vector<int32_t> tokens, offsets;
+    std::vector<uint8_t> mask;
+    std::vector<Anchor> anchors;
+    BlockTargets targets;
+  };
+  std::vector<RowData> rows(R);
+  double total_w = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    auto& d = rows[r];
+    d.tokens.assign(ids.data<int32_t>() + r * T, ids.data<int32_t>() + (r + 1) * T);
+    d.mask.resize(T);
+    for (int64_t t = 0; t < T; ++t) d.mask[t] = lmask.data<float>()[r * T + t] > 0.5f;
+    d.offsets = {0, static_cast<int32_t>(T)};  // one conversation per row; padding is unsupervised
+    for (int64_t a = 0; a < NA; ++a) {
+      if (keep.data<uint8_t>()[r * NA + a]) {
+        d.anchors.push_back({static_cast<int32_t>(anchors_t.data<int64_t>()[r * NA + a]), 0});
+      }
+    }
+    d.targets = block_targets(d.tokens, d.mask, d.offsets, d.anchors, cfg.block_size, 7.0);
+    for (float w : d.targets.weights) total_w += w;
+  }
+  DrafterWorkspace<float> ws;
+  double loss_sum = 0, weight_sum = 0;
+  ObjectiveMetrics m(cfg.block_size);
+  for (int64_t r = 0; r < R; ++r) {
+    DrafterRow<float> row;
+    row.features = feats.data<float>() + r * T * feats.dim(2);
+    row.tokens = rows[r].tokens.data();
+    row.T = T;
+    row.doc_offsets = rows[r].offsets;
+    row.anchors = rows[r].anchors;
+    row.targets = &rows[r].targets;
+    auto res = drafter_train_row<float>(cfg, layout, params.data(), grads.data(), tables, row,
+                                        1.0 / total_w, ws);
+    loss_sum += res.loss_sum;
+    weight_sum += res.weight_sum;
+    accumulate_metrics(m, rows[r].targets, res.argmax, {});
+  }
+  const double golden_loss = meta["loss_value"];
+  EXPECT_NEAR(loss_sum / weight_sum, golden_loss, 1e-4 * golden_loss);
+  EXPECT_NEAR(m.accuracy(), meta["accuracy_value"].get<double>(), 1e-9);
+  double worst = 0;
+  for (const auto& info : layout.params) {
+    auto ref = g.get_as("grad." + info.name, DType::f32);
+    std::vector<float> ours(grads.begin() + info.offset, grads.begin() + info.offset + info.numel);
+    const double err = test::rel_error(ours, ref.to_f32_vector());
+    worst = std::max(worst, err);
+    EXPECT_LT(err, 1e-4) << info.name;
+  }
+  RecordProperty("worst_grad_rel_error", std::to_string(worst));
+  std::printf("golden step: loss %.6f (reference %.6f), worst gradient rel. error %.2e\n",
+              loss_sum / weight_sum, golden_loss, worst);
+}

@@ -1,0 +1,162 @@
+// Tests of the run configuration (src/train/run_config) and run directory (src/train/run_dir).
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+
+#include "core/error.hpp"
+#include "core/fs.hpp"
+#include "train/run_config.hpp"
+#include "train/run_dir.hpp"
+#include "util/test_util.hpp"
+
+using namespace dflash;
+
+namespace {
+const char* kYaml = R"(model:
+  target: /models/tiny
+  drafter_layers: 2
+  mask_token_id: 8000
+  target_layer_ids: [1, 3]
+data:
+  train_file: data.jsonl
+  token_budget: 4096
+training:
+  max_steps: 1200
+  lr: 6.0e-4
+  gamma: 7
+runtime:
+  backend: cpu
+output_dir: runs/x
+)";
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+}  // namespace
+
+TEST(RunConfig, ParsesSectionsAndKeepsDefaults) {
+  RunConfig c = RunConfig::from_yaml(kYaml, "run.yaml");
+  EXPECT_EQ(c.model.drafter_layers, 2);
+  EXPECT_EQ(c.model.target_layer_ids, (std::vector<int>{1, 3}));
+  EXPECT_EQ(c.model.mask_token_id, 8000);
+  EXPECT_FALSE(c.model.intermediate_size.has_value());
+  EXPECT_EQ(c.data.token_budget, 4096);
+  EXPECT_EQ(c.training.max_steps, 1200);
+  EXPECT_DOUBLE_EQ(c.training.gamma, 7.0);
+  EXPECT_EQ(c.training.block_size, 16);  // default
+  EXPECT_EQ(c.output_dir, "runs/x");
+}
+
+TEST(RunConfig, UnknownKeysAndSectionsNameTheLine) {
+  std::string y = kYaml;
+  y.replace(y.find("  lr: 6.0e-4"), 12, "  lrr: 6e-4");
+  EXPECT_NE(error_of([&] { RunConfig::from_yaml(y, "run.yaml"); })
+                .find("run.yaml:11: unknown key 'training.lrr'"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { RunConfig::from_yaml(std::string(kYaml) + "extra:\n  a: 1\n", "r.yaml"); })
+                .find("unknown section 'extra'"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { RunConfig::from_yaml("model: [1\n", "bad.yaml"); }).find("bad.yaml:"),
+            std::string::npos);
+}
+
+TEST(RunConfig, TypeAndRangeErrorsNameTheKey) {
+  std::string y = kYaml;
+  y.replace(y.find("max_steps: 1200"), 15, "max_steps: lots");
+  EXPECT_NE(error_of([&] { RunConfig::from_yaml(y, "run.yaml"); })
+                .find("training.max_steps must be an integer"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { RunConfig::from_yaml(kYaml, "run.yaml", {"training.lr=-1"}); })
+                .find("training.lr must be > 0"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { RunConfig::from_yaml(kYaml, "run.yaml", {"runtime.backend=tpu"}); })
+                .find("runtime.backend must be cpu or cuda"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { RunConfig::from_yaml(kYaml, "run.yaml", {"data.max_length=9000"}); })
+                .find("data.max_length"),
+            std::string::npos);
+}
+
+TEST(RunConfig, OverridesApplyAndUnknownPathsFail) {
+  RunConfig c = RunConfig::from_yaml(kYaml, "run.yaml",
+                                     {"training.lr=1e-3", "model.target_layer_ids=[2]",
+                                      "output_dir=elsewhere"});
+  EXPECT_DOUBLE_EQ(c.training.lr, 1e-3);
+  EXPECT_EQ(c.model.target_layer_ids, (std::vector<int>{2}));
+  EXPECT_EQ(c.output_dir, "elsewhere");
+  EXPECT_NE(error_of([&] { RunConfig::from_yaml(kYaml, "run.yaml", {"training.nope=1"}); })
+                .find("unknown key 'training.nope'"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { RunConfig::from_yaml(kYaml, "run.yaml", {"training.lr"}); })
+                .find("section.key=value"),
+            std::string::npos);
+}
+
+TEST(RunConfig, ResolvedYamlRoundTripsAndResumeDiffsListKeys) {
+  RunConfig c = RunConfig::from_yaml(kYaml, "run.yaml");
+  RunConfig back = RunConfig::from_yaml(c.to_yaml(), "resolved.yaml");
+  EXPECT_EQ(back.to_yaml(), c.to_yaml());
+  EXPECT_TRUE(c.resume_incompatibilities(back).empty());
+  RunConfig d = RunConfig::from_yaml(kYaml, "run.yaml",
+                                     {"training.seed=5", "training.log_interval=1"});
+  auto diffs = c.resume_incompatibilities(d);
+  ASSERT_EQ(diffs.size(), 1u);  // log_interval does not change the model or the data order
+  EXPECT_NE(diffs[0].find("training.seed"), std::string::npos);
+  RunConfig def = RunConfig::embedded_default("assets");
+  EXPECT_EQ(def.model.target, "assets/tiny-qwen3");
+}
+
+TEST(RunDir, LockedWhileInUseAndStatusIsAtomic) {
+  test::TempDir tmp;
+  auto dir = tmp / "run";
+  {
+    RunDir rd(dir);
+    const std::string msg = error_of([&] { RunDir second(dir); });
+    EXPECT_NE(msg.find("is in use by process " + std::to_string(::getpid())), std::string::npos)
+        << msg;
+    rd.write_status({{"phase", "training"}, {"step", 3}});
+    EXPECT_EQ(read_status(dir)["step"], 3);
+    rd.append_metrics({{"step", 1}});
+    rd.append_metrics({{"step", 2}});
+    EXPECT_EQ(test::read_file(dir / "metrics.jsonl"), "{\"step\":1}\n{\"step\":2}\n");
+  }
+  RunDir again(dir);  // released with the first object
+  EXPECT_THROW(read_status(tmp / "nothing"), Error);
+}
+
+TEST(RunDir, OnlyCompleteCheckpointsCountAndPruneKeepsNewest) {
+  test::TempDir tmp;
+  RunDir rd(tmp.path());
+  for (int s : {10, 20, 30, 40}) {
+    auto p = tmp / RunDir::checkpoint_name(s);
+    std::filesystem::create_directories(p);
+    if (s != 40) test::write_file(p / "COMPLETE", "");  // 40 is torn
+  }
+  auto cps = RunDir::complete_checkpoints(tmp.path());
+  ASSERT_EQ(cps.size(), 3u);
+  EXPECT_EQ(cps.back().first, 30);
+  rd.prune_checkpoints(2);
+  cps = RunDir::complete_checkpoints(tmp.path());
+  ASSERT_EQ(cps.size(), 2u);
+  EXPECT_EQ(cps.front().first, 20);
+}
+
+TEST(Fs, AtomicWriteReplacesWholeFile) {
+  test::TempDir tmp;
+  write_file_atomic(tmp / "f.txt", "first");
+  write_file_atomic(tmp / "f.txt", "second version");
+  EXPECT_EQ(read_file_text(tmp / "f.txt"), "second version");
+  size_t n = 0;
+  for (auto& e : std::filesystem::directory_iterator(tmp.path())) {
+    (void)e;
+    ++n;
+  }
+  EXPECT_EQ(n, 1u);  // no temporary files left behind
+  EXPECT_THROW(write_file_atomic(tmp / "missing-dir" / "f", "x"), Error);
+}
