@@ -18,7 +18,7 @@ namespace {
 
 struct PrepareArgs {
   std::string model, data, template_name, cache;
-  int64_t max_length = 4096;
+  int64_t max_length = 2048;
   bool enable_thinking = false, skip_invalid = false, force = false;
   int threads = 0;
   int64_t token_budget = 8192, rows = 1;

@@ -132,7 +132,7 @@ struct PrepareOptions {
   std::filesystem::path data;   ///< .jsonl, .jsonl.xz or .jsonl.zst
   std::filesystem::path cache;  ///< cache file to reuse or (re)write
   ChatTemplate chat_template;
-  int64_t max_length = 4096;    ///< tokens per document (longer ones are truncated)
+  int64_t max_length = 2048;    ///< tokens per document (longer ones are truncated)
   bool skip_invalid = false;    ///< count and skip bad records instead of stopping
   int threads = 0;              ///< tokenizer threads; 0 = all cores
   bool force = false;           ///< rebuild even when the cache matches
