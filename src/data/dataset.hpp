@@ -158,6 +158,10 @@ PrepareResult prepare_dataset(const PrepareOptions& opts);
 /// `<data file name>-<hash of both absolute paths>.dftok`. Throws when none of the variables is set.
 std::filesystem::path default_cache_path(const std::filesystem::path& data,
                                          const std::filesystem::path& model_dir);
+/// The cache file for `data` and `model_dir` inside folder `dir` (same file name as above).
+std::filesystem::path cache_path_in(const std::filesystem::path& dir,
+                                    const std::filesystem::path& data,
+                                    const std::filesystem::path& model_dir);
 
 /// The key stored in a cache file, or std::nullopt when the file is missing or not a cache.
 std::optional<CacheKey> read_cache_key(const std::filesystem::path& path);
