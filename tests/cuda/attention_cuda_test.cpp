@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "backend/cuda/context.hpp"
+#include "core/error.hpp"
 #include "cuda/cuda_test_util.hpp"
 #include "cuda/tolerances.hpp"
 #include "ops/attention.hpp"
@@ -120,8 +121,11 @@ TEST(AttentionCuda, DFlashTrainingPattern) {
       for (int64_t s = 0; s < K; ++s)
         c.ranges.push_back(AttnRange{doc_start[b], anchors[b], static_cast<int32_t>(T + b * K),
                                      static_cast<int32_t>(T + (b + 1) * K)});
-    // Keys in [128, 129) are seen by nobody (the last anchor is 128): poison them.
-    c.nan_keys = {128};
+    // Keys 41..59 (between the first document's last anchor and the second document) and 128
+    // (past the last anchor) are seen by nobody: poison them. With K = 7 a query tile mixes blocks
+    // of both documents, so 41..59 lie inside the tile's key interval and are loaded.
+    for (int64_t j = 41; j < 60; ++j) c.nan_keys.push_back(j);
+    c.nan_keys.push_back(128);
     run_case(c, 10 + static_cast<uint32_t>(D));
   }
 }

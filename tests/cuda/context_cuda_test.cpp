@@ -4,6 +4,7 @@
 #include <thread>
 
 #include "backend/cuda/context.hpp"
+#include "core/error.hpp"
 #include "cuda/cuda_test_util.hpp"
 #include "ops/cast.hpp"
 #include "util/test_util.hpp"

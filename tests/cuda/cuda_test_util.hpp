@@ -33,6 +33,9 @@ class DeviceGuarded {
     std::vector<uint8_t> g = pattern();
     DFLASH_CUDA_CHECK(cudaMemcpy(static_cast<uint8_t*>(p_) + bytes(), g.data(), guard_,
                                  cudaMemcpyHostToDevice));
+    // The ops run in non-blocking streams, which do not wait for the legacy stream's memset and
+    // pageable copies: finish them first.
+    DFLASH_CUDA_CHECK(cudaDeviceSynchronize());
   }
   explicit DeviceGuarded(const std::vector<T>& host, size_t guard = 256)
       : DeviceGuarded(host.size(), guard) {
@@ -48,6 +51,7 @@ class DeviceGuarded {
   void upload(const std::vector<T>& h) {
     EXPECT_EQ(h.size(), n_);
     if (n_) DFLASH_CUDA_CHECK(cudaMemcpy(p_, h.data(), bytes(), cudaMemcpyHostToDevice));
+    DFLASH_CUDA_CHECK(cudaDeviceSynchronize());  // see the constructor
   }
   std::vector<T> download() const {
     DFLASH_CUDA_CHECK(cudaDeviceSynchronize());
