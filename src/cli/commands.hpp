@@ -17,4 +17,19 @@ void add_data_command(CLI::App& app);
 /// `dflash status RUN_DIR`: alive or not, phase, step, loss, τ, tokens/s, ETA (from status.json).
 void add_status_command(CLI::App& app);
 
+/// `dflash tokenize --model DIR`: one JSON line of token ids per stdin line (`--jsonl` records,
+/// `--verbose` token strings, `--offsets` byte ranges, `--decode` the reverse).
+void add_tokenize_command(CLI::App& app);
+
+/// `dflash dev drafter-step IN OUT`: developer tools used by the reference tests (internal).
+void add_dev_command(CLI::App& app);
+
+/// `dflash train [--config FILE] [overrides]` and `dflash init-config --target DIR`
+/// (src/cli/cmd_train.cpp).
+void add_train_command(CLI::App& app);
+
+/// The embedded assets folder (tiny-qwen3 and data): $DFLASH_ASSETS, else <binary>/../assets,
+/// else ./assets. Throws dflash::Error when none exists.
+std::string find_assets_dir();
+
 }  // namespace dflash::cli
