@@ -364,6 +364,7 @@ ModelConfig model_config_from_json(const json& j, const std::string& source) {
 
 ModelConfig model_config_load(const fs::path& path) {
   std::error_code ec;
+  DFLASH_CHECK(fs::exists(path, ec), "{}: no such model folder or config.json file", path.string());
   fs::path file = fs::is_directory(path, ec) ? path / "config.json" : path;
   return model_config_from_json(json_load_file(file), file.string());
 }
