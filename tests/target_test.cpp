@@ -1,17 +1,17 @@
 // Tests of the target model (src/model/target) on the tiny-qwen3 fixture against HF transformers'
 // fp32 goldens (layer taps, final norm, logits, greedy tokens), the KV cache (block append equals
 // single steps and the full forward, rollback), document packing, and bad input.
+#include "model/target.hpp"
+
 #include <gtest/gtest.h>
 
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "core/error.hpp"
 #include "model/safetensors.hpp"
-#include "model/target.hpp"
 #include "ops/rmsnorm.hpp"
 #include "util/test_util.hpp"
 
@@ -30,7 +30,9 @@ constexpr bool kFullRuns = true;
 constexpr bool kFullRuns = false;
 #endif
 
-std::filesystem::path model_dir() { return test::shared_dir() / "fixtures" / "tiny-qwen3"; }
+std::filesystem::path model_dir() {
+  return test::shared_dir() / "fixtures" / "tiny-qwen3";
+}
 
 // The model and goldens are loaded once for the whole test program (read-only afterwards).
 struct Fixture {
@@ -55,7 +57,9 @@ const Fixture& fx() {
   return f;
 }
 
-std::vector<int32_t> one_doc(size_t T) { return {0, static_cast<int32_t>(T)}; }
+std::vector<int32_t> one_doc(size_t T) {
+  return {0, static_cast<int32_t>(T)};
+}
 
 // Rows [r0, r1) of a 2-D f32 tensor as a vector.
 std::vector<float> rows(const Tensor& t, int64_t r0, int64_t r1) {
@@ -138,9 +142,9 @@ TEST(Target, MatchesHfGoldens) {
   std::printf("tiny-qwen3 goldens: worst relative error %.3g over %d prompts\n", worst, kPrompts);
 }
 
-// forward_taps returns the same numbers as a full forward and tapping the last layer gives its
-// output before the final norm.
-TEST(Target, ForwardTapsSkipsTheTop) {
+// forward_taps (which stops after the deepest tap and skips the LM head) returns the same numbers
+// as a full forward, for repeated and unordered layer ids.
+TEST(Target, ForwardTapsEqualFullForward) {
   const Fixture& f = fx();
   const std::vector<int32_t> toks = f.prompt(2);
   const std::vector<int> layers = {5, 1, 1};
@@ -151,14 +155,20 @@ TEST(Target, ForwardTapsSkipsTheTop) {
   o.tap_layers = {5};
   o.logits = LogitsRows::all;
   const Tensor l5 = taps.slice(1, 0, 384).contiguous();
-  EXPECT_EQ(l5.to_f32_vector(), f.model.forward(toks, one_doc(toks.size()), o).taps.to_f32_vector());
+  EXPECT_EQ(l5.to_f32_vector(),
+            f.model.forward(toks, one_doc(toks.size()), o).taps.to_f32_vector());
   EXPECT_EQ(taps.slice(1, 384, 768).contiguous().to_f32_vector(),
             taps.slice(1, 768, 1152).contiguous().to_f32_vector());
   EXPECT_LT(rel_error(taps.slice(1, 384, 768).contiguous(), f.golden.get("p2.layer1.out")),
             kGoldenTol);
+  // Tapping only layer 1 runs two layers and gives the same numbers.
+  const Tensor only1 = f.model.forward_taps(toks, one_doc(toks.size()), std::vector<int>{1});
+  EXPECT_EQ(only1.to_f32_vector(), taps.slice(1, 384, 768).contiguous().to_f32_vector());
 }
 
-std::vector<int32_t> golden_greedy(int i) { return fx().ids(fmt::format("p{}.greedy", i)); }
+std::vector<int32_t> golden_greedy(int i) {
+  return fx().ids(fmt::format("p{}.greedy", i));
+}
 
 TEST(Target, GreedyWithKvCacheMatchesHf) {
   const Fixture& f = fx();
@@ -211,7 +221,8 @@ TEST(Target, BlockAppendEqualsSingleSteps) {
     const ForwardResult r1 = m.append(one, std::span<const int32_t>(&block[j], 1), o);
     EXPECT_LT(rel_error(rows(r1.logits, 0, 1), rows(rb.logits, j, j + 1)), 1e-5) << "slot " << j;
     EXPECT_LT(rel_error(rows(r1.taps, 0, 1), rows(rb.taps, j, j + 1)), 1e-5) << "slot " << j;
-    EXPECT_EQ(argmax_row(r1.logits.data<float>(), V), argmax_row(rb.logits.data<float>() + j * V, V));
+    EXPECT_EQ(argmax_row(r1.logits.data<float>(), V),
+              argmax_row(rb.logits.data<float>() + j * V, V));
   }
 
   // The same rows from a full forward over prompt + block.
@@ -351,8 +362,8 @@ TEST(Target, BadInputErrors) {
 // `dflash inspect --prompt` prints the greedy continuation; on the golden prompts (the rendered
 // chat prompts of tiny-qwen3.golden.json) it is the text HF produced.
 TEST(Target, InspectPromptPrintsGoldenGreedyText) {
-  const nlohmann::json g =
-      nlohmann::json::parse(test::read_file(test::shared_dir() / "fixtures" / "tiny-qwen3.golden.json"));
+  const nlohmann::json g = nlohmann::json::parse(
+      test::read_file(test::shared_dir() / "fixtures" / "tiny-qwen3.golden.json"));
   for (int i : kFullRuns ? std::vector<int>{0, 6} : std::vector<int>{0}) {
     const std::string prompt = g["prompts"][i]["prompt"].get<std::string>();
     const std::string want = g["prompts"][i]["greedy_text"].get<std::string>();
@@ -360,7 +371,9 @@ TEST(Target, InspectPromptPrintsGoldenGreedyText) {
         test::run_dflash({"inspect", model_dir().string(), "--prompt", prompt});
     ASSERT_EQ(r.exit_code, 0) << r.err;
     EXPECT_NE(r.out.find("continuation:\n" + want + "\n"), std::string::npos)
-        << "prompt " << i << " wants:\n" << want << "\ngot:\n" << r.out;
+        << "prompt " << i << " wants:\n"
+        << want << "\ngot:\n"
+        << r.out;
   }
   // A prompt that encodes to nothing is an error, not a crash.
   const test::RunResult e = test::run_dflash({"inspect", model_dir().string(), "--prompt", ""});
