@@ -1,6 +1,8 @@
 // Tests of src/data/tokenizer: conformance with HF `tokenizers` ids on the real Qwen3 tokenizer
 // (cases.jsonl, recorded with HF tokenizers 0.23), round trips, offsets, added-token flags on a
 // hand-written tokenizer.json, invalid UTF-8 handling, thread safety, the CLI.
+#include "data/tokenizer.hpp"
+
 #include <gtest/gtest.h>
 #include <lzma.h>
 #include <utf8proc.h>
@@ -10,7 +12,6 @@
 #include <thread>
 
 #include "core/error.hpp"
-#include "data/tokenizer.hpp"
 #include "data/utf8.hpp"
 #include "util/test_util.hpp"
 
@@ -45,8 +46,9 @@ std::string xz_decompress(const fs::path& p) {
 const Tokenizer& qwen3() {
   static test::TempDir dir;
   static const Tokenizer tok = [] {
-    test::write_file(dir / "tokenizer.json",
-                     xz_decompress(test::shared_dir() / "fixtures/qwen3-tokenizer/tokenizer.json.xz"));
+    test::write_file(
+        dir / "tokenizer.json",
+        xz_decompress(test::shared_dir() / "fixtures/qwen3-tokenizer/tokenizer.json.xz"));
     return Tokenizer::load(dir.path());
   }();
   return tok;
@@ -68,7 +70,8 @@ std::vector<Case> qwen3_cases() {
 }
 
 /// Checks that offsets are monotone, character-aligned and cover `text` without gaps.
-void expect_offsets_cover(const std::string& text, const std::vector<std::pair<size_t, size_t>>& o) {
+void expect_offsets_cover(const std::string& text,
+                          const std::vector<std::pair<size_t, size_t>>& o) {
   if (text.empty()) {
     EXPECT_TRUE(o.empty());
     return;
@@ -109,7 +112,8 @@ TEST(Tokenizer, RoundTripAndOffsets) {
   for (const auto& c : qwen3_cases()) texts.push_back(c.text);
   texts.push_back(std::string(1000, 'a'));
   texts.push_back(std::string(129, ' ') + "x" + std::string(17, '\n'));
-  texts.push_back("\xF0\x9F\x91\xA8\xE2\x80\x8D\xF0\x9F\x91\xA9 family, 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 <|im_end|><|im_end|>");
+  texts.push_back(
+      "\xF0\x9F\x91\xA8\xE2\x80\x8D\xF0\x9F\x91\xA9 family, 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 <|im_end|><|im_end|>");
   for (const auto& t : texts) {
     std::vector<std::pair<size_t, size_t>> offs;
     const auto ids = qwen3().encode(t, &offs);
@@ -166,8 +170,11 @@ TEST(Tokenizer, InvalidUtf8) {
   std::vector<std::pair<size_t, size_t>> offs;
   const auto ids = t.encode(bad, &offs, InvalidUtf8::replace);
   // The maximal invalid subpart E2 82 becomes one U+FFFD, the lone 80 another.
-  EXPECT_EQ(t.decode(ids), "ab\xEF\xBF\xBD" "c\xEF\xBF\xBD");
-  EXPECT_EQ(ids, t.encode("ab\xEF\xBF\xBD" "c\xEF\xBF\xBD"));
+  EXPECT_EQ(t.decode(ids),
+            "ab\xEF\xBF\xBD"
+            "c\xEF\xBF\xBD");
+  EXPECT_EQ(ids, t.encode("ab\xEF\xBF\xBD"
+                          "c\xEF\xBF\xBD"));
   ASSERT_FALSE(offs.empty());
   EXPECT_EQ(offs.front().first, 0u);
   EXPECT_EQ(offs.back().second, bad.size());
@@ -203,7 +210,7 @@ namespace {
 
 /// A byte-level BPE with the 256 byte tokens, merges "h e" -> "he", "he l" -> "hel",
 /// "Ġ w" -> "Ġw", and added tokens exercising every flag. Ids: bytes 0..255 in alphabet order,
-/// then merges' results, then the added tokens from 300.
+/// then merges' results (256..258), then the added tokens (259..262, as HF assigns them).
 std::string tiny_tokenizer_json(bool normalized_mask = false) {
   // GPT-2 bytes_to_unicode.
   std::vector<std::string> byte_str(256);
@@ -222,22 +229,24 @@ std::string tiny_tokenizer_json(bool normalized_mask = false) {
   json j;
   j["version"] = "1.0";
   j["normalizer"] = nullptr;
-  j["pre_tokenizer"] = {{"type", "ByteLevel"}, {"add_prefix_space", false},
-                        {"trim_offsets", false}, {"use_regex", true}};
+  j["pre_tokenizer"] = {{"type", "ByteLevel"},
+                        {"add_prefix_space", false},
+                        {"trim_offsets", false},
+                        {"use_regex", true}};
   j["decoder"] = {{"type", "ByteLevel"}};
   j["model"] = {{"type", "BPE"},
                 {"vocab", vocab},
                 {"merges", json::array({json::array({"h", "e"}), json::array({"he", "l"}),
                                         json::array({"\xC4\xA0", "w"})})}};
   auto added = [](int id, const char* c, bool sw, bool l, bool r, bool norm, bool special) {
-    return json{{"id", id},       {"content", c},     {"single_word", sw}, {"lstrip", l},
-                {"rstrip", r},    {"normalized", norm}, {"special", special}};
+    return json{{"id", id},    {"content", c},       {"single_word", sw}, {"lstrip", l},
+                {"rstrip", r}, {"normalized", norm}, {"special", special}};
   };
   j["added_tokens"] = json::array({
-      added(300, "[CLS]", false, false, false, false, true),
-      added(301, "<mask>", false, true, true, normalized_mask, false),
-      added(302, "ony", true, false, false, false, false),
-      added(303, "[CLS]x", false, false, false, false, true),
+      added(259, "[CLS]", false, false, false, false, true),
+      added(260, "<mask>", false, true, true, normalized_mask, false),
+      added(261, "ony", true, false, false, false, false),
+      added(262, "[CLS]x", false, false, false, false, true),
   });
   return j.dump();
 }
@@ -252,16 +261,16 @@ TEST(Tokenizer, AddedTokenFlags) {
   // lstrip/rstrip: "<mask>" swallows the whitespace around it (HF find_matches).
   //   "a  <mask>\t b" -> "a" | "  <mask>\t " | "b"
   auto ids = t.encode("a  <mask>\t b", &offs);
-  EXPECT_EQ(ids, (std::vector<int32_t>{'a', 301, 'b'}));
+  EXPECT_EQ(ids, (std::vector<int32_t>{'a', 260, 'b'}));
   EXPECT_EQ(offs, (std::vector<std::pair<size_t, size_t>>{{0, 1}, {1, 11}, {11, 12}}));
   // single_word: "ony" only matches between non-word characters.
-  EXPECT_EQ(t.encode("ony"), (std::vector<int32_t>{302}));
-  EXPECT_EQ(t.encode("(ony)"), (std::vector<int32_t>{'(', 302, ')'}));
+  EXPECT_EQ(t.encode("ony"), (std::vector<int32_t>{261}));
+  EXPECT_EQ(t.encode("(ony)"), (std::vector<int32_t>{'(', 261, ')'}));
   const auto anthony = t.encode("Anthony");
-  EXPECT_EQ(std::count(anthony.begin(), anthony.end(), 302), 0);
+  EXPECT_EQ(std::count(anthony.begin(), anthony.end(), 261), 0);
   EXPECT_EQ(t.decode(anthony), "Anthony");
   // Longest match first: "[CLS]x" beats "[CLS]".
-  EXPECT_EQ(t.encode("[CLS]x[CLS]"), (std::vector<int32_t>{303, 300}));
+  EXPECT_EQ(t.encode("[CLS]x[CLS]"), (std::vector<int32_t>{262, 259}));
   // BPE merges by rank and the GPT-2 split regex (ByteLevel use_regex): "hello world".
   ids = t.encode("hello world", &offs);
   EXPECT_EQ(ids, (std::vector<int32_t>{257, 'l', 'o', 258, 'o', 'r', 'l', 'd'}));
@@ -269,9 +278,19 @@ TEST(Tokenizer, AddedTokenFlags) {
   EXPECT_EQ(offs[3], (std::pair<size_t, size_t>{5, 7}));
   EXPECT_EQ(t.decode(ids), "hello world");
   // Special flags and decode.
-  EXPECT_TRUE(t.is_special(300));
-  EXPECT_FALSE(t.is_special(301));
-  EXPECT_EQ(t.decode({300, 'a', 301}, true), "a<mask>");
+  EXPECT_TRUE(t.is_special(259));
+  EXPECT_FALSE(t.is_special(260));
+  EXPECT_EQ(t.decode({259, 'a', 260}, true), "a<mask>");
+  // Ids in the file that disagree with HF's assignment (next free id after the vocabulary, or
+  // the vocabulary's own id for a known content) are overridden as HF does.
+  json j = json::parse(tiny_tokenizer_json());
+  j["added_tokens"][0]["id"] = 500;
+  j["added_tokens"].push_back({{"id", 7}, {"content", "he"}, {"special", true}});
+  test::write_file(dir / "tokenizer.json", j.dump());
+  const Tokenizer t2 = Tokenizer::load(dir / "tokenizer.json");
+  EXPECT_EQ(t2.token_to_id("[CLS]"), 259);
+  EXPECT_EQ(t2.encode("[CLS]he"), (std::vector<int32_t>{259, 256}));
+  EXPECT_TRUE(t2.is_special(256));
 }
 
 TEST(Tokenizer, RejectsUnsupported) {
@@ -306,7 +325,8 @@ TEST(Tokenizer, TinyModelTokenizerLoads) {
 
 TEST(TokenizeCli, EncodeDecodeAndErrors) {
   const std::string model = (test::assets_dir() / "tiny-qwen3").string();
-  auto r = test::run_dflash({"tokenize", "--model", model, "--verbose"}, "hello world\n<|im_end|>\n");
+  auto r =
+      test::run_dflash({"tokenize", "--model", model, "--verbose"}, "hello world\n<|im_end|>\n");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   std::istringstream out(r.out);
   std::string l1, l2;
@@ -322,8 +342,9 @@ TEST(TokenizeCli, EncodeDecodeAndErrors) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(json::parse(r.out)["text"], "hello world");
   // --jsonl with record ids; an invalid UTF-8 line names the line.
-  r = test::run_dflash({"tokenize", "--model", model, "--jsonl"},
-                       "{\"id\": \"r1\", \"text\": \"hi\"}\n{\"id\": \"r2\", \"text\": \"\xFF\"}\n");
+  r = test::run_dflash(
+      {"tokenize", "--model", model, "--jsonl"},
+      "{\"id\": \"r1\", \"text\": \"hi\"}\n{\"id\": \"r2\", \"text\": \"\xFF\"}\n");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("line 2"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("UTF-8"), std::string::npos) << r.err;
@@ -333,6 +354,5 @@ TEST(TokenizeCli, EncodeDecodeAndErrors) {
   EXPECT_NE(r.err.find("byte offset 4"), std::string::npos) << r.err;
   r = test::run_dflash({"tokenize", "--model", model, "--replace-invalid"}, "bad \xC3(\n");
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_EQ(json::parse(r.out)["ids"].get<std::vector<int32_t>>(),
-            t.encode("bad \xEF\xBF\xBD("));
+  EXPECT_EQ(json::parse(r.out)["ids"].get<std::vector<int32_t>>(), t.encode("bad \xEF\xBF\xBD("));
 }
