@@ -115,7 +115,7 @@ def drafter_logits_packed(params, cfg, features, tokens, doc_offsets, anchors, e
     it jit-compiles once per problem. Context row q has position q - start(doc of q); block b
     sees rows start(doc_b) <= q < anchor_b and its own K rows.
     """
-    H, NH, NKV, D = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    NH, NKV, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     K, eps, theta = cfg["block_size"], cfg["rms_norm_eps"], cfg["rope_theta"]
     mask_id, L = cfg["mask_token_id"], cfg["num_hidden_layers"]
     T, N, rep = features.shape[0], len(anchors), NH // NKV

@@ -89,7 +89,8 @@ def make_problem(idx, spec):
         "max_position_embeddings": 4096, "tie_word_embeddings": False, "attention_bias": False,
         "hidden_act": "silu", "block_size": K, "num_target_layers": n_target,
         "dflash_config": {"mask_token_id": V - 1,
-                          "target_layer_ids": sorted(rng.choice(n_target, taps, replace=False).tolist())},
+                          "target_layer_ids":
+                              sorted(rng.choice(n_target, taps, replace=False).tolist())},
     }
     params = {}
     for name, shape in param_shapes(cfg).items():
@@ -228,7 +229,8 @@ def compare(idx, prob, cpp, ref):
     if diff.any():
         b, k = np.argwhere(diff)[0]
         fails.append(f"argmax differs at {int(diff.sum())} slots, first block {b} slot {k}: C++ "
-                     f"{am_c[b, k]} vs reference {am_r[b, k]} (logits {logits[b, k, am_c[b, k]]:.8g}"
+                     f"{am_c[b, k]} vs reference {am_r[b, k]} "
+                     f"(logits {logits[b, k, am_c[b, k]]:.8g}"
                      f" vs {logits[b, k, am_r[b, k]]:.8g})")
     am_used = np.where(near, am_c, am_r)
     acc, tau, slot = dflash_ref.metrics(am_used, labels, counted)
@@ -270,7 +272,8 @@ def main():
             if fail:
                 failures.append(f"config {idx}:\n  {fail}")
     print(f"checked {len(CONFIGS)} configurations against dflash_ref.py (float64) in "
-          f"{time.time() - t0:.1f} s: loss and gradients within {TOL:g} relative, argmax, accuracy, "
+          f"{time.time() - t0:.1f} s: loss and gradients within {TOL:g} relative, argmax, "
+          f"accuracy, "
           f"tau and per-slot accuracy exactly")
     if failures:
         print(f"\nFAILED: {len(failures)} of {len(CONFIGS)} configurations. First failure:\n"
