@@ -420,7 +420,10 @@ TEST(DrafterIo, ConfigForTargetDefaults) {
   const DrafterConfig c2 =
       drafter_config_for_target(t, 1, s, 8001, std::vector<int>{4}, &tiny_tok());
   EXPECT_EQ(c2.num_heads, 4);
-  EXPECT_EQ(c2.num_kv_heads, 4);
+  EXPECT_EQ(c2.num_kv_heads, 2);  // the target's
+  s.num_heads = 3;                // not a multiple of the target's 2 kv heads, and none given
+  expect_error([&] { drafter_config_for_target(t, 1, s, 8001, std::nullopt, &tiny_tok()); },
+               {"num_attention_heads (3)", "num_key_value_heads (2)"});
   EXPECT_EQ(c2.head_dim, 32);
   EXPECT_EQ(c2.block_size, 8);
   EXPECT_EQ(c2.target_layer_ids, std::vector<int>{4});

@@ -316,8 +316,7 @@ DrafterConfig drafter_config_for_target(const ModelConfig& target, int num_layer
   c.intermediate_size = sizes.intermediate_size.value_or(target.intermediate_size);
   c.num_layers = num_layers;
   c.num_heads = sizes.num_heads.value_or(target.num_attention_heads);
-  c.num_kv_heads =
-      sizes.num_kv_heads.value_or(sizes.num_heads ? *sizes.num_heads : target.num_key_value_heads);
+  c.num_kv_heads = sizes.num_kv_heads.value_or(target.num_key_value_heads);
   c.head_dim = sizes.head_dim.value_or(target.head_dim);
   c.vocab_size = target.vocab_size;
   c.rms_norm_eps = target.rms_norm_eps;
