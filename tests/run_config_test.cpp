@@ -152,6 +152,8 @@ TEST(Fs, AtomicWriteReplacesWholeFile) {
   write_file_atomic(tmp / "f.txt", "first");
   write_file_atomic(tmp / "f.txt", "second version");
   EXPECT_EQ(read_file_text(tmp / "f.txt"), "second version");
+  const auto perms = std::filesystem::status(tmp / "f.txt").permissions();
+  EXPECT_TRUE((perms & std::filesystem::perms::others_read) != std::filesystem::perms::none);
   size_t n = 0;
   for (auto& e : std::filesystem::directory_iterator(tmp.path())) {
     (void)e;

@@ -126,6 +126,11 @@ void run_drafter_step(const std::string& in_path, const std::string& out_path) {
   Tensor am = Tensor::empty({N, K}, DType::i32);
   std::copy(res.argmax.begin(), res.argmax.end(), am.data<int32_t>());
   out.emplace_back("argmax", am);
+  {
+    const DrafterTables<float> tables{embed.data(), head.data()};
+    std::vector<float> logits = drafter_block_logits<float>(cfg, layout, params.data(), tables, row, ws);
+    out.emplace_back("logits", Tensor::from_f32(logits, {N, K, cfg.vocab_size}));
+  }
   for (const ParamInfo& p : layout.params) {
     std::vector<float> g(grads.begin() + p.offset, grads.begin() + p.offset + p.numel);
     out.emplace_back("grad." + p.name, Tensor::from_f32(g, p.shape));
@@ -153,7 +158,7 @@ void add_dev_command(CLI::App& app) {
       "'tokens' [T] i32, 'loss_mask' [T] u8, 'doc_offsets' [n+1] i32, 'anchors' [N,2] i32\n"
       "(position, document).\n"
       "OUT.safetensors: 'loss' [1] (Σw·CE/Σw), 'accuracy' [1], 'tau' [1], 'slot_accuracy' [K]\n"
-      "(NaN where unsupervised), 'argmax' [N,K] i32, 'grad.<export name>' f32 (gradient of loss).");
+      "(NaN where unsupervised), 'argmax' [N,K] i32, 'logits' [N,K,V] f32, 'grad.<export name>' f32 (gradient of loss).");
   step->add_option("IN", *in, "input safetensors file")->required();
   step->add_option("OUT", *out, "output safetensors file")->required();
   step->callback([in, out] { run_drafter_step(*in, *out); });

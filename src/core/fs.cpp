@@ -1,6 +1,7 @@
 #include "core/fs.hpp"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -30,6 +31,7 @@ void write_file_atomic(const std::filesystem::path& path, std::string_view bytes
   int fd = ::mkstemp(buf.data());
   DFLASH_CHECK(fd >= 0, "cannot create a temporary file next to '{}': {}", path.string(),
                std::strerror(errno));
+  ::fchmod(fd, 0644);  // mkstemp creates 0600; written files are ordinary readable files
   size_t done = 0;
   while (done < bytes.size()) {
     ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
