@@ -111,7 +111,7 @@ def main():
             ref = torch.stack([drafter.block_logits(feats, ids, a_) for a_ in anchors])
         inp = {f"params.{k}": v.contiguous() for k, v in weights.items()}
         inp.update({
-            "embed": embed.contiguous(), "lm_head": lm_head.contiguous(), "features": feats.contiguous(),
+            "embed": embed.clone().contiguous(), "lm_head": lm_head.clone().contiguous(), "features": feats.contiguous(),
             "tokens": torch.tensor(ids, dtype=torch.int32),
             "loss_mask": torch.tensor([0] * len(prompt_ids) + [1] * (T - len(prompt_ids)), dtype=torch.uint8),
             "doc_offsets": torch.tensor([0, T], dtype=torch.int32),
