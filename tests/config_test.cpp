@@ -95,7 +95,7 @@ TEST(ModelConfig, TinyQwen3FromFolderAndFile) {
     EXPECT_FALSE(c.o_proj_bias);
     EXPECT_TRUE(c.qk_norm);
     EXPECT_EQ(c.eos_token_ids, std::vector<int64_t>{2});
-    EXPECT_EQ(c.rope.type, RopeType::default_);
+    EXPECT_EQ(c.rope.type, RopeType::standard);
     EXPECT_DOUBLE_EQ(c.rope.theta, 1e6);
     EXPECT_DOUBLE_EQ(c.rope.attention_factor, 1.0);
     EXPECT_EQ(c.sliding_window, 0);
@@ -185,7 +185,7 @@ TEST(ModelConfig, LlamaRopeParametersOfTransformers5) {
   // Default rope in rope_parameters.
   j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 10000.0}};
   c = model_config_from_json(j, "llama5.json");
-  EXPECT_EQ(c.rope.type, RopeType::default_);
+  EXPECT_EQ(c.rope.type, RopeType::standard);
   EXPECT_DOUBLE_EQ(c.rope.theta, 10000.0);
 }
 
@@ -272,7 +272,7 @@ TEST(ModelConfig, MistralSlidingWindowAndDefaults) {
   EXPECT_FALSE(c.attention_bias);
   EXPECT_EQ(c.sliding_window, 4096);
   EXPECT_EQ(c.num_sliding_layers(), 32);  // Mistral slides on every layer
-  EXPECT_EQ(c.rope.type, RopeType::default_);
+  EXPECT_EQ(c.rope.type, RopeType::standard);
 
   json j = mistral_config();
   j["sliding_window"] = nullptr;  // v0.2+: no window

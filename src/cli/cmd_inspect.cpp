@@ -20,7 +20,7 @@ namespace {
 std::string rope_str(const RopeConfig& r) {
   std::string s = fmt::format("{}, theta {}", rope_type_name(r.type), r.theta);
   switch (r.type) {
-    case RopeType::default_: break;
+    case RopeType::standard: break;
     case RopeType::linear: s += fmt::format(", factor {}", r.factor); break;
     case RopeType::llama3:
       s += fmt::format(", factor {}, low_freq_factor {}, high_freq_factor {}, "

@@ -23,7 +23,7 @@ std::string_view arch_name(Arch a) {
 
 std::string_view rope_type_name(RopeType t) {
   switch (t) {
-    case RopeType::default_: return "default";
+    case RopeType::standard: return "default";
     case RopeType::linear: return "linear";
     case RopeType::llama3: return "llama3";
     case RopeType::yarn: return "yarn";
@@ -171,7 +171,7 @@ void parse_rope(const json& j, const std::string& source, ModelConfig& c) {
 
   const std::string type = rp ? type_of(*rp, key) : "default";
   if (type == "default") {
-    r.type = RopeType::default_;
+    r.type = RopeType::standard;
   } else if (type == "linear") {
     r.type = RopeType::linear;
     r.factor = p.req_pos("factor");

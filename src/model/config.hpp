@@ -17,6 +17,8 @@
 #include <string_view>
 #include <vector>
 
+#include "ops/rope.hpp"
+
 namespace dflash {
 
 /// Decoder family. `llama` also covers `model_type: "mistral"` (same weights and blocks; Mistral
@@ -25,8 +27,8 @@ enum class Arch { qwen3, qwen2, llama };
 /// "qwen3", "qwen2", "llama".
 std::string_view arch_name(Arch a);
 
-/// RoPE frequency scaling variants supported (HF `rope_type`).
-enum class RopeType { default_, linear, llama3, yarn };
+// RoPE frequency scaling variants supported (HF `rope_type`): `RopeType` of ops/rope.hpp
+// (`standard` is HF's "default"). One enum for the config and the op.
 /// "default", "linear", "llama3", "yarn".
 std::string_view rope_type_name(RopeType t);
 
@@ -41,7 +43,7 @@ std::string_view rope_type_name(RopeType t);
 ///   original_max_position_embeddings (floor/ceil when `truncate`), cos/sin scaled by
 ///   attention_factor.
 struct RopeConfig {
-  RopeType type = RopeType::default_;
+  RopeType type = RopeType::standard;
   double theta = 10000.0;               ///< `rope_theta` (base)
   double partial_rotary_factor = 1.0;   ///< fraction of head_dim that is rotated
   double factor = 1.0;                  ///< linear/llama3/yarn scaling factor (1 for default)
