@@ -10,6 +10,10 @@ namespace dflash::cli {
 /// `dflash inspect MODEL_DIR`: architecture, sizes, parameter count, dtypes, shards, default taps.
 void add_inspect_command(CLI::App& app);
 
+/// `dflash data prepare --model DIR --data FILE [--template NAME] [--max-length N] ...`: writes
+/// (or reuses) the token cache and prints its figures (src/cli/cmd_data.cpp).
+void add_data_command(CLI::App& app);
+
 /// `dflash status RUN_DIR`: alive or not, phase, step, loss, τ, tokens/s, ETA (from status.json).
 void add_status_command(CLI::App& app);
 /// `dflash tokenize --model DIR`: one JSON line of token ids per stdin line (`--jsonl` records,

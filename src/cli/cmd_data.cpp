@@ -1,0 +1,102 @@
+// `dflash data prepare`: tokenizes a conversation corpus for a target model into the binary token
+// cache that training reads (reused when nothing changed), and prints its figures: conversations,
+// tokens, supervised tokens, skipped, truncated, length histogram, and the packing waste of the
+// batch shapes.
+#include <chrono>
+
+#include "cli/commands.hpp"
+#include "core/error.hpp"
+#include "core/log.hpp"
+#include "data/batcher.hpp"
+#include "data/chat_template.hpp"
+#include "data/dataset.hpp"
+#include "data/tokenizer.hpp"
+
+namespace dflash::cli {
+
+namespace {
+
+struct PrepareArgs {
+  std::string model, data, template_name, cache;
+  int64_t max_length = 4096;
+  bool enable_thinking = false, skip_invalid = false, force = false;
+  int threads = 0;
+  int64_t token_budget = 8192, rows = 1;
+  int num_shapes = 4;
+};
+
+void run_prepare(const PrepareArgs& a) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::filesystem::path model = a.model;
+  const std::filesystem::path tok_file = model / "tokenizer.json";
+  DFLASH_CHECK(std::filesystem::exists(tok_file), "{}: no tokenizer.json in the model folder",
+               model.string());
+  Tokenizer tok = Tokenizer::load(tok_file);
+  PrepareOptions o;
+  o.data = a.data;
+  o.cache = a.cache.empty() ? default_cache_path(o.data, model) : std::filesystem::path(a.cache);
+  o.chat_template = resolve_chat_template(model, a.template_name, a.enable_thinking);
+  o.max_length = a.max_length;
+  o.skip_invalid = a.skip_invalid;
+  o.threads = a.threads;
+  o.force = a.force;
+  o.tokenizer_hash = hash_file(tok_file);
+  o.encode = [&tok](std::string_view text, std::vector<std::pair<size_t, size_t>>* offsets) {
+    return tok.encode(text, offsets);
+  };
+  PrepareResult r = prepare_dataset(o);
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+  fmt::print("data       {}\n", o.data.string());
+  fmt::print("model      {} (template {})\n", model.string(), o.chat_template.fingerprint());
+  fmt::print("cache      {} ({})\n", o.cache.string(),
+             r.reused ? "reused: nothing changed" : "built: " + r.reason);
+  fmt::print("max length {}\n", o.max_length);
+  fmt::print("{}", r.dataset.stats().report());
+
+  BatcherOptions bo;
+  bo.token_budget = a.token_budget;
+  bo.rows = a.rows;
+  bo.num_shapes = a.num_shapes;
+  Batcher batcher(r.dataset, bo);
+  PackingStats ps = batcher.epoch_stats(0);
+  fmt::print("packing (epoch 0, {} row(s) x budget {}): {} batches, {} tokens in {} slots, "
+             "padding waste {:.2f} %\n",
+             bo.rows, bo.token_budget, ps.batches, ps.tokens, ps.slots, 100.0 * ps.waste());
+  for (auto it = ps.batches_per_shape.rbegin(); it != ps.batches_per_shape.rend(); ++it) {
+    fmt::print("  shape [{} x {}]: {} batches\n", bo.rows, it->first, it->second);
+  }
+  fmt::print("time       {}\n", format_duration(secs));
+}
+
+}  // namespace
+
+void add_data_command(CLI::App& app) {
+  auto* data = app.add_subcommand("data", "Training data: tokenize and cache conversations");
+  data->require_subcommand(1);
+  auto args = std::make_shared<PrepareArgs>();
+  auto* p = data->add_subcommand(
+      "prepare", "Render, tokenize and cache a conversation corpus; print its figures");
+  p->add_option("--model", args->model, "Target model folder (tokenizer.json, chat template)")
+      ->required();
+  p->add_option("--data", args->data, "Conversations: .jsonl, .jsonl.xz or .jsonl.zst")->required();
+  p->add_option("--template", args->template_name,
+                "Chat template: chatml (alias qwen), qwen3, llama3 (default: detected)");
+  p->add_flag("--enable-thinking", args->enable_thinking, "qwen3: thinking mode");
+  p->add_option("--max-length", args->max_length, "Tokens per conversation; longer ones are "
+                "truncated")->capture_default_str()->check(CLI::PositiveNumber);
+  p->add_option("--cache", args->cache, "Cache file (default: under ~/.cache/dflash)");
+  p->add_flag("--skip-invalid", args->skip_invalid, "Skip and count bad records");
+  p->add_flag("--force", args->force, "Rebuild the cache even when it is up to date");
+  p->add_option("--threads", args->threads, "Tokenizer threads (0 = all cores)")
+      ->capture_default_str();
+  p->add_option("--token-budget", args->token_budget, "Tokens per packed row (for the report)")
+      ->capture_default_str();
+  p->add_option("--rows", args->rows, "Rows per batch (for the report)")->capture_default_str();
+  p->add_option("--shapes", args->num_shapes, "Number of row lengths budget/2^k (for the report)")
+      ->capture_default_str();
+  p->callback([args] { run_prepare(*args); });
+}
+
+}  // namespace dflash::cli
