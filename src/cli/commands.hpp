@@ -16,6 +16,7 @@ void add_data_command(CLI::App& app);
 
 /// `dflash status RUN_DIR`: alive or not, phase, step, loss, τ, tokens/s, ETA (from status.json).
 void add_status_command(CLI::App& app);
+
 /// `dflash tokenize --model DIR`: one JSON line of token ids per stdin line (`--jsonl` records,
 /// `--verbose` token strings, `--offsets` byte ranges, `--decode` the reverse).
 void add_tokenize_command(CLI::App& app);
