@@ -247,7 +247,7 @@ TEST(Target, PackedDocumentsEqualSeparateRuns) {
   o.final_norm = true;
   const ForwardResult p = m.forward(packed, offs, o);
   int64_t r0 = 0;
-  for (const auto* doc : {&a, &b, &c}) {
+  for (const std::vector<int32_t>* doc : {&a, static_cast<const std::vector<int32_t>*>(&b), &c}) {
     const ForwardResult s = m.forward(*doc, one_doc(doc->size()), o);
     const int64_t n = static_cast<int64_t>(doc->size());
     EXPECT_LT(rel_error(rows(p.logits, r0, r0 + n), s.logits.to_f32_vector()), 1e-6);

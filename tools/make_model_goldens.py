@@ -114,7 +114,9 @@ def rewrite_rope_classic(folder):
     path = os.path.join(folder, "config.json")
     with open(path) as f:
         cfg = json.load(f)
-    rp = dict(cfg.pop("rope_parameters"))
+    rp = cfg.pop("rope_parameters", None) or cfg.pop("rope_scaling", None)
+    assert isinstance(rp, dict), f"{path}: no rope_parameters to rewrite"
+    rp = dict(rp)
     cfg["rope_theta"] = rp.pop("rope_theta", cfg.get("rope_theta"))
     assert cfg["rope_theta"] is not None, f"{path}: no rope_theta"
     cfg["rope_scaling"] = rp

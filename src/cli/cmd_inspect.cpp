@@ -2,6 +2,10 @@
 // checks that the weights match the config (missing tensors or wrong shapes are errors), and prints
 // one "key: value" line per figure on stdout. The keys and their order are stable (tests and scripts
 // grep them); counts use thousands separators.
+// With `--prompt TEXT` it also runs the model (CPU, fp32 compute): TEXT is tokenized as raw text
+// (no chat template is applied: pass the rendered prompt), greedy decoding with the KV cache prints
+// the continuation (special tokens included) after a line "continuation:", stopping after an
+// end-of-sequence token (generation_config.json, else config.json) or --max-new-tokens.
 #include <fmt/format.h>
 
 #include <map>
@@ -9,8 +13,10 @@
 #include "cli/commands.hpp"
 #include "core/error.hpp"
 #include "core/log.hpp"
+#include "data/tokenizer.hpp"
 #include "model/config.hpp"
 #include "model/safetensors.hpp"
+#include "model/target.hpp"
 #include "model/weights.hpp"
 
 namespace dflash::cli {
@@ -104,13 +110,42 @@ void run_inspect(const std::string& dir) {
   print_line("default taps (5 drafter layers)", taps5);
 }
 
+// Greedy continuation of raw `prompt` text.
+void run_prompt(const std::string& dir, const std::string& prompt, int64_t max_new_tokens) {
+  const Tokenizer tok = Tokenizer::load(dir);
+  const std::vector<int32_t> ids = tok.encode(prompt);
+  DFLASH_CHECK(!ids.empty(), "--prompt: the prompt is empty (it encodes to no token)");
+  const TargetModel model = TargetModel::load(dir);
+  const std::vector<int64_t> eos = generation_eos_ids(dir, model.config());
+  const std::vector<int32_t> out = greedy_generate(model, ids, max_new_tokens, eos, true);
+  print_line("prompt tokens", std::to_string(ids.size()));
+  print_line("generated tokens", std::to_string(out.size()));
+  fmt::print("continuation:\n{}\n", tok.decode(out));
+}
+
 }  // namespace
 
 void add_inspect_command(CLI::App& app) {
   auto* sub = app.add_subcommand("inspect", "Describe a HF model folder (config.json + safetensors)");
   auto dir = std::make_shared<std::string>();
   sub->add_option("model_dir", *dir, "Folder with config.json and safetensors")->required();
-  sub->callback([dir] { run_inspect(*dir); });
+  auto prompt = std::make_shared<std::string>();
+  auto has_prompt = std::make_shared<bool>(false);
+  auto max_new = std::make_shared<int64_t>(48);
+  sub->add_option_function<std::string>(
+      "--prompt",
+      [prompt, has_prompt](const std::string& p) {
+        *prompt = p;
+        *has_prompt = true;
+      },
+      "Also print the model's greedy continuation of TEXT (raw text: no chat template is "
+      "applied, pass the rendered prompt)");
+  sub->add_option("--max-new-tokens", *max_new, "Most tokens generated for --prompt")
+      ->check(CLI::PositiveNumber);
+  sub->callback([dir, prompt, has_prompt, max_new] {
+    run_inspect(*dir);
+    if (*has_prompt) run_prompt(*dir, *prompt, *max_new);
+  });
 }
 
 }  // namespace dflash::cli
