@@ -82,7 +82,11 @@ void check_epoch(Batcher& bt, const TokenDataset& ds, int64_t epoch) {
     int64_t fullest = 0;
     for (int64_t r = 0; r < opts.rows; ++r) {
       int64_t col = 0;
+      const auto& offs = b.doc_offsets[static_cast<size_t>(r)];
+      ASSERT_EQ(offs.size(), static_cast<size_t>(b.row_doc_offsets[r + 1] - b.row_doc_offsets[r] + 1));
+      ASSERT_EQ(offs[0], 0);
       for (int32_t k = b.row_doc_offsets[r]; k < b.row_doc_offsets[r + 1]; ++k) {
+        ASSERT_EQ(offs[static_cast<size_t>(k - b.row_doc_offsets[r])], col);
         const DocSlot& s = b.docs[static_cast<size_t>(k)];
         EXPECT_EQ(s.row, r);
         EXPECT_EQ(s.start, col) << "documents must be back to back from column 0";
@@ -99,6 +103,7 @@ void check_epoch(Batcher& bt, const TokenDataset& ds, int64_t epoch) {
         seen.insert(s.doc);
         col += s.length;
       }
+      ASSERT_EQ(offs.back(), col);
       ASSERT_LE(col, L);
       fullest = std::max(fullest, col);
       for (int64_t c = col; c < L; ++c) {  // padding only at the row end

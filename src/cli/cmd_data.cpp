@@ -11,22 +11,44 @@
 #include "data/chat_template.hpp"
 #include "data/dataset.hpp"
 #include "data/tokenizer.hpp"
+#include "train/run_config.hpp"
 
 namespace dflash::cli {
 
 namespace {
 
 struct PrepareArgs {
+  std::string config;
   std::string model, data, template_name, cache;
-  int64_t max_length = 4096;
+  int64_t max_length = 2048;
   bool enable_thinking = false, skip_invalid = false, force = false;
   int threads = 0;
   int64_t token_budget = 8192, rows = 1;
   int num_shapes = 4;
 };
 
-void run_prepare(const PrepareArgs& a) {
+void run_prepare(PrepareArgs a, const CLI::App& cmd) {
   const auto t0 = std::chrono::steady_clock::now();
+  if (!a.config.empty()) {
+    // Values from the run config, unless given on the command line.
+    RunConfig cfg = RunConfig::load(a.config);
+    auto unset = [&](const char* flag) { return cmd.count(flag) == 0; };
+    if (unset("--model")) a.model = cfg.model.target;
+    if (unset("--data")) a.data = cfg.data.train_file;
+    if (unset("--template")) a.template_name = cfg.data.template_name;
+    if (unset("--max-length")) a.max_length = cfg.data.max_length;
+    if (unset("--skip-invalid")) a.skip_invalid = cfg.data.skip_invalid;
+    if (unset("--token-budget")) a.token_budget = cfg.data.token_budget;
+    if (unset("--rows")) a.rows = cfg.data.rows_per_step;
+    if (unset("--cache")) {
+      std::filesystem::path dir = !cfg.data.cache_dir.empty()
+                                      ? std::filesystem::path(cfg.data.cache_dir)
+                                      : std::filesystem::path(cfg.output_dir) / "cache";
+      a.cache = cache_path_in(dir, a.data, a.model).string();
+    }
+  }
+  DFLASH_CHECK(!a.model.empty(), "data prepare: give --model (or --config with model.target)");
+  DFLASH_CHECK(!a.data.empty(), "data prepare: give --data (or --config with data.train_file)");
   const std::filesystem::path model = a.model;
   const std::filesystem::path tok_file = model / "tokenizer.json";
   DFLASH_CHECK(std::filesystem::exists(tok_file), "{}: no tokenizer.json in the model folder",
@@ -78,9 +100,10 @@ void add_data_command(CLI::App& app) {
   auto args = std::make_shared<PrepareArgs>();
   auto* p = data->add_subcommand(
       "prepare", "Render, tokenize and cache a conversation corpus; print its figures");
-  p->add_option("--model", args->model, "Target model folder (tokenizer.json, chat template)")
-      ->required();
-  p->add_option("--data", args->data, "Conversations: .jsonl, .jsonl.xz or .jsonl.zst")->required();
+  p->add_option("--config", args->config,
+                "Run config (YAML): model.target and the data section give the defaults");
+  p->add_option("--model", args->model, "Target model folder (tokenizer.json, chat template)");
+  p->add_option("--data", args->data, "Conversations: .jsonl, .jsonl.xz or .jsonl.zst");
   p->add_option("--template", args->template_name,
                 "Chat template: chatml (alias qwen), qwen3, llama3 (default: detected)");
   p->add_flag("--enable-thinking", args->enable_thinking, "qwen3: thinking mode");
@@ -96,7 +119,7 @@ void add_data_command(CLI::App& app) {
   p->add_option("--rows", args->rows, "Rows per batch (for the report)")->capture_default_str();
   p->add_option("--shapes", args->num_shapes, "Number of row lengths budget/2^k (for the report)")
       ->capture_default_str();
-  p->callback([args] { run_prepare(*args); });
+  p->callback([args, p] { run_prepare(*args, *p); });
 }
 
 }  // namespace dflash::cli

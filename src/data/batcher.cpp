@@ -5,41 +5,16 @@
 #include <numeric>
 
 #include "core/error.hpp"
+#include "core/rng.hpp"
 
 namespace dflash {
-
-namespace {
-
-uint64_t splitmix64(uint64_t& s) {
-  uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-// Uniform integer in [0, bound) (bound > 0), Lemire's method with rejection.
-uint64_t bounded(uint64_t& s, uint64_t bound) {
-  unsigned __int128 m = static_cast<unsigned __int128>(splitmix64(s)) * bound;
-  auto lo = static_cast<uint64_t>(m);
-  if (lo < bound) {
-    uint64_t t = (0 - bound) % bound;
-    while (lo < t) {
-      m = static_cast<unsigned __int128>(splitmix64(s)) * bound;
-      lo = static_cast<uint64_t>(m);
-    }
-  }
-  return static_cast<uint64_t>(m >> 64);
-}
-
-}  // namespace
 
 std::vector<int64_t> deterministic_permutation(int64_t n, uint64_t seed, uint64_t stream) {
   std::vector<int64_t> p(static_cast<size_t>(n));
   std::iota(p.begin(), p.end(), 0);
-  uint64_t mix = seed;
-  uint64_t s = splitmix64(mix) ^ (stream * 0xd1b54a32d192ed03ull);
+  Rng rng(derive_seed(seed, {0x6461746121ull /* "data!" */, stream}));
   for (int64_t i = n - 1; i > 0; --i) {
-    auto j = static_cast<int64_t>(bounded(s, static_cast<uint64_t>(i + 1)));
+    auto j = static_cast<int64_t>(rng.below(static_cast<uint64_t>(i + 1)));
     std::swap(p[static_cast<size_t>(i)], p[static_cast<size_t>(j)]);
   }
   return p;
@@ -193,8 +168,11 @@ Batch Batcher::batch_at(int64_t epoch, int64_t index) {
   std::fill(tok, tok + R * L, opts_.pad_token);
   std::fill(seg, seg + R * L, -1);
   b.row_doc_offsets.push_back(0);
+  b.doc_offsets.resize(static_cast<size_t>(R));
   for (int64_t r = 0; r < R; ++r) {
     int64_t col = 0;
+    auto& offs = b.doc_offsets[static_cast<size_t>(r)];
+    offs.push_back(0);
     for (int64_t d : pb.rows[static_cast<size_t>(r)].docs) {
       auto t = data_.doc_tokens(d);
       auto m = data_.doc_loss_mask(d);
@@ -211,6 +189,7 @@ Batch Batcher::batch_at(int64_t epoch, int64_t index) {
       b.docs.push_back({static_cast<int32_t>(r), static_cast<int32_t>(col),
                         static_cast<int32_t>(len), d});
       col += len;
+      offs.push_back(static_cast<int32_t>(col));
       b.n_tokens += len;
     }
     DFLASH_ASSERT(col <= L);

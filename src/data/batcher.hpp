@@ -11,8 +11,8 @@
 //   batch of an epoch, when the epoch's rows do not fill it).
 // - Every document appears exactly once per epoch. The plan of an epoch (which documents share a
 //   row, the order of batches) is a pure function of (dataset, options, seed, epoch): shuffle with
-//   our own RNG (splitmix64, Lemire's unbiased bounded integers; no std:: distribution, whose
-//   results differ between standard libraries), then first-fit-decreasing packing inside windows of
+//   core/rng's Rng (no std:: shuffle or distribution, whose results differ between standard
+//   libraries), then first-fit-decreasing packing inside windows of
 //   `window_rows` rows' worth of tokens, rows grouped by fill, batch order shuffled.
 // - A DataCursor (seed, epoch, next batch) restored into a Batcher over the same dataset and
 //   options makes it produce exactly the batches it would have produced.
@@ -58,6 +58,9 @@ struct Batch {
   Tensor segments;         ///< i32 [rows, L], index into `docs`, -1 on padding
   std::vector<DocSlot> docs;             ///< by row, then by start
   std::vector<int32_t> row_doc_offsets;  ///< rows + 1: row r holds docs [o[r], o[r+1])
+  /// Per row: token offsets of its documents, n_docs_in_row + 1 entries from 0 to the row's real
+  /// token count (the `doc_offsets` of train/objective.hpp).
+  std::vector<std::vector<int32_t>> doc_offsets;
   int64_t n_docs = 0;
   int64_t n_tokens = 0;      ///< non-padding tokens
   int64_t n_supervised = 0;  ///< tokens with mask 1
@@ -131,7 +134,7 @@ class Batcher {
 };
 
 /// Deterministic pseudo-random permutation of 0..n-1 for (seed, stream): Fisher-Yates driven by
-/// splitmix64 with Lemire's unbiased bounded integers. Same result on every platform.
+/// Rng(derive_seed(seed, {tag, stream})).below(). Same result on every platform.
 std::vector<int64_t> deterministic_permutation(int64_t n, uint64_t seed, uint64_t stream);
 
 }  // namespace dflash

@@ -391,6 +391,12 @@ std::filesystem::path default_cache_path(const std::filesystem::path& data,
   } else {
     fail("no cache folder: set DFLASH_CACHE_DIR or HOME, or pass --cache");
   }
+  return cache_path_in(dir, data, model_dir);
+}
+
+std::filesystem::path cache_path_in(const std::filesystem::path& dir,
+                                    const std::filesystem::path& data,
+                                    const std::filesystem::path& model_dir) {
   uint64_t h = hash_bytes(std::filesystem::absolute(data).lexically_normal().string());
   h = hash_bytes("\n" + std::filesystem::absolute(model_dir).lexically_normal().string(), h);
   return dir / fmt::format("{}-{:016x}.dftok", data.filename().string(), h);

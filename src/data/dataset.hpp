@@ -132,7 +132,7 @@ struct PrepareOptions {
   std::filesystem::path data;   ///< .jsonl, .jsonl.xz or .jsonl.zst
   std::filesystem::path cache;  ///< cache file to reuse or (re)write
   ChatTemplate chat_template;
-  int64_t max_length = 4096;    ///< tokens per document (longer ones are truncated)
+  int64_t max_length = 2048;    ///< tokens per document (longer ones are truncated)
   bool skip_invalid = false;    ///< count and skip bad records instead of stopping
   int threads = 0;              ///< tokenizer threads; 0 = all cores
   bool force = false;           ///< rebuild even when the cache matches
@@ -158,6 +158,10 @@ PrepareResult prepare_dataset(const PrepareOptions& opts);
 /// `<data file name>-<hash of both absolute paths>.dftok`. Throws when none of the variables is set.
 std::filesystem::path default_cache_path(const std::filesystem::path& data,
                                          const std::filesystem::path& model_dir);
+/// The cache file for `data` and `model_dir` inside folder `dir` (same file name as above).
+std::filesystem::path cache_path_in(const std::filesystem::path& dir,
+                                    const std::filesystem::path& data,
+                                    const std::filesystem::path& model_dir);
 
 /// The key stored in a cache file, or std::nullopt when the file is missing or not a cache.
 std::optional<CacheKey> read_cache_key(const std::filesystem::path& path);
