@@ -203,7 +203,7 @@ namespace {
 
 /// A byte-level BPE with the 256 byte tokens, merges "h e" -> "he", "he l" -> "hel",
 /// "Ġ w" -> "Ġw", and added tokens exercising every flag. Ids: bytes 0..255 in alphabet order,
-/// then merges' results, then the added tokens from 300.
+/// then merges' results (256..258), then the added tokens (259..262, as HF assigns them).
 std::string tiny_tokenizer_json(bool normalized_mask = false) {
   // GPT-2 bytes_to_unicode.
   std::vector<std::string> byte_str(256);
@@ -234,10 +234,10 @@ std::string tiny_tokenizer_json(bool normalized_mask = false) {
                 {"rstrip", r},    {"normalized", norm}, {"special", special}};
   };
   j["added_tokens"] = json::array({
-      added(300, "[CLS]", false, false, false, false, true),
-      added(301, "<mask>", false, true, true, normalized_mask, false),
-      added(302, "ony", true, false, false, false, false),
-      added(303, "[CLS]x", false, false, false, false, true),
+      added(259, "[CLS]", false, false, false, false, true),
+      added(260, "<mask>", false, true, true, normalized_mask, false),
+      added(261, "ony", true, false, false, false, false),
+      added(262, "[CLS]x", false, false, false, false, true),
   });
   return j.dump();
 }
@@ -252,16 +252,16 @@ TEST(Tokenizer, AddedTokenFlags) {
   // lstrip/rstrip: "<mask>" swallows the whitespace around it (HF find_matches).
   //   "a  <mask>\t b" -> "a" | "  <mask>\t " | "b"
   auto ids = t.encode("a  <mask>\t b", &offs);
-  EXPECT_EQ(ids, (std::vector<int32_t>{'a', 301, 'b'}));
+  EXPECT_EQ(ids, (std::vector<int32_t>{'a', 260, 'b'}));
   EXPECT_EQ(offs, (std::vector<std::pair<size_t, size_t>>{{0, 1}, {1, 11}, {11, 12}}));
   // single_word: "ony" only matches between non-word characters.
-  EXPECT_EQ(t.encode("ony"), (std::vector<int32_t>{302}));
-  EXPECT_EQ(t.encode("(ony)"), (std::vector<int32_t>{'(', 302, ')'}));
+  EXPECT_EQ(t.encode("ony"), (std::vector<int32_t>{261}));
+  EXPECT_EQ(t.encode("(ony)"), (std::vector<int32_t>{'(', 261, ')'}));
   const auto anthony = t.encode("Anthony");
-  EXPECT_EQ(std::count(anthony.begin(), anthony.end(), 302), 0);
+  EXPECT_EQ(std::count(anthony.begin(), anthony.end(), 261), 0);
   EXPECT_EQ(t.decode(anthony), "Anthony");
   // Longest match first: "[CLS]x" beats "[CLS]".
-  EXPECT_EQ(t.encode("[CLS]x[CLS]"), (std::vector<int32_t>{303, 300}));
+  EXPECT_EQ(t.encode("[CLS]x[CLS]"), (std::vector<int32_t>{262, 259}));
   // BPE merges by rank and the GPT-2 split regex (ByteLevel use_regex): "hello world".
   ids = t.encode("hello world", &offs);
   EXPECT_EQ(ids, (std::vector<int32_t>{257, 'l', 'o', 258, 'o', 'r', 'l', 'd'}));
@@ -269,9 +269,19 @@ TEST(Tokenizer, AddedTokenFlags) {
   EXPECT_EQ(offs[3], (std::pair<size_t, size_t>{5, 7}));
   EXPECT_EQ(t.decode(ids), "hello world");
   // Special flags and decode.
-  EXPECT_TRUE(t.is_special(300));
-  EXPECT_FALSE(t.is_special(301));
-  EXPECT_EQ(t.decode({300, 'a', 301}, true), "a<mask>");
+  EXPECT_TRUE(t.is_special(259));
+  EXPECT_FALSE(t.is_special(260));
+  EXPECT_EQ(t.decode({259, 'a', 260}, true), "a<mask>");
+  // Ids in the file that disagree with HF's assignment (next free id after the vocabulary, or
+  // the vocabulary's own id for a known content) are overridden as HF does.
+  json j = json::parse(tiny_tokenizer_json());
+  j["added_tokens"][0]["id"] = 500;
+  j["added_tokens"].push_back({{"id", 7}, {"content", "he"}, {"special", true}});
+  test::write_file(dir / "tokenizer.json", j.dump());
+  const Tokenizer t2 = Tokenizer::load(dir / "tokenizer.json");
+  EXPECT_EQ(t2.token_to_id("[CLS]"), 259);
+  EXPECT_EQ(t2.encode("[CLS]he"), (std::vector<int32_t>{259, 256}));
+  EXPECT_TRUE(t2.is_special(256));
 }
 
 TEST(Tokenizer, RejectsUnsupported) {
