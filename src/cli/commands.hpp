@@ -21,4 +21,7 @@ void add_status_command(CLI::App& app);
 /// `--verbose` token strings, `--offsets` byte ranges, `--decode` the reverse).
 void add_tokenize_command(CLI::App& app);
 
+/// `dflash dev drafter-step IN OUT`: developer tools used by the reference tests (internal).
+void add_dev_command(CLI::App& app);
+
 }  // namespace dflash::cli

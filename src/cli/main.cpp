@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
   dflash::cli::add_inspect_command(app);
   dflash::cli::add_status_command(app);
   dflash::cli::add_tokenize_command(app);
+  dflash::cli::add_dev_command(app);
 
   try {
     app.parse(argc, argv);

@@ -400,3 +400,29 @@ std::vector<int> default_target_layer_ids(int num_target_layers, int num_draft_l
 }
 
 }  // namespace dflash
+
+namespace dflash {
+
+RopeParams rope_params_from_config(const RopeConfig& r, const std::string& context) {
+  DFLASH_CHECK(r.partial_rotary_factor == 1.0,
+               "{}: partial_rotary_factor {} is not supported (RoPE rotates the whole head)",
+               context, r.partial_rotary_factor);
+  RopeParams p;
+  p.type = r.type;
+  p.theta = r.theta;
+  p.factor = r.factor;
+  if (r.type == RopeType::llama3) {
+    p.low_freq_factor = r.low_freq_factor;
+    p.high_freq_factor = r.high_freq_factor;
+  }
+  p.original_max_position_embeddings = r.original_max_position_embeddings;
+  p.beta_fast = r.beta_fast;
+  p.beta_slow = r.beta_slow;
+  p.mscale = r.mscale;
+  p.mscale_all_dim = r.mscale_all_dim;
+  p.truncate = r.truncate;
+  if (r.type == RopeType::yarn) p.attention_factor = r.attention_factor;
+  return p;
+}
+
+}  // namespace dflash

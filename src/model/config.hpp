@@ -27,9 +27,7 @@ enum class Arch { qwen3, qwen2, llama };
 /// "qwen3", "qwen2", "llama".
 std::string_view arch_name(Arch a);
 
-// RoPE frequency scaling variants supported (HF `rope_type`): `RopeType` of ops/rope.hpp
-// (`standard` is HF's "default"). One enum for the config and the op.
-/// "default", "linear", "llama3", "yarn".
+/// The HF name of a RoPE variant (RopeType of ops/rope.hpp): "default", "linear", "llama3", "yarn".
 std::string_view rope_type_name(RopeType t);
 
 /// RoPE settings as HF resolves them (transformers `modeling_rope_utils.py`):
@@ -43,7 +41,7 @@ std::string_view rope_type_name(RopeType t);
 ///   original_max_position_embeddings (floor/ceil when `truncate`), cos/sin scaled by
 ///   attention_factor.
 struct RopeConfig {
-  RopeType type = RopeType::standard;
+  RopeType type = RopeType::standard;  ///< HF `rope_type` ("default" is standard)
   double theta = 10000.0;               ///< `rope_theta` (base)
   double partial_rotary_factor = 1.0;   ///< fraction of head_dim that is rotated
   double factor = 1.0;                  ///< linear/llama3/yarn scaling factor (1 for default)
@@ -114,5 +112,9 @@ ModelConfig model_config_load(const std::filesystem::path& path);
 /// [1, 9, 17, 25, 33]. Ids may repeat for small N (N = 6, n = 5 -> [1, 2, 2, 2, 3]), as in the
 /// reference. Throws dflash::Error when n < 1, N < 1, or an id falls outside [0, N).
 std::vector<int> default_target_layer_ids(int num_target_layers, int num_draft_layers);
+
+/// The op-level RoPE settings (ops/rope.hpp) of a resolved RopeConfig. `context` names the model in
+/// the error thrown when partial_rotary_factor != 1 (the rope op rotates the whole head).
+RopeParams rope_params_from_config(const RopeConfig& r, const std::string& context);
 
 }  // namespace dflash

@@ -47,7 +47,8 @@ def rope_cos_sin(pos, D, theta):
     inv = 1.0 / (theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
     ang = np.asarray(pos, dtype=np.float64)[:, None] * inv[None, :]
     emb = np.concatenate([ang, ang], axis=-1)
-    return jnp.asarray(np.cos(emb), jnp.float32), jnp.asarray(np.sin(emb), jnp.float32)
+    dt = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+    return jnp.asarray(np.cos(emb), dt), jnp.asarray(np.sin(emb), dt)
 
 
 def apply_rope(x, cos, sin):
@@ -138,3 +139,30 @@ def loss_fn(params, cfg, features, tokens, loss_mask, doc_offsets, anchors, embe
     ce = lse - picked
     loss = jnp.sum(w * ce) / jnp.sum(w)
     return loss, (jnp.argmax(logits, axis=-1), ce)
+
+
+def metrics(argmax, labels, counted):
+    """(accuracy, tau, slot_accuracy [K]) of DESIGN.md §1 from argmax/labels/counted [N,K].
+
+    accuracy: correct supervised slots / supervised slots; tau: mean over blocks of 1 + the number
+    of leading slots k >= 1 that are supervised and correct; slot_accuracy[k]: NaN where slot k was
+    never supervised (always for k = 0).
+    """
+    argmax = np.asarray(argmax)
+    ok = (counted > 0) & (argmax == labels)
+    n = counted.sum()
+    acc = ok.sum() / n if n else 0.0
+    N, K = labels.shape
+    taus = []
+    for b in range(N):
+        a = 0
+        for k in range(1, K):
+            if not ok[b, k]:
+                break
+            a += 1
+        taus.append(1 + a)
+    tau = float(np.mean(taus)) if N else 0.0
+    cnt_k = counted.sum(axis=0)
+    slot = np.where(cnt_k > 0, ok.sum(axis=0) / np.maximum(cnt_k, 1), np.nan)
+    slot[0] = np.nan
+    return float(acc), tau, slot

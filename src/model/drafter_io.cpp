@@ -1,0 +1,372 @@
+#include "model/drafter_io.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <set>
+
+#include <fmt/ranges.h>
+
+#include "core/error.hpp"
+#include "core/fs.hpp"
+#include "core/tensor.hpp"
+#include "data/tokenizer.hpp"
+#include "model/json_util.hpp"
+#include "model/safetensors.hpp"
+
+namespace dflash {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+constexpr const char* kArch = "DFlashDraftModel";
+constexpr const char* kConfigFile = "config.json";
+constexpr const char* kWeightsFile = "model.safetensors";
+
+/// HF `rope_scaling` dict of a non-standard RoPE (null for the standard one).
+json rope_scaling_json(const RopeParams& r) {
+  json s = json::object();
+  switch (r.type) {
+    case RopeType::standard: return nullptr;
+    case RopeType::linear:
+      s["rope_type"] = "linear";
+      s["factor"] = r.factor;
+      break;
+    case RopeType::llama3:
+      s["rope_type"] = "llama3";
+      s["factor"] = r.factor;
+      s["low_freq_factor"] = r.low_freq_factor;
+      s["high_freq_factor"] = r.high_freq_factor;
+      s["original_max_position_embeddings"] = r.original_max_position_embeddings;
+      break;
+    case RopeType::yarn:
+      s["rope_type"] = "yarn";
+      s["factor"] = r.factor;
+      s["original_max_position_embeddings"] = r.original_max_position_embeddings;
+      s["beta_fast"] = r.beta_fast;
+      s["beta_slow"] = r.beta_slow;
+      if (r.attention_factor) s["attention_factor"] = *r.attention_factor;
+      if (r.mscale != 0.0) s["mscale"] = r.mscale;
+      if (r.mscale_all_dim != 0.0) s["mscale_all_dim"] = r.mscale_all_dim;
+      s["truncate"] = r.truncate;
+      break;
+  }
+  return s;
+}
+
+/// A DFlash key that may sit at the top level or inside `dflash_config`. Returns the value (null
+/// when in neither place); throws when both hold it with different values.
+json dflash_key(const json& j, const std::string& key, const std::string& source) {
+  const json* top = nullptr;
+  const json* nested = nullptr;
+  if (auto it = j.find(key); it != j.end() && !it->is_null()) top = &*it;
+  if (auto d = j.find("dflash_config"); d != j.end() && !d->is_null()) {
+    DFLASH_CHECK(d->is_object(), "{}: key 'dflash_config' must be an object, got {}", source,
+                 d->dump());
+    if (auto it = d->find(key); it != d->end() && !it->is_null()) nested = &*it;
+  }
+  if (top && nested) {
+    DFLASH_CHECK(*top == *nested,
+                 "{}: key '{}' ({}) and key 'dflash_config.{}' ({}) disagree; keep one of them",
+                 source, key, top->dump(), key, nested->dump());
+  }
+  if (nested) return *nested;
+  if (top) return *top;
+  return nullptr;
+}
+
+/// Name of the place a DFlash key was read from, for messages.
+std::string dflash_key_name(const json& j, const std::string& key) {
+  auto d = j.find("dflash_config");
+  if (d != j.end() && d->is_object() && d->contains(key)) return "dflash_config." + key;
+  return key;
+}
+
+int required_int(const json& j, const std::string& key, const std::string& source, int64_t min_v,
+                 int64_t max_v, const std::string& hint) {
+  json v = dflash_key(j, key, source);
+  if (v.is_null()) {
+    fail("{}: missing required key 'dflash_config.{}' (or top-level '{}'){}", source, key, key,
+         hint);
+  }
+  const std::string name = dflash_key_name(j, key);
+  DFLASH_CHECK(v.is_number_integer(), "{}: key '{}' must be an integer, got {}", source, name,
+               v.dump());
+  const int64_t x = v.get<int64_t>();
+  DFLASH_CHECK(x >= min_v && x <= max_v, "{}: key '{}' must be in [{}, {}], got {}", source, name,
+               min_v, max_v, x);
+  return static_cast<int>(x);
+}
+
+}  // namespace
+
+json drafter_export_config(const DrafterConfig& cfg) {
+  cfg.validate();
+  json j = json::object();
+  j["architectures"] = json::array({kArch});
+  j["model_type"] = "qwen3";
+  j["hidden_size"] = cfg.hidden_size;
+  j["intermediate_size"] = cfg.intermediate_size;
+  j["num_hidden_layers"] = cfg.num_layers;
+  j["num_attention_heads"] = cfg.num_heads;
+  j["num_key_value_heads"] = cfg.num_kv_heads;
+  j["head_dim"] = cfg.head_dim;
+  j["vocab_size"] = cfg.vocab_size;
+  j["rms_norm_eps"] = cfg.rms_norm_eps;
+  j["rope_theta"] = cfg.rope.theta;
+  j["rope_scaling"] = rope_scaling_json(cfg.rope);
+  j["max_position_embeddings"] = cfg.max_position_embeddings;
+  j["tie_word_embeddings"] = false;
+  j["attention_bias"] = false;
+  j["attention_dropout"] = 0.0;
+  j["hidden_act"] = "silu";
+  j["initializer_range"] = 0.02;
+  j["layer_types"] = std::vector<std::string>(static_cast<size_t>(cfg.num_layers), "full_attention");
+  j["use_sliding_window"] = false;
+  j["block_size"] = cfg.block_size;
+  j["num_target_layers"] = cfg.num_target_layers;
+  j["dflash_config"] = {{"mask_token_id", cfg.mask_token_id},
+                        {"target_layer_ids", cfg.target_layer_ids}};
+  return j;
+}
+
+DrafterConfig drafter_config_from_json(const json& j_in, const std::string& source) {
+  DFLASH_CHECK(j_in.is_object(), "{}: expected a JSON object, got a JSON {}", source,
+               json_type(j_in));
+  json j = j_in;
+  bool is_dflash = false;
+  if (auto a = j.find("architectures"); a != j.end() && a->is_array()) {
+    for (const json& s : *a) is_dflash |= s.is_string() && s.get<std::string>() == kArch;
+  }
+  if (!j.contains("model_type") || j["model_type"].is_null()) {
+    // The reference trainer's config omits model_type; DFlashDraftModel is a Qwen3 decoder.
+    DFLASH_CHECK(is_dflash,
+                 "{}: missing required key 'model_type' (and 'architectures' does not name {})",
+                 source, kArch);
+    j["model_type"] = "qwen3";
+  }
+  ModelConfig m = model_config_from_json(j, source);
+  DFLASH_CHECK(m.arch == Arch::qwen3 && m.model_type == "qwen3",
+               "{}: key 'model_type' is '{}'; a DFlash drafter is a qwen3 decoder", source,
+               m.model_type);
+  DFLASH_CHECK(!m.attention_bias, "{}: key 'attention_bias' is true; the drafter has no biases",
+               source);
+  DFLASH_CHECK(m.num_sliding_layers() == 0,
+               "{}: {} sliding-attention layers (layer_types / use_sliding_window); the drafter's "
+               "attention is never windowed",
+               source, m.num_sliding_layers());
+
+  DrafterConfig c;
+  c.hidden_size = m.hidden_size;
+  c.intermediate_size = m.intermediate_size;
+  c.num_layers = m.num_hidden_layers;
+  c.num_heads = m.num_attention_heads;
+  c.num_kv_heads = m.num_key_value_heads;
+  c.head_dim = m.head_dim;
+  c.vocab_size = m.vocab_size;
+  c.rms_norm_eps = m.rms_norm_eps;
+  c.rope = rope_params_from_config(m.rope, source);
+  c.max_position_embeddings = m.max_position_embeddings;
+
+  constexpr int64_t kIntMax = 2147483647;
+  c.block_size = required_int(j, "block_size", source, 2, 1 << 16, "");
+  c.num_target_layers = required_int(j, "num_target_layers", source, 1, 1 << 16,
+                                     " (the number of decoder layers of the target)");
+  c.mask_token_id = required_int(j, "mask_token_id", source, 0, kIntMax,
+                                 " (the embedding row of the MASK token)");
+
+  json ids = dflash_key(j, "target_layer_ids", source);
+  if (ids.is_null()) {
+    fail("{}: missing required key 'dflash_config.target_layer_ids' (the target layers whose "
+         "outputs the drafter was trained on; dflash never guesses them)",
+         source);
+  }
+  const std::string ids_name = dflash_key_name(j, "target_layer_ids");
+  DFLASH_CHECK(ids.is_array() && !ids.empty(),
+               "{}: key '{}' must be a non-empty list of layer indices, got {}", source, ids_name,
+               ids.dump());
+  for (const json& v : ids) {
+    DFLASH_CHECK(v.is_number_integer() && v.get<int64_t>() >= 0 &&
+                     v.get<int64_t>() < c.num_target_layers,
+                 "{}: key '{}' holds {}, not a layer index in [0, num_target_layers = {})", source,
+                 ids_name, v.dump(), c.num_target_layers);
+    c.target_layer_ids.push_back(v.get<int>());
+  }
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    throw e.with_context(source);
+  }
+  return c;
+}
+
+void drafter_save(const fs::path& dir, const DrafterConfig& cfg, const DrafterLayout& layout,
+                  std::span<const float> params, DType export_dtype) {
+  DFLASH_CHECK(export_dtype == DType::bf16 || export_dtype == DType::f32,
+               "drafter_save({}): export dtype must be bf16 or f32, got {}", dir.string(),
+               dtype_name(export_dtype));
+  DFLASH_CHECK(static_cast<int64_t>(params.size()) == layout.total,
+               "drafter_save({}): {} parameters given, the layout has {}", dir.string(),
+               params.size(), layout.total);
+  json config = drafter_export_config(cfg);
+  const char* dtype_str = export_dtype == DType::bf16 ? "bfloat16" : "float32";
+  config["dtype"] = dtype_str;
+  config["torch_dtype"] = dtype_str;
+
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  DFLASH_CHECK(!ec && fs::is_directory(dir), "cannot create the drafter folder {}: {}",
+               dir.string(), ec ? ec.message() : "not a folder");
+
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  tensors.reserve(layout.params.size());
+  for (const ParamInfo& p : layout.params) {
+    Tensor t = Tensor::empty(p.shape, export_dtype);
+    const float* src = params.data() + p.offset;
+    if (export_dtype == DType::f32) {
+      std::memcpy(t.raw(), src, static_cast<size_t>(p.numel) * sizeof(float));
+    } else {
+      convert_elements(t.raw(), DType::bf16, src, DType::f32, static_cast<size_t>(p.numel));
+    }
+    tensors.emplace_back(p.name, std::move(t));
+  }
+  safetensors_write(dir / kWeightsFile, tensors, {{"format", "pt"}});
+  write_file_atomic(dir / kConfigFile, config.dump(2) + "\n");
+}
+
+LoadedDrafter drafter_load(const fs::path& dir) {
+  const fs::path cfg_path = dir / kConfigFile;
+  DrafterConfig cfg = drafter_config_from_json(json_load_file(cfg_path), cfg_path.string());
+  DrafterLayout layout(cfg);
+  SafetensorsCheckpoint ckpt(dir);
+
+  std::vector<std::string> missing, wrong, unexpected;
+  std::set<std::string> known;
+  for (const ParamInfo& p : layout.params) {
+    known.insert(p.name);
+    if (!ckpt.contains(p.name)) {
+      missing.push_back(p.name);
+      continue;
+    }
+    const TensorInfo& info = ckpt.info(p.name);
+    if (info.shape != p.shape) {
+      wrong.push_back(fmt::format("{} has shape {}, config.json implies {}", p.name,
+                                  shape_str(info.shape), shape_str(p.shape)));
+    } else if (!dtype_is_float(info.dtype)) {
+      wrong.push_back(fmt::format("{} has dtype {}, expected a float type", p.name,
+                                  dtype_name(info.dtype)));
+    }
+  }
+  for (const std::string& n : ckpt.names()) {
+    if (!known.count(n)) unexpected.push_back(n);
+  }
+  DFLASH_CHECK(missing.empty(), "{}: missing drafter tensor(s) {} (config.json: {} layers)",
+               dir.string(), fmt::join(missing, ", "), cfg.num_layers);
+  DFLASH_CHECK(wrong.empty(), "{}: {}", dir.string(), fmt::join(wrong, "; "));
+  DFLASH_CHECK(unexpected.empty(),
+               "{}: unexpected tensor(s) {} (a drafter folder holds only the DFlash layers; no "
+               "embedding or LM head)",
+               dir.string(), fmt::join(unexpected, ", "));
+
+  std::vector<float> params(static_cast<size_t>(layout.total));
+  for (const ParamInfo& p : layout.params) {
+    Tensor t = ckpt.get_as(p.name, DType::f32);
+    std::vector<float> v = t.to_f32_vector();
+    std::copy(v.begin(), v.end(), params.begin() + p.offset);
+  }
+  return LoadedDrafter{std::move(cfg), std::move(layout), std::move(params)};
+}
+
+void drafter_check_target(const DrafterConfig& cfg, const ModelConfig& target) {
+  const std::string& t = target.source.empty() ? std::string("the target") : target.source;
+  DFLASH_CHECK(cfg.hidden_size == target.hidden_size,
+               "drafter hidden_size {} does not match the target's hidden_size {} ({})",
+               cfg.hidden_size, target.hidden_size, t);
+  DFLASH_CHECK(cfg.vocab_size == target.vocab_size,
+               "drafter vocab_size {} does not match the target's vocab_size {} ({}); the drafter "
+               "uses the target's embedding and LM head",
+               cfg.vocab_size, target.vocab_size, t);
+  DFLASH_CHECK(cfg.num_target_layers == target.num_hidden_layers,
+               "drafter num_target_layers {} does not match the target's num_hidden_layers {} "
+               "({}); the drafter was trained for another target",
+               cfg.num_target_layers, target.num_hidden_layers, t);
+  for (int id : cfg.target_layer_ids) {
+    DFLASH_CHECK(id >= 0 && id < target.num_hidden_layers,
+                 "drafter target_layer_ids holds layer {}, outside the target's {} layers ({})",
+                 id, target.num_hidden_layers, t);
+  }
+  DFLASH_CHECK(cfg.mask_token_id >= 0 && cfg.mask_token_id < target.vocab_size,
+               "drafter mask_token_id {} is outside the target's embedding rows [0, {}) ({})",
+               cfg.mask_token_id, target.vocab_size, t);
+}
+
+DrafterConfig drafter_config_for_target(const ModelConfig& target, int num_layers,
+                                        const DrafterSizes& sizes,
+                                        std::optional<int> mask_token_id,
+                                        std::optional<std::vector<int>> target_layer_ids,
+                                        const Tokenizer* tok) {
+  const std::string& t = target.source.empty() ? std::string("the target") : target.source;
+  DFLASH_CHECK(num_layers >= 1, "drafter num_layers must be >= 1, got {}", num_layers);
+  DrafterConfig c;
+  c.hidden_size = target.hidden_size;
+  c.intermediate_size = sizes.intermediate_size.value_or(target.intermediate_size);
+  c.num_layers = num_layers;
+  c.num_heads = sizes.num_heads.value_or(target.num_attention_heads);
+  c.num_kv_heads = sizes.num_kv_heads.value_or(
+      sizes.num_heads ? *sizes.num_heads : target.num_key_value_heads);
+  c.head_dim = sizes.head_dim.value_or(target.head_dim);
+  c.vocab_size = target.vocab_size;
+  c.rms_norm_eps = target.rms_norm_eps;
+  c.rope = rope_params_from_config(target.rope, t);
+  c.max_position_embeddings = target.max_position_embeddings;
+  c.block_size = sizes.block_size.value_or(16);
+  c.num_target_layers = static_cast<int>(target.num_hidden_layers);
+  c.target_layer_ids = target_layer_ids ? *target_layer_ids
+                                        : default_target_layer_ids(c.num_target_layers, num_layers);
+
+  const int64_t V = target.vocab_size;
+  if (mask_token_id) {
+    c.mask_token_id = *mask_token_id;
+    DFLASH_CHECK(c.mask_token_id >= 0 && c.mask_token_id < V,
+                 "mask_token_id {} is outside the target's embedding rows [0, {}) ({}); set "
+                 "mask_token_id to an embedding row the tokenizer never produces",
+                 c.mask_token_id, V, t);
+    if (tok) {
+      const int32_t tv = tok->vocab_size();
+      DFLASH_CHECK(c.mask_token_id >= tv,
+                   "mask_token_id {} is a token the tokenizer produces (its vocabulary and added "
+                   "tokens are ids [0, {})); set mask_token_id to an unused embedding row in "
+                   "[{}, {})",
+                   c.mask_token_id, tv, tv, V);
+    }
+  } else {
+    DFLASH_CHECK(tok != nullptr,
+                 "no mask_token_id given and no tokenizer to check one against ({}); set "
+                 "mask_token_id to an embedding row the tokenizer never produces",
+                 t);
+    const int32_t tv = tok->vocab_size();
+    const bool qwen_bpe = (target.arch == Arch::qwen3 || target.arch == Arch::qwen2) &&
+                          tok->token_to_id("<|endoftext|>") == std::optional<int32_t>(151643);
+    if (qwen_bpe && V > kQwenMaskTokenId && tv <= kQwenMaskTokenId) {
+      c.mask_token_id = kQwenMaskTokenId;
+    } else if (tv < V) {
+      fail("no mask_token_id given and {} is not a known family with a reserved mask id; set "
+           "mask_token_id to an unused embedding row in [{}, {}) (the tokenizer's ids end at {})",
+           t, tv, V, tv);
+    } else {
+      fail("no mask_token_id possible for {}: the tokenizer uses every embedding row [0, {}) "
+           "(vocab_size {}); a DFlash drafter needs a row the tokenizer never produces",
+           t, tv, V);
+    }
+  }
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    throw e.with_context(fmt::format("drafter for {}", t));
+  }
+  return c;
+}
+
+}  // namespace dflash
