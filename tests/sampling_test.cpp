@@ -7,8 +7,10 @@
 // given check is 1e-4 (the critical value uses the Wilson–Hilferty approximation, accurate to <1 %
 // for the degrees of freedom here). Each check has a negative control (samples drawn from the
 // drafter's q, i.e. a rule that accepts everything), which must FAIL the same check: the test has
-// power. Trial counts: 2000 generations in optimised builds, 400 in Debug/sanitizer builds (the
-// categories adapt: a category needs an expected count ≥ 5); DFLASH_SAMPLING_TRIALS overrides.
+// power. Trial counts: 600 generations in optimised builds, 150 in Debug/sanitizer builds (each
+// trial runs ~8 small target forwards, memory-bound on the CPU; the categories adapt: a category
+// needs an expected count ≥ 5); DFLASH_SAMPLING_TRIALS overrides (2000 passes too, see the
+// report of the eval branch).
 #include "infer/sampling.hpp"
 
 #include <gtest/gtest.h>
@@ -18,6 +20,7 @@
 #include <cstdlib>
 #include <map>
 #include <numeric>
+#include <optional>
 
 #include "core/error.hpp"
 #include "data/chat_template.hpp"
@@ -76,19 +79,19 @@ TEST(Sampling, ProcessedDistribution) {
   // top-p on [0.5, 0.3, 0.15, 0.05]: 0.75 keeps 2 tokens, 0.81 keeps 3, 0.4 keeps 1.
   const auto l2 = logits_of({0.15, 0.5, 0.05, 0.3});
   sampling_probs(pr, l2, SamplingParams{1.0, 0, 0.75});
-  EXPECT_NEAR(pr[1], 0.5 / 0.8, 1e-12);
-  EXPECT_NEAR(pr[3], 0.3 / 0.8, 1e-12);
+  EXPECT_NEAR(pr[1], 0.5 / 0.8, 1e-6);
+  EXPECT_NEAR(pr[3], 0.3 / 0.8, 1e-6);
   EXPECT_EQ(pr[0], 0.0);
   EXPECT_EQ(pr[2], 0.0);
   sampling_probs(pr, l2, SamplingParams{1.0, 0, 0.81});
-  EXPECT_NEAR(pr[0], 0.15 / 0.95, 1e-12);
+  EXPECT_NEAR(pr[0], 0.15 / 0.95, 1e-6);
   EXPECT_EQ(pr[2], 0.0);
   sampling_probs(pr, l2, SamplingParams{1.0, 0, 0.4});
   EXPECT_EQ(pr, (std::vector<double>{0, 1, 0, 0}));
   // top-k then top-p (HF order): k = 3 drops 0.05; p = 0.9 of the renormalised [.5,.3,.15]/.95
   // needs all three (0.8/0.95 = 0.842 < 0.9).
   sampling_probs(pr, l2, SamplingParams{1.0, 3, 0.9});
-  EXPECT_NEAR(pr[0], 0.15 / 0.95, 1e-12);
+  EXPECT_NEAR(pr[0], 0.15 / 0.95, 1e-6);
   EXPECT_EQ(pr[2], 0.0);
   // -inf logits get probability 0; a single finite logit gets 1.
   sampling_probs(pr, std::vector<float>{-INFINITY, 0.5f, -INFINITY}, SamplingParams{0.7, 0, 1.0});
@@ -201,9 +204,9 @@ TEST(Sampling, RejectionRuleMonteCarlo) {
 int64_t trial_count() {
   if (const char* e = std::getenv("DFLASH_SAMPLING_TRIALS")) return std::atoll(e);
 #ifdef NDEBUG
-  return 2000;
+  return 600;
 #else
-  return 400;
+  return 150;
 #endif
 }
 
@@ -223,7 +226,8 @@ struct PairCategories {
 };
 
 TEST(Sampling, SpeculativeSamplingMatchesTargetOnTinyModel) {
-  const TargetModel target = TargetModel::load(tiny_dir());
+  // f32 weight copies: same results as the bf16 views (exact conversion), no per-call conversion.
+  const TargetModel target = TargetModel::load(tiny_dir(), TargetLoadOptions{.f32_weights = true});
   const int64_t V = target.vocab_size();
   const int64_t n = trial_count();
   ASSERT_GE(n, 100);
@@ -242,14 +246,26 @@ TEST(Sampling, SpeculativeSamplingMatchesTargetOnTinyModel) {
   const SpeculativeDecoder dec(target, drafter);
 
   const Tokenizer tok = Tokenizer::load(tiny_dir());
+  // A definition being written: the next tokens are uncertain but not spread over the whole
+  // vocabulary (13 pair categories cover 82 % of the mass at 2000 trials, 6 cover 78 % at 400).
+  // The exact probabilities come from the target's own logits, the samples from three samplers.
   const std::vector<int32_t> prompt = tok.encode(
-      "<|im_start|>user\nPlease continue the following:\n\nThe ship<|im_end|>\n"
-      "<|im_start|>assistant\n");
+      "<|im_start|>user\nGive a short definition of dog.<|im_end|>\n"
+      "<|im_start|>assistant\n\"dog\" is a");
   DecodeOptions o;
   o.max_new_tokens = 3;
   o.sampling = sp;
-  o.seed = 1;
-  const SpecState base = dec.start(prompt, o);  // t1 (fixed for every trial), caches prefilled
+  // t1 (fixed for every trial; caches prefilled): the first seed whose t1 is the target's argmax.
+  TargetKvCache c0 = target.new_cache();
+  const ForwardResult r0 = target.prefill(c0, prompt);
+  const int32_t t1_argmax = argmax_row(r0.logits.data<float>(), V);
+  std::optional<SpecState> base_opt;
+  for (o.seed = 1; o.seed < 50; ++o.seed) {
+    base_opt.emplace(dec.start(prompt, o));
+    if (base_opt->anchor == t1_argmax) break;
+  }
+  ASSERT_EQ(base_opt->anchor, t1_argmax);
+  const SpecState base = *base_opt;
   ASSERT_FALSE(base.done);
   const int32_t t1 = base.anchor;
 

@@ -28,7 +28,9 @@ const std::filesystem::path& tiny_dir() {
 }
 
 const TargetModel& tiny() {
-  static const TargetModel m = TargetModel::load(tiny_dir());
+  // f32 weight copies: same results as the bf16 views (exact conversion), no per-call conversion.
+  static const TargetModel m =
+      TargetModel::load(tiny_dir(), TargetLoadOptions{.f32_weights = true});
   return m;
 }
 
@@ -49,15 +51,19 @@ LoadedDrafter random_drafter(const TempDir& dir, int layers, int block_size, uin
   return drafter_load(d);
 }
 
-std::vector<EvalPrompt> eval_subset(int n) {
+// The first `per_source` records of every source, in file order (the file holds 700 wordnet,
+// then 16 moby, 2 sotu and 400 math records).
+std::vector<EvalPrompt> eval_subset(int per_source) {
   const Tokenizer tok = Tokenizer::load(tiny_dir());
   const ChatTemplate tmpl = resolve_chat_template(tiny_dir(), "");
-  // A few of every source, in file order (the file starts with 700 wordnet records).
-  std::vector<EvalPrompt> all =
-      load_eval_prompts(test::assets_dir() / "data" / "eval_prompts.jsonl", tmpl, tok, 0, n / 4 + 1);
-  std::vector<EvalPrompt> out;
-  for (size_t i = 0; i < all.size() && static_cast<int>(out.size()) < n; ++i) out.push_back(all[i]);
-  return out;
+  return load_eval_prompts(test::assets_dir() / "data" / "eval_prompts.jsonl", tmpl, tok, 0,
+                           per_source);
+}
+
+const EvalPrompt& first_of(const std::vector<EvalPrompt>& ps, const std::string& source) {
+  for (const auto& p : ps)
+    if (p.source == source) return p;
+  throw Error("no prompt of source " + source);
 }
 
 template <typename F>
@@ -74,8 +80,8 @@ void expect_error(F&& f, const std::vector<std::string>& parts) {
 
 TEST(Speculative, PromptsAreFirstUserTurnWithGenerationPrompt) {
   const Tokenizer tok = Tokenizer::load(tiny_dir());
-  const auto prompts = eval_subset(8);
-  ASSERT_GE(prompts.size(), 6u);
+  const auto prompts = eval_subset(2);
+  ASSERT_EQ(prompts.size(), 8u);
   std::set<std::string> sources;
   for (const auto& p : prompts) sources.insert(p.source);
   EXPECT_EQ(sources, (std::set<std::string>{"math", "moby", "sotu", "wordnet"}));
@@ -90,13 +96,14 @@ TEST(Speculative, GreedyLosslessRandomDrafterOnEvalPrompts) {
   TempDir dir;
   const LoadedDrafter d = random_drafter(dir, 1, 8, 11);
   const SpeculativeDecoder dec(tiny(), d);
-  const auto prompts = eval_subset(20);
+  const auto prompts = eval_subset(6);  // 6 wordnet, 6 moby, 2 sotu, 6 math
   ASSERT_EQ(prompts.size(), 20u);
   DecodeOptions o;
   o.max_new_tokens = 32;
   o.stop_ids = generation_eos_ids(tiny_dir(), tiny().config());
   int64_t steps = 0, total = 0;
-  for (const auto& p : prompts) {
+  for (size_t pi = 0; pi < prompts.size(); ++pi) {
+    const EvalPrompt& p = prompts[pi];
     const auto ref = greedy_generate(tiny(), p.tokens, o.max_new_tokens, o.stop_ids, true);
     std::vector<int32_t> streamed;
     const DecodeResult r = dec.generate(p.tokens, o, [&](std::span<const int32_t> t) {
@@ -114,8 +121,10 @@ TEST(Speculative, GreedyLosslessRandomDrafterOnEvalPrompts) {
     EXPECT_GE(sum + 1, static_cast<int64_t>(r.tokens.size()));
     steps += static_cast<int64_t>(r.accept_lengths.size());
     total += sum;
-    // Target-only baseline of eval agrees too.
-    EXPECT_EQ(target_generate(tiny(), p.tokens, o).tokens, ref) << "prompt " << p.id;
+    // Target-only baseline of eval agrees too (a few prompts: CPU time).
+    if (pi % 5 == 0) {
+      EXPECT_EQ(target_generate(tiny(), p.tokens, o).tokens, ref) << p.id;
+    }
   }
   // An untrained drafter accepts (almost) nothing: τ ≈ 1.
   EXPECT_LT(static_cast<double>(total) / steps, 1.2);
@@ -127,14 +136,14 @@ TEST(Speculative, GreedyOracleProposalsEveryAcceptLength) {
   TempDir dir;
   const LoadedDrafter d = random_drafter(dir, 1, 6, 12);
   const SpeculativeDecoder dec(tiny(), d);
-  const auto prompts = eval_subset(8);
+  const auto prompts = eval_subset(1);
   const int64_t V = tiny().vocab_size();
-  for (int K : {1, 2, 5, 6, 9}) {
-    for (size_t pi = 0; pi < prompts.size(); pi += 3) {
-      const auto& p = prompts[pi];
+  for (int K : {1, 2, 5, 9}) {
+    for (const char* src : {"wordnet", "math"}) {
+      const EvalPrompt& p = first_of(prompts, src);
       DecodeOptions o;
-      o.max_new_tokens = 40;  // no stop token: the full length
-      const auto ref = greedy_generate(tiny(), p.tokens, 40 + K, {}, true);
+      o.max_new_tokens = 30;  // no stop token: the full length
+      const auto ref = greedy_generate(tiny(), p.tokens, 30 + K, {}, true);
       SpecState s = dec.start(p.tokens, o);
       int step = 0;
       while (!s.done) {
@@ -151,7 +160,7 @@ TEST(Speculative, GreedyOracleProposalsEveryAcceptLength) {
         EXPECT_EQ(s.target_cache.length(), s.drafter_cache.len);
         ++step;
       }
-      EXPECT_EQ(s.result.tokens, std::vector<int32_t>(ref.begin(), ref.begin() + 40))
+      EXPECT_EQ(s.result.tokens, std::vector<int32_t>(ref.begin(), ref.begin() + 30))
           << "K " << K << " prompt " << p.id;
     }
   }
@@ -161,28 +170,29 @@ TEST(Speculative, BlockSizeOverrideAndRefusal) {
   TempDir dir;
   const LoadedDrafter d = random_drafter(dir, 2, 8, 13);
   const SpeculativeDecoder dec(tiny(), d);
-  const auto prompts = eval_subset(4);
+  const auto prompts = eval_subset(1);
+  const auto& prompt = first_of(prompts, "math").tokens;
   for (int K : {2, 3, 8}) {
     DecodeOptions o;
     o.max_new_tokens = 17;
     o.block_size = K;
-    const auto ref = greedy_generate(tiny(), prompts[1].tokens, 17, {}, true);
-    const DecodeResult r = dec.generate(prompts[1].tokens, o);
+    const auto ref = greedy_generate(tiny(), prompt, 17, {}, true);
+    const DecodeResult r = dec.generate(prompt, o);
     EXPECT_EQ(r.tokens, ref) << "block " << K;
     for (int a : r.accept_lengths) EXPECT_LE(a, K);
   }
   DecodeOptions o;
   o.block_size = 9;
-  expect_error([&] { dec.generate(prompts[0].tokens, o); }, {"block size 9", "[2, 8]"});
+  expect_error([&] { dec.generate(prompt, o); }, {"block size 9", "[2, 8]"});
   o.block_size = 1;
-  expect_error([&] { dec.generate(prompts[0].tokens, o); }, {"block size 1"});
+  expect_error([&] { dec.generate(prompt, o); }, {"block size 1"});
 }
 
 TEST(Speculative, StopTokensAndMaxNewTokens) {
   TempDir dir;
   const LoadedDrafter d = random_drafter(dir, 1, 4, 14);
   const SpeculativeDecoder dec(tiny(), d);
-  const auto prompts = eval_subset(4);
+  const auto prompts = eval_subset(1);
   const auto& prompt = prompts[0].tokens;
   const auto ref = greedy_generate(tiny(), prompt, 30, {}, true);
   ASSERT_EQ(ref.size(), 30u);
@@ -272,7 +282,7 @@ TEST(Speculative, EvalReportFigures) {
   TempDir dir;
   const LoadedDrafter d = random_drafter(dir, 1, 4, 15);
   const SpeculativeDecoder dec(tiny(), d);
-  const auto prompts = eval_subset(6);
+  const auto prompts = eval_subset(1);
   DecodeOptions o;
   o.max_new_tokens = 9;
   o.stop_ids = generation_eos_ids(tiny_dir(), tiny().config());

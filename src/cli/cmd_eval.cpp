@@ -33,7 +33,7 @@ std::string hist_str(const nlohmann::json& h) {
 }
 
 void run_eval_command(const EvalArgs& a) {
-  const TargetModel target = TargetModel::load(a.d.target);
+  const TargetModel target = TargetModel::load(a.d.target, target_load_options());
   const LoadedDrafter drafter = drafter_load(a.d.drafter);
   const SpeculativeDecoder dec(target, drafter);
   const DecodeOptions opts = decode_options_from(a.d, target.config());

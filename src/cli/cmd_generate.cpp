@@ -28,7 +28,7 @@ struct GenerateArgs {
 };
 
 void run_generate(const GenerateArgs& a) {
-  const TargetModel target = TargetModel::load(a.d.target);
+  const TargetModel target = TargetModel::load(a.d.target, target_load_options());
   const LoadedDrafter drafter = drafter_load(a.d.drafter);
   const SpeculativeDecoder dec(target, drafter);
   const DecodeOptions opts = decode_options_from(a.d, target.config());
