@@ -7,7 +7,7 @@
 // given check is 1e-4 (the critical value uses the Wilson–Hilferty approximation, accurate to <1 %
 // for the degrees of freedom here). Each check has a negative control (samples drawn from the
 // drafter's q, i.e. a rule that accepts everything), which must FAIL the same check: the test has
-// power. Trial counts: 600 generations in optimised builds, 150 in Debug/sanitizer builds (each
+// power. Trial counts: 400 generations in optimised builds, 150 in Debug/sanitizer builds (each
 // trial runs ~8 small target forwards, memory-bound on the CPU; the categories adapt: a category
 // needs an expected count ≥ 5); DFLASH_SAMPLING_TRIALS overrides (2000 passes too, see the
 // report of the eval branch).
@@ -204,7 +204,7 @@ TEST(Sampling, RejectionRuleMonteCarlo) {
 int64_t trial_count() {
   if (const char* e = std::getenv("DFLASH_SAMPLING_TRIALS")) return std::atoll(e);
 #ifdef NDEBUG
-  return 600;
+  return 400;
 #else
   return 150;
 #endif
