@@ -5,8 +5,10 @@
 // Each run starts fresh threads, so the per-thread piece caches start cold every run.
 //
 // Usage: tokenizer_bench [--model DIR|tokenizer.json|tokenizer.json.xz] [--corpus train.jsonl.xz]
-//                        [--runs N] [--threads N]
-// Defaults: the real Qwen3 tokenizer and the corpus under ../shared.
+//                        [--runs N] [--threads N] [--hf-python PYTHON]
+// Defaults: the real Qwen3 tokenizer and the corpus under ../shared. With --hf-python, the same
+// run then executes bench/tokenizer_hf_bench.py with that interpreter (a venv holding
+// `tokenizers`, optionally `bpe-qwen`) on the same model and corpus, so the figures sit together.
 #include <lzma.h>
 #include <unistd.h>
 
@@ -14,6 +16,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -84,14 +87,21 @@ int main(int argc, char** argv) {
   const std::filesystem::path src = std::filesystem::path(__FILE__).parent_path().parent_path();
   std::string model = (src / "../shared/fixtures/qwen3-tokenizer/tokenizer.json.xz").string();
   std::string corpus = (src / "../shared/data/train.jsonl.xz").string();
+  std::string hf_python;
   int runs = 3;
   int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
-    if (a == "--model") model = v;
-    else if (a == "--corpus") corpus = v;
-    else if (a == "--runs") runs = std::stoi(v);
-    else if (a == "--threads") threads = std::stoi(v);
+    if (a == "--model")
+      model = v;
+    else if (a == "--corpus")
+      corpus = v;
+    else if (a == "--runs")
+      runs = std::stoi(v);
+    else if (a == "--threads")
+      threads = std::stoi(v);
+    else if (a == "--hf-python")
+      hf_python = v;
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
       return 2;
@@ -137,9 +147,16 @@ int main(int argc, char** argv) {
       const Result res = run(tok, docs, th);
       if (res.seconds < best.seconds) best = res;
     }
-    std::printf("dflash  threads %2d: %8.2f MB/s  %10.0f tokens/s  (%zu tokens, best of %d: %.3f s)\n",
-                th, bytes / 1e6 / best.seconds, best.tokens / best.seconds, best.tokens, runs,
-                best.seconds);
+    std::printf(
+        "dflash  threads %2d: %8.2f MB/s  %10.0f tokens/s  (%zu tokens, best of %d: %.3f s)\n", th,
+        bytes / 1e6 / best.seconds, best.tokens / best.seconds, best.tokens, runs, best.seconds);
+  }
+  if (!hf_python.empty()) {
+    std::fflush(stdout);
+    const std::string cmd = "'" + hf_python + "' '" +
+                            (src / "bench/tokenizer_hf_bench.py").string() + "' --model '" + model +
+                            "' --corpus '" + corpus + "' --runs " + std::to_string(runs);
+    return std::system(cmd.c_str()) == 0 ? 0 : 1;
   }
   return 0;
 }

@@ -1,13 +1,14 @@
 // Tests of src/data/batcher: packing invariants (every document exactly once per epoch, whole
 // documents back to back, padding only at row ends, positions restarting at 0, shapes from the
 // fixed set), determinism from (seed, epoch), and cursor save/restore.
+#include "data/batcher.hpp"
+
 #include <gtest/gtest.h>
 
 #include <map>
 #include <random>
 #include <set>
 
-#include "data/batcher.hpp"
 #include "util/test_util.hpp"
 
 using namespace dflash;
@@ -33,8 +34,9 @@ std::vector<int64_t> random_lengths(size_t n, int64_t max_len, uint32_t seed) {
   std::vector<int64_t> v;
   for (size_t i = 0; i < n; ++i) {
     // Mostly short documents, a few long ones; odd sizes (1, 7, 17, 129 ...) on purpose.
-    int64_t len = (rng() % 10 == 0) ? 1 + static_cast<int64_t>(rng() % max_len)
-                                    : 1 + static_cast<int64_t>(rng() % std::min<int64_t>(130, max_len));
+    int64_t len = (rng() % 10 == 0)
+                      ? 1 + static_cast<int64_t>(rng() % max_len)
+                      : 1 + static_cast<int64_t>(rng() % std::min<int64_t>(130, max_len));
     v.push_back(len);
   }
   v[0] = 1;
@@ -57,8 +59,7 @@ bool same_batch(const Batch& a, const Batch& b) {
       return false;
   }
   return a.epoch == b.epoch && a.index == b.index && eq(a.tokens, b.tokens) &&
-         eq(a.loss_mask, b.loss_mask) && eq(a.positions, b.positions) &&
-         eq(a.segments, b.segments);
+         eq(a.loss_mask, b.loss_mask) && eq(a.positions, b.positions) && eq(a.segments, b.segments);
 }
 
 // Checks every invariant of one epoch and returns the documents seen.
@@ -83,7 +84,8 @@ void check_epoch(Batcher& bt, const TokenDataset& ds, int64_t epoch) {
     for (int64_t r = 0; r < opts.rows; ++r) {
       int64_t col = 0;
       const auto& offs = b.doc_offsets[static_cast<size_t>(r)];
-      ASSERT_EQ(offs.size(), static_cast<size_t>(b.row_doc_offsets[r + 1] - b.row_doc_offsets[r] + 1));
+      ASSERT_EQ(offs.size(),
+                static_cast<size_t>(b.row_doc_offsets[r + 1] - b.row_doc_offsets[r] + 1));
       ASSERT_EQ(offs[0], 0);
       for (int32_t k = b.row_doc_offsets[r]; k < b.row_doc_offsets[r + 1]; ++k) {
         ASSERT_EQ(offs[static_cast<size_t>(k - b.row_doc_offsets[r])], col);

@@ -1,6 +1,8 @@
 // Tests of src/data/chat_template: byte-exact rendering of the built-in templates (expected strings
 // derived by hand from the Jinja sources; the tiny model's against the HF golden prompts and the
 // reference trainer's texts), supervised spans, and template detection.
+#include "data/chat_template.hpp"
+
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -9,7 +11,6 @@
 #include <string>
 #include <vector>
 
-#include "data/chat_template.hpp"
 #include "data/conversation.hpp"
 #include "data/jsonl.hpp"
 #include "util/test_util.hpp"
@@ -57,8 +58,7 @@ TEST(ChatTemplate, ChatmlMultiTurnWithSystemSupervisesEveryAssistantTurn) {
             "<|im_start|>system\nSys<|im_end|>\n<|im_start|>user\nQ1<|im_end|>\n"
             "<|im_start|>assistant\nA1<|im_end|>\n<|im_start|>user\nQ2<|im_end|>\n"
             "<|im_start|>assistant\nA2<|im_end|>\n");
-  EXPECT_EQ(supervised_texts(r),
-            (std::vector<std::string>{"A1<|im_end|>\n", "A2<|im_end|>\n"}));
+  EXPECT_EQ(supervised_texts(r), (std::vector<std::string>{"A1<|im_end|>\n", "A2<|im_end|>\n"}));
   // Spans are sorted and disjoint.
   ASSERT_EQ(r.supervised.size(), 2u);
   EXPECT_LT(r.supervised[0].end, r.supervised[1].begin);
@@ -139,8 +139,7 @@ TEST(ChatTemplate, Qwen3MultiTurnOnlyLastTurnGetsThinkBlock) {
             "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ1<|im_end|>\n"
             "<|im_start|>assistant\nA1<|im_end|>\n<|im_start|>user\nQ2<|im_end|>\n"
             "<|im_start|>assistant\n<think>\n\n</think>\n\nA2<|im_end|>\n");
-  EXPECT_EQ(supervised_texts(r),
-            (std::vector<std::string>{"A1<|im_end|>\n", "A2<|im_end|>\n"}));
+  EXPECT_EQ(supervised_texts(r), (std::vector<std::string>{"A1<|im_end|>\n", "A2<|im_end|>\n"}));
 }
 
 TEST(ChatTemplate, Qwen3ReasoningInLastTurnIsKeptAndSupervised) {

@@ -1,5 +1,7 @@
 // Tests of src/data/jsonl and src/data/conversation: the line reader over plain/xz/zstd files, and
 // record parsing in both forms with one test per bad-record kind.
+#include "data/conversation.hpp"
+
 #include <gtest/gtest.h>
 #include <lzma.h>
 #include <zstd.h>
@@ -7,7 +9,6 @@
 #include <string>
 #include <vector>
 
-#include "data/conversation.hpp"
 #include "data/jsonl.hpp"
 #include "util/test_util.hpp"
 
@@ -226,8 +227,9 @@ TEST(ConversationBad, MissingField) {
       {"role": "assistant", "content": "A"}]})",
              RecordErrorKind::missing_field, "'id'");
   expect_bad(R"({"id": "a"})", RecordErrorKind::missing_field, "'conversations'");
-  expect_bad(R"({"id": "a", "messages": [{"role": "user"}, {"role": "assistant", "content": "A"}]})",
-             RecordErrorKind::missing_field, "messages[0]: missing field 'content'");
+  expect_bad(
+      R"({"id": "a", "messages": [{"role": "user"}, {"role": "assistant", "content": "A"}]})",
+      RecordErrorKind::missing_field, "messages[0]: missing field 'content'");
   expect_bad(R"({"id": "a", "conversations": [{"value": "Q"}, {"from": "gpt", "value": "A"}]})",
              RecordErrorKind::missing_field, "conversations[0]: missing field 'from'");
   expect_bad(R"({"id": "a", "messages": [{"text": "Q"}]})", RecordErrorKind::missing_field,
@@ -243,8 +245,8 @@ TEST(ConversationBad, InvalidField) {
   expect_bad(R"({"id": "a", "messages": [{"role": "user", "content": ["Q"]},
       {"role": "assistant", "content": "A"}]})",
              RecordErrorKind::invalid_field, "messages[0].content");
-  expect_bad(R"({"id": "a", "messages": [], "conversations": []})",
-             RecordErrorKind::invalid_field, "both");
+  expect_bad(R"({"id": "a", "messages": [], "conversations": []})", RecordErrorKind::invalid_field,
+             "both");
   expect_bad(R"({"id": "a", "conversations": [{"from": "human", "value": "Q"},
       {"role": "assistant", "content": "A"}]})",
              RecordErrorKind::invalid_field, "conversations[1]");

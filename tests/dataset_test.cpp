@@ -1,13 +1,15 @@
 // Tests of src/data/dataset: loss masks from spans, the token cache (reuse and every rebuild
 // trigger, truncation, zero-supervised documents, bad records) with a byte-level stand-in
-// tokenizer (special tokens whole, every other byte one token), so each figure is checkable by hand.
+// tokenizer (special tokens whole, every other byte one token), so each figure is checkable by
+// hand.
+#include "data/dataset.hpp"
+
 #include <gtest/gtest.h>
 
 #include <string>
 #include <vector>
 
 #include "data/chat_template.hpp"
-#include "data/dataset.hpp"
 #include "util/test_util.hpp"
 
 using namespace dflash;
@@ -18,7 +20,8 @@ namespace {
 const char* const kSpecials[] = {"<|im_start|>", "<|im_end|>"};
 
 // Special tokens get ids 0, 1; any other byte b gets 2 + b.
-std::vector<int32_t> byte_encode(std::string_view text, std::vector<std::pair<size_t, size_t>>* off) {
+std::vector<int32_t> byte_encode(std::string_view text,
+                                 std::vector<std::pair<size_t, size_t>>* off) {
   std::vector<int32_t> ids;
   off->clear();
   size_t i = 0;
@@ -43,9 +46,10 @@ std::vector<int32_t> byte_encode(std::string_view text, std::vector<std::pair<si
 }
 
 std::string record(const std::string& id, const std::string& q, const std::string& a) {
-  return nlohmann::json{{"id", id},
-                        {"conversations",
-                         {{{"role", "user"}, {"content", q}}, {{"role", "assistant"}, {"content", a}}}}}
+  return nlohmann::json{
+      {"id", id},
+      {"conversations",
+       {{{"role", "user"}, {"content", q}}, {{"role", "assistant"}, {"content", a}}}}}
       .dump();
 }
 
@@ -90,8 +94,8 @@ TEST(LossMask, TokenIsSupervisedIffInsideASpan) {
 
 TEST(LossMask, MultiTurnChatmlMaskWithByteTokens) {
   Conversation c;
-  c.messages = {{Role::user, "Q1"}, {Role::assistant, "A1"}, {Role::user, "Q"},
-                {Role::assistant, "B"}};
+  c.messages = {
+      {Role::user, "Q1"}, {Role::assistant, "A1"}, {Role::user, "Q"}, {Role::assistant, "B"}};
   auto doc = tokenize_rendered(render_chat(ChatTemplate::from_name("chatml"), c), byte_encode);
   // Per turn: header 1+k+1 tokens ("<|im_start|>", role bytes, "\n"), content, <|im_end|>, "\n".
   std::vector<uint8_t> want;
@@ -261,8 +265,10 @@ TEST(Dataset, BadRecordsStopTheRunUnlessSkipped) {
   TempDir tmp;
   std::string data = record("a", "Q", "A") + "\n" + "{not json\n" + record("c", "Q", "A") + "\n" +
                      R"({"id": "d", "messages": [{"role": "user", "content": "Q"}, )"
-                     R"({"role": "robot", "content": "A"}]})" "\n" +
-                     R"({"id": "e", "messages": [{"role": "user", "content": "Q"}]})" "\n";
+                     R"({"role": "robot", "content": "A"}]})"
+                     "\n" +
+                     R"({"id": "e", "messages": [{"role": "user", "content": "Q"}]})"
+                     "\n";
   test::write_file(tmp / "d.jsonl", data);
   auto opts = options(tmp);
   try {

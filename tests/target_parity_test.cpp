@@ -79,8 +79,9 @@ TEST(TargetParity, RandomCheckpointsMatchHf) {
       o.logits = LogitsRows::all;
       const ForwardResult r = m.forward(toks, offs, o);
       for (size_t k = 0; k < layers.size(); ++k) {
-        const Tensor got = r.taps.slice(1, static_cast<int64_t>(k) * H,
-                                        static_cast<int64_t>(k + 1) * H).contiguous();
+        const Tensor got =
+            r.taps.slice(1, static_cast<int64_t>(k) * H, static_cast<int64_t>(k + 1) * H)
+                .contiguous();
         const double e = rel_error(got, g.get(fmt::format("p{}.layer{}.out", i, layers[k])));
         EXPECT_LT(e, kTol) << "layer " << layers[k];
         worst = std::max(worst, e);

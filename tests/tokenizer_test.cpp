@@ -1,6 +1,8 @@
 // Tests of src/data/tokenizer: conformance with HF `tokenizers` ids on the real Qwen3 tokenizer
 // (cases.jsonl, recorded with HF tokenizers 0.23), round trips, offsets, added-token flags on a
 // hand-written tokenizer.json, invalid UTF-8 handling, thread safety, the CLI.
+#include "data/tokenizer.hpp"
+
 #include <gtest/gtest.h>
 #include <lzma.h>
 #include <utf8proc.h>
@@ -10,7 +12,6 @@
 #include <thread>
 
 #include "core/error.hpp"
-#include "data/tokenizer.hpp"
 #include "data/utf8.hpp"
 #include "util/test_util.hpp"
 
@@ -45,8 +46,9 @@ std::string xz_decompress(const fs::path& p) {
 const Tokenizer& qwen3() {
   static test::TempDir dir;
   static const Tokenizer tok = [] {
-    test::write_file(dir / "tokenizer.json",
-                     xz_decompress(test::shared_dir() / "fixtures/qwen3-tokenizer/tokenizer.json.xz"));
+    test::write_file(
+        dir / "tokenizer.json",
+        xz_decompress(test::shared_dir() / "fixtures/qwen3-tokenizer/tokenizer.json.xz"));
     return Tokenizer::load(dir.path());
   }();
   return tok;
@@ -68,7 +70,8 @@ std::vector<Case> qwen3_cases() {
 }
 
 /// Checks that offsets are monotone, character-aligned and cover `text` without gaps.
-void expect_offsets_cover(const std::string& text, const std::vector<std::pair<size_t, size_t>>& o) {
+void expect_offsets_cover(const std::string& text,
+                          const std::vector<std::pair<size_t, size_t>>& o) {
   if (text.empty()) {
     EXPECT_TRUE(o.empty());
     return;
@@ -109,7 +112,8 @@ TEST(Tokenizer, RoundTripAndOffsets) {
   for (const auto& c : qwen3_cases()) texts.push_back(c.text);
   texts.push_back(std::string(1000, 'a'));
   texts.push_back(std::string(129, ' ') + "x" + std::string(17, '\n'));
-  texts.push_back("\xF0\x9F\x91\xA8\xE2\x80\x8D\xF0\x9F\x91\xA9 family, 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 <|im_end|><|im_end|>");
+  texts.push_back(
+      "\xF0\x9F\x91\xA8\xE2\x80\x8D\xF0\x9F\x91\xA9 family, 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 <|im_end|><|im_end|>");
   for (const auto& t : texts) {
     std::vector<std::pair<size_t, size_t>> offs;
     const auto ids = qwen3().encode(t, &offs);
@@ -166,8 +170,11 @@ TEST(Tokenizer, InvalidUtf8) {
   std::vector<std::pair<size_t, size_t>> offs;
   const auto ids = t.encode(bad, &offs, InvalidUtf8::replace);
   // The maximal invalid subpart E2 82 becomes one U+FFFD, the lone 80 another.
-  EXPECT_EQ(t.decode(ids), "ab\xEF\xBF\xBD" "c\xEF\xBF\xBD");
-  EXPECT_EQ(ids, t.encode("ab\xEF\xBF\xBD" "c\xEF\xBF\xBD"));
+  EXPECT_EQ(t.decode(ids),
+            "ab\xEF\xBF\xBD"
+            "c\xEF\xBF\xBD");
+  EXPECT_EQ(ids, t.encode("ab\xEF\xBF\xBD"
+                          "c\xEF\xBF\xBD"));
   ASSERT_FALSE(offs.empty());
   EXPECT_EQ(offs.front().first, 0u);
   EXPECT_EQ(offs.back().second, bad.size());
@@ -222,16 +229,18 @@ std::string tiny_tokenizer_json(bool normalized_mask = false) {
   json j;
   j["version"] = "1.0";
   j["normalizer"] = nullptr;
-  j["pre_tokenizer"] = {{"type", "ByteLevel"}, {"add_prefix_space", false},
-                        {"trim_offsets", false}, {"use_regex", true}};
+  j["pre_tokenizer"] = {{"type", "ByteLevel"},
+                        {"add_prefix_space", false},
+                        {"trim_offsets", false},
+                        {"use_regex", true}};
   j["decoder"] = {{"type", "ByteLevel"}};
   j["model"] = {{"type", "BPE"},
                 {"vocab", vocab},
                 {"merges", json::array({json::array({"h", "e"}), json::array({"he", "l"}),
                                         json::array({"\xC4\xA0", "w"})})}};
   auto added = [](int id, const char* c, bool sw, bool l, bool r, bool norm, bool special) {
-    return json{{"id", id},       {"content", c},     {"single_word", sw}, {"lstrip", l},
-                {"rstrip", r},    {"normalized", norm}, {"special", special}};
+    return json{{"id", id},    {"content", c},       {"single_word", sw}, {"lstrip", l},
+                {"rstrip", r}, {"normalized", norm}, {"special", special}};
   };
   j["added_tokens"] = json::array({
       added(259, "[CLS]", false, false, false, false, true),
@@ -316,7 +325,8 @@ TEST(Tokenizer, TinyModelTokenizerLoads) {
 
 TEST(TokenizeCli, EncodeDecodeAndErrors) {
   const std::string model = (test::assets_dir() / "tiny-qwen3").string();
-  auto r = test::run_dflash({"tokenize", "--model", model, "--verbose"}, "hello world\n<|im_end|>\n");
+  auto r =
+      test::run_dflash({"tokenize", "--model", model, "--verbose"}, "hello world\n<|im_end|>\n");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   std::istringstream out(r.out);
   std::string l1, l2;
@@ -332,8 +342,9 @@ TEST(TokenizeCli, EncodeDecodeAndErrors) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(json::parse(r.out)["text"], "hello world");
   // --jsonl with record ids; an invalid UTF-8 line names the line.
-  r = test::run_dflash({"tokenize", "--model", model, "--jsonl"},
-                       "{\"id\": \"r1\", \"text\": \"hi\"}\n{\"id\": \"r2\", \"text\": \"\xFF\"}\n");
+  r = test::run_dflash(
+      {"tokenize", "--model", model, "--jsonl"},
+      "{\"id\": \"r1\", \"text\": \"hi\"}\n{\"id\": \"r2\", \"text\": \"\xFF\"}\n");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("line 2"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("UTF-8"), std::string::npos) << r.err;
@@ -343,6 +354,5 @@ TEST(TokenizeCli, EncodeDecodeAndErrors) {
   EXPECT_NE(r.err.find("byte offset 4"), std::string::npos) << r.err;
   r = test::run_dflash({"tokenize", "--model", model, "--replace-invalid"}, "bad \xC3(\n");
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_EQ(json::parse(r.out)["ids"].get<std::vector<int32_t>>(),
-            t.encode("bad \xEF\xBF\xBD("));
+  EXPECT_EQ(json::parse(r.out)["ids"].get<std::vector<int32_t>>(), t.encode("bad \xEF\xBF\xBD("));
 }

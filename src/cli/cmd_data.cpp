@@ -67,8 +67,7 @@ void run_prepare(PrepareArgs a, const CLI::App& cmd) {
     return tok.encode(text, offsets);
   };
   PrepareResult r = prepare_dataset(o);
-  const double secs =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   fmt::print("data       {}\n", o.data.string());
   fmt::print("model      {} (template {})\n", model.string(), o.chat_template.fingerprint());
@@ -83,9 +82,10 @@ void run_prepare(PrepareArgs a, const CLI::App& cmd) {
   bo.num_shapes = a.num_shapes;
   Batcher batcher(r.dataset, bo);
   PackingStats ps = batcher.epoch_stats(0);
-  fmt::print("packing (epoch 0, {} row(s) x budget {}): {} batches, {} tokens in {} slots, "
-             "padding waste {:.2f} %\n",
-             bo.rows, bo.token_budget, ps.batches, ps.tokens, ps.slots, 100.0 * ps.waste());
+  fmt::print(
+      "packing (epoch 0, {} row(s) x budget {}): {} batches, {} tokens in {} slots, "
+      "padding waste {:.2f} %\n",
+      bo.rows, bo.token_budget, ps.batches, ps.tokens, ps.slots, 100.0 * ps.waste());
   for (auto it = ps.batches_per_shape.rbegin(); it != ps.batches_per_shape.rend(); ++it) {
     fmt::print("  shape [{} x {}]: {} batches\n", bo.rows, it->first, it->second);
   }
@@ -107,8 +107,11 @@ void add_data_command(CLI::App& app) {
   p->add_option("--template", args->template_name,
                 "Chat template: chatml (alias qwen), qwen3, llama3 (default: detected)");
   p->add_flag("--enable-thinking", args->enable_thinking, "qwen3: thinking mode");
-  p->add_option("--max-length", args->max_length, "Tokens per conversation; longer ones are "
-                "truncated")->capture_default_str()->check(CLI::PositiveNumber);
+  p->add_option("--max-length", args->max_length,
+                "Tokens per conversation; longer ones are "
+                "truncated")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   p->add_option("--cache", args->cache, "Cache file (default: under ~/.cache/dflash)");
   p->add_flag("--skip-invalid", args->skip_invalid, "Skip and count bad records");
   p->add_flag("--force", args->force, "Rebuild the cache even when it is up to date");

@@ -32,4 +32,12 @@ void add_generate_command(CLI::App& app);
 /// tokens/s, speedup, losslessness, JSON report (src/cli/cmd_eval.cpp).
 void add_eval_command(CLI::App& app);
 
+/// `dflash train [--config FILE] [overrides]` and `dflash init-config --target DIR`
+/// (src/cli/cmd_train.cpp).
+void add_train_command(CLI::App& app);
+
+/// The embedded assets folder (tiny-qwen3 and data): $DFLASH_ASSETS, else <binary>/../assets,
+/// else ./assets. Throws dflash::Error when none exists.
+std::string find_assets_dir();
+
 }  // namespace dflash::cli

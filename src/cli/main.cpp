@@ -19,9 +19,11 @@ int main(int argc, char** argv) {
   app.parse_complete_callback([&] { dflash::log_init(log_level); });
 
   dflash::cli::add_inspect_command(app);
+  dflash::cli::add_data_command(app);
   dflash::cli::add_status_command(app);
   dflash::cli::add_tokenize_command(app);
   dflash::cli::add_dev_command(app);
+  dflash::cli::add_train_command(app);
   dflash::cli::add_generate_command(app);
   dflash::cli::add_eval_command(app);
 

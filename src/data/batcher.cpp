@@ -45,7 +45,8 @@ DataCursor DataCursor::from_json(const nlohmann::json& j) {
 }
 
 Batcher::Batcher(TokenDataset data, BatcherOptions opts) : data_(std::move(data)), opts_(opts) {
-  DFLASH_CHECK(opts_.token_budget > 0, "token budget must be positive (got {})", opts_.token_budget);
+  DFLASH_CHECK(opts_.token_budget > 0, "token budget must be positive (got {})",
+               opts_.token_budget);
   DFLASH_CHECK(opts_.rows > 0, "rows per batch must be positive (got {})", opts_.rows);
   DFLASH_CHECK(opts_.num_shapes >= 1 && opts_.num_shapes <= 16,
                "number of batch shapes must be 1..16 (got {})", opts_.num_shapes);
@@ -66,14 +67,15 @@ Batcher::Batcher(TokenDataset data, BatcherOptions opts) : data_(std::move(data)
 }
 
 std::string Batcher::config_string() const {
-  return fmt::format("budget={};rows={};shapes={};window={};pad={}", opts_.token_budget,
-                     opts_.rows, opts_.num_shapes, opts_.window_rows, opts_.pad_token);
+  return fmt::format("budget={};rows={};shapes={};window={};pad={}", opts_.token_budget, opts_.rows,
+                     opts_.num_shapes, opts_.window_rows, opts_.pad_token);
 }
 
 void Batcher::plan_epoch(int64_t epoch) {
   if (planned_epoch_ == epoch) return;
   const uint64_t stream = static_cast<uint64_t>(epoch) * 2;
-  const std::vector<int64_t> order = deterministic_permutation(data_.num_docs(), opts_.seed, stream);
+  const std::vector<int64_t> order =
+      deterministic_permutation(data_.num_docs(), opts_.seed, stream);
   const int64_t budget = opts_.token_budget;
   const int64_t window_tokens = opts_.window_rows * budget;
 
@@ -186,8 +188,8 @@ Batch Batcher::batch_at(int64_t epoch, int64_t index) {
         seg[base + k] = s;
         b.n_supervised += m[static_cast<size_t>(k)];
       }
-      b.docs.push_back({static_cast<int32_t>(r), static_cast<int32_t>(col),
-                        static_cast<int32_t>(len), d});
+      b.docs.push_back(
+          {static_cast<int32_t>(r), static_cast<int32_t>(col), static_cast<int32_t>(len), d});
       col += len;
       offs.push_back(static_cast<int32_t>(col));
       b.n_tokens += len;

@@ -50,12 +50,12 @@ struct DocSlot {
 /// One batch. Tensors are CPU, contiguous, [rows, L].
 struct Batch {
   int64_t epoch = 0;
-  int64_t index = 0;       ///< batch index within the epoch
-  int64_t row_length = 0;  ///< L
-  Tensor tokens;           ///< i32 [rows, L]
-  Tensor loss_mask;        ///< boolean (u8 0/1) [rows, L]
-  Tensor positions;        ///< i32 [rows, L], 0.. within each document, 0 on padding
-  Tensor segments;         ///< i32 [rows, L], index into `docs`, -1 on padding
+  int64_t index = 0;                     ///< batch index within the epoch
+  int64_t row_length = 0;                ///< L
+  Tensor tokens;                         ///< i32 [rows, L]
+  Tensor loss_mask;                      ///< boolean (u8 0/1) [rows, L]
+  Tensor positions;                      ///< i32 [rows, L], 0.. within each document, 0 on padding
+  Tensor segments;                       ///< i32 [rows, L], index into `docs`, -1 on padding
   std::vector<DocSlot> docs;             ///< by row, then by start
   std::vector<int32_t> row_doc_offsets;  ///< rows + 1: row r holds docs [o[r], o[r+1])
   /// Per row: token offsets of its documents, n_docs_in_row + 1 entries from 0 to the row's real
@@ -70,9 +70,9 @@ struct Batch {
 struct DataCursor {
   uint64_t seed = 0;
   int64_t epoch = 0;
-  int64_t batch = 0;             ///< the next batch to produce within `epoch`
-  uint64_t dataset = 0;          ///< TokenDataset::fingerprint()
-  std::string config;            ///< the packing options that shape the plan
+  int64_t batch = 0;     ///< the next batch to produce within `epoch`
+  uint64_t dataset = 0;  ///< TokenDataset::fingerprint()
+  std::string config;    ///< the packing options that shape the plan
   nlohmann::json to_json() const;
   /// Throws dflash::Error naming the missing/bad key.
   static DataCursor from_json(const nlohmann::json& j);
@@ -83,8 +83,8 @@ struct DataCursor {
 struct PackingStats {
   int64_t batches = 0;
   int64_t docs = 0;
-  int64_t tokens = 0;   ///< real tokens
-  int64_t slots = 0;    ///< rows * L summed over batches
+  int64_t tokens = 0;                            ///< real tokens
+  int64_t slots = 0;                             ///< rows * L summed over batches
   std::map<int64_t, int64_t> batches_per_shape;  ///< L -> count
   /// Padding share of all slots (0..1).
   double waste() const { return slots > 0 ? 1.0 - static_cast<double>(tokens) / slots : 0.0; }

@@ -29,8 +29,8 @@ struct Builder {
 
 bool py_isspace(uint32_t c) {
   return (c >= 0x09 && c <= 0x0d) || (c >= 0x1c && c <= 0x20) || c == 0x85 || c == 0xa0 ||
-         c == 0x1680 || (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 ||
-         c == 0x202f || c == 0x205f || c == 0x3000;
+         c == 0x1680 || (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 || c == 0x202f ||
+         c == 0x205f || c == 0x3000;
 }
 
 // Decodes the code point starting at s[i] (well-formed UTF-8 assumed; a bad byte decodes to
@@ -202,9 +202,12 @@ ChatTemplate ChatTemplate::from_name(std::string_view name, bool enable_thinking
 
 std::string ChatTemplate::name() const {
   switch (family) {
-    case TemplateFamily::chatml: return "chatml";
-    case TemplateFamily::qwen3: return "qwen3";
-    case TemplateFamily::llama3: return "llama3";
+    case TemplateFamily::chatml:
+      return "chatml";
+    case TemplateFamily::qwen3:
+      return "qwen3";
+    case TemplateFamily::llama3:
+      return "llama3";
   }
   return "?";
 }
@@ -297,15 +300,17 @@ ChatTemplate resolve_chat_template(const std::filesystem::path& model_dir, std::
   if (!name.empty()) return ChatTemplate::from_name(name, enable_thinking);
   auto text = read_model_chat_template(model_dir);
   if (!text) {
-    fail("{} has no chat template (chat_template.jinja or tokenizer_config.json "
-         "\"chat_template\"); name one with --template (chatml, qwen3, llama3)",
-         model_dir.string());
+    fail(
+        "{} has no chat template (chat_template.jinja or tokenizer_config.json "
+        "\"chat_template\"); name one with --template (chatml, qwen3, llama3)",
+        model_dir.string());
   }
   auto family = detect_template_family(*text);
   if (!family) {
-    fail("cannot tell which built-in template the chat template of {} is; name it with "
-         "--template (chatml, qwen3, llama3) after checking that it renders the same text",
-         model_dir.string());
+    fail(
+        "cannot tell which built-in template the chat template of {} is; name it with "
+        "--template (chatml, qwen3, llama3) after checking that it renders the same text",
+        model_dir.string());
   }
   ChatTemplate t;
   t.family = *family;

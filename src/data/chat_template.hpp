@@ -1,4 +1,4 @@
-// dflash.cpp — chat templates: a conversation rendered to the exact text the target was trained on,
+// dflash.cpp — chat templates: a conversation rendered to the exact text the target saw in training,
 // plus the byte spans of that text that carry the loss.
 //
 // Built-in templates (hand-derived from their Jinja sources, byte for byte):
@@ -67,8 +67,8 @@ RenderedChat render_chat(const ChatTemplate& t, const Conversation& conv,
                          bool add_generation_prompt = false);
 
 /// The family a Jinja chat template belongs to, when that is unambiguous (the template is one of
-/// the built-in ones, up to surrounding whitespace, or carries the markers of exactly one family in a form our
-/// renderer reproduces); std::nullopt otherwise.
+/// the built-in ones, up to surrounding whitespace, or carries the markers of exactly one family in
+/// a form our renderer reproduces); std::nullopt otherwise.
 std::optional<TemplateFamily> detect_template_family(std::string_view jinja);
 
 /// The chat template text of a HF model folder: `chat_template.jinja`, else

@@ -11,21 +11,30 @@ using nlohmann::json;
 
 std::string_view role_name(Role r) {
   switch (r) {
-    case Role::system: return "system";
-    case Role::user: return "user";
-    case Role::assistant: return "assistant";
+    case Role::system:
+      return "system";
+    case Role::user:
+      return "user";
+    case Role::assistant:
+      return "assistant";
   }
   return "?";
 }
 
 std::string_view record_error_kind_name(RecordErrorKind k) {
   switch (k) {
-    case RecordErrorKind::invalid_json: return "invalid_json";
-    case RecordErrorKind::missing_field: return "missing_field";
-    case RecordErrorKind::invalid_field: return "invalid_field";
-    case RecordErrorKind::unknown_role: return "unknown_role";
-    case RecordErrorKind::empty_content: return "empty_content";
-    case RecordErrorKind::wrong_alternation: return "wrong_alternation";
+    case RecordErrorKind::invalid_json:
+      return "invalid_json";
+    case RecordErrorKind::missing_field:
+      return "missing_field";
+    case RecordErrorKind::invalid_field:
+      return "invalid_field";
+    case RecordErrorKind::unknown_role:
+      return "unknown_role";
+    case RecordErrorKind::empty_content:
+      return "empty_content";
+    case RecordErrorKind::wrong_alternation:
+      return "wrong_alternation";
   }
   return "?";
 }
@@ -35,8 +44,8 @@ namespace {
 template <typename... Args>
 [[noreturn]] void reject(RecordErrorKind kind, std::string_view where,
                          fmt::format_string<Args...> f, Args&&... args) {
-  throw RecordError(kind, fmt::format("{}: {}", where,
-                                      fmt::format(f, std::forward<Args>(args)...)));
+  throw RecordError(kind,
+                    fmt::format("{}: {}", where, fmt::format(f, std::forward<Args>(args)...)));
 }
 
 bool is_blank(std::string_view s) {
@@ -103,8 +112,8 @@ Conversation parse_conversation(std::string_view line, std::string_view file, in
   } else if (id->is_number_integer()) {
     conv.id = id->dump();
   } else {
-    reject(RecordErrorKind::invalid_field, where, "field 'id' must be a string or an integer, not {}",
-           id->type_name());
+    reject(RecordErrorKind::invalid_field, where,
+           "field 'id' must be a string or an integer, not {}", id->type_name());
   }
   if (auto src = j.find("source"); src != j.end()) {
     if (!src->is_string()) {
@@ -154,15 +163,17 @@ Conversation parse_conversation(std::string_view line, std::string_view file, in
     if (f != form) {
       reject(RecordErrorKind::invalid_field, where,
              "{} is in {} form but earlier messages are in {} form", field,
-             f == Form::sharegpt ? "ShareGPT" : "OpenAI", form == Form::sharegpt ? "ShareGPT" : "OpenAI");
+             f == Form::sharegpt ? "ShareGPT" : "OpenAI",
+             form == Form::sharegpt ? "ShareGPT" : "OpenAI");
     }
     const char* role_key = (f == Form::sharegpt) ? "from" : "role";
     const char* content_key = (f == Form::sharegpt) ? "value" : "content";
     auto r = e.find(role_key);
-    if (r == e.end()) reject(RecordErrorKind::missing_field, where, "{}: missing field '{}'", field, role_key);
+    if (r == e.end())
+      reject(RecordErrorKind::missing_field, where, "{}: missing field '{}'", field, role_key);
     if (!r->is_string()) {
-      reject(RecordErrorKind::invalid_field, where, "{}.{} must be a string, not {}", field, role_key,
-             r->type_name());
+      reject(RecordErrorKind::invalid_field, where, "{}.{} must be a string, not {}", field,
+             role_key, r->type_name());
     }
     auto c = e.find(content_key);
     if (c == e.end()) {
@@ -175,17 +186,23 @@ Conversation parse_conversation(std::string_view line, std::string_view file, in
     const std::string& rs = r->get_ref<const std::string&>();
     Message m;
     if (f == Form::sharegpt) {
-      if (rs == "human") m.role = Role::user;
-      else if (rs == "gpt") m.role = Role::assistant;
-      else if (rs == "system") m.role = Role::system;
+      if (rs == "human")
+        m.role = Role::user;
+      else if (rs == "gpt")
+        m.role = Role::assistant;
+      else if (rs == "system")
+        m.role = Role::system;
       else {
         reject(RecordErrorKind::unknown_role, where,
                "{}.from: unknown role '{}' (expected human, gpt or system)", field, rs);
       }
     } else {
-      if (rs == "user") m.role = Role::user;
-      else if (rs == "assistant") m.role = Role::assistant;
-      else if (rs == "system") m.role = Role::system;
+      if (rs == "user")
+        m.role = Role::user;
+      else if (rs == "assistant")
+        m.role = Role::assistant;
+      else if (rs == "system")
+        m.role = Role::system;
       else {
         reject(RecordErrorKind::unknown_role, where,
                "{}.role: unknown role '{}' (expected user, assistant or system)", field, rs);

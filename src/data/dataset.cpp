@@ -1,4 +1,5 @@
-// dflash.cpp — tokenized dataset and its cache file (see dataset.hpp for the invariants and layout).
+// dflash.cpp — tokenized dataset and its cache file (see dataset.hpp for the invariants and
+// layout).
 #include "data/dataset.hpp"
 
 #include <fcntl.h>
@@ -32,9 +33,13 @@ constexpr int kFormat = 1;
 constexpr size_t kAlign = 64;
 constexpr size_t kMaxExamples = 10;
 
-size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+size_t align_up(size_t x) {
+  return (x + kAlign - 1) / kAlign * kAlign;
+}
 
-std::string hex64(uint64_t h) { return fmt::format("{:016x}", h); }
+std::string hex64(uint64_t h) {
+  return fmt::format("{:016x}", h);
+}
 
 uint64_t parse_hex64(const nlohmann::json& j, const char* key) {
   const std::string s = j.at(key).get<std::string>();
@@ -322,10 +327,10 @@ TokenDataset TokenDataset::from_docs(const std::vector<TokenizedDoc>& docs) {
     mem->tokens.insert(mem->tokens.end(), d.tokens.begin(), d.tokens.end());
     mem->mask.insert(mem->mask.end(), d.loss_mask.begin(), d.loss_mask.end());
     mem->offsets.push_back(static_cast<int64_t>(mem->tokens.size()));
-    h = hash_bytes(std::string_view(reinterpret_cast<const char*>(d.tokens.data()),
-                                    d.tokens.size() * 4), h);
-    h = hash_bytes(std::string_view(reinterpret_cast<const char*>(d.loss_mask.data()),
-                                    d.loss_mask.size()), h);
+    h = hash_bytes(
+        std::string_view(reinterpret_cast<const char*>(d.tokens.data()), d.tokens.size() * 4), h);
+    h = hash_bytes(
+        std::string_view(reinterpret_cast<const char*>(d.loss_mask.data()), d.loss_mask.size()), h);
     h = hash_bytes("|", h);
   }
   impl->tokens = mem->tokens.data();
@@ -344,8 +349,12 @@ TokenDataset TokenDataset::from_docs(const std::vector<TokenizedDoc>& docs) {
   return d;
 }
 
-int64_t TokenDataset::num_docs() const { return impl_ ? impl_->n_docs : 0; }
-int64_t TokenDataset::num_tokens() const { return impl_ ? impl_->n_tokens : 0; }
+int64_t TokenDataset::num_docs() const {
+  return impl_ ? impl_->n_docs : 0;
+}
+int64_t TokenDataset::num_tokens() const {
+  return impl_ ? impl_->n_tokens : 0;
+}
 int64_t TokenDataset::doc_length(int64_t i) const {
   DFLASH_ASSERT(impl_ && i >= 0 && i < impl_->n_docs);
   return impl_->offsets[i + 1] - impl_->offsets[i];
@@ -500,9 +509,8 @@ void write_cache(const std::filesystem::path& path, const CacheKey& key, const B
 }
 
 bool is_blank_line(const std::string& s) {
-  return std::all_of(s.begin(), s.end(), [](char c) {
-    return c == ' ' || c == '\t' || c == '\r' || c == '\n';
-  });
+  return std::all_of(s.begin(), s.end(),
+                     [](char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\n'; });
 }
 
 // One record's outcome, computed by a worker thread.
@@ -519,14 +527,15 @@ Built build(const PrepareOptions& opts) {
   DatasetStats& st = b.stats;
   const int64_t max_len = opts.max_length;
   std::vector<int64_t> uppers;
-  for (int64_t u = 16; ; u *= 2) {
+  for (int64_t u = 16;; u *= 2) {
     uppers.push_back(std::min(u, max_len));
     if (u >= max_len) break;
   }
   st.hist_upper = uppers;
   st.hist_count.assign(uppers.size(), 0);
 
-  int threads = opts.threads > 0 ? opts.threads : static_cast<int>(std::thread::hardware_concurrency());
+  int threads =
+      opts.threads > 0 ? opts.threads : static_cast<int>(std::thread::hardware_concurrency());
   threads = std::max(threads, 1);
   LineReader reader(opts.data);
   const std::string file = opts.data.string();
@@ -625,19 +634,20 @@ Built build(const PrepareOptions& opts) {
       st.supervised_tokens += sup;
       st.min_length = (st.conversations == 1) ? len : std::min(st.min_length, len);
       st.max_length = std::max(st.max_length, len);
-      size_t bin = static_cast<size_t>(
-          std::lower_bound(uppers.begin(), uppers.end(), len) - uppers.begin());
+      size_t bin =
+          static_cast<size_t>(std::lower_bound(uppers.begin(), uppers.end(), len) - uppers.begin());
       ++st.hist_count[std::min(bin, uppers.size() - 1)];
     }
     bar.advance(static_cast<int64_t>(out.size()));
   }
   bar.finish();
   if (st.conversations == 0) {
-    fail("{}: nothing to train on: {} records, {} invalid (skipped), {} without any supervised "
-         "(assistant) token{}",
-         file, st.records, st.skipped_invalid, st.zero_supervised,
-         st.zero_supervised > 0 ? fmt::format(" (first: {})", st.zero_supervised_examples[0])
-                                : std::string());
+    fail(
+        "{}: nothing to train on: {} records, {} invalid (skipped), {} without any supervised "
+        "(assistant) token{}",
+        file, st.records, st.skipped_invalid, st.zero_supervised,
+        st.zero_supervised > 0 ? fmt::format(" (first: {})", st.zero_supervised_examples[0])
+                               : std::string());
   }
   return b;
 }

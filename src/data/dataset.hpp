@@ -36,8 +36,8 @@ namespace dflash {
 
 /// Text -> token ids, filling per-token byte ranges [begin, end) of the text (the signature of
 /// Tokenizer::encode; a std::function so that the data code can be tested with any tokenizer).
-using EncodeFn = std::function<std::vector<int32_t>(std::string_view text,
-                                                    std::vector<std::pair<size_t, size_t>>* offsets)>;
+using EncodeFn = std::function<std::vector<int32_t>(
+    std::string_view text, std::vector<std::pair<size_t, size_t>>* offsets)>;
 
 /// One tokenized document.
 struct TokenizedDoc {
@@ -76,19 +76,19 @@ struct CacheKey {
 
 /// Figures of a prepared dataset.
 struct DatasetStats {
-  int64_t records = 0;          ///< non-blank JSONL lines read
-  int64_t conversations = 0;    ///< documents kept
-  int64_t skipped_invalid = 0;  ///< bad records skipped (--skip-invalid)
-  int64_t zero_supervised = 0;  ///< documents left out: no supervised token (after truncation)
-  int64_t truncated = 0;        ///< documents longer than max_length, truncated
-  int64_t truncated_tokens = 0; ///< tokens cut off by truncation
-  int64_t tokens = 0;           ///< tokens kept (all documents)
+  int64_t records = 0;           ///< non-blank JSONL lines read
+  int64_t conversations = 0;     ///< documents kept
+  int64_t skipped_invalid = 0;   ///< bad records skipped (--skip-invalid)
+  int64_t zero_supervised = 0;   ///< documents left out: no supervised token (after truncation)
+  int64_t truncated = 0;         ///< documents longer than max_length, truncated
+  int64_t truncated_tokens = 0;  ///< tokens cut off by truncation
+  int64_t tokens = 0;            ///< tokens kept (all documents)
   int64_t supervised_tokens = 0;
   int64_t min_length = 0, max_length = 0;
-  std::map<std::string, int64_t> invalid_by_kind;  ///< RecordErrorKind name -> count
-  std::vector<std::string> invalid_examples;       ///< the first few error messages
+  std::map<std::string, int64_t> invalid_by_kind;     ///< RecordErrorKind name -> count
+  std::vector<std::string> invalid_examples;          ///< the first few error messages
   std::vector<std::string> zero_supervised_examples;  ///< "file:line (id)" of the first few
-  std::vector<int64_t> hist_upper;  ///< length histogram: bin k holds lengths in
+  std::vector<int64_t> hist_upper;                    ///< length histogram: bin k holds lengths in
   std::vector<int64_t> hist_count;  ///< (hist_upper[k-1], hist_upper[k]] (kept documents)
 
   nlohmann::json to_json() const;
@@ -155,7 +155,8 @@ PrepareResult prepare_dataset(const PrepareOptions& opts);
 
 /// Default cache file for `data` tokenized for the model in `model_dir`:
 /// `$DFLASH_CACHE_DIR`, else `$XDG_CACHE_HOME/dflash`, else `$HOME/.cache/dflash`, then
-/// `<data file name>-<hash of both absolute paths>.dftok`. Throws when none of the variables is set.
+/// `<data file name>-<hash of both absolute paths>.dftok`. Throws when none of the variables is
+/// set.
 std::filesystem::path default_cache_path(const std::filesystem::path& data,
                                          const std::filesystem::path& model_dir);
 /// The cache file for `data` and `model_dir` inside folder `dir` (same file name as above).

@@ -29,7 +29,8 @@ struct LineReader::Source {
   // Raw bytes of the file; returns 0 at EOF, throws on an I/O error.
   size_t read_raw(char* out, size_t cap) {
     size_t n = std::fread(out, 1, cap, file);
-    if (n == 0 && std::ferror(file)) fail("{}: read error: {}", path.string(), std::strerror(errno));
+    if (n == 0 && std::ferror(file))
+      fail("{}: read error: {}", path.string(), std::strerror(errno));
     return n;
   }
   std::FILE* file;
@@ -47,8 +48,8 @@ struct PlainSource final : LineReader::Source {
 struct XzSource final : LineReader::Source {
   XzSource(std::FILE* f, std::filesystem::path p) : Source(f, std::move(p)), in(kChunk) {
     lzma_ret r = lzma_stream_decoder(&strm, UINT64_MAX, LZMA_CONCATENATED);
-    if (r != LZMA_OK) fail("{}: cannot start the xz decoder (lzma error {})", path.string(),
-                           static_cast<int>(r));
+    if (r != LZMA_OK)
+      fail("{}: cannot start the xz decoder (lzma error {})", path.string(), static_cast<int>(r));
   }
   ~XzSource() override { lzma_end(&strm); }
   size_t read(char* out, size_t cap) override {
@@ -137,7 +138,9 @@ LineReader::LineReader(const std::filesystem::path& path) : path_(path) {
 
 LineReader::~LineReader() = default;
 
-const char* LineReader::compression() const { return src_->name(); }
+const char* LineReader::compression() const {
+  return src_->name();
+}
 
 bool LineReader::fill() {
   if (eof_) return false;

@@ -83,8 +83,8 @@ std::optional<std::string> byte_level_to_bytes(std::string_view tok) {
 /// match).
 bool is_white_space(char32_t c) {
   return (c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85 || c == 0xA0 || c == 0x1680 ||
-         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F ||
-         c == 0x205F || c == 0x3000;
+         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F ||
+         c == 0x3000;
 }
 /// The White_Space set as the inside of a PCRE2 character class.
 constexpr const char* kWhiteSpaceClass =
@@ -142,10 +142,14 @@ enum class NormForm { nfc, nfd, nfkc, nfkd };
 
 int norm_options(NormForm f) {
   switch (f) {
-    case NormForm::nfc: return UTF8PROC_STABLE | UTF8PROC_COMPOSE;
-    case NormForm::nfd: return UTF8PROC_STABLE | UTF8PROC_DECOMPOSE;
-    case NormForm::nfkc: return UTF8PROC_STABLE | UTF8PROC_COMPOSE | UTF8PROC_COMPAT;
-    case NormForm::nfkd: return UTF8PROC_STABLE | UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT;
+    case NormForm::nfc:
+      return UTF8PROC_STABLE | UTF8PROC_COMPOSE;
+    case NormForm::nfd:
+      return UTF8PROC_STABLE | UTF8PROC_DECOMPOSE;
+    case NormForm::nfkc:
+      return UTF8PROC_STABLE | UTF8PROC_COMPOSE | UTF8PROC_COMPAT;
+    case NormForm::nfkd:
+      return UTF8PROC_STABLE | UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT;
   }
   return 0;
 }
@@ -188,7 +192,8 @@ struct Normalizer {
     if (p->decomp_seqindex != UINT16_MAX) {
       utf8proc_int32_t buf[32];
       int last = 0;
-      const auto opt = static_cast<utf8proc_option_t>(UTF8PROC_DECOMPOSE | (compat ? UTF8PROC_COMPAT : 0));
+      const auto opt =
+          static_cast<utf8proc_option_t>(UTF8PROC_DECOMPOSE | (compat ? UTF8PROC_COMPAT : 0));
       const utf8proc_ssize_t n = utf8proc_decompose_char(cpi, buf, 32, opt, &last);
       if (n > 0) {
         const utf8proc_property_t* q = utf8proc_get_property(buf[0]);
@@ -211,10 +216,9 @@ struct Normalizer {
     std::string cur(chunk);
     for (NormForm f : forms) {
       utf8proc_uint8_t* dst = nullptr;
-      const utf8proc_ssize_t n =
-          utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(cur.data()),
-                       static_cast<utf8proc_ssize_t>(cur.size()), &dst,
-                       static_cast<utf8proc_option_t>(norm_options(f)));
+      const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(cur.data()),
+                                              static_cast<utf8proc_ssize_t>(cur.size()), &dst,
+                                              static_cast<utf8proc_option_t>(norm_options(f)));
       if (n < 0) fail("normalizer: utf8proc error: {}", utf8proc_errmsg(n));
       cur.assign(reinterpret_cast<const char*>(dst), static_cast<size_t>(n));
       std::free(dst);
@@ -313,8 +317,7 @@ Normalizer parse_normalizer(const json& j, const std::string& where) {
   } else if (type == "NFKD") {
     n.forms.push_back(NormForm::nfkd);
   } else {
-    fail("{}: normalizer type '{}' is not supported (NFC, NFD, NFKC, NFKD, Sequence)", where,
-         type);
+    fail("{}: normalizer type '{}' is not supported (NFC, NFD, NFKC, NFKD, Sequence)", where, type);
   }
   for (NormForm f : n.forms) n.compat = n.compat || f == NormForm::nfkc || f == NormForm::nfkd;
   return n;
@@ -428,9 +431,9 @@ class Regex {
     size_t pos = 0;
     const auto* subj = reinterpret_cast<PCRE2_SPTR>(s.data());
     while (pos <= s.size()) {
-      const int rc = jit_ ? pcre2_jit_match(code_, subj, s.size(), pos, 0, rs.md, rs.mc)
-                          : pcre2_match(code_, subj, s.size(), pos, PCRE2_NO_UTF_CHECK, rs.md,
-                                        rs.mc);
+      const int rc =
+          jit_ ? pcre2_jit_match(code_, subj, s.size(), pos, 0, rs.md, rs.mc)
+               : pcre2_match(code_, subj, s.size(), pos, PCRE2_NO_UTF_CHECK, rs.md, rs.mc);
       if (rc == PCRE2_ERROR_NOMATCH) return;
       if (rc < 0) {
         PCRE2_UCHAR msg[256];
@@ -518,23 +521,22 @@ void parse_pre_tokenizer(const json& j, const std::string& where, std::vector<Pr
     if (j.value("use_regex", true))
       p.regex = std::make_shared<Regex>(onig_to_pcre2(kGpt2Pattern, where), where);
   } else {
-    fail("{}: pre_tokenizer type '{}' is not supported (Split, ByteLevel, Sequence)", where,
-         type);
+    fail("{}: pre_tokenizer type '{}' is not supported (Split, ByteLevel, Sequence)", where, type);
   }
   out.push_back(std::move(p));
 }
 
 /// Splits piece `p` of `s` with `re` by `behavior` (HF NormalizedString::split), appending
 /// non-empty results to `out`.
-void split_piece(std::string_view s, const Piece& p, const PreTokenizer& pt, std::vector<Piece>& out,
-                 std::vector<std::pair<Piece, bool>>& tmp) {
+void split_piece(std::string_view s, const Piece& p, const PreTokenizer& pt,
+                 std::vector<Piece>& out, std::vector<std::pair<Piece, bool>>& tmp) {
   tmp.clear();
   const std::string_view sub = s.substr(p.b, p.e - p.b);
   uint32_t prev = 0;
   pt.regex->for_each_match(sub, [&](size_t b, size_t e) {
     if (prev != b) tmp.push_back({{p.b + prev, p.b + static_cast<uint32_t>(b), false}, pt.invert});
-    tmp.push_back({{p.b + static_cast<uint32_t>(b), p.b + static_cast<uint32_t>(e), false},
-                   !pt.invert});
+    tmp.push_back(
+        {{p.b + static_cast<uint32_t>(b), p.b + static_cast<uint32_t>(e), false}, !pt.invert});
     prev = static_cast<uint32_t>(e);
   });
   if (prev != sub.size()) tmp.push_back({{p.b + prev, p.e, false}, pt.invert});
@@ -550,8 +552,10 @@ void split_piece(std::string_view s, const Piece& p, const PreTokenizer& pt, std
     case SplitBehavior::merged_with_previous: {
       bool prev_match = false;
       for (auto& [piece, m] : tmp) {
-        if (m && !prev_match && out.size() > first) out.back().e = piece.e;
-        else out.push_back(piece);
+        if (m && !prev_match && out.size() > first)
+          out.back().e = piece.e;
+        else
+          out.push_back(piece);
         prev_match = m;
       }
       break;
@@ -560,8 +564,10 @@ void split_piece(std::string_view s, const Piece& p, const PreTokenizer& pt, std
       bool prev_match = false;
       std::vector<Piece> rev;
       for (auto it = tmp.rbegin(); it != tmp.rend(); ++it) {
-        if (it->second && !prev_match && !rev.empty()) rev.back().b = it->first.b;
-        else rev.push_back(it->first);
+        if (it->second && !prev_match && !rev.empty())
+          rev.back().b = it->first.b;
+        else
+          rev.push_back(it->first);
         prev_match = it->second;
       }
       out.insert(out.end(), rev.rbegin(), rev.rend());
@@ -570,8 +576,10 @@ void split_piece(std::string_view s, const Piece& p, const PreTokenizer& pt, std
     case SplitBehavior::contiguous: {
       bool prev_match = false;
       for (auto& [piece, m] : tmp) {
-        if (m == prev_match && out.size() > first) out.back().e = piece.e;
-        else out.push_back(piece);
+        if (m == prev_match && out.size() > first)
+          out.back().e = piece.e;
+        else
+          out.push_back(piece);
         prev_match = m;
       }
       break;
@@ -658,8 +666,9 @@ class AddedMatcher {
       any_ = true;
     }
     for (auto& v : by_first_)
-      std::stable_sort(v.begin(), v.end(),
-                       [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+      std::stable_sort(v.begin(), v.end(), [](const auto& a, const auto& b) {
+        return a.first.size() > b.first.size();
+      });
     tokens_ = &tokens;
   }
   bool empty() const { return !any_; }
@@ -780,9 +789,9 @@ struct Tokenizer::Impl {
   // Model.
   std::unordered_map<std::string, int32_t, StrHash, std::equal_to<>> vocab;  // token string -> id
   std::unordered_map<std::string, int32_t, StrHash, std::equal_to<>> bytes_to_id;
-  std::vector<std::string> id_str;     // token string per id ("" if unused)
-  std::vector<std::string> id_bytes;   // decoded bytes per id
-  std::vector<uint8_t> id_special;     // 1 if special added token
+  std::vector<std::string> id_str;    // token string per id ("" if unused)
+  std::vector<std::string> id_bytes;  // decoded bytes per id
+  std::vector<uint8_t> id_special;    // 1 if special added token
   std::vector<uint8_t> id_used;
   int32_t byte_id[256];
   MergeMap merges;
@@ -874,8 +883,8 @@ struct Tokenizer::Impl {
       out.push_back(syms[static_cast<size_t>(i)].id);
     if (cacheable) {
       if (ts.cache.size() >= kCacheMaxEntries) ts.cache.clear();
-      ts.cache.emplace(std::string(key), std::vector<int32_t>(out.begin() + static_cast<long>(first),
-                                                              out.end()));
+      ts.cache.emplace(std::string(key),
+                       std::vector<int32_t>(out.begin() + static_cast<long>(first), out.end()));
     }
   }
 
@@ -1039,15 +1048,16 @@ Tokenizer Tokenizer::load(const std::filesystem::path& path) {
         } else if (vocab.contains(content)) {
           id = vocab.at(content).get<int32_t>();
         } else {
-          id = max_assigned < 0 ? model_size
+          id = max_assigned < 0                                  ? model_size
                : (max_assigned >= model_size || model_size == 0) ? max_assigned + 1
                                                                  : model_size;
         }
         const int32_t file_id = a.at("id").get<int32_t>();
         if (id != file_id)
-          spdlog::warn("{}: added token '{}' has id {} in the file but HF tokenizers assigns {}; "
-                       "using {}",
-                       where, content, file_id, id, id);
+          spdlog::warn(
+              "{}: added token '{}' has id {} in the file but HF tokenizers assigns {}; "
+              "using {}",
+              where, content, file_id, id, id);
         assigned[content] = id;
         max_assigned = std::max(max_assigned, id);
         added_ids.push_back(id);
@@ -1131,15 +1141,18 @@ Tokenizer Tokenizer::load(const std::filesystem::path& path) {
       const json& ds = dec.at("decoders");
       dec_type = ds.size() == 1 ? ds[0].value("type", "") : "Sequence of several";
     }
-    DFLASH_CHECK(dec_type == "ByteLevel",
-                 "{}: decoder '{}' is not supported (only ByteLevel)", where, dec_type);
+    DFLASH_CHECK(dec_type == "ByteLevel", "{}: decoder '{}' is not supported (only ByteLevel)",
+                 where, dec_type);
 
     // Added tokens.
     for (size_t ai = 0; ai < added_j.size(); ++ai) {
       const json& a = added_j[ai];
-      AddedToken at{added_ids[ai],                  a.at("content").get<std::string>(),
-                    a.value("single_word", false),  a.value("lstrip", false),
-                    a.value("rstrip", false),       a.value("normalized", false),
+      AddedToken at{added_ids[ai],
+                    a.at("content").get<std::string>(),
+                    a.value("single_word", false),
+                    a.value("lstrip", false),
+                    a.value("rstrip", false),
+                    a.value("normalized", false),
                     a.value("special", false)};
       if (at.content.empty()) continue;  // HF ignores empty added tokens
       if (auto it = t.added_by_content.find(at.content); it != t.added_by_content.end()) {
@@ -1159,8 +1172,10 @@ Tokenizer Tokenizer::load(const std::filesystem::path& path) {
       t.id_used[idx] = 1;
       t.id_special[idx] = at.special ? 1 : 0;
       // The ByteLevel decoder maps the token's characters back to bytes when it can.
-      if (auto b = byte_level_to_bytes(shown)) t.id_bytes[idx] = *b;
-      else t.id_bytes[idx] = shown;
+      if (auto b = byte_level_to_bytes(shown))
+        t.id_bytes[idx] = *b;
+      else
+        t.id_bytes[idx] = shown;
       t.id_str[idx] = std::move(shown);
       t.added_by_content[at.content] = at.id;
       t.added.push_back(std::move(at));
@@ -1172,9 +1187,8 @@ Tokenizer Tokenizer::load(const std::filesystem::path& path) {
       raw_contents.push_back(at.content);
       if (at.normalized) {
         std::string n;
-        norm_contents.push_back(t.normalizer.normalize(at.content, 0, n, nullptr, nullptr)
-                                    ? n
-                                    : at.content);
+        norm_contents.push_back(
+            t.normalizer.normalize(at.content, 0, n, nullptr, nullptr) ? n : at.content);
         norm_idx.push_back(static_cast<int32_t>(i));
       } else {
         norm_contents.push_back(at.content);
@@ -1205,8 +1219,7 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, Offsets* offsets,
   const size_t bad = utf8::find_invalid(text);
   if (bad != std::string_view::npos) {
     if (mode == InvalidUtf8::error) {
-      fail("invalid UTF-8 at byte offset {} (byte 0x{:02X})", bad,
-           static_cast<uint8_t>(text[bad]));
+      fail("invalid UTF-8 at byte offset {} (byte 0x{:02X})", bad, static_cast<uint8_t>(text[bad]));
     }
     size_t i = 0;
     while (i < text.size()) {
@@ -1214,8 +1227,10 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, Offsets* offsets,
       const size_t len = utf8::sequence_length(text, i, &bl);
       const size_t take = len ? len : bl;
       const size_t outn = len ? len : 3;
-      if (len) repaired.append(text.data() + i, len);
-      else repaired += "\xEF\xBF\xBD";
+      if (len)
+        repaired.append(text.data() + i, len);
+      else
+        repaired += "\xEF\xBF\xBD";
       if (offsets) {
         for (size_t k = 0; k < outn; ++k) {
           rstart.push_back(i);
@@ -1230,8 +1245,10 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, Offsets* offsets,
   ThreadScratch& ts = t.scratch();
   std::vector<AddedMatcher::Split>& splits = ts.splits;
   splits.clear();
-  if (t.raw_matcher.empty()) splits.push_back({0, src.size(), -1});
-  else t.raw_matcher.find(src, splits);
+  if (t.raw_matcher.empty())
+    splits.push_back({0, src.size(), -1});
+  else
+    t.raw_matcher.find(src, splits);
   for (const auto& sp : splits) {
     if (sp.e == sp.b) continue;
     if (sp.token >= 0) {
@@ -1283,7 +1300,9 @@ std::optional<int32_t> Tokenizer::token_to_id(std::string_view token) const {
   return std::nullopt;
 }
 
-int32_t Tokenizer::vocab_size() const { return impl_->n_ids; }
+int32_t Tokenizer::vocab_size() const {
+  return impl_->n_ids;
+}
 
 bool Tokenizer::is_special(int32_t id) const {
   const Impl& t = *impl_;

@@ -66,7 +66,8 @@ inline size_t find_invalid(std::string_view s) {
   return std::string_view::npos;
 }
 
-/// Decodes the code point of the valid sequence at s[i] (caller guarantees validity) and its length.
+/// Decodes the code point of the valid sequence at s[i] (caller guarantees validity) and its
+/// length.
 inline char32_t decode(std::string_view s, size_t i, size_t* len) {
   const auto b = [&](size_t k) { return static_cast<uint32_t>(static_cast<uint8_t>(s[k])); };
   const uint32_t c = b(i);

@@ -72,7 +72,7 @@ namespace {
 Tensor load_matrix(const SafetensorsCheckpoint& ck, const std::string& name, bool f32) {
   const DType dt = ck.info(name).dtype;
   Tensor t = (dt == DType::f32 || (dt == DType::bf16 && !f32)) ? ck.get(name)
-                                                                : ck.get_as(name, DType::f32);
+                                                               : ck.get_as(name, DType::f32);
   DFLASH_ASSERT(t.is_contiguous());
   return t;
 }
@@ -216,7 +216,8 @@ ForwardResult TargetModel::forward(std::span<const int32_t> tokens,
   rows.full = attention_causal_varlen_ranges(doc_offsets.data(), n_docs, T);  // validates order
   rows.pos.resize(static_cast<size_t>(T));
   for (int64_t t = 0; t < T; ++t)
-    rows.pos[static_cast<size_t>(t)] = static_cast<int32_t>(t - rows.full[static_cast<size_t>(t)].lo1);
+    rows.pos[static_cast<size_t>(t)] =
+        static_cast<int32_t>(t - rows.full[static_cast<size_t>(t)].lo1);
   if (cfg_.num_sliding_layers() > 0) {
     // HF sliding_window_overlay: key k is visible from query q when q - W < k <= q.
     rows.sliding = rows.full;
@@ -231,8 +232,10 @@ ForwardResult TargetModel::forward(std::span<const int32_t> tokens,
 Tensor TargetModel::forward_taps(std::span<const int32_t> tokens,
                                  std::span<const int32_t> doc_offsets,
                                  std::span<const int> layer_ids) const {
-  DFLASH_CHECK(!layer_ids.empty(), "target forward_taps: no layers requested (valid layers are "
-                                   "0..{})", cfg_.num_hidden_layers - 1);
+  DFLASH_CHECK(!layer_ids.empty(),
+               "target forward_taps: no layers requested (valid layers are "
+               "0..{})",
+               cfg_.num_hidden_layers - 1);
   ForwardOptions o;
   o.tap_layers.assign(layer_ids.begin(), layer_ids.end());
   o.logits = LogitsRows::none;
@@ -390,7 +393,8 @@ ForwardResult TargetModel::run(const int32_t* tokens, int64_t T, const Rows& row
   rmsnorm_fwd_cpu(hn.data(), nullptr, xin, final_norm_.data(), R, H, eps);
   if (opts.final_norm) {
     res.final_norm = Tensor::empty({T, H}, DType::f32);
-    std::memcpy(res.final_norm.data<float>(), hn.data(), static_cast<size_t>(T * H) * sizeof(float));
+    std::memcpy(res.final_norm.data<float>(), hn.data(),
+                static_cast<size_t>(T * H) * sizeof(float));
   }
   if (opts.logits == LogitsRows::all) {
     res.logits = Tensor::empty({T, V}, DType::f32);
@@ -450,8 +454,10 @@ std::vector<int64_t> generation_eos_ids(const std::filesystem::path& dir, const 
   const nlohmann::json& e = j["eos_token_id"];
   std::vector<int64_t> ids;
   auto add = [&](const nlohmann::json& v) {
-    DFLASH_CHECK(v.is_number_integer(), "{}: 'eos_token_id' must be an integer or a list of "
-                 "integers, got {}", src, v.dump());
+    DFLASH_CHECK(v.is_number_integer(),
+                 "{}: 'eos_token_id' must be an integer or a list of "
+                 "integers, got {}",
+                 src, v.dump());
     ids.push_back(v.get<int64_t>());
   };
   if (e.is_array()) {

@@ -6,11 +6,11 @@
 //   h = embed_tokens[tokens]
 //   per layer l: a = RMSNorm_in(h); q,k,v = a·Wqᵀ(+bq), a·Wkᵀ(+bk), a·Wvᵀ(+bv)
 //                (Qwen3: q, k per-head RMSNorm q_norm/k_norm); RoPE(q, k) at each token's position;
-//                h += o_proj(softmax(q·kᵀ/sqrt(D))·v)  (causal, GQA); h += down(silu(gate(b))·up(b)),
-//                b = RMSNorm_post(h)
+//                h += o_proj(softmax(q·kᵀ/sqrt(D))·v)  (causal, GQA); h +=
+//                down(silu(gate(b))·up(b)), b = RMSNorm_post(h)
 //   final = RMSNorm(h); logits = final·lm_headᵀ (lm_head = embed_tokens when tied)
-// Tap `L` is the output of decoder layer L (HF `hidden_states[L+1]`), before the final norm even for
-// the last layer.
+// Tap `L` is the output of decoder layer L (HF `hidden_states[L+1]`), before the final norm even
+// for the last layer.
 //
 // Invariants: weights are kept exactly as stored (bf16 or f32 zero-copy views of the mmap'd
 // checkpoint; other float dtypes are converted to f32 once, at load). All compute is fp32
@@ -45,9 +45,9 @@ enum class LogitsRows { none, last, all };
 
 /// What a forward returns besides filling the KV cache.
 struct ForwardOptions {
-  std::vector<int> tap_layers;        ///< decoder layers to tap (repeats allowed), in output order
+  std::vector<int> tap_layers;  ///< decoder layers to tap (repeats allowed), in output order
   LogitsRows logits = LogitsRows::all;
-  bool final_norm = false;            ///< also return the final-norm output [T, H]
+  bool final_norm = false;  ///< also return the final-norm output [T, H]
 };
 
 /// Outputs of a forward. Undefined tensors for what was not asked.

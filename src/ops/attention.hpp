@@ -68,4 +68,26 @@ void attention_bwd_cpu(double* dq, double* dk, double* dv, const double* dout, c
                        const double* k, const double* v, const double* o, const double* lse,
                        const AttnRange* ranges, const AttnParams& p);
 
+
+#ifdef DFLASH_HAVE_CUDA
+namespace cuda {
+class CudaContext;
+}
+
+/// CUDA forward (src/backend/cuda/attention.cu): q, k, v, o bf16 (raw bits), lse f32 [NH, Tq]
+/// (may be null), `ranges` [Tq] a DEVICE array. D must be 64 or 128; q/k/v 4-byte aligned. Ranges
+/// are clamped to [0, Tk) on the device (validate them on the host with the CPU rules when made).
+/// Tiled: memory independent of Tq·Tk. fp32 softmax statistics.
+void attention_fwd_cuda(cuda::CudaContext& ctx, uint16_t* o, float* lse, const uint16_t* q,
+                        const uint16_t* k, const uint16_t* v, const AttnRange* ranges,
+                        const AttnParams& p);
+/// CUDA backward: dq [Tq,NH,D], dk, dv [Tk,NKV,D] bf16, OVERWRITTEN (each may be null); needs the
+/// forward's o and lse. No atomics: dq per query block, dk/dv per key block, fixed summation
+/// order, bit-reproducible. Scratch Δ [NH,Tq] f32 from ctx's caching allocator.
+void attention_bwd_cuda(cuda::CudaContext& ctx, uint16_t* dq, uint16_t* dk, uint16_t* dv,
+                        const uint16_t* dout, const uint16_t* q, const uint16_t* k,
+                        const uint16_t* v, const uint16_t* o, const float* lse,
+                        const AttnRange* ranges, const AttnParams& p);
+#endif
+
 }  // namespace dflash

@@ -68,4 +68,24 @@ CrossEntropyStats cross_entropy_fused_cpu(double* d_hidden, double* lse, int32_t
                                           const int32_t* labels, const double* weights,
                                           const FusedCeParams& p);
 
+
+#ifdef DFLASH_HAVE_CUDA
+namespace cuda {
+class CudaContext;
+}
+
+/// CUDA fused LM head + CE. hidden [R,H] and head [V,H] bf16 (raw bits); labels int32 [R], weights
+/// f32 [R] (null = all 1); all device pointers. Rows go in chunks of p.chunk_rows: the chunk's fp32
+/// logits [chunk, V] (cuBLASLt, fp32 accumulate) and their bf16 gradient live in scratch from
+/// ctx's caching allocator (chunk·V·6 bytes); the full [R, V] logits never exist.
+/// Outputs (each may be null): d_hidden f32 [R,H] = grad_scale·(w·(softmax − onehot))·head
+/// (overwritten), lse f32 [R], argmax int32 [R], row_loss f32 [R] (w·loss), sums f64 [2] =
+/// {Σ w·loss, Σ w} reduced in a fixed order. Nothing is copied to the host (graph-capturable).
+/// A row with w ≠ 0 and a label outside [0, V) gets a NaN loss.
+void cross_entropy_fused_cuda(cuda::CudaContext& ctx, float* d_hidden, float* lse,
+                              int32_t* argmax, float* row_loss, double* sums,
+                              const uint16_t* hidden, const uint16_t* head, const int32_t* labels,
+                              const float* weights, const FusedCeParams& p);
+#endif
+
 }  // namespace dflash

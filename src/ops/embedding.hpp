@@ -26,4 +26,19 @@ void embedding_bwd_cpu(float* dtable, const float* dy, const int32_t* ids, int64
 void embedding_bwd_cpu(double* dtable, const double* dy, const int32_t* ids, int64_t T, int64_t V,
                        int64_t H);
 
+
+#ifdef DFLASH_HAVE_CUDA
+namespace cuda {
+class CudaContext;
+}
+
+/// CUDA gather (src/backend/cuda/ops_cuda.cpp): device pointers, enqueued on ctx's stream.
+/// Y, W ∈ {float, uint16_t (bf16 bits)}. Ids are NOT range-checked on the host (they live on the
+/// device; validate them where they are made): a row whose id is outside [0, V) becomes NaN, never
+/// an out-of-bounds read. No backward on CUDA (the target's tables are frozen).
+template <typename Y, typename W>
+void embedding_fwd_cuda(cuda::CudaContext& ctx, Y* y, const W* table, const int32_t* ids,
+                        int64_t T, int64_t V, int64_t H);
+#endif
+
 }  // namespace dflash

@@ -33,4 +33,23 @@ void linear_bwd_cpu(double* dx, double* dw, double* db, const double* dy, const 
 void linear_bwd_cpu(float* dx, float* dw, float* db, const float* dy, const float* x,
                     const uint16_t* w_bf16, int64_t T, int64_t IN, int64_t OUT);
 
+
+#ifdef DFLASH_HAVE_CUDA
+namespace cuda {
+class CudaContext;
+}
+
+/// CUDA y[T,OUT] = x[T,IN]·W[OUT,IN]ᵀ through cuBLASLt: x and W bf16 (raw bits), fp32
+/// accumulation, Y ∈ {float, uint16_t (bf16 bits)}. No bias (the Qwen3 projections have none).
+template <typename Y>
+void linear_fwd_cuda(cuda::CudaContext& ctx, Y* y, const uint16_t* x, const uint16_t* w_bf16,
+                     int64_t T, int64_t IN, int64_t OUT);
+/// CUDA backward: dx[T,IN] = dy·W (overwritten; DX ∈ {float, bf16 bits}; may be null);
+/// dw[OUT,IN] f32 += dyᵀ·x (accumulated by the GEMM's beta = 1; may be null). dy, x, W bf16.
+template <typename DX>
+void linear_bwd_cuda(cuda::CudaContext& ctx, DX* dx, float* dw, const uint16_t* dy,
+                     const uint16_t* x, const uint16_t* w_bf16, int64_t T, int64_t IN,
+                     int64_t OUT);
+#endif
+
 }  // namespace dflash

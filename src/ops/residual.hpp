@@ -20,4 +20,22 @@ void residual_accumulate_cpu(double* y, const double* b, int64_t n);
 void residual_bwd_cpu(float* da, float* db, const float* dy, int64_t n);
 void residual_bwd_cpu(double* da, double* db, const double* dy, int64_t n);
 
+
+#ifdef DFLASH_HAVE_CUDA
+namespace cuda {
+class CudaContext;
+}
+
+/// CUDA y = a + b, T ∈ {float, uint16_t (bf16 bits)} (sum in fp32, rounded once).
+template <typename T>
+void residual_fwd_cuda(cuda::CudaContext& ctx, T* y, const T* a, const T* b, int64_t n);
+/// CUDA y += b; (Y, B) ∈ {(f32, f32), (f32, bf16), (bf16, bf16)} (e.g. an fp32 residual stream plus
+/// a bf16 branch output).
+template <typename Y, typename B>
+void residual_accumulate_cuda(cuda::CudaContext& ctx, Y* y, const B* b, int64_t n);
+/// CUDA da = dy, db = dy (device copies; either may be null or alias dy).
+template <typename T>
+void residual_bwd_cuda(cuda::CudaContext& ctx, T* da, T* db, const T* dy, int64_t n);
+#endif
+
 }  // namespace dflash

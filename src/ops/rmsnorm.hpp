@@ -28,4 +28,23 @@ void rmsnorm_bwd_cpu(float* dx, float* dw, const float* dy, const float* x, cons
 void rmsnorm_bwd_cpu(double* dx, double* dw, const double* dy, const double* x, const double* w,
                      int64_t R, int64_t D, double eps);
 
+
+#ifdef DFLASH_HAVE_CUDA
+namespace cuda {
+class CudaContext;
+}
+
+/// CUDA forward, same formula in fp32 (one warp per row, fixed-order sums). Y, X ∈ {float,
+/// uint16_t (bf16 bits)}; w and rstd (may be null) are f32. y may alias x when Y == X.
+template <typename Y, typename X>
+void rmsnorm_fwd_cuda(cuda::CudaContext& ctx, Y* y, float* rstd, const X* x, const float* w,
+                      int64_t R, int64_t D, double eps);
+/// CUDA backward: dx (overwritten, may be null) and dy have type G ∈ {float, bf16 bits}; x has
+/// type X; dw f32 ACCUMULATES (may be null). dw is summed over fixed row chunks, then the chunks
+/// in order: deterministic, no atomics. Scratch comes from ctx's caching allocator.
+template <typename G, typename X>
+void rmsnorm_bwd_cuda(cuda::CudaContext& ctx, G* dx, float* dw, const G* dy, const X* x,
+                      const float* w, int64_t R, int64_t D, double eps);
+#endif
+
 }  // namespace dflash

@@ -64,4 +64,22 @@ void rope_bwd_cpu(float* dx, const float* dy, const int32_t* pos, const float* i
 void rope_bwd_cpu(double* dx, const double* dy, const int32_t* pos, const double* inv_freq,
                   double scaling, int64_t T, int64_t NH, int64_t D);
 
+
+#ifdef DFLASH_HAVE_CUDA
+namespace cuda {
+class CudaContext;
+}
+
+/// CUDA rotation, T ∈ {float, uint16_t (bf16 bits)}; `inv_freq` [D/2] f32 is a DEVICE array (upload
+/// rope_inv_freq once); pos int32 [T] on the device. Angle float(pos)·inv_freq in fp32, sincosf.
+/// In place allowed (y == x).
+template <typename T>
+void rope_fwd_cuda(cuda::CudaContext& ctx, T* y, const T* x, const int32_t* pos,
+                   const float* inv_freq, float scaling, int64_t Tn, int64_t NH, int64_t D);
+/// CUDA backward (rotation by −angle); dx overwritten, may alias dy.
+template <typename T>
+void rope_bwd_cuda(cuda::CudaContext& ctx, T* dx, const T* dy, const int32_t* pos,
+                   const float* inv_freq, float scaling, int64_t Tn, int64_t NH, int64_t D);
+#endif
+
 }  // namespace dflash

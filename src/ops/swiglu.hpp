@@ -23,4 +23,20 @@ void swiglu_bwd_cpu(float* dgate, float* dup, const float* dy, const float* gate
 void swiglu_bwd_cpu(double* dgate, double* dup, const double* dy, const double* gate,
                     const double* up, int64_t T, int64_t I, int64_t ld_in);
 
+
+#ifdef DFLASH_HAVE_CUDA
+namespace cuda {
+class CudaContext;
+}
+
+/// CUDA forward, T ∈ {float, uint16_t (bf16 bits)}, fp32 arithmetic.
+template <typename T>
+void swiglu_fwd_cuda(cuda::CudaContext& ctx, T* y, const T* gate, const T* up, int64_t Tn,
+                     int64_t I, int64_t ld_in);
+/// CUDA backward; dgate/dup overwritten (row stride ld_in; may alias gate/up).
+template <typename T>
+void swiglu_bwd_cuda(cuda::CudaContext& ctx, T* dgate, T* dup, const T* dy, const T* gate,
+                     const T* up, int64_t Tn, int64_t I, int64_t ld_in);
+#endif
+
 }  // namespace dflash

@@ -19,6 +19,16 @@ struct AdamWConfig {
   double weight_decay = 0.0;
 };
 
+/// One parameter array of a multi-tensor AdamW update or gradient-norm reduction (CUDA: a table of
+/// these lives in device memory and all pointers are device pointers).
+struct AdamWSegment {
+  float* param = nullptr;
+  float* m = nullptr;
+  float* v = nullptr;
+  const float* grad = nullptr;
+  int64_t n = 0;
+};
+
 /// One AdamW update of `n` parameters at 1-based `step` with learning rate `lr`:
 ///   p ← p − lr·wd·p;  m ← β1·m + (1−β1)·g;  v ← β2·v + (1−β2)·g²;
 ///   p ← p − lr · (m / (1−β1^step)) / (sqrt(v / (1−β2^step)) + eps).
@@ -46,5 +56,32 @@ struct LrSchedule {
   /// The learning rate of 0-based step `step`.
   double at(int64_t step) const;
 };
+
+
+#ifdef DFLASH_HAVE_CUDA
+namespace cuda {
+class CudaContext;
+}
+
+/// CUDA fused multi-tensor AdamW: one launch updates every segment of the DEVICE table `segs`
+/// [n_segs] (max_n = the largest segment's n). The per-element math equals adamw_step_cpu
+/// bit for bit (same float scalars, no FMA contraction). `grad_scale` (device f32, null = 1) and
+/// `skip` (device int32, null = never; non-zero leaves everything untouched) come from
+/// grad_clip_cuda, so clipping and skipping need no host round trip.
+void adamw_step_cuda(cuda::CudaContext& ctx, const AdamWSegment* segs, int n_segs, int64_t max_n,
+                     const AdamWConfig& cfg, double lr, int64_t step, const float* grad_scale,
+                     const int32_t* skip);
+/// *out (device double) = Σ over segments of Σ g² of their `grad` arrays: fixed two-pass reduction
+/// in double (64 blocks per segment, then one block), bit-reproducible, no atomics.
+void grad_sumsq_cuda(cuda::CudaContext& ctx, double* out, const AdamWSegment* segs, int n_segs);
+/// From *sumsq (device): norm = sqrt(sumsq) → *norm (may be null); *grad_scale = clip_scale(norm,
+/// max_norm) as f32, or 0 when norm is not finite; *skip = 1 when norm is not finite, else 0.
+void grad_clip_cuda(cuda::CudaContext& ctx, float* grad_scale, int32_t* skip, double* norm,
+                    const double* sumsq, double max_norm);
+/// Sets *flag (device int32) to 1 when any of x [n] (T ∈ {float, uint16_t bf16}) is NaN or ±Inf;
+/// leaves it unchanged otherwise (the caller zeroes it). No float atomics.
+template <typename T>
+void nonfinite_check_cuda(cuda::CudaContext& ctx, int32_t* flag, const T* x, int64_t n);
+#endif
 
 }  // namespace dflash

@@ -1,0 +1,77 @@
+// dflash.cpp — device helpers shared by the .cu files: bf16 (raw uint16_t bits) loads and stores
+// with the same rounding as core/dtype.hpp (round to nearest even, NaN stays a quiet NaN with its
+// sign), warp and block reductions in a fixed order (deterministic), launch checks.
+// No fmt, no core/error.hpp here (nvcc cannot evaluate fmt's consteval checks).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/check.hpp"
+
+namespace dflash::cuda {
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(uint16_t b) {
+  return __uint_as_float(static_cast<uint32_t>(b) << 16);
+}
+/// f32 -> bf16 bits, identical to dflash::f32_to_bf16_bits.
+__device__ __forceinline__ uint16_t f32_to_bf16(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu) != 0)
+    return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+template <typename T>
+__device__ __forceinline__ T from_f32(float v);
+template <>
+__device__ __forceinline__ float from_f32<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ uint16_t from_f32<uint16_t>(float v) {
+  return f32_to_bf16(v);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ double warp_sum(double v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+/// Sum over the block (blockDim.x a multiple of 32, ≤ 1024) in a fixed order; every thread gets the
+/// result. `sh` holds at least 32 values.
+template <typename S>
+__device__ __forceinline__ S block_sum(S v, S* sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  S r = lane < nw ? sh[lane] : S(0);
+  return warp_sum(r);
+}
+
+inline unsigned grid_for(int64_t n, int threads, int64_t cap = 65535LL * 8) {
+  int64_t g = (n + threads - 1) / threads;
+  if (g < 1) g = 1;
+  if (g > cap) g = cap;
+  return static_cast<unsigned>(g);
+}
+
+}  // namespace dflash::cuda
+
+/// Checks the last launch (throws dflash::Error with file and line).
+#define DFLASH_CUDA_LAUNCH_CHECK() DFLASH_CUDA_CHECK(cudaGetLastError())

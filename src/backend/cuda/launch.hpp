@@ -1,0 +1,72 @@
+// dflash.cpp — raw-pointer launchers of the CUDA kernels (defined in the .cu files). Internal to the
+// backend: model code calls the checked entry points declared in src/ops/*.hpp instead.
+// Each launcher enqueues on `stream` and checks the launch (throws dflash::Error via
+// backend/cuda/check.hpp). Float arrays are f32 or bf16 (raw uint16_t bits) as tagged by a DType;
+// statistics (rstd, lse, Δ, losses) are always f32. No fmt in this header.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/dtype.hpp"
+#include "ops/attention.hpp"
+#include "train/optimizer.hpp"
+
+namespace dflash::cuda::launch {
+
+// ---- elementwise.cu
+void embedding_fwd(void* y, DType yt, const void* table, DType wt, const int32_t* ids, int64_t T,
+                   int64_t V, int64_t H, cudaStream_t s);
+void rmsnorm_fwd(void* y, DType yt, float* rstd, const void* x, DType xt, const float* w,
+                 int64_t R, int64_t D, float eps, cudaStream_t s);
+/// rstd_ws [R] and part_ws [rmsnorm_dw_chunks(R)·D] are scratch (part_ws only when dw).
+void rmsnorm_bwd(void* dx, const void* dy, DType gt, float* dw, const void* x, DType xt,
+                 const float* w, int64_t R, int64_t D, float eps, float* rstd_ws, float* part_ws,
+                 cudaStream_t s);
+int64_t rmsnorm_dw_chunks(int64_t R);
+void rope(void* y, const void* x, DType t, const int32_t* pos, const float* inv_freq,
+          float scaling, float sign, int64_t T, int64_t NH, int64_t D, cudaStream_t s);
+void swiglu_fwd(void* y, const void* gate, const void* up, DType t, int64_t T, int64_t I,
+                int64_t ld_in, cudaStream_t s);
+void swiglu_bwd(void* dgate, void* dup, const void* dy, const void* gate, const void* up, DType t,
+                int64_t T, int64_t I, int64_t ld_in, cudaStream_t s);
+void residual_fwd(void* y, const void* a, const void* b, DType t, int64_t n, cudaStream_t s);
+void residual_accumulate(void* y, DType yt, const void* b, DType bt, int64_t n, cudaStream_t s);
+/// dst = src converted (f32 <-> bf16, or a same-type copy).
+void cast(void* dst, DType dt, const void* src, DType st, int64_t n, cudaStream_t s);
+
+// ---- optim.cu
+void adamw(const AdamWSegment* segs, int n_segs, int64_t max_n, float b1, float b2, float eps,
+           float decay, float step_size, float inv_sqrt_bc2, const float* grad_scale,
+           const int32_t* skip, cudaStream_t s);
+/// Blocks per segment of the first pass of grad_sumsq (partials: n_segs·kSumsqBlocks doubles).
+constexpr int kSumsqBlocks = 64;
+void grad_sumsq(double* out, double* partials, const AdamWSegment* segs, int n_segs,
+                cudaStream_t s);
+void grad_clip(float* grad_scale, int32_t* skip, double* norm, const double* sumsq,
+               double max_norm, cudaStream_t s);
+void nonfinite_check(int32_t* flag, const void* x, DType t, int64_t n, cudaStream_t s);
+
+// ---- attention.cu
+/// q, k, v, o bf16; lse f32 [NH, Tq]; ranges on the device.
+void attention_fwd(uint16_t* o, float* lse, const uint16_t* q, const uint16_t* k,
+                   const uint16_t* v, const AttnRange* ranges, const AttnParams& p,
+                   cudaStream_t s);
+/// delta_ws: f32 [NH, Tq] scratch.
+void attention_bwd(uint16_t* dq, uint16_t* dk, uint16_t* dv, const uint16_t* dout,
+                   const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* o,
+                   const float* lse, const AttnRange* ranges, const AttnParams& p,
+                   float* delta_ws, cudaStream_t s);
+
+// ---- cross_entropy.cu
+/// One chunk of n rows: logits f32 [n, V] → lse, argmax, row_loss [n] (w·loss, 0 when w = 0) and,
+/// when dlogits is not null, dlogits bf16 [n, V] = grad_scale·w·(softmax − onehot).
+void ce_rows(float* row_loss, float* lse, int32_t* argmax, uint16_t* dlogits, const float* logits,
+             const int32_t* labels, const float* weights, float grad_scale, int64_t n, int64_t V,
+             cudaStream_t s);
+/// sums[0] = Σ row_loss, sums[1] = Σ w (null weights: R) in double, fixed order (one block).
+void ce_sums(double* sums, const float* row_loss, const float* weights, int64_t R,
+             cudaStream_t s);
+
+}  // namespace dflash::cuda::launch

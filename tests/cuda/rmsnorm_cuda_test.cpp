@@ -1,0 +1,74 @@
+// CUDA RMSNorm (full width and per head) vs rmsnorm_fwd_cpu/rmsnorm_bwd_cpu: fp32 and bf16
+// storage, dx overwritten, dw accumulated (+=) and bit-reproducible, guard bytes.
+#include "backend/cuda/context.hpp"
+#include "cuda/cuda_test_util.hpp"
+#include "cuda/tolerances.hpp"
+#include "ops/rmsnorm.hpp"
+#include "util/test_util.hpp"
+
+using namespace dflash;
+using namespace dflash::test;
+
+namespace {
+
+void run(int64_t R, int64_t D, uint32_t seed) {
+  SCOPED_TRACE(::testing::Message() << "R=" << R << " D=" << D);
+  cuda::CudaContext ctx(0);
+  const double eps = 1e-6;
+  const auto x = randn(static_cast<size_t>(R * D), seed, 2.0f);
+  const auto w = randn(static_cast<size_t>(D), seed + 1);
+  const auto dy = randn(static_cast<size_t>(R * D), seed + 2);
+  const auto dw0 = randn(static_cast<size_t>(D), seed + 3);
+  std::vector<float> y_ref(x.size()), rstd_ref(static_cast<size_t>(R)), dx_ref(x.size());
+  std::vector<float> dw_ref = dw0;
+  rmsnorm_fwd_cpu(y_ref.data(), rstd_ref.data(), x.data(), w.data(), R, D, eps);
+  rmsnorm_bwd_cpu(dx_ref.data(), dw_ref.data(), dy.data(), x.data(), w.data(), R, D, eps);
+
+  DeviceGuarded<float> dx_in(x), dwt(w), ddy(dy);
+  DeviceGuarded<float> y(x.size()), rstd(static_cast<size_t>(R)), gx(x.size()), gw(dw0);
+  rmsnorm_fwd_cuda(ctx, y.get(), rstd.get(), dx_in.get(), dwt.get(), R, D, eps);
+  rmsnorm_bwd_cuda(ctx, gx.get(), gw.get(), ddy.get(), dx_in.get(), dwt.get(), R, D, eps);
+  EXPECT_LT(rel_error(y.download(), y_ref), tol::kF32);
+  EXPECT_LT(rel_error(rstd.download(), rstd_ref), tol::kF32);
+  EXPECT_LT(rel_error(gx.download(), dx_ref), tol::kF32);
+  EXPECT_LT(rel_error(gw.download(), dw_ref), tol::kF32);
+  EXPECT_TRUE(y.guard_intact() && rstd.guard_intact() && gx.guard_intact() && gw.guard_intact());
+  // dw determinism: accumulating the same gradient again from the same start gives the same bits.
+  const auto gw1 = gw.download();
+  gw.upload(dw0);
+  rmsnorm_bwd_cuda<float, float>(ctx, nullptr, gw.get(), ddy.get(), dx_in.get(), dwt.get(), R, D,
+                                 eps);
+  EXPECT_TRUE(same_bits(gw.download(), gw1));
+
+  // bf16 storage: x bf16 -> y bf16 and y f32; gradients bf16.
+  const auto xb = to_bf16(x), dyb = to_bf16(dy);
+  const auto xr = from_bf16(xb), dyr = from_bf16(dyb);
+  std::vector<float> yb_ref(x.size()), dxb_ref(x.size()), dwb_ref = dw0;
+  rmsnorm_fwd_cpu(yb_ref.data(), nullptr, xr.data(), w.data(), R, D, eps);
+  rmsnorm_bwd_cpu(dxb_ref.data(), dwb_ref.data(), dyr.data(), xr.data(), w.data(), R, D, eps);
+  DeviceGuarded<uint16_t> bx(xb), bdy(dyb), by(x.size()), bgx(x.size());
+  DeviceGuarded<float> by32(x.size()), bgw(dw0);
+  rmsnorm_fwd_cuda(ctx, by.get(), nullptr, bx.get(), dwt.get(), R, D, eps);
+  rmsnorm_fwd_cuda(ctx, by32.get(), nullptr, bx.get(), dwt.get(), R, D, eps);
+  rmsnorm_bwd_cuda(ctx, bgx.get(), bgw.get(), bdy.get(), bx.get(), dwt.get(), R, D, eps);
+  EXPECT_LT(rel_error(from_bf16(by.download()), yb_ref), tol::kBf16);
+  EXPECT_LT(rel_error(by32.download(), yb_ref), tol::kF32);
+  EXPECT_LT(rel_error(from_bf16(bgx.download()), dxb_ref), tol::kBf16);
+  EXPECT_LT(rel_error(bgw.download(), dwb_ref), tol::kF32);
+  EXPECT_TRUE(by.guard_intact() && bgx.guard_intact() && bgw.guard_intact());
+}
+
+}  // namespace
+
+TEST(RmsNormCuda, FullWidth) {
+  DFLASH_REQUIRE_GPU();
+  run(1, 384, 1);
+  run(17, 1000, 2);
+  run(129, 4096, 3);
+}
+
+TEST(RmsNormCuda, PerHead) {
+  DFLASH_REQUIRE_GPU();
+  run(17 * 3, 64, 4);    // T=17, 3 heads of 64
+  run(1000 * 4, 128, 5); // T=1000, 4 heads of 128
+}

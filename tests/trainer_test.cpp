@@ -1,0 +1,255 @@
+// Tests of `dflash train` (src/train/trainer): exact resume, signals, the run lock, torn
+// checkpoints, resume guards, and `dflash status` on a live run. Runs are tiny (a 200-conversation
+// slice of the corpus, 256-token rows, 2 anchors per document) so that each takes seconds.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "core/error.hpp"
+#include "core/fs.hpp"
+#include "model/safetensors.hpp"
+#include "train/run_dir.hpp"
+#include "train/trainer.hpp"
+#include "util/test_util.hpp"
+
+using namespace dflash;
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+// A small JSONL slice of the bundled corpus, made once per test binary.
+const fs::path& small_corpus() {
+  static test::TempDir* dir = new test::TempDir();  // lives until exit
+  static fs::path p = [] {
+    fs::path out = dir->path() / "small.jsonl";
+    const std::string cmd = "xz -dc '" + (test::assets_dir() / "data" / "train.jsonl.xz").string() +
+                            "' | head -n 200 > '" + out.string() + "'";
+    if (std::system(cmd.c_str()) != 0 || fs::file_size(out) == 0) {
+      throw std::runtime_error("cannot make the corpus slice with xz");
+    }
+    return out;
+  }();
+  return p;
+}
+
+std::string yaml_for(const fs::path& out, int64_t steps) {
+  return fmt::format(R"(model:
+  target: {}
+  drafter_layers: 1
+  intermediate_size: 64
+  mask_token_id: 8000
+data:
+  train_file: {}
+  template: chatml
+  max_length: 256
+  token_budget: 256
+  rows_per_step: 2
+training:
+  max_steps: {}
+  lr: 1.0e-3
+  num_anchors: 2
+  block_size: 8
+  seed: 3
+  log_interval: 1
+  save_interval: 2
+  keep_last: 5
+runtime:
+  threads: 2
+output_dir: {}
+)",
+                     (test::assets_dir() / "tiny-qwen3").string(), small_corpus().string(), steps,
+                     out.string());
+}
+
+RunConfig config_for(const fs::path& out, int64_t steps,
+                     const std::vector<std::string>& overrides = {}) {
+  return RunConfig::from_yaml(yaml_for(out, steps), "test.yaml", overrides);
+}
+
+// metrics.jsonl without the wall-clock fields (timings, throughput, memory).
+std::vector<json> deterministic_metrics(const fs::path& dir) {
+  std::vector<json> out;
+  std::istringstream in(test::read_file(dir / "metrics.jsonl"));
+  for (std::string line; std::getline(in, line);) {
+    json j = json::parse(line);
+    for (const char* k : {"tokens_per_s", "supervised_tokens_per_s", "s_per_step", "s_data",
+                          "s_target", "s_drafter", "rss_bytes"}) {
+      j.erase(k);
+    }
+    out.push_back(j);
+  }
+  return out;
+}
+
+std::string master_bytes(const fs::path& ckpt) {
+  SafetensorsFile f(ckpt / "trainer_state" / "optimizer.safetensors");
+  Tensor t = f.get("master");
+  return std::string(static_cast<const char*>(t.raw()), t.nbytes());
+}
+
+// Starts the dflash binary with `args` in the background; returns its pid.
+pid_t spawn_dflash(const std::vector<std::string>& args, const fs::path& log,
+                   const std::vector<std::string>& env = {}) {
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    for (const auto& e : env) ::putenv(const_cast<char*>(e.c_str()));
+    FILE* f = std::freopen(log.c_str(), "w", stderr);
+    (void)f;
+    std::vector<char*> argv;
+    std::string bin = DFLASH_BINARY_PATH;
+    argv.push_back(bin.data());
+    std::vector<std::string> copy = args;
+    for (auto& a : copy) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv(bin.c_str(), argv.data());
+    std::_Exit(127);
+  }
+  return pid;
+}
+
+int wait_exit(pid_t pid) {
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+}  // namespace
+
+TEST(Trainer, InterruptedAndResumedRunIsBitIdenticalToAnUninterruptedOne) {
+  test::TempDir tmp;
+  TrainOptions a;
+  a.config = config_for(tmp / "a", 6);
+  TrainResult ra = train(a);
+  EXPECT_EQ(ra.steps_done, 6);
+  EXPECT_FALSE(ra.interrupted);
+
+  TrainOptions b;
+  b.config = config_for(tmp / "b", 6);
+  b.halt_at_step = 3;  // checkpoint and stop after step 3, as a signal would
+  TrainResult rb = train(b);
+  EXPECT_TRUE(rb.interrupted);
+  EXPECT_EQ(rb.steps_done, 3);
+  ASSERT_TRUE(fs::exists(tmp / "b" / "checkpoint-3" / "COMPLETE"));
+  TrainOptions c;
+  c.config = RunConfig::load((tmp / "b" / "config.resolved.yaml").string());
+  c.resume_dir = (tmp / "b").string();
+  TrainResult rc = train(c);
+  EXPECT_EQ(rc.steps_done, 6);
+
+  // Same master weights bit for bit, same exported drafter, same metrics at every step.
+  EXPECT_EQ(master_bytes(tmp / "a" / "checkpoint-6"), master_bytes(tmp / "b" / "checkpoint-6"));
+  EXPECT_EQ(test::read_file(tmp / "a" / "checkpoint-6" / "model.safetensors"),
+            test::read_file(tmp / "b" / "checkpoint-6" / "model.safetensors"));
+  auto ma = deterministic_metrics(tmp / "a"), mb = deterministic_metrics(tmp / "b");
+  ASSERT_EQ(ma.size(), 6u);
+  ASSERT_EQ(mb.size(), 6u);
+  for (size_t i = 0; i < ma.size(); ++i) EXPECT_EQ(ma[i], mb[i]) << "metrics line " << i;
+  // The export folder is a loadable drafter config.
+  json cfg = json::parse(test::read_file(tmp / "a" / "checkpoint-6" / "config.json"));
+  EXPECT_EQ(cfg["architectures"][0], "DFlashDraftModel");
+  EXPECT_EQ(cfg["dflash_config"]["mask_token_id"], 8000);
+  // The loss went down over the run (first vs last logged step).
+  EXPECT_LT(ma.back()["loss"].get<double>(), ma.front()["loss"].get<double>());
+}
+
+TEST(Trainer, ResumeRefusesChangedModelOrDataKeysUnlessForced) {
+  test::TempDir tmp;
+  TrainOptions a;
+  a.config = config_for(tmp / "r", 2);
+  train(a);
+  TrainOptions b;
+  b.config = config_for(tmp / "r", 4, {"training.seed=4", "training.log_interval=2"});
+  b.resume_dir = (tmp / "r").string();
+  try {
+    train(b);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("training.seed"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("training.max_steps"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("log_interval"), std::string::npos) << msg;
+  }
+  b.force = true;
+  EXPECT_EQ(train(b).steps_done, 4);
+  // A fresh run into a directory with checkpoints is refused too.
+  TrainOptions c;
+  c.config = config_for(tmp / "r", 2);
+  EXPECT_THROW(train(c), Error);
+}
+
+TEST(Trainer, SecondRunOnALockedDirectoryFailsAtOnceNamingThePid) {
+  test::TempDir tmp;
+  RunDir holder(tmp / "locked");
+  TrainOptions a;
+  a.config = config_for(tmp / "locked", 2);
+  try {
+    train(a);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("in use by process " + std::to_string(::getpid())),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Trainer, SigtermCheckpointsAndExitsZeroAndStatusSeesTheLiveRun) {
+  test::TempDir tmp;
+  const fs::path dir = tmp / "sig";
+  test::write_file(tmp / "run.yaml", yaml_for(dir, 100000));
+  pid_t pid = spawn_dflash({"train", "--config", (tmp / "run.yaml").string(),
+                            "training.save_interval=0"},
+                           tmp / "log.txt");
+  // Wait until a step has been logged.
+  bool live = false;
+  for (int i = 0; i < 600 && !live; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (fs::exists(dir / "status.json")) {
+      try {
+        json st = read_status(dir);
+        live = st.value("step", 0) >= 1;
+      } catch (const Error&) {
+      }
+    }
+  }
+  ASSERT_TRUE(live) << test::read_file(tmp / "log.txt");
+  auto status = test::run_dflash({"status", dir.string()});
+  EXPECT_EQ(status.exit_code, 0) << status.err;
+  EXPECT_NE(status.out.find("running (pid " + std::to_string(pid) + ")"), std::string::npos)
+      << status.out;
+  ::kill(pid, SIGTERM);
+  EXPECT_EQ(wait_exit(pid), 0) << test::read_file(tmp / "log.txt");
+  auto cps = RunDir::complete_checkpoints(dir);
+  ASSERT_EQ(cps.size(), 1u);
+  EXPECT_NE(test::read_file(tmp / "log.txt").find("stopped by signal"), std::string::npos);
+  EXPECT_EQ(read_status(dir)["phase"], "interrupted");
+  status = test::run_dflash({"status", dir.string()});
+  EXPECT_NE(status.out.find("not running"), std::string::npos) << status.out;
+}
+
+TEST(Trainer, CrashWhileWritingACheckpointLeavesThePreviousOneUsable) {
+  test::TempDir tmp;
+  const fs::path dir = tmp / "crash";
+  test::write_file(tmp / "run.yaml", yaml_for(dir, 6));
+  // The writer dies (as on SIGKILL) in the middle of writing checkpoint-4.
+  pid_t pid = spawn_dflash({"train", "--config", (tmp / "run.yaml").string()}, tmp / "log.txt",
+                           {"DFLASH_TEST_CRASH_IN_CHECKPOINT=4"});
+  EXPECT_EQ(wait_exit(pid), 86) << test::read_file(tmp / "log.txt");
+  auto cps = RunDir::complete_checkpoints(dir);
+  ASSERT_EQ(cps.size(), 1u);
+  EXPECT_EQ(cps.back().first, 2);
+  // Resume continues from checkpoint-2 and ends where an uninterrupted run ends.
+  auto r = test::run_dflash({"train", "--resume", dir.string()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  TrainOptions a;
+  a.config = config_for(tmp / "ref", 6);
+  train(a);
+  EXPECT_EQ(master_bytes(dir / "checkpoint-6"), master_bytes(tmp / "ref" / "checkpoint-6"));
+}
