@@ -2,6 +2,8 @@
 // drafter config (golden fixture), config.json variants and errors, save/load round trips
 // (bf16 and f32), missing/unexpected/misshapen tensors, target compatibility checks and the
 // mask-token rules (tiny-qwen3 tokenizer and the real Qwen3 tokenizer).
+#include "model/drafter_io.hpp"
+
 #include <gtest/gtest.h>
 #include <lzma.h>
 
@@ -12,7 +14,6 @@
 #include "core/rng.hpp"
 #include "data/tokenizer.hpp"
 #include "model/config.hpp"
-#include "model/drafter_io.hpp"
 #include "model/json_util.hpp"
 #include "model/safetensors.hpp"
 #include "util/test_util.hpp"
@@ -39,13 +40,16 @@ void expect_error(F&& f, std::initializer_list<std::string> parts) {
 }
 
 const json& golden() {
-  static const json j =
-      json_load_file(test::shared_dir() / "fixtures/dflash-step.golden.json");
+  static const json j = json_load_file(test::shared_dir() / "fixtures/dflash-step.golden.json");
   return j;
 }
-const json& golden_cfg() { return golden().at("drafter_config"); }
+const json& golden_cfg() {
+  return golden().at("drafter_config");
+}
 
-ModelConfig tiny_target() { return model_config_load(test::assets_dir() / "tiny-qwen3"); }
+ModelConfig tiny_target() {
+  return model_config_load(test::assets_dir() / "tiny-qwen3");
+}
 
 const Tokenizer& tiny_tok() {
   static const Tokenizer t = Tokenizer::load(test::assets_dir() / "tiny-qwen3");
@@ -132,8 +136,8 @@ TEST(DrafterIo, ExportConfigEqualsGoldenOnSharedKeys) {
   // (= the DESIGN.md default for N = 6, n = 2).
   DrafterSizes sizes;
   sizes.intermediate_size = 256;
-  const DrafterConfig c = drafter_config_for_target(tiny_target(), 2, sizes, 8000, std::nullopt,
-                                                    &tiny_tok());
+  const DrafterConfig c =
+      drafter_config_for_target(tiny_target(), 2, sizes, 8000, std::nullopt, &tiny_tok());
   const json mine = drafter_export_config(c);
   const json& g = golden_cfg();
   int shared = 0;
@@ -265,7 +269,8 @@ TEST(DrafterIo, MissingOrBadDflashKeysAreErrors) {
                {"d/config.json", "mask_token_id"});
   j = base;
   j.erase("head_dim");
-  expect_error([&] { drafter_config_from_json(j, "d/config.json"); }, {"d/config.json", "head_dim"});
+  expect_error([&] { drafter_config_from_json(j, "d/config.json"); },
+               {"d/config.json", "head_dim"});
   j = base;
   j["attention_bias"] = true;
   expect_error([&] { drafter_config_from_json(j, "d/config.json"); },
@@ -320,8 +325,7 @@ TEST(DrafterIo, SaveRejectsBadArguments) {
   std::vector<float> params = random_params(layout, 1);
   expect_error([&] { drafter_save(dir / "x", c, layout, params, DType::f16); }, {"bf16 or f32"});
   params.pop_back();
-  expect_error([&] { drafter_save(dir / "x", c, layout, params); },
-               {std::to_string(layout.total)});
+  expect_error([&] { drafter_save(dir / "x", c, layout, params); }, {std::to_string(layout.total)});
 }
 
 TEST(DrafterIo, LoadNamesMissingUnexpectedAndMisshapenTensors) {
@@ -413,9 +417,13 @@ TEST(DrafterIo, ConfigForTargetDefaults) {
   s.num_heads = 4;
   s.head_dim = 32;
   s.block_size = 8;
-  const DrafterConfig c2 = drafter_config_for_target(t, 1, s, 8001, std::vector<int>{4}, &tiny_tok());
+  const DrafterConfig c2 =
+      drafter_config_for_target(t, 1, s, 8001, std::vector<int>{4}, &tiny_tok());
   EXPECT_EQ(c2.num_heads, 4);
-  EXPECT_EQ(c2.num_kv_heads, 4);
+  EXPECT_EQ(c2.num_kv_heads, 2);  // the target's
+  s.num_heads = 3;                // not a multiple of the target's 2 kv heads, and none given
+  expect_error([&] { drafter_config_for_target(t, 1, s, 8001, std::nullopt, &tiny_tok()); },
+               {"num_attention_heads (3)", "num_key_value_heads (2)"});
   EXPECT_EQ(c2.head_dim, 32);
   EXPECT_EQ(c2.block_size, 8);
   EXPECT_EQ(c2.target_layer_ids, std::vector<int>{4});
@@ -441,8 +449,9 @@ TEST(DrafterIo, MaskTokenValidationTinyQwen3) {
   expect_error([&] { drafter_config_for_target(t, 2, {}, -1, std::nullopt, &tiny_tok()); },
                {"mask_token_id -1"});
   // No default for a family without a reserved id: the error says what to set.
-  expect_error([&] { drafter_config_for_target(t, 2, {}, std::nullopt, std::nullopt, &tiny_tok()); },
-               {"set mask_token_id", "[8000, 8192)"});
+  expect_error(
+      [&] { drafter_config_for_target(t, 2, {}, std::nullopt, std::nullopt, &tiny_tok()); },
+      {"set mask_token_id", "[8000, 8192)"});
   // Without a tokenizer an explicit id is needed (and then only the target bound is checked).
   expect_error([&] { drafter_config_for_target(t, 2); }, {"mask_token_id"});
   EXPECT_EQ(drafter_config_for_target(t, 2, {}, 100).mask_token_id, 100);
@@ -450,8 +459,9 @@ TEST(DrafterIo, MaskTokenValidationTinyQwen3) {
 
 TEST(DrafterIo, MaskTokenDefaultQwen3Family) {
   test::TempDir dir;
-  test::write_file(dir / "tokenizer.json",
-                   xz_decompress(test::shared_dir() / "fixtures/qwen3-tokenizer/tokenizer.json.xz"));
+  test::write_file(
+      dir / "tokenizer.json",
+      xz_decompress(test::shared_dir() / "fixtures/qwen3-tokenizer/tokenizer.json.xz"));
   const Tokenizer tok = Tokenizer::load(dir.path());
   ASSERT_EQ(tok.vocab_size(), 151669);
   ModelConfig t = tiny_target();  // a Qwen3 target with Qwen3-8B's vocabulary and depth

@@ -68,8 +68,8 @@ void run_drafter_step(const std::string& in_path, const std::string& out_path) {
     Tensor t = input(f, "params." + p.name, DType::f32, p.shape);
     std::copy(t.data<float>(), t.data<float>() + p.numel, params.begin() + p.offset);
   }
-  std::set<std::string> expected = {"embed",  "lm_head",     "features", "tokens",
-                                     "loss_mask", "doc_offsets", "anchors"};
+  std::set<std::string> expected = {"embed",     "lm_head",     "features", "tokens",
+                                    "loss_mask", "doc_offsets", "anchors"};
   for (const ParamInfo& p : layout.params) expected.insert("params." + p.name);
   for (const std::string& n : f.names()) {
     DFLASH_CHECK(expected.count(n), "{}: unexpected tensor '{}'", in_path, n);
@@ -89,7 +89,8 @@ void run_drafter_step(const std::string& in_path, const std::string& out_path) {
   }
   check_doc_offsets(doc_offsets, T);
   std::vector<Anchor> anchors(anchor_raw.size() / 2);
-  for (size_t b = 0; b < anchors.size(); ++b) anchors[b] = {anchor_raw[2 * b], anchor_raw[2 * b + 1]};
+  for (size_t b = 0; b < anchors.size(); ++b)
+    anchors[b] = {anchor_raw[2 * b], anchor_raw[2 * b + 1]};
   const int64_t N = static_cast<int64_t>(anchors.size());
 
   const BlockTargets targets =
@@ -130,8 +131,9 @@ void run_drafter_step(const std::string& in_path, const std::string& out_path) {
     out.emplace_back("grad." + p.name, Tensor::from_f32(g, p.shape));
   }
   safetensors_write(out_path, out);
-  fmt::print("drafter-step: {} blocks of {} slots, loss {:.6f}, accuracy {:.4f}, tau {:.4f} -> {}\n",
-             N, K, res.loss_sum / res.weight_sum, m.accuracy(), m.tau(), out_path);
+  fmt::print(
+      "drafter-step: {} blocks of {} slots, loss {:.6f}, accuracy {:.4f}, tau {:.4f} -> {}\n", N, K,
+      res.loss_sum / res.weight_sum, m.accuracy(), m.tau(), out_path);
 }
 
 }  // namespace

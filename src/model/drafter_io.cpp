@@ -1,11 +1,11 @@
 #include "model/drafter_io.hpp"
 
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <cstring>
 #include <map>
 #include <set>
-
-#include <fmt/ranges.h>
 
 #include "core/error.hpp"
 #include "core/fs.hpp"
@@ -29,7 +29,8 @@ constexpr const char* kWeightsFile = "model.safetensors";
 json rope_scaling_json(const RopeParams& r) {
   json s = json::object();
   switch (r.type) {
-    case RopeType::standard: return nullptr;
+    case RopeType::standard:
+      return nullptr;
     case RopeType::linear:
       s["rope_type"] = "linear";
       s["factor"] = r.factor;
@@ -123,7 +124,8 @@ json drafter_export_config(const DrafterConfig& cfg) {
   j["attention_dropout"] = 0.0;
   j["hidden_act"] = "silu";
   j["initializer_range"] = 0.02;
-  j["layer_types"] = std::vector<std::string>(static_cast<size_t>(cfg.num_layers), "full_attention");
+  j["layer_types"] =
+      std::vector<std::string>(static_cast<size_t>(cfg.num_layers), "full_attention");
   j["use_sliding_window"] = false;
   j["block_size"] = cfg.block_size;
   j["num_target_layers"] = cfg.num_target_layers;
@@ -179,19 +181,20 @@ DrafterConfig drafter_config_from_json(const json& j_in, const std::string& sour
 
   json ids = dflash_key(j, "target_layer_ids", source);
   if (ids.is_null()) {
-    fail("{}: missing required key 'dflash_config.target_layer_ids' (the target layers whose "
-         "outputs the drafter was trained on; dflash never guesses them)",
-         source);
+    fail(
+        "{}: missing required key 'dflash_config.target_layer_ids' (the target layers whose "
+        "outputs the drafter was trained on; dflash never guesses them)",
+        source);
   }
   const std::string ids_name = dflash_key_name(j, "target_layer_ids");
   DFLASH_CHECK(ids.is_array() && !ids.empty(),
                "{}: key '{}' must be a non-empty list of layer indices, got {}", source, ids_name,
                ids.dump());
   for (const json& v : ids) {
-    DFLASH_CHECK(v.is_number_integer() && v.get<int64_t>() >= 0 &&
-                     v.get<int64_t>() < c.num_target_layers,
-                 "{}: key '{}' holds {}, not a layer index in [0, num_target_layers = {})", source,
-                 ids_name, v.dump(), c.num_target_layers);
+    DFLASH_CHECK(
+        v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() < c.num_target_layers,
+        "{}: key '{}' holds {}, not a layer index in [0, num_target_layers = {})", source, ids_name,
+        v.dump(), c.num_target_layers);
     c.target_layer_ids.push_back(v.get<int>());
   }
   try {
@@ -255,8 +258,8 @@ LoadedDrafter drafter_load(const fs::path& dir) {
       wrong.push_back(fmt::format("{} has shape {}, config.json implies {}", p.name,
                                   shape_str(info.shape), shape_str(p.shape)));
     } else if (!dtype_is_float(info.dtype)) {
-      wrong.push_back(fmt::format("{} has dtype {}, expected a float type", p.name,
-                                  dtype_name(info.dtype)));
+      wrong.push_back(
+          fmt::format("{} has dtype {}, expected a float type", p.name, dtype_name(info.dtype)));
     }
   }
   for (const std::string& n : ckpt.names()) {
@@ -294,8 +297,8 @@ void drafter_check_target(const DrafterConfig& cfg, const ModelConfig& target) {
                cfg.num_target_layers, target.num_hidden_layers, t);
   for (int id : cfg.target_layer_ids) {
     DFLASH_CHECK(id >= 0 && id < target.num_hidden_layers,
-                 "drafter target_layer_ids holds layer {}, outside the target's {} layers ({})",
-                 id, target.num_hidden_layers, t);
+                 "drafter target_layer_ids holds layer {}, outside the target's {} layers ({})", id,
+                 target.num_hidden_layers, t);
   }
   DFLASH_CHECK(cfg.mask_token_id >= 0 && cfg.mask_token_id < target.vocab_size,
                "drafter mask_token_id {} is outside the target's embedding rows [0, {}) ({})",
@@ -303,8 +306,7 @@ void drafter_check_target(const DrafterConfig& cfg, const ModelConfig& target) {
 }
 
 DrafterConfig drafter_config_for_target(const ModelConfig& target, int num_layers,
-                                        const DrafterSizes& sizes,
-                                        std::optional<int> mask_token_id,
+                                        const DrafterSizes& sizes, std::optional<int> mask_token_id,
                                         std::optional<std::vector<int>> target_layer_ids,
                                         const Tokenizer* tok) {
   const std::string& t = target.source.empty() ? std::string("the target") : target.source;
@@ -314,8 +316,7 @@ DrafterConfig drafter_config_for_target(const ModelConfig& target, int num_layer
   c.intermediate_size = sizes.intermediate_size.value_or(target.intermediate_size);
   c.num_layers = num_layers;
   c.num_heads = sizes.num_heads.value_or(target.num_attention_heads);
-  c.num_kv_heads = sizes.num_kv_heads.value_or(
-      sizes.num_heads ? *sizes.num_heads : target.num_key_value_heads);
+  c.num_kv_heads = sizes.num_kv_heads.value_or(target.num_key_value_heads);
   c.head_dim = sizes.head_dim.value_or(target.head_dim);
   c.vocab_size = target.vocab_size;
   c.rms_norm_eps = target.rms_norm_eps;
@@ -352,13 +353,15 @@ DrafterConfig drafter_config_for_target(const ModelConfig& target, int num_layer
     if (qwen_bpe && V > kQwenMaskTokenId && tv <= kQwenMaskTokenId) {
       c.mask_token_id = kQwenMaskTokenId;
     } else if (tv < V) {
-      fail("no mask_token_id given and {} is not a known family with a reserved mask id; set "
-           "mask_token_id to an unused embedding row in [{}, {}) (the tokenizer's ids end at {})",
-           t, tv, V, tv);
+      fail(
+          "no mask_token_id given and {} is not a known family with a reserved mask id; set "
+          "mask_token_id to an unused embedding row in [{}, {}) (the tokenizer's ids end at {})",
+          t, tv, V, tv);
     } else {
-      fail("no mask_token_id possible for {}: the tokenizer uses every embedding row [0, {}) "
-           "(vocab_size {}); a DFlash drafter needs a row the tokenizer never produces",
-           t, tv, V);
+      fail(
+          "no mask_token_id possible for {}: the tokenizer uses every embedding row [0, {}) "
+          "(vocab_size {}); a DFlash drafter needs a row the tokenizer never produces",
+          t, tv, V);
     }
   }
   try {

@@ -12,10 +12,9 @@
 // or tensor at fault. Writes are atomic per file (temporary file, fsync, rename).
 #pragma once
 
-#include <nlohmann/json.hpp>
-
 #include <cstdint>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
 #include <string>
@@ -98,11 +97,10 @@ inline constexpr int32_t kQwenMaskTokenId = 151669;
 /// added token). Without a tokenizer an explicit mask id is required. Throws dflash::Error saying
 /// what to set (`mask_token_id`, with the free range) when no valid mask id is available, and for
 /// any invalid size or tap.
-DrafterConfig drafter_config_for_target(const ModelConfig& target, int num_layers,
-                                        const DrafterSizes& sizes = {},
-                                        std::optional<int> mask_token_id = std::nullopt,
-                                        std::optional<std::vector<int>> target_layer_ids =
-                                            std::nullopt,
-                                        const Tokenizer* tok = nullptr);
+DrafterConfig drafter_config_for_target(
+    const ModelConfig& target, int num_layers, const DrafterSizes& sizes = {},
+    std::optional<int> mask_token_id = std::nullopt,
+    std::optional<std::vector<int>> target_layer_ids = std::nullopt,
+    const Tokenizer* tok = nullptr);
 
 }  // namespace dflash

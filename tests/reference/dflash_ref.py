@@ -109,6 +109,62 @@ def drafter_logits(params, cfg, features, tokens, doc_offsets, anchors, embed, l
     return jnp.stack(outs)
 
 
+def drafter_logits_packed(params, cfg, features, tokens, doc_offsets, anchors, embed, lm_head):
+    """The same logits [N, K, V] as drafter_logits, computed for all blocks at once with fixed
+    shapes (the visibility rule as a mask over all T context rows instead of a slice), so that
+    it jit-compiles once per problem. Context row q has position q - start(doc of q); block b
+    sees rows start(doc_b) <= q < anchor_b and its own K rows.
+    """
+    NH, NKV, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    K, eps, theta = cfg["block_size"], cfg["rms_norm_eps"], cfg["rope_theta"]
+    mask_id, L = cfg["mask_token_id"], cfg["num_hidden_layers"]
+    T, N, rep = features.shape[0], len(anchors), NH // NKV
+    tokens = np.asarray(tokens)
+    pos_rel = np.zeros(T, np.int64)
+    for d in range(len(doc_offsets) - 1):
+        s, e = doc_offsets[d], doc_offsets[d + 1]
+        pos_rel[s:e] = np.arange(e - s)
+    A = np.array([a for a, _ in anchors], np.int64)
+    S = np.array([doc_offsets[d] for _, d in anchors], np.int64)
+    blk_tok = np.full((N, K), mask_id, np.int64)
+    blk_tok[:, 0] = tokens[A]
+    pos_b = (A - S)[:, None] + np.arange(K)[None, :]
+    vis = (np.arange(T)[None, :] >= S[:, None]) & (np.arange(T)[None, :] < A[:, None])  # [N, T]
+    cos_c, sin_c = rope_cos_sin(pos_rel, D, theta)
+    cos_b, sin_b = rope_cos_sin(pos_b.reshape(-1), D, theta)
+
+    def rope_blk(x):  # [N, K, heads, D]
+        return apply_rope(x.reshape(N * K, x.shape[2], D), cos_b, sin_b).reshape(x.shape)
+
+    ctx = rms_norm(features @ params["fc.weight"].T, params["hidden_norm.weight"], eps)
+    h = embed[blk_tok]
+    for i in range(L):
+        p = lambda n: params[f"layers.{i}.{n}"]
+        hn = rms_norm(h, p("input_layernorm.weight"), eps)
+        q = rope_blk(rms_norm((hn @ p("self_attn.q_proj.weight").T).reshape(N, K, NH, D),
+                              p("self_attn.q_norm.weight"), eps))
+        kc = apply_rope(rms_norm((ctx @ p("self_attn.k_proj.weight").T).reshape(T, NKV, D),
+                                 p("self_attn.k_norm.weight"), eps), cos_c, sin_c)
+        kb = rope_blk(rms_norm((hn @ p("self_attn.k_proj.weight").T).reshape(N, K, NKV, D),
+                               p("self_attn.k_norm.weight"), eps))
+        vc = (ctx @ p("self_attn.v_proj.weight").T).reshape(T, NKV, D)
+        vb = (hn @ p("self_attn.v_proj.weight").T).reshape(N, K, NKV, D)
+        kc, vc = jnp.repeat(kc, rep, axis=1), jnp.repeat(vc, rep, axis=1)
+        kb, vb = jnp.repeat(kb, rep, axis=2), jnp.repeat(vb, rep, axis=2)
+        sc_c = jnp.einsum("nqhd,thd->nhqt", q, kc) / np.sqrt(D)
+        sc_c = jnp.where(vis[:, None, None, :], sc_c, -jnp.inf)
+        sc_b = jnp.einsum("nqhd,nkhd->nhqk", q, kb) / np.sqrt(D)
+        pr = jax.nn.softmax(jnp.concatenate([sc_c, sc_b], axis=-1), axis=-1)
+        o = (jnp.einsum("nhqt,thd->nqhd", pr[..., :T], vc) +
+             jnp.einsum("nhqk,nkhd->nqhd", pr[..., T:], vb)).reshape(N, K, NH * D)
+        h = h + o @ p("self_attn.o_proj.weight").T
+        hn = rms_norm(h, p("post_attention_layernorm.weight"), eps)
+        g = hn @ p("mlp.gate_proj.weight").T
+        u = hn @ p("mlp.up_proj.weight").T
+        h = h + (jax.nn.silu(g) * u) @ p("mlp.down_proj.weight").T
+    return rms_norm(h, params["norm.weight"], eps) @ lm_head.T
+
+
 def targets(tokens, loss_mask, doc_offsets, anchors, K, gamma):
     """labels [N,K] (-1 invalid), weights [N,K], counted [N,K] (DESIGN.md §1)."""
     N = len(anchors)
@@ -128,10 +184,13 @@ def targets(tokens, loss_mask, doc_offsets, anchors, K, gamma):
     return labels, w, cnt
 
 
-def loss_fn(params, cfg, features, tokens, loss_mask, doc_offsets, anchors, embed, lm_head, gamma):
-    """(loss, (argmax [N,K], ce [N,K])) with loss = Σ w·CE / Σ w."""
+def loss_fn(params, cfg, features, tokens, loss_mask, doc_offsets, anchors, embed, lm_head, gamma,
+            logits_fn=None):
+    """(loss, (argmax [N,K], ce [N,K])) with loss = Σ w·CE / Σ w. `logits_fn`: drafter_logits
+    (default) or drafter_logits_packed (same arguments)."""
     K = cfg["block_size"]
-    logits = drafter_logits(params, cfg, features, tokens, doc_offsets, anchors, embed, lm_head)
+    logits = (logits_fn or drafter_logits)(params, cfg, features, tokens, doc_offsets, anchors,
+                                           embed, lm_head)
     labels, w, _ = targets(tokens, loss_mask, doc_offsets, anchors, K, gamma)
     lse = jax.scipy.special.logsumexp(logits, axis=-1)
     safe = np.maximum(labels, 0)
