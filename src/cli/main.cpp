@@ -24,6 +24,8 @@ int main(int argc, char** argv) {
   dflash::cli::add_tokenize_command(app);
   dflash::cli::add_dev_command(app);
   dflash::cli::add_train_command(app);
+  dflash::cli::add_generate_command(app);
+  dflash::cli::add_eval_command(app);
 
   try {
     app.parse(argc, argv);

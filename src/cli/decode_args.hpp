@@ -1,0 +1,88 @@
+// dflash.cpp — command-line options shared by `dflash generate` and `dflash eval` (internal to
+// src/cli): model folders, block size, sampling, stop tokens, seed.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "infer/speculative.hpp"
+#include "model/target.hpp"
+
+namespace dflash::cli {
+
+/// Raw values of the shared decoding flags.
+struct DecodeArgs {
+  std::string target, drafter, chat_template;
+  int64_t max_new_tokens = 128;
+  int block_size = 0;
+  double temperature = 0.0, top_p = 1.0;
+  int64_t top_k = 0;
+  uint64_t seed = 0;
+  std::vector<int64_t> stop_ids;
+  bool no_default_stop = false;
+};
+
+/// How the decoding commands load the target: f32 copies of the weights (the CPU forward then
+/// skips the per-call bf16 → f32 conversion of every weight tile, which dominates the cost of the
+/// few-row forwards of decoding; results are identical since the conversion is exact; memory is
+/// that of an f32 checkpoint).
+inline TargetLoadOptions target_load_options() {
+  return TargetLoadOptions{.f32_weights = true};
+}
+
+/// Registers the shared flags on `sub`, writing into `a` (which must outlive the app).
+inline void add_decode_args(CLI::App* sub, DecodeArgs& a) {
+  sub->add_option("--target", a.target, "Target model folder (HF config.json + safetensors)")
+      ->required();
+  sub->add_option("--drafter", a.drafter,
+                  "Drafter folder (DFlash export: config.json + "
+                  "model.safetensors)")
+      ->required();
+  sub->add_option("--max-new-tokens", a.max_new_tokens, "Most tokens generated per prompt")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub->add_option("--block-size", a.block_size,
+                  "Block size at run time, in [2, trained block_size] (0: the trained one)")
+      ->capture_default_str();
+  sub->add_option("--temperature", a.temperature,
+                  "0: greedy (lossless, compared token for "
+                  "token); > 0: speculative sampling")
+      ->capture_default_str();
+  sub->add_option("--top-k", a.top_k, "Keep the k most likely tokens (0: off)")
+      ->capture_default_str();
+  sub->add_option("--top-p", a.top_p, "Nucleus sampling mass in (0, 1] (1: off)")
+      ->capture_default_str();
+  sub->add_option("--seed", a.seed, "Seed of the sampling RNG")->capture_default_str();
+  sub->add_option("--stop-id", a.stop_ids,
+                  "Extra stop token id (repeatable); added to generation_config.json's "
+                  "eos_token_id (else config.json's)");
+  sub->add_flag("--no-default-stop", a.no_default_stop,
+                "Do not stop on the model's eos_token_id (only on --stop-id)");
+  sub->add_option("--template", a.chat_template,
+                  "Chat template (chatml, qwen3, llama3); default: detected from the target "
+                  "folder");
+}
+
+/// The DecodeOptions of the parsed flags; the stop ids are the target's generation eos ids
+/// (generation_eos_ids) unless --no-default-stop, plus --stop-id, without duplicates.
+inline DecodeOptions decode_options_from(const DecodeArgs& a, const ModelConfig& target_cfg) {
+  DecodeOptions o;
+  o.max_new_tokens = a.max_new_tokens;
+  o.block_size = a.block_size;
+  o.sampling.temperature = a.temperature;
+  o.sampling.top_k = a.top_k;
+  o.sampling.top_p = a.top_p;
+  o.seed = a.seed;
+  if (!a.no_default_stop) o.stop_ids = generation_eos_ids(a.target, target_cfg);
+  for (int64_t id : a.stop_ids)
+    if (std::find(o.stop_ids.begin(), o.stop_ids.end(), id) == o.stop_ids.end())
+      o.stop_ids.push_back(id);
+  o.sampling.validate();
+  return o;
+}
+
+}  // namespace dflash::cli

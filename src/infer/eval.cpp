@@ -1,0 +1,161 @@
+// dflash.cpp — prompt loading, the two decodings per prompt and the JSON report of `dflash eval`.
+#include "infer/eval.hpp"
+
+#include <map>
+
+#include "core/error.hpp"
+#include "data/conversation.hpp"
+#include "data/jsonl.hpp"
+
+namespace dflash {
+
+namespace {
+
+// Counts of acceptance lengths 1..K.
+struct Tally {
+  int64_t prompts = 0, steps = 0, accepted = 0, new_tokens = 0;
+  std::vector<int64_t> hist;
+  explicit Tally(int K = 0) : hist(static_cast<size_t>(K), 0) {}
+  void add(const DecodeResult& r) {
+    ++prompts;
+    new_tokens += static_cast<int64_t>(r.tokens.size());
+    for (int a : r.accept_lengths) {
+      ++steps;
+      accepted += a;
+      if (a >= 1 && static_cast<size_t>(a) <= hist.size()) ++hist[static_cast<size_t>(a - 1)];
+    }
+  }
+  double tau() const { return steps ? static_cast<double>(accepted) / steps : 0.0; }
+};
+
+double rate(int64_t tokens, double seconds) {
+  return seconds > 0 ? tokens / seconds : 0.0;
+}
+
+}  // namespace
+
+std::vector<EvalPrompt> load_eval_prompts(const std::filesystem::path& file,
+                                          const ChatTemplate& tmpl, const Tokenizer& tok,
+                                          int64_t limit, int64_t per_source) {
+  LineReader reader(file);
+  std::vector<EvalPrompt> out;
+  std::map<std::string, int64_t> taken;
+  std::string line;
+  const std::string name = file.string();
+  while ((limit <= 0 || static_cast<int64_t>(out.size()) < limit) && reader.next(line)) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    Conversation conv = parse_conversation(line, name, reader.line_number(),
+                                           ParseOptions{.allow_trailing_user = true});
+    // The optional system message and the first user turn (a valid record starts that way).
+    size_t keep = 0;
+    while (keep < conv.messages.size() && conv.messages[keep].role != Role::user) ++keep;
+    DFLASH_CHECK(keep < conv.messages.size(), "{}:{}: the record has no user turn", name,
+                 reader.line_number());
+    if (per_source > 0 && taken[conv.source] >= per_source) continue;
+    ++taken[conv.source];
+    conv.messages.resize(keep + 1);
+    const RenderedChat rc = render_chat(tmpl, conv, /*add_generation_prompt=*/true);
+    EvalPrompt p;
+    p.id = conv.id;
+    p.source = conv.source;
+    p.tokens = tok.encode(rc.text);
+    DFLASH_CHECK(!p.tokens.empty(), "{}:{}: the prompt encodes to no token", name,
+                 reader.line_number());
+    out.push_back(std::move(p));
+  }
+  DFLASH_CHECK(!out.empty(), "{}: no prompt record", name);
+  return out;
+}
+
+std::vector<EvalPromptResult> run_eval(
+    const SpeculativeDecoder& dec, const std::vector<EvalPrompt>& prompts,
+    const DecodeOptions& opts, bool baseline,
+    const std::function<void(const EvalPromptResult&)>& on_prompt) {
+  std::vector<EvalPromptResult> out;
+  out.reserve(prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    DecodeOptions o = opts;
+    o.seed = opts.seed + i;
+    EvalPromptResult r;
+    r.id = prompts[i].id;
+    r.source = prompts[i].source;
+    r.prompt_tokens = static_cast<int64_t>(prompts[i].tokens.size());
+    r.spec = dec.generate(prompts[i].tokens, o);
+    if (baseline) {
+      r.target = target_generate(dec.target(), prompts[i].tokens, o);
+      r.lossless = r.spec.tokens == r.target.tokens;
+    }
+    if (on_prompt) on_prompt(r);
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+nlohmann::json eval_report(const std::vector<EvalPromptResult>& results, int block_size,
+                           bool greedy, bool baseline, const nlohmann::json& settings) {
+  using nlohmann::json;
+  json rows = json::array();
+  Tally total(block_size);
+  std::map<std::string, Tally> by_source;
+  double spec_s = 0, target_s = 0;
+  int64_t target_tokens = 0, lossless_n = 0;
+  for (const EvalPromptResult& r : results) {
+    Tally t(block_size);
+    t.add(r.spec);
+    total.add(r.spec);
+    auto it = by_source.try_emplace(r.source, block_size).first;
+    it->second.add(r.spec);
+    const double ss = r.spec.prefill_seconds + r.spec.decode_seconds;
+    const double ts = r.target.prefill_seconds + r.target.decode_seconds;
+    spec_s += ss;
+    target_s += ts;
+    target_tokens += static_cast<int64_t>(r.target.tokens.size());
+    json row = {{"id", r.id},
+                {"source", r.source},
+                {"prompt_tokens", r.prompt_tokens},
+                {"new_tokens", r.spec.tokens.size()},
+                {"steps", t.steps},
+                {"tau", t.tau()},
+                {"accept_histogram", t.hist},
+                {"stopped", r.spec.stopped},
+                {"seconds_spec", ss},
+                {"tokens_per_s_spec", rate(t.new_tokens, ss)}};
+    if (baseline) {
+      row["target_new_tokens"] = r.target.tokens.size();
+      row["seconds_target"] = ts;
+      row["tokens_per_s_target"] = rate(static_cast<int64_t>(r.target.tokens.size()), ts);
+      if (greedy) row["lossless"] = r.lossless;
+    }
+    if (baseline && greedy && r.lossless) ++lossless_n;
+    rows.push_back(std::move(row));
+  }
+  json tot = {{"prompts", total.prompts},
+              {"new_tokens", total.new_tokens},
+              {"steps", total.steps},
+              {"tau", total.tau()},
+              {"accept_histogram", total.hist},
+              {"seconds_spec", spec_s},
+              {"tokens_per_s_spec", rate(total.new_tokens, spec_s)}};
+  if (baseline) {
+    tot["target_new_tokens"] = target_tokens;
+    tot["seconds_target"] = target_s;
+    tot["tokens_per_s_target"] = rate(target_tokens, target_s);
+    tot["speedup"] = spec_s > 0 ? target_s / spec_s : 0.0;
+    if (greedy) {
+      tot["lossless"] = lossless_n == static_cast<int64_t>(results.size());
+      tot["lossless_prompts"] = lossless_n;
+    }
+  }
+  json per_source = json::object();
+  for (const auto& [src, t] : by_source) {
+    per_source[src.empty() ? "(none)" : src] = {{"prompts", t.prompts},
+                                                {"new_tokens", t.new_tokens},
+                                                {"steps", t.steps},
+                                                {"tau", t.tau()},
+                                                {"accept_histogram", t.hist}};
+  }
+  return json{
+      {"settings", settings}, {"prompts", rows}, {"total", tot}, {"per_source", per_source}};
+}
+
+}  // namespace dflash

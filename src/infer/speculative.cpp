@@ -1,0 +1,255 @@
+// dflash.cpp — speculative decoding loop (see speculative.hpp for the step and its invariants).
+#include "infer/speculative.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <numeric>
+
+#include "core/error.hpp"
+
+namespace dflash {
+
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void check_options(const DecodeOptions& opts) {
+  DFLASH_CHECK(opts.max_new_tokens >= 1, "max_new_tokens must be >= 1 (got {})",
+               opts.max_new_tokens);
+  opts.sampling.validate();
+}
+
+bool is_stop(const DecodeOptions& opts, int32_t t) {
+  return std::find(opts.stop_ids.begin(), opts.stop_ids.end(), static_cast<int64_t>(t)) !=
+         opts.stop_ids.end();
+}
+
+// Appends `toks` to `r.tokens` up to and including the first stop token and at most up to
+// max_new_tokens; returns the number appended and whether generation is over.
+size_t append_trimmed(DecodeResult& r, std::span<const int32_t> toks, const DecodeOptions& opts,
+                      bool& done) {
+  size_t n = 0;
+  done = false;
+  for (int32_t t : toks) {
+    if (static_cast<int64_t>(r.tokens.size()) >= opts.max_new_tokens) {
+      done = true;
+      break;
+    }
+    r.tokens.push_back(t);
+    ++n;
+    if (is_stop(opts, t)) {
+      r.stopped = true;
+      done = true;
+      break;
+    }
+  }
+  if (static_cast<int64_t>(r.tokens.size()) >= opts.max_new_tokens) done = true;
+  return n;
+}
+
+}  // namespace
+
+double DecodeResult::tau() const {
+  if (accept_lengths.empty()) return 0.0;
+  const double sum = std::accumulate(accept_lengths.begin(), accept_lengths.end(), 0.0);
+  return sum / static_cast<double>(accept_lengths.size());
+}
+
+SpeculativeDecoder::SpeculativeDecoder(const TargetModel& target, const LoadedDrafter& drafter)
+    : target_(target), drafter_(drafter) {
+  drafter_check_target(drafter.config, target.config());
+  DFLASH_CHECK(static_cast<int64_t>(drafter.params.size()) == drafter.layout.total,
+               "drafter holds {} parameters, its layout needs {}", drafter.params.size(),
+               drafter.layout.total);
+  embed_f32_ = target.embedding_f32();
+  const bool tied = target.lm_head().raw() == target.embed_tokens().raw();
+  if (!tied) lm_head_f32_ = target.lm_head_f32();
+  tables_.embed = embed_f32_.data();
+  tables_.lm_head = tied ? embed_f32_.data() : lm_head_f32_.data();
+  taps_.assign(drafter.config.target_layer_ids.begin(), drafter.config.target_layer_ids.end());
+}
+
+DrafterConfig SpeculativeDecoder::config_for_block(int block_size) const {
+  DrafterConfig c = drafter_.config;
+  if (block_size == 0) return c;
+  DFLASH_CHECK(block_size >= 2 && block_size <= c.block_size,
+               "block size {} is outside [2, {}] (the drafter was trained with block_size {})",
+               block_size, c.block_size, c.block_size);
+  c.block_size = block_size;
+  return c;
+}
+
+void SpeculativeDecoder::emit(SpecState& s, std::span<const int32_t> toks,
+                              const DecodeOptions& opts, const TokenCallback& on_tokens) const {
+  const size_t before = s.result.tokens.size();
+  bool done = false;
+  const size_t n = append_trimmed(s.result, toks, opts, done);
+  if (on_tokens && n > 0) on_tokens(std::span<const int32_t>(s.result.tokens).subspan(before, n));
+  if (done) s.done = true;
+}
+
+SpecState SpeculativeDecoder::start(std::span<const int32_t> prompt, const DecodeOptions& opts,
+                                    const TokenCallback& on_tokens) const {
+  check_options(opts);
+  (void)config_for_block(opts.block_size);  // validates the block size before any work
+  DFLASH_CHECK(!prompt.empty(), "speculative decoding: empty prompt");
+  const auto t0 = std::chrono::steady_clock::now();
+  SpecState s(target_.config());
+  s.prompt.assign(prompt.begin(), prompt.end());
+  s.rng.reseed(opts.seed);
+  const ForwardResult r =
+      target_.prefill(s.target_cache, prompt, ForwardOptions{taps_, LogitsRows::last, false});
+  drafter_cache_append(s.drafter_cache, drafter_.config, drafter_.layout, drafter_.params.data(),
+                       r.taps.data<float>(), static_cast<int64_t>(prompt.size()));
+  std::vector<double> scratch;
+  const int64_t V = target_.vocab_size();
+  s.anchor = sample_token(std::span<const float>(r.logits.data<float>(), static_cast<size_t>(V)),
+                          opts.sampling, s.rng, scratch);
+  s.result.prefill_seconds = seconds_since(t0);
+  emit(s, std::span<const int32_t>(&s.anchor, 1), opts, on_tokens);
+  return s;
+}
+
+void SpeculativeDecoder::step(SpecState& s, const DecodeOptions& opts,
+                              const TokenCallback& on_tokens) const {
+  if (s.done) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  const DrafterConfig cfg = config_for_block(opts.block_size);
+  const int64_t K = cfg.block_size, V = target_.vocab_size();
+  const int64_t L = s.target_cache.length();
+  DFLASH_CHECK(s.drafter_cache.len == L,
+               "speculative state: drafter cache holds {} positions, target cache {}",
+               s.drafter_cache.len, L);
+
+  // Draft: one drafter pass over [anchor, MASK × (K−1)] at positions L..L+K−1.
+  const std::vector<float> dlogits = drafter_draft_block(s.drafter_cache, cfg, drafter_.layout,
+                                                         drafter_.params.data(), tables_, s.anchor);
+  const bool greedy = opts.sampling.greedy();
+  std::vector<int32_t> proposals(static_cast<size_t>(K - 1));
+  std::vector<std::vector<double>> q(greedy ? 0 : static_cast<size_t>(K - 1));
+  for (int64_t k = 1; k < K; ++k) {
+    const std::span<const float> row(dlogits.data() + k * V, static_cast<size_t>(V));
+    if (greedy) {
+      proposals[k - 1] = argmax_row(row.data(), V);
+    } else {
+      sampling_probs(q[k - 1], row, opts.sampling);
+      proposals[k - 1] = sample_index(q[k - 1], s.rng);
+    }
+  }
+  s.result.decode_seconds += seconds_since(t0);
+  verify(s, opts, proposals, q, on_tokens);
+}
+
+void SpeculativeDecoder::verify(SpecState& s, const DecodeOptions& opts,
+                                std::span<const int32_t> proposals,
+                                std::span<const std::vector<double>> q,
+                                const TokenCallback& on_tokens) const {
+  if (s.done) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  const bool greedy = opts.sampling.greedy();
+  const int64_t K = static_cast<int64_t>(proposals.size()) + 1, V = target_.vocab_size();
+  const int64_t L = s.target_cache.length();
+  DFLASH_CHECK(s.drafter_cache.len == L,
+               "speculative state: drafter cache holds {} positions, target cache {}",
+               s.drafter_cache.len, L);
+  DFLASH_CHECK(greedy ? q.empty() : q.size() == proposals.size(),
+               "speculative verify: {} proposals with {} drafter distributions ({})",
+               proposals.size(), q.size(),
+               greedy ? "greedy needs none" : "sampling needs one each");
+  std::vector<int32_t> block(static_cast<size_t>(K));
+  block[0] = s.anchor;
+  std::copy(proposals.begin(), proposals.end(), block.begin() + 1);
+
+  // Verify: one target pass over the block (logits and taps of all K rows).
+  const ForwardResult r =
+      target_.append(s.target_cache, block, ForwardOptions{taps_, LogitsRows::all, false});
+  const float* logits = r.logits.data<float>();
+
+  // Accept the longest agreeing prefix, then the bonus (or resampled) token.
+  int64_t n = 0;
+  int32_t bonus = 0;
+  if (greedy) {
+    for (;;) {
+      const int32_t t = argmax_row(logits + n * V, V);
+      if (n + 1 < K && block[n + 1] == t) {
+        ++n;
+        continue;
+      }
+      bonus = t;
+      break;
+    }
+  } else {
+    std::vector<double> p, scratch;
+    for (;;) {
+      sampling_probs(p, std::span<const float>(logits + n * V, static_cast<size_t>(V)),
+                     opts.sampling);
+      if (n + 1 >= K) {
+        bonus = sample_index(p, s.rng);
+        break;
+      }
+      DFLASH_CHECK(static_cast<int64_t>(q[n].size()) == V,
+                   "speculative verify: drafter distribution {} has {} entries, vocab is {}", n,
+                   q[n].size(), V);
+      const RejectionOutcome o = speculative_reject(p, q[n], block[n + 1], s.rng, scratch);
+      if (!o.accepted) {
+        bonus = o.token;
+        break;
+      }
+      ++n;
+    }
+  }
+
+  // Roll back: keep anchor + n accepted drafts in both caches; the bonus is the next anchor.
+  s.target_cache.truncate(L + 1 + n);
+  drafter_cache_append(s.drafter_cache, drafter_.config, drafter_.layout, drafter_.params.data(),
+                       r.taps.data<float>(), n + 1);
+  s.result.accept_lengths.push_back(static_cast<int>(n + 1));
+  std::vector<int32_t> out(block.begin() + 1, block.begin() + 1 + n);
+  out.push_back(bonus);
+  s.anchor = bonus;
+  s.result.decode_seconds += seconds_since(t0);
+  emit(s, out, opts, on_tokens);
+}
+
+DecodeResult SpeculativeDecoder::generate(std::span<const int32_t> prompt,
+                                          const DecodeOptions& opts,
+                                          const TokenCallback& on_tokens) const {
+  SpecState s = start(prompt, opts, on_tokens);
+  while (!s.done) step(s, opts, on_tokens);
+  return std::move(s.result);
+}
+
+DecodeResult target_generate(const TargetModel& target, std::span<const int32_t> prompt,
+                             const DecodeOptions& opts, const TokenCallback& on_tokens) {
+  check_options(opts);
+  DFLASH_CHECK(!prompt.empty(), "target decoding: empty prompt");
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t V = target.vocab_size();
+  TargetKvCache cache = target.new_cache();
+  Rng rng(opts.seed);
+  std::vector<double> scratch;
+  DecodeResult res;
+  const ForwardOptions last{{}, LogitsRows::last, false};
+  ForwardResult r = target.prefill(cache, prompt, last);
+  bool first = true;
+  for (;;) {
+    const int32_t t =
+        sample_token(std::span<const float>(r.logits.data<float>(), static_cast<size_t>(V)),
+                     opts.sampling, rng, scratch);
+    if (first) {
+      res.prefill_seconds = seconds_since(t0);
+      first = false;
+    }
+    bool done = false;
+    append_trimmed(res, std::span<const int32_t>(&t, 1), opts, done);
+    if (on_tokens) on_tokens(std::span<const int32_t>(&t, 1));
+    if (done) break;
+    r = target.append(cache, std::span<const int32_t>(&res.tokens.back(), 1), last);
+  }
+  res.decode_seconds = seconds_since(t0) - res.prefill_seconds;
+  return res;
+}
+
+}  // namespace dflash

@@ -1,0 +1,129 @@
+// dflash.cpp — speculative decoding with a DFlash drafter (DESIGN.md §1 "Inference"), CPU backend.
+//
+// One request, one step:
+//   state: the target KV cache and the drafter cache both hold the L tokens whose K/V are final
+//          (prompt + accepted output except the last token); `anchor` is the last output token,
+//          at position L, in neither cache yet.
+//   draft:  drafter block [anchor, MASK × (K−1)] at positions L..L+K−1 over its cache → proposals
+//           d_1..d_{K−1} (greedy: argmax; sampling: drawn from the processed drafter rows q_k).
+//   verify: target append [anchor, d_1..d_{K−1}] at positions L..L+K−1 → logits p_0..p_{K−1} and
+//           taps of the K rows, in one pass.
+//   accept: greedy: the longest prefix with d_k == argmax p_{k−1}; the bonus token is
+//           argmax p_n after the n accepted. Sampling: the rejection rule (infer/sampling.hpp) on
+//           d_1, d_2, … in order; the first rejection's resampled token (or, when all K−1 are
+//           accepted, a token drawn from p_{K−1}) is the bonus.
+//   roll back: target cache truncated to L+1+n (anchor + accepted drafts); the drafter cache gets
+//           the taps rows 0..n of the verify pass (the same tokens) at positions L..L+n; the
+//           bonus becomes the next anchor. Acceptance length of the step = n + 1.
+// The first output token comes from the prefill (taps of the prompt go to the drafter cache).
+//
+// Invariants: greedy output equals the target's own greedy decoding token for token (the
+// verification logits are the target's); sampled output is distributed exactly as the target's
+// (Leviathan et al. 2023, Thm. 1). Output stops after the first stop token (included) or at
+// max_new_tokens (a step's surplus tokens are dropped; its acceptance length is still counted
+// whole). All state of a request lives in SpecState, so a batched loop can hold several.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <vector>
+
+#include "core/rng.hpp"
+#include "infer/sampling.hpp"
+#include "model/drafter.hpp"
+#include "model/drafter_io.hpp"
+#include "model/target.hpp"
+
+namespace dflash {
+
+/// Settings of one generation.
+struct DecodeOptions {
+  int64_t max_new_tokens = 256;   ///< ≥ 1
+  int block_size = 0;             ///< 0: the drafter's trained block size; else in [2, trained]
+  std::vector<int64_t> stop_ids;  ///< generation stops after the first of these (included)
+  SamplingParams sampling;        ///< temperature 0: greedy
+  uint64_t seed = 0;              ///< seed of the request's Rng (sampling only)
+};
+
+/// Called with the tokens each step adds to the output (after stop/max trimming).
+using TokenCallback = std::function<void(std::span<const int32_t>)>;
+
+/// Outcome of one generation.
+struct DecodeResult {
+  std::vector<int32_t> tokens;      ///< generated tokens (stop token included when hit)
+  std::vector<int> accept_lengths;  ///< per speculative step, in [1, block_size]
+  bool stopped = false;             ///< ended on a stop token (else on max_new_tokens)
+  double prefill_seconds = 0;       ///< prompt prefill (first token included)
+  double decode_seconds = 0;        ///< everything after the prefill
+  /// Mean acceptance length τ (0 when no step ran).
+  double tau() const;
+};
+
+/// The loop state of one request (target and drafter caches, output, RNG, counters).
+struct SpecState {
+  TargetKvCache target_cache;
+  DrafterCache drafter_cache;
+  std::vector<int32_t> prompt;
+  int32_t anchor = 0;  ///< last output token, at position target_cache.length()
+  Rng rng;
+  DecodeResult result;
+  bool done = false;
+  explicit SpecState(const ModelConfig& c) : target_cache(c) {}
+};
+
+/// A target and a drafter checked to fit each other, ready to decode.
+class SpeculativeDecoder {
+ public:
+  /// Checks the drafter against the target (drafter_check_target: hidden size, vocab,
+  /// num_target_layers, tap ids, mask id; the error names the field and both values) and copies
+  /// the target's embedding and LM head to f32 for the drafter. Both objects must outlive this.
+  SpeculativeDecoder(const TargetModel& target, const LoadedDrafter& drafter);
+
+  /// The drafter config with block size `block_size` (0: trained). Throws dflash::Error when
+  /// block_size is outside [2, trained block size] (naming both).
+  DrafterConfig config_for_block(int block_size) const;
+
+  /// Prefills the target on `prompt` (≥ 1 token), fills the drafter cache with the prompt's taps
+  /// and emits the first token. Throws dflash::Error for an empty prompt, a token outside the
+  /// vocabulary, max_new_tokens < 1, a bad block size or bad sampling settings.
+  SpecState start(std::span<const int32_t> prompt, const DecodeOptions& opts,
+                  const TokenCallback& on_tokens = {}) const;
+
+  /// One draft-verify-accept step (file comment). No-op when state.done.
+  void step(SpecState& state, const DecodeOptions& opts, const TokenCallback& on_tokens = {}) const;
+
+  /// The verify-accept-rollback half of step() for given proposals d_1..d_{K−1} (K − 1 ≥ 0
+  /// tokens after the anchor; K need not be the drafter's block size) and, when sampling, the
+  /// distributions q_1..q_{K−1} [V] they were drawn from (q.size() == proposals.size(); empty in
+  /// greedy mode). The drafter cache gets the accepted rows' taps as in step(). Exposed so that
+  /// tests can drive the rule with oracle proposals; throws dflash::Error on size mismatches.
+  void verify(SpecState& state, const DecodeOptions& opts, std::span<const int32_t> proposals,
+              std::span<const std::vector<double>> q, const TokenCallback& on_tokens = {}) const;
+
+  /// start() then step() until done.
+  DecodeResult generate(std::span<const int32_t> prompt, const DecodeOptions& opts,
+                        const TokenCallback& on_tokens = {}) const;
+
+  const TargetModel& target() const { return target_; }
+  const LoadedDrafter& drafter() const { return drafter_; }
+
+ private:
+  // Appends `toks` to the output, trimming at a stop token / max_new_tokens; sets done.
+  void emit(SpecState& s, std::span<const int32_t> toks, const DecodeOptions& opts,
+            const TokenCallback& on_tokens) const;
+
+  const TargetModel& target_;
+  const LoadedDrafter& drafter_;
+  std::vector<float> embed_f32_, lm_head_f32_;  // lm_head_f32_ empty when tied
+  DrafterTables<float> tables_;
+  std::vector<int> taps_;
+};
+
+/// Target-only decoding with the same options (block size ignored): prefill, then one token per
+/// step over the KV cache, greedy or sampled from the request's Rng(seed) with the same
+/// processing. The baseline of `dflash eval` (tokens/s, speedup, losslessness).
+DecodeResult target_generate(const TargetModel& target, std::span<const int32_t> prompt,
+                             const DecodeOptions& opts, const TokenCallback& on_tokens = {});
+
+}  // namespace dflash
