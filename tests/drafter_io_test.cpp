@@ -5,7 +5,6 @@
 #include "model/drafter_io.hpp"
 
 #include <gtest/gtest.h>
-#include <lzma.h>
 
 #include <nlohmann/json.hpp>
 
@@ -106,26 +105,6 @@ void expect_same_config(const DrafterConfig& a, const DrafterConfig& b) {
   EXPECT_EQ(rope_attention_scaling(a.rope), rope_attention_scaling(b.rope));
 }
 
-/// Decompresses an .xz file (for the real Qwen3 tokenizer fixture).
-std::string xz_decompress(const fs::path& p) {
-  const std::string in = test::read_file(p);
-  lzma_stream s = LZMA_STREAM_INIT;
-  if (lzma_stream_decoder(&s, UINT64_MAX, 0) != LZMA_OK) throw std::runtime_error("lzma init");
-  std::string out;
-  std::vector<uint8_t> buf(1 << 20);
-  s.next_in = reinterpret_cast<const uint8_t*>(in.data());
-  s.avail_in = in.size();
-  lzma_ret r = LZMA_OK;
-  while (r == LZMA_OK) {
-    s.next_out = buf.data();
-    s.avail_out = buf.size();
-    r = lzma_code(&s, LZMA_FINISH);
-    out.append(reinterpret_cast<const char*>(buf.data()), buf.size() - s.avail_out);
-  }
-  lzma_end(&s);
-  if (r != LZMA_STREAM_END) throw std::runtime_error("xz decode failed: " + p.string());
-  return out;
-}
 
 }  // namespace
 
@@ -461,7 +440,7 @@ TEST(DrafterIo, MaskTokenDefaultQwen3Family) {
   test::TempDir dir;
   test::write_file(
       dir / "tokenizer.json",
-      xz_decompress(test::shared_dir() / "fixtures/qwen3-tokenizer/tokenizer.json.xz"));
+      test::xz_decompress(test::shared_dir() / "fixtures/qwen3-tokenizer/tokenizer.json.xz"));
   const Tokenizer tok = Tokenizer::load(dir.path());
   ASSERT_EQ(tok.vocab_size(), 151669);
   ModelConfig t = tiny_target();  // a Qwen3 target with Qwen3-8B's vocabulary and depth

@@ -4,7 +4,6 @@
 #include "data/tokenizer.hpp"
 
 #include <gtest/gtest.h>
-#include <lzma.h>
 #include <utf8proc.h>
 
 #include <fstream>
@@ -21,26 +20,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-/// Decompresses an .xz file (private helper of these tests).
-std::string xz_decompress(const fs::path& p) {
-  const std::string in = test::read_file(p);
-  lzma_stream s = LZMA_STREAM_INIT;
-  if (lzma_stream_decoder(&s, UINT64_MAX, 0) != LZMA_OK) throw std::runtime_error("lzma init");
-  std::string out;
-  std::vector<uint8_t> buf(1 << 20);
-  s.next_in = reinterpret_cast<const uint8_t*>(in.data());
-  s.avail_in = in.size();
-  lzma_ret r = LZMA_OK;
-  while (r == LZMA_OK) {
-    s.next_out = buf.data();
-    s.avail_out = buf.size();
-    r = lzma_code(&s, LZMA_FINISH);
-    out.append(reinterpret_cast<const char*>(buf.data()), buf.size() - s.avail_out);
-  }
-  lzma_end(&s);
-  if (r != LZMA_STREAM_END) throw std::runtime_error("xz decode failed: " + p.string());
-  return out;
-}
 
 /// The real Qwen3 tokenizer, decompressed once into a temp dir for the whole test program.
 const Tokenizer& qwen3() {
@@ -48,7 +27,7 @@ const Tokenizer& qwen3() {
   static const Tokenizer tok = [] {
     test::write_file(
         dir / "tokenizer.json",
-        xz_decompress(test::shared_dir() / "fixtures/qwen3-tokenizer/tokenizer.json.xz"));
+        test::xz_decompress(test::shared_dir() / "fixtures/qwen3-tokenizer/tokenizer.json.xz"));
     return Tokenizer::load(dir.path());
   }();
   return tok;

@@ -23,28 +23,7 @@ namespace dflash {
 // ------------------------------------------------------------------------------------------ rope
 
 RopeParams rope_params_from_config(const ModelConfig& c) {
-  const RopeConfig& r = c.rope;
-  DFLASH_CHECK(r.partial_rotary_factor == 1.0,
-               "{}: partial_rotary_factor {} is not supported for {} (its HF attention rotates the "
-               "whole head)",
-               c.source, r.partial_rotary_factor, c.model_type);
-  RopeParams p;
-  p.type = r.type;
-  p.theta = r.theta;
-  p.factor = r.factor;
-  if (r.type == RopeType::llama3) {
-    p.low_freq_factor = r.low_freq_factor;
-    p.high_freq_factor = r.high_freq_factor;
-  }
-  p.original_max_position_embeddings = r.original_max_position_embeddings;
-  p.beta_fast = r.beta_fast;
-  p.beta_slow = r.beta_slow;
-  p.mscale = r.mscale;
-  p.mscale_all_dim = r.mscale_all_dim;
-  p.truncate = r.truncate;
-  // The config loader has already resolved HF's attention factor (key, mscale ratio or default).
-  if (r.type == RopeType::yarn) p.attention_factor = r.attention_factor;
-  return p;
+  return rope_params_from_config(c.rope, c.source + " (" + c.model_type + ")");
 }
 
 // -------------------------------------------------------------------------------------- kv cache

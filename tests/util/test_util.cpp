@@ -1,5 +1,6 @@
 #include "util/test_util.hpp"
 
+#include <lzma.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -78,6 +79,26 @@ std::string read_file(const fs::path& path) {
   std::stringstream ss;
   ss << f.rdbuf();
   return ss.str();
+}
+
+std::string xz_decompress(const fs::path& p) {
+  const std::string in = read_file(p);
+  lzma_stream s = LZMA_STREAM_INIT;
+  if (lzma_stream_decoder(&s, UINT64_MAX, 0) != LZMA_OK) throw std::runtime_error("lzma init");
+  std::string out;
+  std::vector<uint8_t> buf(1 << 20);
+  s.next_in = reinterpret_cast<const uint8_t*>(in.data());
+  s.avail_in = in.size();
+  lzma_ret r = LZMA_OK;
+  while (r == LZMA_OK) {
+    s.next_out = buf.data();
+    s.avail_out = buf.size();
+    r = lzma_code(&s, LZMA_FINISH);
+    out.append(reinterpret_cast<const char*>(buf.data()), buf.size() - s.avail_out);
+  }
+  lzma_end(&s);
+  if (r != LZMA_STREAM_END) throw std::runtime_error("xz decode failed: " + p.string());
+  return out;
 }
 
 double rel_error(const std::vector<float>& a, const std::vector<float>& b) {

@@ -48,6 +48,9 @@ RunResult run_dflash(const std::vector<std::string>& args, const std::string& st
 void write_file(const fs::path& path, const std::string& bytes);
 /// Reads a whole file.
 std::string read_file(const fs::path& path);
+/// Reads and decompresses a whole .xz file (e.g. the real Qwen3 tokenizer fixture); throws
+/// std::runtime_error naming the file when it is not a valid xz stream.
+std::string xz_decompress(const fs::path& path);
 
 /// Relative Frobenius error ||a-b|| / max(||b||, tiny), computed in double. Shapes must match.
 double rel_error(const Tensor& a, const Tensor& b);
