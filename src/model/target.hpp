@@ -144,6 +144,13 @@ class TargetModel {
 
   /// The RoPE parameters of the ops (from config().rope).
   const RopeParams& rope() const { return rope_; }
+  /// RoPE inverse frequencies [D/2] (fp32 as HF) and the attention scaling applied to cos/sin.
+  const std::vector<float>& inv_freq() const { return inv_freq_; }
+  float rope_scaling() const { return rope_scaling_; }
+  /// The decoder layers' weights (read-only; for other backends that copy them).
+  const std::vector<TargetLayer>& layers() const { return layers_; }
+  /// The final RMSNorm weight [H] (f32).
+  const std::vector<float>& final_norm_weight() const { return final_norm_; }
 
  private:
   struct Rows;  // positions and key ranges of one forward (internal)

@@ -25,6 +25,8 @@
 #include "model/target.hpp"
 #include "train/objective.hpp"
 #include "train/optimizer.hpp"
+#include "train/cuda_train.hpp"
+#include "train/packed_step.hpp"
 #include "train/run_dir.hpp"
 
 namespace dflash {
@@ -35,6 +37,14 @@ using json = nlohmann::json;
 namespace {
 
 std::atomic<int> g_stop_signal{0};
+
+#ifdef DFLASH_HAVE_CUDA
+// Packed steps on a device pad their block rows to a multiple of this many blocks, so that few
+// distinct shapes occur (GEMM plans are cached per shape).
+constexpr int64_t kBlockRowsMultiple = 64;
+// Document offsets of a row without tokens.
+constexpr int32_t kEmptyOffsets[1] = {0};
+#endif
 
 extern "C" void on_stop_signal(int sig) { g_stop_signal.store(sig); }
 
@@ -187,9 +197,15 @@ TrainResult train(const TrainOptions& opts) {
   RunConfig cfg = opts.config;
   const bool resuming = !opts.resume_dir.empty();
   if (resuming) cfg.output_dir = opts.resume_dir;
+#ifdef DFLASH_HAVE_CUDA
+  DFLASH_CHECK(cfg.runtime.backend == "cpu" || cfg.runtime.backend == "cuda",
+               "runtime.backend '{}' is not known (cpu or cuda)", cfg.runtime.backend);
+#else
   DFLASH_CHECK(cfg.runtime.backend == "cpu",
-               "runtime.backend '{}' is not available yet: this build trains on the cpu backend "
-               "only", cfg.runtime.backend);
+               "runtime.backend '{}' is not available: this dflash was built without the CUDA "
+               "backend (configure with -DDFLASH_CUDA=ON), so it trains on the cpu backend only",
+               cfg.runtime.backend);
+#endif
   if (cfg.runtime.threads > 0) set_parallel_threads(cfg.runtime.threads);
 
   RunDir rd(cfg.output_dir);
@@ -307,14 +323,32 @@ TrainResult train(const TrainOptions& opts) {
     DrafterTables<float> tables{embed.data(), tcfg.tie_word_embeddings ? embed.data()
                                                                        : head_copy.data()};
     DrafterWorkspace<float> ws;
+    // Backend: the CPU reference path, or target + drafter on one GPU.
+    const bool use_cuda = cfg.runtime.backend == "cuda";
+    std::string backend_desc = fmt::format("cpu, {} threads", parallel_threads());
+#ifdef DFLASH_HAVE_CUDA
+    std::unique_ptr<CudaTrainBackend> gpu;
+    if (use_cuda) {
+      DFLASH_CHECK(cfg.runtime.devices.size() == 1,
+                   "runtime.devices lists {} devices; this build trains on exactly one GPU",
+                   cfg.runtime.devices.size());
+      const int64_t max_ctx = cfg.data.rows_per_step * cfg.data.token_budget;
+      gpu = std::make_unique<CudaTrainBackend>(cfg.runtime.devices[0], target, dcfg, layout,
+                                               max_ctx);
+      gpu->upload_state(params, m, v);
+      backend_desc = gpu->description();
+    }
+#else
+    DFLASH_CHECK(!use_cuda, "runtime.backend is 'cuda' but this dflash was built without the CUDA "
+                 "backend (configure with -DDFLASH_CUDA=ON)");
+#endif
     const DType export_dtype = dtype_from_name(cfg.training.export_dtype);
     log(fmt::format("train: target {} ({} layers, hidden {}), drafter {} layers ({} parameters), "
-                    "taps [{}], mask id {}, block {}, {} steps ({} batches/epoch), backend cpu, "
-                    "{} threads",
+                    "taps [{}], mask id {}, block {}, {} steps ({} batches/epoch), backend {}",
                     target_dir.string(), tcfg.num_hidden_layers, tcfg.hidden_size,
                     dcfg.num_layers, layout.total, fmt::join(dcfg.target_layer_ids, ","),
                     dcfg.mask_token_id, dcfg.block_size, total_steps, per_epoch,
-                    parallel_threads()));
+                    backend_desc));
 
     ProgressBar bar("train", total_steps, "steps");
     bar.advance(st.step);
@@ -357,6 +391,7 @@ TrainResult train(const TrainOptions& opts) {
         w.targets = block_targets(toks, mask, w.offsets, w.anchors, dcfg.block_size,
                                   cfg.training.gamma);
         for (float x : w.targets.weights) total_w += x;
+        if (use_cuda) continue;
         const auto tt = Clock::now();
         w.features = target.forward_taps(toks, w.offsets, dcfg.target_layer_ids);
         t_target += seconds_since(tt);
@@ -367,7 +402,40 @@ TrainResult train(const TrainOptions& opts) {
       std::fill(grads.begin(), grads.end(), 0.0f);
       ObjectiveMetrics step_metrics(dcfg.block_size);
       double loss_sum = 0, weight_sum = 0;
-      if (total_w > 0) {
+      double gnorm = 0;
+#ifdef DFLASH_HAVE_CUDA
+      if (use_cuda && total_w > 0) {
+        std::vector<PackedRowInput> prow(static_cast<size_t>(R));
+        for (int64_t r = 0; r < R; ++r) {
+          const RowWork& w = rows[static_cast<size_t>(r)];
+          PackedRowInput& p = prow[static_cast<size_t>(r)];
+          p.tokens = std::span<const int32_t>(batch.tokens.data<int32_t>() + r * L,
+                                              static_cast<size_t>(w.real));
+          p.doc_offsets = w.offsets.empty() ? std::span<const int32_t>(kEmptyOffsets)
+                                            : std::span<const int32_t>(w.offsets);
+          p.anchors = w.anchors;
+          p.targets = &w.targets;
+        }
+        const PackedStep packed = pack_step(prow, L, dcfg.block_size, dcfg.mask_token_id, 0,
+                                            kBlockRowsMultiple * dcfg.block_size);
+        CudaTrainBackend::StepResult res = gpu->step(packed, 1.0 / total_w);
+        loss_sum = res.loss_sum;
+        weight_sum = res.weight_sum;
+        gnorm = res.grad_norm;
+        t_target = res.target_s;
+        for (int64_t r = 0; r < R; ++r) {
+          const RowWork& w = rows[static_cast<size_t>(r)];
+          const auto b0 = static_cast<size_t>(packed.row_block_start[static_cast<size_t>(r)]);
+          const size_t n = w.anchors.size() * static_cast<size_t>(dcfg.block_size);
+          accumulate_metrics(step_metrics, w.targets,
+                             std::span<const int32_t>(res.argmax.data() +
+                                                          b0 * static_cast<size_t>(dcfg.block_size),
+                                                      n),
+                             {});
+        }
+      }
+#endif
+      if (!use_cuda && total_w > 0) {
         for (auto& w : rows) {
           if (w.anchors.empty()) continue;
           DrafterRow<float> row;
@@ -386,7 +454,7 @@ TrainResult train(const TrainOptions& opts) {
       }
       step_metrics.loss_weighted_sum = loss_sum;
       step_metrics.weight_sum = weight_sum;
-      const double gnorm = std::sqrt(sum_squares_cpu(grads.data(), layout.total));
+      if (!use_cuda) gnorm = std::sqrt(sum_squares_cpu(grads.data(), layout.total));
       const bool finite = std::isfinite(loss_sum) && std::isfinite(gnorm);
       if (!finite || total_w <= 0) {
         st.skipped += 1;
@@ -400,8 +468,15 @@ TrainResult train(const TrainOptions& opts) {
       } else {
         st.consecutive_skips = 0;
         const double lr = sched.at(st.step);
-        adamw_step_cpu(params.data(), m.data(), v.data(), grads.data(), layout.total, adam, lr,
-                       st.step + 1 - st.skipped, clip_scale(gnorm, cfg.training.clip_grad_norm));
+        const int64_t adam_step = st.step + 1 - st.skipped;
+        const double clip = clip_scale(gnorm, cfg.training.clip_grad_norm);
+#ifdef DFLASH_HAVE_CUDA
+        if (use_cuda) gpu->adamw(adam, lr, adam_step, clip);
+#endif
+        if (!use_cuda) {
+          adamw_step_cpu(params.data(), m.data(), v.data(), grads.data(), layout.total, adam, lr,
+                         adam_step, clip);
+        }
         st.interval.obj.merge(step_metrics);
         st.interval.grad_norm_sum += gnorm;
       }
@@ -474,6 +549,9 @@ TrainResult train(const TrainOptions& opts) {
       if (save) {
         status["phase"] = "checkpointing";
         rd.write_status(status);
+#ifdef DFLASH_HAVE_CUDA
+        if (use_cuda) gpu->download_state(params, m, v);
+#endif
         write_checkpoint(rd, dcfg, layout, params, m, v, st, export_dtype,
                          cfg.training.keep_last);
         last_ckpt = (rd.path() / RunDir::checkpoint_name(st.step)).string();

@@ -1,0 +1,72 @@
+// dflash.cpp — the CUDA backend of `dflash train` on one GPU: the target's tap forward and the
+// drafter's step on the same device, driven by the trainer thread that owns the context.
+//
+// Invariants: one CudaTrainBackend per thread and device; it owns its CudaContext, so nothing is
+// shared between two backends. Activations, gradients and optimizer state are planned at
+// construction for the largest step; per-op scratch comes from the context's caching allocator,
+// which calls cudaMalloc only the first time a size class is needed (a few warm-up steps).
+#pragma once
+
+#ifdef DFLASH_HAVE_CUDA
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "model/drafter.hpp"
+#include "model/target.hpp"
+#include "train/optimizer.hpp"
+#include "train/packed_step.hpp"
+
+namespace dflash {
+
+namespace cuda {
+class CudaContext;
+}
+class TargetCuda;
+class DrafterCuda;
+
+/// Target + drafter training step on one GPU.
+class CudaTrainBackend {
+ public:
+  /// Creates the context on `device`, uploads the target and plans buffers for packed steps of
+  /// at most `max_ctx` context rows (block rows up to max_ctx·block_size). Throws dflash::Error
+  /// when the device does not exist or the models are not supported on CUDA.
+  CudaTrainBackend(int device, const TargetModel& target, const DrafterConfig& cfg,
+                   const DrafterLayout& layout, int64_t max_ctx);
+  ~CudaTrainBackend();
+
+  /// Results of one step (host copies).
+  struct StepResult {
+    double loss_sum = 0, weight_sum = 0, grad_norm = 0;
+    std::vector<int32_t> argmax;  ///< [NK] per block row of the packed step
+    double target_s = 0, drafter_s = 0;  ///< GPU time of the target forward and of the drafter
+  };
+  /// Uploads the packed step, runs the target's tap forward and the drafter's forward/backward
+  /// with gradients scaled by `grad_scale` (1/Σw), and waits for the results.
+  StepResult step(const PackedStep& s, double grad_scale);
+  /// AdamW on the device state (see DrafterCuda::adamw).
+  void adamw(const AdamWConfig& cfg, double lr, int64_t step, double grad_scale);
+  /// Master weights and moments to / from the host (synchronous).
+  void upload_state(std::span<const float> params, std::span<const float> m,
+                    std::span<const float> v);
+  void download_state(std::span<float> params, std::span<float> m, std::span<float> v);
+  /// "cuda:0 NVIDIA H200 (...)".
+  const std::string& description() const { return description_; }
+
+ private:
+  std::unique_ptr<cuda::CudaContext> ctx_;
+  std::unique_ptr<TargetCuda> target_;
+  std::unique_ptr<DrafterCuda> drafter_;
+  std::vector<int> taps_;
+  int64_t max_ctx_ = 0, max_rows_ = 0;
+  std::string description_;
+  struct Inputs;
+  std::unique_ptr<Inputs> in_;
+};
+
+}  // namespace dflash
+
+#endif  // DFLASH_HAVE_CUDA

@@ -1,0 +1,245 @@
+// The CUDA training step against the CPU reference: TargetCuda's tap forward against
+// TargetModel::forward_taps on the tiny Qwen3 fixture (packed rows with several documents and
+// padding), and DrafterCuda's forward/backward over a packed step against drafter_train_row summed
+// over the rows (loss, Σw, every parameter gradient, the gradient norm and the argmax), plus an
+// AdamW step and determinism of the whole GPU step. Weights, tables and features are rounded to
+// bf16 first so that the only differences are the GPU's bf16 activations and summation order.
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "backend/cuda/context.hpp"
+#include "cuda/cuda_test_util.hpp"
+#include "model/drafter_cuda.hpp"
+#include "model/target.hpp"
+#include "model/target_cuda.hpp"
+#include "train/objective.hpp"
+#include "train/optimizer.hpp"
+#include "train/packed_step.hpp"
+#include "util/test_util.hpp"
+
+using namespace dflash;
+using namespace dflash::test;
+
+namespace {
+
+// A batch of `rows` rows of `L` slots; row r holds documents of the given lengths (the rest is
+// padding), tokens uniform in [0, V), loss mask on roughly 70 % of the tokens.
+struct HostBatch {
+  int64_t L = 0;
+  std::vector<std::vector<int32_t>> tokens, offsets;
+  std::vector<std::vector<uint8_t>> mask;
+  std::vector<std::vector<Anchor>> anchors;
+  std::vector<BlockTargets> targets;
+};
+
+HostBatch make_batch(const std::vector<std::vector<int>>& doc_lengths, int64_t L, int64_t V,
+                     int K, int num_anchors, uint32_t seed) {
+  HostBatch b;
+  b.L = L;
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(V) - 1);
+  std::bernoulli_distribution bit(0.7);
+  Rng arng(seed);
+  for (const auto& docs : doc_lengths) {
+    std::vector<int32_t> t, off{0};
+    std::vector<uint8_t> m;
+    for (int n : docs) {
+      for (int i = 0; i < n; ++i) {
+        t.push_back(tok(rng));
+        m.push_back(bit(rng) ? 1 : 0);
+      }
+      off.push_back(static_cast<int32_t>(t.size()));
+    }
+    b.anchors.push_back(sample_anchors(m, off, num_anchors, arng));
+    b.targets.push_back(block_targets(t, m, off, b.anchors.back(), K, 7.0));
+    b.tokens.push_back(std::move(t));
+    b.offsets.push_back(std::move(off));
+    b.mask.push_back(std::move(m));
+  }
+  return b;
+}
+
+std::vector<PackedRowInput> packed_rows(const HostBatch& b) {
+  std::vector<PackedRowInput> rows(b.tokens.size());
+  for (size_t r = 0; r < rows.size(); ++r) {
+    rows[r].tokens = b.tokens[r];
+    rows[r].doc_offsets = b.offsets[r];
+    rows[r].anchors = b.anchors[r];
+    rows[r].targets = &b.targets[r];
+  }
+  return rows;
+}
+
+template <typename T>
+T* device_copy(cuda::CudaContext& ctx, std::vector<cuda::DeviceBuffer>& keep,
+               const std::vector<T>& h) {
+  keep.push_back(ctx.scratch(std::max<size_t>(h.size(), 1) * sizeof(T)));
+  DFLASH_CUDA_CHECK(cudaMemcpy(keep.back().data(), h.data(), h.size() * sizeof(T),
+                               cudaMemcpyHostToDevice));
+  return keep.back().as<T>();
+}
+
+}  // namespace
+
+TEST(TargetCuda, TapsMatchCpuOnPackedRows) {
+  DFLASH_REQUIRE_GPU();
+  const TargetModel target = TargetModel::load(assets_dir() / "tiny-qwen3");
+  const int64_t H = target.hidden_size(), V = target.vocab_size();
+  const std::vector<int> taps = {1, 3, 1};
+  // Two rows of 97 slots: documents of 1, 40 and 30 tokens (26 padding), and one of 97 tokens.
+  HostBatch b = make_batch({{1, 40, 30}, {97}}, 97, V, 4, 8, 11);
+  const PackedStep s = pack_step(packed_rows(b), b.L, 4, 8000, 0, 16);
+  cuda::CudaContext ctx(0);
+  TargetCuda tc(ctx, target, s.T);
+  std::vector<cuda::DeviceBuffer> keep;
+  const int32_t* tokens = device_copy(ctx, keep, s.tokens);
+  const int32_t* pos = device_copy(ctx, keep, s.pos);
+  const AttnRange* ranges = device_copy(ctx, keep, s.target_ranges);
+  const int64_t F = static_cast<int64_t>(taps.size()) * H;
+  DeviceGuarded<uint16_t> out(static_cast<size_t>(s.T * F));
+  tc.forward_taps(out.get(), tokens, pos, ranges, s.T, taps);
+  ctx.synchronize();
+  const std::vector<float> gpu = from_bf16(out.download());
+  EXPECT_TRUE(out.guard_intact());
+  for (size_t r = 0; r < b.tokens.size(); ++r) {
+    const Tensor cpu = target.forward_taps(b.tokens[r], b.offsets[r], taps);
+    const int64_t real = static_cast<int64_t>(b.tokens[r].size());
+    std::vector<float> g(gpu.begin() + static_cast<int64_t>(r) * b.L * F,
+                         gpu.begin() + (static_cast<int64_t>(r) * b.L + real) * F);
+    const double e = rel_error(g, cpu.to_f32_vector());
+    EXPECT_LT(e, 2e-2) << "row " << r;
+    std::printf("row %zu: tap relative error %.3g over %lld tokens\n", r, e,
+                static_cast<long long>(real));
+  }
+}
+
+TEST(DrafterCuda, StepMatchesCpuReference) {
+  DFLASH_REQUIRE_GPU();
+  DrafterConfig c;
+  c.hidden_size = 128;
+  c.intermediate_size = 160;
+  c.num_layers = 2;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 64;
+  c.vocab_size = 301;
+  c.rope.theta = 10000.0;
+  c.block_size = 4;
+  c.mask_token_id = 300;
+  c.target_layer_ids = {0, 2};
+  c.num_target_layers = 3;
+  c.validate();
+  const DrafterLayout layout(c);
+  const int64_t H = c.hidden_size, V = c.vocab_size, F = c.n_taps() * H;
+  const int K = c.block_size;
+
+  std::vector<float> params(static_cast<size_t>(layout.total));
+  drafter_init(params, layout, 5);
+  for (const auto& p : layout.params) {  // non-trivial norm weights
+    if (!p.is_norm) continue;
+    const std::vector<float> r = randn(static_cast<size_t>(p.numel), 77 + p.offset, 0.2f);
+    for (int64_t i = 0; i < p.numel; ++i) params[p.offset + i] = 1.0f + r[i];
+  }
+  params = round_bf16(params);
+  const std::vector<float> embed = round_bf16(randn(static_cast<size_t>(V * H), 1, 1.0f));
+  const std::vector<float> head = round_bf16(randn(static_cast<size_t>(V * H), 2, 0.1f));
+
+  // Three rows of 61 slots with several documents and padding; up to 6 anchors per document.
+  HostBatch b = make_batch({{1, 30, 17}, {61}, {5, 12}}, 61, V, K, 6, 3);
+  const PackedStep s = pack_step(packed_rows(b), b.L, K, c.mask_token_id, 0, 8 * K);
+  ASSERT_GT(s.N, 8);
+  ASSERT_GT(s.NK, s.N * K);  // padding blocks are exercised
+  const std::vector<float> feats = round_bf16(randn(static_cast<size_t>(s.T * F), 9, 1.0f));
+
+  // CPU reference: one drafter_train_row per row, gradients scaled by 1/Σw of the whole step.
+  double total_w = 0;
+  for (const auto& t : b.targets)
+    for (float w : t.weights) total_w += w;
+  ASSERT_GT(total_w, 0);
+  std::vector<float> cpu_grads(params.size(), 0.0f);
+  DrafterTables<float> tables{embed.data(), head.data()};
+  DrafterWorkspace<float> ws;
+  double cpu_loss = 0, cpu_w = 0;
+  std::vector<int32_t> cpu_argmax;
+  for (size_t r = 0; r < b.tokens.size(); ++r) {
+    DrafterRow<float> row;
+    row.features = feats.data() + static_cast<int64_t>(r) * b.L * F;
+    row.tokens = b.tokens[r].data();
+    row.T = static_cast<int64_t>(b.tokens[r].size());
+    row.doc_offsets = b.offsets[r];
+    row.anchors = b.anchors[r];
+    row.targets = &b.targets[r];
+    if (row.anchors.empty()) continue;
+    auto res = drafter_train_row<float>(c, layout, params.data(), cpu_grads.data(), tables, row,
+                                        1.0 / total_w, ws);
+    cpu_loss += res.loss_sum;
+    cpu_w += res.weight_sum;
+    cpu_argmax.insert(cpu_argmax.end(), res.argmax.begin(), res.argmax.end());
+  }
+
+  cuda::CudaContext ctx(0);
+  std::vector<cuda::DeviceBuffer> keep;
+  const uint16_t* d_embed = device_copy(ctx, keep, to_bf16(embed));
+  const uint16_t* d_head = device_copy(ctx, keep, to_bf16(head));
+  DrafterCuda dc(ctx, c, layout, s.T, s.NK, d_embed, d_head);
+  const std::vector<float> zeros(params.size(), 0.0f);
+  dc.upload_state(params, zeros, zeros);
+  const std::vector<uint16_t> feats_bf = to_bf16(feats);
+  DFLASH_CUDA_CHECK(cudaMemcpy(dc.features(), feats_bf.data(), feats_bf.size() * 2,
+                               cudaMemcpyHostToDevice));
+  DrafterCudaInputs in;
+  in.T = s.T;
+  in.NK = s.NK;
+  in.features = dc.features();
+  in.pos = device_copy(ctx, keep, s.pos);
+  in.block_tokens = device_copy(ctx, keep, s.block_tokens);
+  in.ranges = device_copy(ctx, keep, s.block_ranges);
+  in.labels = device_copy(ctx, keep, s.labels);
+  in.weights = device_copy(ctx, keep, s.weights);
+
+  dc.forward_backward(in, 1.0 / total_w);
+  const DrafterCuda::Results r1 = dc.fetch_results(s.NK);
+  std::vector<float> gpu_grads(params.size());
+  dc.download_grads(gpu_grads);
+
+  EXPECT_NEAR(r1.weight_sum, cpu_w, 1e-6 * cpu_w);
+  EXPECT_NEAR(r1.loss_sum, cpu_loss, 1e-2 * std::abs(cpu_loss));
+  std::printf("loss sum cpu %.6f gpu %.6f; Σw %.4f\n", cpu_loss, r1.loss_sum, cpu_w);
+  for (const auto& p : layout.params) {
+    std::vector<float> g(gpu_grads.begin() + p.offset, gpu_grads.begin() + p.offset + p.numel);
+    std::vector<float> h(cpu_grads.begin() + p.offset, cpu_grads.begin() + p.offset + p.numel);
+    const double e = rel_error(g, h);
+    EXPECT_LT(e, 5e-2) << p.name;
+    std::printf("%-40s grad relative error %.3g\n", p.name.c_str(), e);
+  }
+  const double cpu_norm = std::sqrt(sum_squares_cpu(cpu_grads.data(), layout.total));
+  EXPECT_NEAR(r1.grad_norm, cpu_norm, 3e-2 * cpu_norm);
+  // Argmax over the real block rows (padding rows follow them).
+  ASSERT_EQ(static_cast<int64_t>(cpu_argmax.size()), s.N * K);
+  int64_t agree = 0;
+  for (int64_t i = 0; i < s.N * K; ++i) agree += r1.argmax[static_cast<size_t>(i)] == cpu_argmax[i];
+  EXPECT_GE(agree, s.N * K * 9 / 10) << agree << " of " << s.N * K;
+
+  // Determinism: the same step again gives the same bits.
+  dc.forward_backward(in, 1.0 / total_w);
+  const DrafterCuda::Results r2 = dc.fetch_results(s.NK);
+  std::vector<float> gpu_grads2(params.size());
+  dc.download_grads(gpu_grads2);
+  EXPECT_EQ(r1.loss_sum, r2.loss_sum);
+  EXPECT_TRUE(same_bits(gpu_grads, gpu_grads2));
+  EXPECT_TRUE(same_bits(r1.argmax, r2.argmax));
+
+  // AdamW on the device equals adamw_step_cpu on the device's gradients.
+  AdamWConfig ac;
+  ac.weight_decay = 0.01;
+  dc.adamw(ac, 1e-3, 1, 0.5);
+  std::vector<float> p_gpu(params.size()), m_gpu(params.size()), v_gpu(params.size());
+  dc.download_state(p_gpu, m_gpu, v_gpu);
+  std::vector<float> p_cpu = params, m_cpu(params.size(), 0.0f), v_cpu(params.size(), 0.0f);
+  adamw_step_cpu(p_cpu.data(), m_cpu.data(), v_cpu.data(), gpu_grads2.data(), layout.total, ac,
+                 1e-3, 1, 0.5);
+  EXPECT_TRUE(same_bits(p_gpu, p_cpu));
+  EXPECT_TRUE(same_bits(m_gpu, m_cpu));
+  EXPECT_TRUE(same_bits(v_gpu, v_cpu));
+}
