@@ -25,6 +25,7 @@ struct PrepareArgs {
   int threads = 0;
   int64_t token_budget = 8192, rows = 1;
   int num_shapes = 4;
+  bool sort_by_length = false;
 };
 
 void run_prepare(PrepareArgs a, const CLI::App& cmd) {
@@ -40,6 +41,7 @@ void run_prepare(PrepareArgs a, const CLI::App& cmd) {
     if (unset("--skip-invalid")) a.skip_invalid = cfg.data.skip_invalid;
     if (unset("--token-budget")) a.token_budget = cfg.data.token_budget;
     if (unset("--rows")) a.rows = cfg.data.rows_per_step;
+    if (unset("--sort-by-length")) a.sort_by_length = cfg.data.sort_by_length;
     if (unset("--cache")) {
       std::filesystem::path dir = !cfg.data.cache_dir.empty()
                                       ? std::filesystem::path(cfg.data.cache_dir)
@@ -80,6 +82,7 @@ void run_prepare(PrepareArgs a, const CLI::App& cmd) {
   bo.token_budget = a.token_budget;
   bo.rows = a.rows;
   bo.num_shapes = a.num_shapes;
+  bo.sort_by_length = a.sort_by_length;
   Batcher batcher(r.dataset, bo);
   PackingStats ps = batcher.epoch_stats(0);
   fmt::print(
@@ -120,6 +123,8 @@ void add_data_command(CLI::App& app) {
   p->add_option("--token-budget", args->token_budget, "Tokens per packed row (for the report)")
       ->capture_default_str();
   p->add_option("--rows", args->rows, "Rows per batch (for the report)")->capture_default_str();
+  p->add_flag("--sort-by-length", args->sort_by_length,
+              "Pack conversations longest first inside each window (the report's packing)");
   p->add_option("--shapes", args->num_shapes, "Number of row lengths budget/2^k (for the report)")
       ->capture_default_str();
   p->callback([args, p] { run_prepare(*args, *p); });

@@ -67,8 +67,9 @@ Batcher::Batcher(TokenDataset data, BatcherOptions opts) : data_(std::move(data)
 }
 
 std::string Batcher::config_string() const {
-  return fmt::format("budget={};rows={};shapes={};window={};pad={}", opts_.token_budget, opts_.rows,
-                     opts_.num_shapes, opts_.window_rows, opts_.pad_token);
+  return fmt::format("budget={};rows={};shapes={};window={};pad={};sort={}", opts_.token_budget,
+                     opts_.rows, opts_.num_shapes, opts_.window_rows, opts_.pad_token,
+                     opts_.sort_by_length ? 1 : 0);
 }
 
 void Batcher::plan_epoch(int64_t epoch) {
@@ -89,10 +90,13 @@ void Batcher::plan_epoch(int64_t epoch) {
       tokens += data_.doc_length(order[pos]);
       win.push_back(order[pos++]);
     }
-    // First-fit decreasing (stable: equal lengths keep their shuffled order).
-    std::stable_sort(win.begin(), win.end(), [&](int64_t a, int64_t b) {
-      return data_.doc_length(a) > data_.doc_length(b);
-    });
+    // First-fit in shuffled order, or first-fit decreasing (stable: equal lengths keep their
+    // shuffled order).
+    if (opts_.sort_by_length) {
+      std::stable_sort(win.begin(), win.end(), [&](int64_t a, int64_t b) {
+        return data_.doc_length(a) > data_.doc_length(b);
+      });
+    }
     const size_t first_row = rows.size();
     for (int64_t d : win) {
       const int64_t len = data_.doc_length(d);

@@ -13,7 +13,8 @@
 //   row, the order of batches) is a pure function of (dataset, options, seed, epoch): shuffle with
 //   core/rng's Rng (no std:: shuffle or distribution, whose results differ between standard
 //   libraries), then first-fit-decreasing packing inside windows of
-//   `window_rows` rows' worth of tokens, rows grouped by fill, batch order shuffled.
+//   `window_rows` rows' worth of tokens (first-fit in shuffled order by default, first-fit
+//   decreasing with sort_by_length), rows grouped by fill, batch order shuffled.
 // - A DataCursor (seed, epoch, next batch) restored into a Batcher over the same dataset and
 //   options makes it produce exactly the batches it would have produced.
 #pragma once
@@ -35,6 +36,10 @@ struct BatcherOptions {
   int64_t rows = 1;             ///< rows per batch
   int num_shapes = 4;           ///< row lengths budget, budget/2, ... (budget divisible by 2^(n-1))
   int64_t window_rows = 64;     ///< packing window, in rows' worth of tokens
+  /// Sort each window's documents by decreasing length before first-fit (least padding, but rows
+  /// become length-homogeneous: long and short documents no longer share a step). Off: first-fit
+  /// in shuffled order, so every row is a random mix of the corpus.
+  bool sort_by_length = false;
   uint64_t seed = 0;
   int32_t pad_token = 0;
 };

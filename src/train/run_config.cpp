@@ -106,6 +106,7 @@ const std::vector<Field>& schema() {
     f.push_back(make_field("data", "max_length", D, &DataSection::max_length, true));
     f.push_back(make_field("data", "token_budget", D, &DataSection::token_budget, true));
     f.push_back(make_field("data", "rows_per_step", D, &DataSection::rows_per_step, true));
+    f.push_back(make_field("data", "sort_by_length", D, &DataSection::sort_by_length, true));
     f.push_back(make_field("data", "cache_dir", D, &DataSection::cache_dir, false));
     f.push_back(make_field("data", "skip_invalid", D, &DataSection::skip_invalid, true));
     auto T = &R::training;

@@ -34,6 +34,9 @@ struct DataSection {
   int max_length = 2048;             ///< tokens per conversation (longer ones are truncated)
   int token_budget = 8192;           ///< tokens per packed row
   int rows_per_step = 1;             ///< packed rows per optimizer step
+  /// Pack each window's conversations longest first (least padding, but each step then holds
+  /// conversations of similar length); false: first-fit in shuffled order (random mixes).
+  bool sort_by_length = false;
   std::string cache_dir;             ///< "" = <output_dir>/cache
   bool skip_invalid = false;         ///< skip (and count) invalid records instead of stopping
 };

@@ -268,6 +268,7 @@ TrainResult train(const TrainOptions& opts) {
     BatcherOptions bo;
     bo.token_budget = cfg.data.token_budget;
     bo.rows = cfg.data.rows_per_step;
+    bo.sort_by_length = cfg.data.sort_by_length;
     bo.seed = cfg.training.seed;
     Batcher batcher(prep.dataset, bo);
     const int64_t per_epoch = batcher.batches_in_epoch(0);
