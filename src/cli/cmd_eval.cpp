@@ -85,10 +85,12 @@ void run_eval_command(const EvalArgs& a) {
   fmt::print("prompts: {}\n", t["prompts"].get<int64_t>());
   fmt::print("new tokens: {}\n", t["new_tokens"].get<int64_t>());
   fmt::print("steps: {}\n", t["steps"].get<int64_t>());
-  fmt::print("tau: {:.3f}\n", t["tau"].get<double>());
+  fmt::print("tau: {:.3f} (over steps); {:.3f} (mean over prompts)\n", t["tau"].get<double>(),
+             t["tau_prompt_mean"].get<double>());
   fmt::print("accept histogram: {}\n", hist_str(t["accept_histogram"]));
   for (const auto& [src, s] : rep["per_source"].items())
-    fmt::print("tau[{}]: {:.3f} ({} prompts, {} steps)\n", src, s["tau"].get<double>(),
+    fmt::print("tau[{}]: {:.3f}; {:.3f} mean over prompts ({} prompts, {} steps)\n", src,
+               s["tau"].get<double>(), s["tau_prompt_mean"].get<double>(),
                s["prompts"].get<int64_t>(), s["steps"].get<int64_t>());
   fmt::print("tokens/s speculative: {:.1f}\n", t["tokens_per_s_spec"].get<double>());
   if (baseline) {

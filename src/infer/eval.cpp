@@ -14,10 +14,18 @@ namespace {
 // Counts of acceptance lengths 1..K.
 struct Tally {
   int64_t prompts = 0, steps = 0, accepted = 0, new_tokens = 0;
+  double prompt_tau_sum = 0;  // Σ over prompts of the prompt's own τ (prompts with ≥ 1 step)
+  int64_t prompts_with_steps = 0;
   std::vector<int64_t> hist;
   explicit Tally(int K = 0) : hist(static_cast<size_t>(K), 0) {}
   void add(const DecodeResult& r) {
     ++prompts;
+    if (!r.accept_lengths.empty()) {
+      int64_t acc = 0;
+      for (int a : r.accept_lengths) acc += a;
+      prompt_tau_sum += static_cast<double>(acc) / static_cast<double>(r.accept_lengths.size());
+      ++prompts_with_steps;
+    }
     new_tokens += static_cast<int64_t>(r.tokens.size());
     for (int a : r.accept_lengths) {
       ++steps;
@@ -26,6 +34,10 @@ struct Tally {
     }
   }
   double tau() const { return steps ? static_cast<double>(accepted) / steps : 0.0; }
+  /// Mean over prompts of each prompt's τ (the public DFlash benchmark's average).
+  double tau_prompt_mean() const {
+    return prompts_with_steps ? prompt_tau_sum / static_cast<double>(prompts_with_steps) : 0.0;
+  }
 };
 
 double rate(int64_t tokens, double seconds) {
@@ -133,6 +145,7 @@ nlohmann::json eval_report(const std::vector<EvalPromptResult>& results, int blo
               {"new_tokens", total.new_tokens},
               {"steps", total.steps},
               {"tau", total.tau()},
+              {"tau_prompt_mean", total.tau_prompt_mean()},
               {"accept_histogram", total.hist},
               {"seconds_spec", spec_s},
               {"tokens_per_s_spec", rate(total.new_tokens, spec_s)}};
@@ -152,6 +165,7 @@ nlohmann::json eval_report(const std::vector<EvalPromptResult>& results, int blo
                                                 {"new_tokens", t.new_tokens},
                                                 {"steps", t.steps},
                                                 {"tau", t.tau()},
+                                                {"tau_prompt_mean", t.tau_prompt_mean()},
                                                 {"accept_histogram", t.hist}};
   }
   return json{

@@ -67,6 +67,7 @@ struct IntervalMetrics {
   double grad_norm_sum = 0;
   int64_t steps = 0, tokens = 0, supervised = 0;
   double t_data = 0, t_target = 0, t_drafter = 0, t_total = 0;
+  double t_gpu_drafter = 0;  // device time of the drafter step (cuda backend; 0 on the cpu)
 
   json to_json() const {
     json j = {{"loss_weighted_sum", obj.loss_weighted_sum}, {"weight_sum", obj.weight_sum},
@@ -76,6 +77,7 @@ struct IntervalMetrics {
               {"steps", steps},                             {"tokens", tokens},
               {"supervised", supervised},                   {"t_data", t_data},
               {"t_target", t_target},                       {"t_drafter", t_drafter},
+              {"t_gpu_drafter", t_gpu_drafter},
               {"t_total", t_total}};
     return j;
   }
@@ -95,6 +97,7 @@ struct IntervalMetrics {
     m.t_data = j.at("t_data");
     m.t_target = j.at("t_target");
     m.t_drafter = j.at("t_drafter");
+    m.t_gpu_drafter = j.value("t_gpu_drafter", 0.0);
     m.t_total = j.at("t_total");
     return m;
   }
@@ -375,7 +378,7 @@ TrainResult train(const TrainOptions& opts) {
       };
       std::vector<RowWork> rows(static_cast<size_t>(R));
       double total_w = 0;
-      double t_target = 0;
+      double t_target = 0, t_gpu_drafter = 0;
       for (int64_t r = 0; r < R; ++r) {
         RowWork& w = rows[static_cast<size_t>(r)];
         w.offsets = row_doc_offsets(batch, r);
@@ -424,6 +427,7 @@ TrainResult train(const TrainOptions& opts) {
         weight_sum = res.weight_sum;
         gnorm = res.grad_norm;
         t_target = res.target_s;
+        t_gpu_drafter = res.drafter_s;
         for (int64_t r = 0; r < R; ++r) {
           const RowWork& w = rows[static_cast<size_t>(r)];
           const auto b0 = static_cast<size_t>(packed.row_block_start[static_cast<size_t>(r)]);
@@ -490,6 +494,7 @@ TrainResult train(const TrainOptions& opts) {
       st.interval.t_data += t_data;
       st.interval.t_target += t_target;
       st.interval.t_drafter += t_drafter;
+      st.interval.t_gpu_drafter += t_gpu_drafter;
       st.interval.t_total += seconds_since(t0);
       st.cursor = batcher.cursor();
       bar.set_suffix(fmt::format("loss {:.3f} τ {:.2f}", step_metrics.loss(), step_metrics.tau()));
@@ -520,6 +525,7 @@ TrainResult train(const TrainOptions& opts) {
             {"s_data", iv.t_data / std::max<int64_t>(1, iv.steps)},
             {"s_target", iv.t_target / std::max<int64_t>(1, iv.steps)},
             {"s_drafter", iv.t_drafter / std::max<int64_t>(1, iv.steps)},
+            {"s_drafter_gpu", iv.t_gpu_drafter / std::max<int64_t>(1, iv.steps)},
             {"rss_bytes", rss_bytes()},
         };
         rd.append_metrics(last_metrics);
