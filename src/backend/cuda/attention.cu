@@ -273,13 +273,44 @@ __global__ void __launch_bounds__(128) attn_dq_kernel(uint16_t* dq, const uint16
   }
 }
 
+// Query span of every key tile: span[2·tile] = the smallest and span[2·tile+1] = the largest query
+// row whose ranges touch a key of tile [32·tile, 32·tile+32). One thread per query row; atomicMin
+// and atomicMax give the same result in any order, so the span (and everything after) is
+// deterministic. The dk/dv pass then scans only those query rows instead of all Tq.
+__global__ void attn_key_span_kernel(int* span, const AttnRange* ranges, int Tq, int Tk) {
+  for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < Tq; t += gridDim.x * blockDim.x) {
+  const Range r = clamp_range(ranges[t], Tk);
+  if (r.lo1 < r.hi1) {
+    for (int tile = r.lo1 / kBK; tile <= (r.hi1 - 1) / kBK; ++tile) {
+      atomicMin(&span[2 * tile], t);
+      atomicMax(&span[2 * tile + 1], t);
+    }
+  }
+  if (r.lo2 < r.hi2) {
+    for (int tile = r.lo2 / kBK; tile <= (r.hi2 - 1) / kBK; ++tile) {
+      atomicMin(&span[2 * tile], t);
+      atomicMax(&span[2 * tile + 1], t);
+    }
+  }
+  }
+}
+
+__global__ void attn_span_init_kernel(int* span, int n_tiles) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n_tiles; i += gridDim.x * blockDim.x) {
+    span[2 * i] = INT_MAX;
+    span[2 * i + 1] = -1;
+  }
+}
+
 // dk, dv for keys [j0, j0+32) of KV head g. Thread (j = tid/8, dg = tid%8) owns dims dg + 8c.
+// Only the query rows of the tile's span (attn_key_span_kernel) are scanned.
 template <int D>
 __global__ void __launch_bounds__(256) attn_dkdv_kernel(uint16_t* dk, uint16_t* dv,
                                                         const uint16_t* dout, const uint16_t* q,
                                                         const uint16_t* k, const uint16_t* v,
                                                         const float* lse, const float* delta,
-                                                        const AttnRange* ranges, int Tq, int Tk,
+                                                        const AttnRange* ranges,
+                                                        const int* span, int Tq, int Tk,
                                                         int NH, int NKV, float scale) {
   constexpr int PER = D / 8;
   __shared__ uint16_t ks[kBK * (D + 2)], vs[kBK * (D + 2)];
@@ -296,7 +327,8 @@ __global__ void __launch_bounds__(256) attn_dkdv_kernel(uint16_t* dk, uint16_t* 
 #pragma unroll
   for (int c = 0; c < PER; ++c) dka[c] = dva[c] = 0.f;
 
-  for (int c0 = 0; c0 < Tq; c0 += 32) {
+  const int q_first = span[2 * blockIdx.x], q_last = span[2 * blockIdx.x + 1];
+  for (int c0 = q_first; c0 <= q_last; c0 += 32) {
     __syncthreads();
     if (warp == 0) {
       const int t = c0 + lane;
@@ -374,7 +406,8 @@ void fwd_d(uint16_t* o, float* lse, const uint16_t* q, const uint16_t* k, const 
 template <int D>
 void bwd_d(uint16_t* dq, uint16_t* dk, uint16_t* dv, const uint16_t* dout, const uint16_t* q,
            const uint16_t* k, const uint16_t* v, const uint16_t* o, const float* lse,
-           const AttnRange* ranges, const AttnParams& p, float* delta, cudaStream_t s) {
+           const AttnRange* ranges, const AttnParams& p, float* delta, int* span,
+           cudaStream_t s) {
   const int Tq = static_cast<int>(p.Tq), Tk = static_cast<int>(p.Tk), NH = static_cast<int>(p.NH),
             NKV = static_cast<int>(p.NKV);
   const float scale = static_cast<float>(p.scale);
@@ -388,9 +421,14 @@ void bwd_d(uint16_t* dq, uint16_t* dk, uint16_t* dv, const uint16_t* dout, const
     DFLASH_CUDA_LAUNCH_CHECK();
   }
   if ((dk || dv) && p.Tk > 0) {
-    dim3 grid(static_cast<unsigned>((p.Tk + kBK - 1) / kBK), static_cast<unsigned>(p.NKV));
+    const int n_tiles = static_cast<int>((p.Tk + kBK - 1) / kBK);
+    attn_span_init_kernel<<<grid_for(n_tiles, 256), 256, 0, s>>>(span, n_tiles);
+    DFLASH_CUDA_LAUNCH_CHECK();
+    attn_key_span_kernel<<<grid_for(p.Tq, 256), 256, 0, s>>>(span, ranges, Tq, Tk);
+    DFLASH_CUDA_LAUNCH_CHECK();
+    dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(p.NKV));
     attn_dkdv_kernel<D><<<grid, 32 * kKvWarps, 0, s>>>(dk, dv, dout, q, k, v, lse, delta, ranges,
-                                                       Tq, Tk, NH, NKV, scale);
+                                                       span, Tq, Tk, NH, NKV, scale);
     DFLASH_CUDA_LAUNCH_CHECK();
   }
 }
@@ -412,7 +450,7 @@ void attention_fwd(uint16_t* o, float* lse, const uint16_t* q, const uint16_t* k
 void attention_bwd(uint16_t* dq, uint16_t* dk, uint16_t* dv, const uint16_t* dout,
                    const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* o,
                    const float* lse, const AttnRange* ranges, const AttnParams& p,
-                   float* delta_ws, cudaStream_t s) {
+                   float* delta_ws, int* span_ws, cudaStream_t s) {
   if (p.Tq == 0) {
     const size_t bytes = static_cast<size_t>(p.Tk * p.NKV * p.D) * 2;
     if (dk && bytes) DFLASH_CUDA_CHECK(cudaMemsetAsync(dk, 0, bytes, s));
@@ -420,9 +458,9 @@ void attention_bwd(uint16_t* dq, uint16_t* dk, uint16_t* dv, const uint16_t* dou
     return;
   }
   if (p.D == 64)
-    bwd_d<64>(dq, dk, dv, dout, q, k, v, o, lse, ranges, p, delta_ws, s);
+    bwd_d<64>(dq, dk, dv, dout, q, k, v, o, lse, ranges, p, delta_ws, span_ws, s);
   else
-    bwd_d<128>(dq, dk, dv, dout, q, k, v, o, lse, ranges, p, delta_ws, s);
+    bwd_d<128>(dq, dk, dv, dout, q, k, v, o, lse, ranges, p, delta_ws, span_ws, s);
 }
 
 }  // namespace launch

@@ -53,11 +53,14 @@ void nonfinite_check(int32_t* flag, const void* x, DType t, int64_t n, cudaStrea
 void attention_fwd(uint16_t* o, float* lse, const uint16_t* q, const uint16_t* k,
                    const uint16_t* v, const AttnRange* ranges, const AttnParams& p,
                    cudaStream_t s);
-/// delta_ws: f32 [NH, Tq] scratch.
+/// delta_ws: f32 [NH, Tq] scratch; span_ws: int32 [2·ceil(Tk/32)] scratch (query span per key
+/// tile).
 void attention_bwd(uint16_t* dq, uint16_t* dk, uint16_t* dv, const uint16_t* dout,
                    const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* o,
                    const float* lse, const AttnRange* ranges, const AttnParams& p,
-                   float* delta_ws, cudaStream_t s);
+                   float* delta_ws, int* span_ws, cudaStream_t s);
+/// Key-tile width of the attention kernels (span_ws has 2 ints per tile of this many keys).
+constexpr int kAttnKeyTile = 32;
 
 // ---- cross_entropy.cu
 /// One chunk of n rows: logits f32 [n, V] → lse, argmax, row_loss [n] (w·loss, 0 when w = 0) and,

@@ -219,8 +219,11 @@ void attention_bwd_cuda(cuda::CudaContext& ctx, uint16_t* dq, uint16_t* dk, uint
   DFLASH_CHECK(aligned4(q) && aligned4(k) && aligned4(v),
                "attention_bwd_cuda: q, k, v must be 4-byte aligned");
   cuda::DeviceBuffer delta = ctx.scratch(static_cast<size_t>(p.NH * p.Tq) * sizeof(float));
+  const int64_t tiles = (p.Tk + cuda::launch::kAttnKeyTile - 1) / cuda::launch::kAttnKeyTile;
+  cuda::DeviceBuffer span = ctx.scratch(static_cast<size_t>(std::max<int64_t>(tiles, 1)) * 2 *
+                                        sizeof(int));
   cuda::launch::attention_bwd(dq, dk, dv, dout, q, k, v, o, lse, ranges, p, delta.as<float>(),
-                              ctx.stream());
+                              span.as<int>(), ctx.stream());
 }
 
 // ---------------------------------------------------------------- fused LM-head cross-entropy
