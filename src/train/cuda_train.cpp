@@ -36,7 +36,9 @@ CudaTrainBackend::CudaTrainBackend(int device, const TargetModel& target,
   const int n = cuda::device_count();
   DFLASH_CHECK(device >= 0 && device < n,
                "runtime.devices: CUDA device {} does not exist ({} visible)", device, n);
-  description_ = fmt::format("cuda:{} {}", device, cuda::device_description(device));
+  // The step is enqueued op by op (no CUDA graph capture yet): say so, never leave it implicit.
+  description_ = fmt::format("cuda:{} {}, CUDA graphs off", device,
+                             cuda::device_description(device));
   ctx_ = std::make_unique<cuda::CudaContext>(device);
   target_ = std::make_unique<TargetCuda>(*ctx_, target, max_ctx);
   drafter_ = std::make_unique<DrafterCuda>(*ctx_, cfg, layout, max_ctx, max_rows_,

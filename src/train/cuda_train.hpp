@@ -53,7 +53,7 @@ class CudaTrainBackend {
   void upload_state(std::span<const float> params, std::span<const float> m,
                     std::span<const float> v);
   void download_state(std::span<float> params, std::span<float> m, std::span<float> v);
-  /// "cuda:0 NVIDIA H200 (...)".
+  /// "cuda:0 NVIDIA H200 (...), CUDA graphs off".
   const std::string& description() const { return description_; }
 
  private:
