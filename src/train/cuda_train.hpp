@@ -1,6 +1,13 @@
 // dflash.cpp — the CUDA backend of `dflash train` on one GPU: the target's tap forward and the
 // drafter's step on the same device, driven by the trainer thread that owns the context.
 //
+// Graphs: with `use_graphs`, the target forward of each context length and the drafter
+// forward/backward of each (context length, block rows) shape are captured once as CUDA graphs
+// (inputs copied from fixed pinned host buffers inside the graph) and replayed; AdamW stays outside
+// (its learning rate changes every step). The same kernels run with the same arguments either way,
+// so both paths give identical bits. Gradients are computed unscaled on the device (so that the
+// loss scale 1/Σw of a step is not baked into a graph) and the scale is applied by AdamW.
+//
 // Invariants: one CudaTrainBackend per thread and device; it owns its CudaContext, so nothing is
 // shared between two backends. Activations, gradients and optimizer state are planned at
 // construction for the largest step; per-op scratch comes from the context's caching allocator,
@@ -35,7 +42,7 @@ class CudaTrainBackend {
   /// at most `max_ctx` context rows (block rows up to max_ctx·block_size). Throws dflash::Error
   /// when the device does not exist or the models are not supported on CUDA.
   CudaTrainBackend(int device, const TargetModel& target, const DrafterConfig& cfg,
-                   const DrafterLayout& layout, int64_t max_ctx);
+                   const DrafterLayout& layout, int64_t max_ctx, bool use_graphs);
   ~CudaTrainBackend();
 
   /// Results of one step (host copies).
@@ -45,10 +52,14 @@ class CudaTrainBackend {
     double target_s = 0, drafter_s = 0;  ///< GPU time of the target forward and of the drafter
   };
   /// Uploads the packed step, runs the target's tap forward and the drafter's forward/backward
-  /// with gradients scaled by `grad_scale` (1/Σw), and waits for the results.
+  /// for gradients of grad_scale·Σ w·CE (grad_scale = 1/Σw; applied by the next adamw call, and
+  /// to the returned grad_norm), and waits for the results.
   StepResult step(const PackedStep& s, double grad_scale);
-  /// AdamW on the device state (see DrafterCuda::adamw).
-  void adamw(const AdamWConfig& cfg, double lr, int64_t step, double grad_scale);
+  /// AdamW on the device state with the last step's gradients times its grad_scale times `clip`
+  /// (see DrafterCuda::adamw).
+  void adamw(const AdamWConfig& cfg, double lr, int64_t step, double clip);
+  /// Graphs captured so far (0 when graphs are off).
+  int64_t graphs_captured() const;
   /// Master weights and moments to / from the host (synchronous).
   void upload_state(std::span<const float> params, std::span<const float> m,
                     std::span<const float> v);
@@ -62,9 +73,14 @@ class CudaTrainBackend {
   std::unique_ptr<DrafterCuda> drafter_;
   std::vector<int> taps_;
   int64_t max_ctx_ = 0, max_rows_ = 0;
+  bool use_graphs_ = false;
+  double pending_scale_ = 1.0;
   std::string description_;
   struct Inputs;
   std::unique_ptr<Inputs> in_;
+  // Enqueue one step's work (copies from the pinned staging buffers included).
+  void enqueue_target(int64_t T);
+  void enqueue_drafter(int64_t T, int64_t NK);
 };
 
 }  // namespace dflash

@@ -135,6 +135,7 @@ const std::vector<Field>& schema() {
     f.push_back(make_field("runtime", "backend", U, &RuntimeSection::backend, false));
     f.push_back(make_field("runtime", "devices", U, &RuntimeSection::devices, false));
     f.push_back(make_field("runtime", "threads", U, &RuntimeSection::threads, false));
+    f.push_back(make_field("runtime", "cuda_graphs", U, &RuntimeSection::cuda_graphs, false));
     // output_dir is top-level.
     Field od;
     od.key = "output_dir";

@@ -68,6 +68,9 @@ struct RuntimeSection {
   std::string backend = "cpu";       ///< "cpu" or "cuda"
   std::vector<int> devices = {0};    ///< CUDA device indices (cuda backend)
   int threads = 0;                   ///< CPU threads, 0 = all cores
+  /// cuda backend: capture each step shape once as CUDA graphs and replay them (false: enqueue the
+  /// step op by op). Results are identical either way; the train log says which path runs.
+  bool cuda_graphs = true;
 };
 
 /// The whole configuration of one training run.

@@ -338,7 +338,7 @@ TrainResult train(const TrainOptions& opts) {
                    cfg.runtime.devices.size());
       const int64_t max_ctx = cfg.data.rows_per_step * cfg.data.token_budget;
       gpu = std::make_unique<CudaTrainBackend>(cfg.runtime.devices[0], target, dcfg, layout,
-                                               max_ctx);
+                                               max_ctx, cfg.runtime.cuda_graphs);
       gpu->upload_state(params, m, v);
       backend_desc = gpu->description();
     }
@@ -577,6 +577,12 @@ TrainResult train(const TrainOptions& opts) {
       }
     }
     bar.finish();
+#ifdef DFLASH_HAVE_CUDA
+    if (use_cuda) {
+      log(fmt::format("cuda: {} step shapes captured as CUDA graphs (0 = graphs off)",
+                      gpu->graphs_captured()));
+    }
+#endif
     result.steps_done = st.step;
     result.skipped_steps = st.skipped;
     result.last_checkpoint = last_ckpt;

@@ -1,6 +1,6 @@
 // `dflash train` on the CUDA backend (runtime.backend: cuda): an interrupted and resumed GPU run
 // equals an uninterrupted one bit for bit (the device step is deterministic and the checkpoint
-// holds the whole state), and the GPU run's loss follows the CPU run's from the same seed (same
+// holds the whole state), replayed CUDA graphs give the same bits as the op-by-op path, and the GPU run's loss follows the CPU run's from the same seed (same
 // batches, same anchors) within 2 % at every step. Tiny runs: a 200-conversation slice of the
 // corpus, two 256-token rows per step, 2 anchors per document.
 #include <fmt/format.h>
@@ -36,7 +36,8 @@ const fs::path& small_corpus() {
   return p;
 }
 
-RunConfig config_for(const fs::path& out, int64_t steps, const std::string& backend) {
+RunConfig config_for(const fs::path& out, int64_t steps, const std::string& backend,
+                     bool graphs = true) {
   const std::string yaml = fmt::format(R"(model:
   target: {}
   drafter_layers: 2
@@ -58,11 +59,13 @@ training:
   save_interval: 0
 runtime:
   backend: {}
+  cuda_graphs: {}
   threads: 2
 output_dir: {}
 )",
                                        (test::assets_dir() / "tiny-qwen3").string(),
-                                       small_corpus().string(), steps, backend, out.string());
+                                       small_corpus().string(), steps, backend, graphs,
+                                       out.string());
   return RunConfig::from_yaml(yaml, "test.yaml");
 }
 
@@ -104,6 +107,14 @@ TEST(TrainerCuda, ResumedRunIsBitIdenticalAndFollowsTheCpuRun) {
     EXPECT_EQ(ma[i]["loss"].get<double>(), mb[i]["loss"].get<double>()) << "step " << i + 1;
     EXPECT_EQ(ma[i]["accuracy"].get<double>(), mb[i]["accuracy"].get<double>());
   }
+
+  // Enqueued op by op instead of replayed graphs: the same bits.
+  TrainOptions d;
+  d.config = config_for(tmp / "d", 6, "cuda", false);
+  EXPECT_EQ(train(d).steps_done, 6);
+  EXPECT_EQ(master_bytes(tmp / "a" / "checkpoint-6"), master_bytes(tmp / "d" / "checkpoint-6"));
+  EXPECT_NE(test::read_file(tmp / "a" / "log.txt").find("CUDA graphs on"), std::string::npos);
+  EXPECT_NE(test::read_file(tmp / "d" / "log.txt").find("CUDA graphs off"), std::string::npos);
 
   TrainOptions cpu;
   cpu.config = config_for(tmp / "cpu", 6, "cpu");
