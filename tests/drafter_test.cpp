@@ -3,6 +3,7 @@
 // the training and inference layouts.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -238,6 +239,46 @@ TEST(Drafter, VisibilityRuleIsExact) {
     auto l = drafter_block_logits(q.cfg, *q.layout, q.params.data(), q.tables(), q.row(), ws);
     EXPECT_EQ(block(l, 0), block(base, 1));
   }
+}
+
+// The training step sends only the supervised rows to the LM head: its loss is Σ w·CE over the
+// full logits of the training layout (computed here independently, in double), and its argmax is
+// the logits' argmax on supervised slots and -1 on the others (slot 0, past the end, unmasked).
+TEST(Drafter, TrainStepUsesExactlyTheSupervisedRows) {
+  // Anchor 27 runs past the end of its document; the mask leaves some slots out.
+  auto p = make_problem<float>(9, 1, 2, 1, 8, 6, 3.0, {0, 9, 30},
+                               {{2, 0}, {4, 0}, {12, 1}, {27, 1}});
+  DrafterWorkspace<float> ws;
+  const auto logits =
+      drafter_block_logits(p.cfg, *p.layout, p.params.data(), p.tables(), p.row(), ws);
+  std::vector<float> grads(static_cast<size_t>(p.layout->total), 0.0f);
+  const auto res = drafter_train_row<float>(p.cfg, *p.layout, p.params.data(), grads.data(),
+                                            p.tables(), p.row(), 1.0, ws);
+  const int64_t V = p.cfg.vocab_size, NK = static_cast<int64_t>(p.targets.labels.size());
+  ASSERT_EQ(static_cast<int64_t>(res.argmax.size()), NK);
+  double loss = 0, wsum = 0;
+  int supervised = 0, skipped = 0;
+  for (int64_t i = 0; i < NK; ++i) {
+    const float* z = logits.data() + i * V;
+    const auto am = static_cast<int32_t>(std::max_element(z, z + V) - z);
+    if (!p.targets.counted[i]) {
+      EXPECT_EQ(p.targets.weights[i], 0.0f);
+      EXPECT_EQ(res.argmax[i], -1) << "slot " << i;
+      ++skipped;
+      continue;
+    }
+    ++supervised;
+    EXPECT_EQ(res.argmax[i], am) << "slot " << i;
+    double m = z[0], sum = 0;
+    for (int64_t v = 1; v < V; ++v) m = std::max(m, static_cast<double>(z[v]));
+    for (int64_t v = 0; v < V; ++v) sum += std::exp(z[v] - m);
+    loss += p.targets.weights[i] * (m + std::log(sum) - z[p.targets.labels[i]]);
+    wsum += p.targets.weights[i];
+  }
+  EXPECT_GT(supervised, 0);
+  EXPECT_GT(skipped, 4);  // slot 0 of each block at least
+  EXPECT_NEAR(res.weight_sum, wsum, 1e-6 * wsum);
+  EXPECT_NEAR(res.loss_sum, loss, 1e-5 * loss);
 }
 
 // Training layout vs inference layout (KV cache filled with the same context) for one anchor.

@@ -4,11 +4,14 @@
 // proposals that force every acceptance length; block size override; stop tokens; errors.
 #include "infer/speculative.hpp"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sstream>
 
 #include "core/error.hpp"
 #include "data/chat_template.hpp"
@@ -164,6 +167,7 @@ TEST(Speculative, GreedyOracleProposalsEveryAcceptLength) {
           if (k == wrong) prop[k - 1] = static_cast<int32_t>((prop[k - 1] + 1) % V);
         }
         dec.verify(s, o, prop, {});
+        EXPECT_EQ(s.last_proposals, prop);
         const int expect = std::min(wrong, K);
         ASSERT_EQ(s.result.accept_lengths.back(), expect) << "K " << K << " step " << step;
         EXPECT_EQ(s.target_cache.length(), s.drafter_cache.len);
@@ -340,6 +344,32 @@ TEST(Speculative, CliGenerateAndEval) {
   const auto ref =
       greedy_generate(tiny(), ids, 12, generation_eos_ids(tiny_dir(), tiny().config()), true);
   EXPECT_EQ(g.out.rfind(tok.decode(ref), 0), 0u) << g.out;
+
+  // --show-steps: the same stdout text, and on stderr one line per step whose acceptance lengths
+  // give the printed τ.
+  auto gs = test::run_dflash({"--log-level", "off", "generate", "--target", tdir, "--drafter", ddir,
+                              "--prompt", "What is 10 times 6?", "--chat", "--max-new-tokens", "12",
+                              "--show-steps"});
+  ASSERT_EQ(gs.exit_code, 0) << gs.err;
+  EXPECT_EQ(gs.out.substr(0, gs.out.find("tokens/s: ")), g.out.substr(0, g.out.find("tokens/s: ")));
+  std::istringstream lines(gs.err);
+  std::string line;
+  int n_steps = 0, accept_sum = 0;
+  while (std::getline(lines, line)) {
+    const std::string key = fmt::format("step {}: accepted ", n_steps + 1);
+    ASSERT_EQ(line.rfind(key, 0), 0u) << gs.err;
+    int n = -1, total = -1;
+    ASSERT_EQ(std::sscanf(line.c_str() + key.size(), "%d/%d", &n, &total), 2) << line;
+    EXPECT_EQ(total, 3) << line;  // block size 4: three drafts per step
+    EXPECT_NE(line.find(", anchor '"), std::string::npos) << line;
+    accept_sum += n + 1;
+    ++n_steps;
+  }
+  ASSERT_GT(n_steps, 0);
+  EXPECT_NE(gs.out.find(fmt::format("steps: {}\n", n_steps)), std::string::npos) << gs.out;
+  EXPECT_NE(gs.out.find(fmt::format("tau: {:.3f}\n", double(accept_sum) / n_steps)),
+            std::string::npos)
+      << gs.out;
 
   const std::string out = (dir / "report.json").string();
   auto e = test::run_dflash({"eval", "--target", tdir, "--drafter", ddir, "--prompts",

@@ -6,6 +6,7 @@
 // drafter on one packed row (block_targets + drafter_train_row<float>, gradient of Σw·CE/Σw).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <set>
@@ -123,12 +124,19 @@ void run_drafter_step(const std::string& in_path, const std::string& out_path) {
   out.emplace_back("accuracy", scalar(m.accuracy()));
   out.emplace_back("tau", scalar(m.tau()));
   out.emplace_back("slot_accuracy", Tensor::from_f32(slot_acc, {K}));
-  Tensor am = Tensor::empty({N, K}, DType::i32);
-  std::copy(res.argmax.begin(), res.argmax.end(), am.data<int32_t>());
-  out.emplace_back("argmax", am);
   {
+    // argmax of every slot from the full logits (the training step computes only the
+    // supervised slots'; the first maximum, as the CE's).
     const DrafterTables<float> tables{embed.data(), head.data()};
-    std::vector<float> logits = drafter_block_logits<float>(cfg, layout, params.data(), tables, row, ws);
+    std::vector<float> logits =
+        drafter_block_logits<float>(cfg, layout, params.data(), tables, row, ws);
+    Tensor am = Tensor::empty({N, K}, DType::i32);
+    for (int64_t i = 0; i < N * K; ++i) {
+      const float* z = logits.data() + i * V;
+      const int32_t a = static_cast<int32_t>(std::max_element(z, z + V) - z);
+      am.data<int32_t>()[i] = a;
+    }
+    out.emplace_back("argmax", am);
     out.emplace_back("logits", Tensor::from_f32(logits, {N, K, cfg.vocab_size}));
   }
   for (const ParamInfo& p : layout.params) {
@@ -158,7 +166,8 @@ void add_dev_command(CLI::App& app) {
       "'tokens' [T] i32, 'loss_mask' [T] u8, 'doc_offsets' [n+1] i32, 'anchors' [N,2] i32\n"
       "(position, document).\n"
       "OUT.safetensors: 'loss' [1] (Σw·CE/Σw), 'accuracy' [1], 'tau' [1], 'slot_accuracy' [K]\n"
-      "(NaN where unsupervised), 'argmax' [N,K] i32, 'logits' [N,K,V] f32, 'grad.<export name>' f32 (gradient of loss).");
+      "(NaN where unsupervised), 'argmax' [N,K] i32, 'logits' [N,K,V] f32, 'grad.<export name>' "
+      "f32 (gradient of loss).");
   step->add_option("IN", *in, "input safetensors file")->required();
   step->add_option("OUT", *out, "output safetensors file")->required();
   step->callback([in, out] { run_drafter_step(*in, *out); });

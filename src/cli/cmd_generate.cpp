@@ -3,7 +3,9 @@
 // tokens included; a partial UTF-8 character is held back until complete), then one summary line
 // per figure: "tokens", "steps", "tau", "tokens/s" (stable keys, tests grep them).
 // With --chat the prompt is one user turn rendered with the chat template and the generation
-// prompt; without it the prompt is raw text.
+// prompt; without it the prompt is raw text. With --show-steps each speculative step also prints
+// one line to stderr: its acceptance length, the anchor and the drafted tokens (accepted ones in
+// [brackets]) and the token the target put in their place.
 #include <fmt/format.h>
 
 #include <cstdio>
@@ -25,7 +27,24 @@ struct GenerateArgs {
   DecodeArgs d;
   std::string prompt;
   bool chat = false;
+  bool show_steps = false;
 };
+
+/// One token as a quoted, escaped string ("'\\n'" for a newline; "<id N>" for an id the
+/// tokenizer lacks, e.g. the mask token an untrained drafter may propose).
+std::string token_text(const Tokenizer& tok, int32_t id) {
+  if (id < 0 || id >= tok.vocab_size()) return fmt::format("<id {}>", id);
+  std::string out = "'";
+  for (char c : tok.decode(std::vector<int32_t>{id})) {
+    if (c == '\n')
+      out += "\\n";
+    else if (c == '\'')
+      out += "\\'";
+    else
+      out += c;
+  }
+  return out + "'";
+}
 
 void run_generate(const GenerateArgs& a) {
   const TargetModel target = TargetModel::load(a.d.target, target_load_options());
@@ -56,11 +75,29 @@ void run_generate(const GenerateArgs& a) {
       printed = end;
     }
   };
-  const DecodeResult r = dec.generate(ids, opts, [&](std::span<const int32_t> toks) {
+  const TokenCallback on_tokens = [&](std::span<const int32_t> toks) {
     out.insert(out.end(), toks.begin(), toks.end());
     flush_text(false);
-  });
+  };
+  SpecState st = dec.start(ids, opts, on_tokens);
+  while (!st.done) {
+    const int32_t anchor = st.anchor;
+    const size_t before = out.size();
+    dec.step(st, opts, on_tokens);
+    if (!a.show_steps) continue;
+    const int n = st.result.accept_lengths.back() - 1;  // accepted drafts
+    std::string line =
+        fmt::format("step {}: accepted {}/{}, anchor {}, drafts", st.result.accept_lengths.size(),
+                    n, st.last_proposals.size(), token_text(tok, anchor));
+    for (size_t k = 0; k < st.last_proposals.size(); ++k) {
+      const std::string t = token_text(tok, st.last_proposals[k]);
+      line += static_cast<int>(k) < n ? " [" + t + "]" : " " + t;
+    }
+    if (before + n < out.size()) line += ", target " + token_text(tok, out[before + n]);
+    fmt::print(stderr, "{}\n", line);
+  }
   flush_text(true);
+  const DecodeResult& r = st.result;
   const double secs = r.prefill_seconds + r.decode_seconds;
   fmt::print("\n\ntokens: {}\nsteps: {}\ntau: {:.3f}\ntokens/s: {:.1f}\n", r.tokens.size(),
              r.accept_lengths.size(), r.tau(), secs > 0 ? r.tokens.size() / secs : 0.0);
@@ -76,6 +113,9 @@ void add_generate_command(CLI::App& app) {
   sub->add_option("--prompt", a->prompt, "Prompt text")->required();
   sub->add_flag("--chat", a->chat,
                 "Render the prompt as a user turn with the chat template and generation prompt");
+  sub->add_flag("--show-steps", a->show_steps,
+                "Print each speculative step to stderr: acceptance length, anchor, drafted tokens "
+                "(accepted ones in [brackets]) and the target's token in their place");
   sub->callback([a] { run_generate(*a); });
 }
 

@@ -5,14 +5,22 @@
 #include <cstdio>
 #include <exception>
 
+#include "backend/cpu/blas_core.hpp"
 #include "cli/commands.hpp"
 #include "core/error.hpp"
 #include "core/log.hpp"
 
 int main(int argc, char** argv) {
+  // Before anything else: OpenBLAS chose its kernels when it was loaded; repair a known generic
+  // fallback by running again with OPENBLAS_CORETYPE (backend/cpu/blas_core.hpp).
+  if (const auto why = dflash::cpu::blas_repair_core_detection(argv)) {
+    std::fprintf(stderr, "dflash: warning: %s\n", why->c_str());
+  }
   CLI::App app{"dflash: train DFlash block-diffusion drafters and run speculative decoding"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", std::string("dflash ") + DFLASH_VERSION);
+  app.set_version_flag("--version", std::string("dflash ") + DFLASH_VERSION +
+                                        " (CPU GEMM: OpenBLAS " + dflash::cpu::blas_core_name() +
+                                        " kernels)");
   std::string log_level = "info";
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error or off")
       ->capture_default_str();

@@ -158,6 +158,7 @@ void SpeculativeDecoder::verify(SpecState& s, const DecodeOptions& opts,
                "speculative verify: {} proposals with {} drafter distributions ({})",
                proposals.size(), q.size(),
                greedy ? "greedy needs none" : "sampling needs one each");
+  s.last_proposals.assign(proposals.begin(), proposals.end());
   std::vector<int32_t> block(static_cast<size_t>(K));
   block[0] = s.anchor;
   std::copy(proposals.begin(), proposals.end(), block.begin() + 1);

@@ -68,6 +68,8 @@ struct SpecState {
   int32_t anchor = 0;  ///< last output token, at position target_cache.length()
   Rng rng;
   DecodeResult result;
+  /// The last verify step's proposals d_1..d_{K−1} (before acceptance; for tracing tools).
+  std::vector<int32_t> last_proposals;
   bool done = false;
   explicit SpecState(const ModelConfig& c) : target_cache(c) {}
 };

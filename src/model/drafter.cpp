@@ -1,5 +1,6 @@
 #include "model/drafter.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -320,26 +321,45 @@ DrafterRowResult drafter_train_row(const DrafterConfig& cfg, const DrafterLayout
   const S* norm_w = params + layout.params.back().offset;
   fit(ws.hf, NK * d.H);
   rmsnorm_fwd_cpu(ws.hf.data(), nullptr, ws.h.data(), norm_w, NK, d.H, cfg.rms_norm_eps);
-  ws.labels.resize(static_cast<size_t>(NK));
-  fit(ws.weights, NK);
+  // Only the supervised rows go through the LM head (about 2/3 of them on short documents): a
+  // row of weight 0 (slot 0, past the document end, outside the loss mask) adds nothing to the
+  // loss or to any gradient, and its argmax is not reported (-1). The selected rows are packed.
+  ws.ce_rows.clear();
   for (int64_t i = 0; i < NK; ++i) {
-    ws.labels[i] = std::max(row.targets->labels[i], 0);
-    ws.weights[i] = static_cast<S>(row.targets->weights[i]);
+    if (row.targets->weights[i] != 0.0f || row.targets->counted[i]) {
+      ws.ce_rows.push_back(static_cast<int32_t>(i));
+    }
+  }
+  const int64_t R = static_cast<int64_t>(ws.ce_rows.size());
+  ws.labels.resize(static_cast<size_t>(R));
+  ws.ce_argmax.resize(static_cast<size_t>(R));
+  fit(ws.weights, R);
+  fit(ws.ce_in, R * d.H);
+  for (int64_t j = 0; j < R; ++j) {
+    const int64_t i = ws.ce_rows[j];
+    ws.labels[j] = std::max(row.targets->labels[i], 0);
+    ws.weights[j] = static_cast<S>(row.targets->weights[i]);
+    std::copy_n(ws.hf.data() + i * d.H, d.H, ws.ce_in.data() + j * d.H);
   }
   FusedCeParams cp;
-  cp.R = NK;
+  cp.R = R;
   cp.H = d.H;
   cp.V = d.V;
   cp.grad_scale = grad_scale;
-  fit(ws.dh, NK * d.H);
-  fit(ws.lse_out, NK);
-  CrossEntropyStats st =
-      cross_entropy_fused_cpu(grads ? ws.dh.data() : nullptr, ws.lse_out.data(),
-                              res.argmax.data(), ws.hf.data(), tables.lm_head, ws.labels.data(),
-                              ws.weights.data(), cp);
+  fit(ws.ce_grad, R * d.H);
+  fit(ws.lse_out, R);
+  CrossEntropyStats st = cross_entropy_fused_cpu(
+      grads ? ws.ce_grad.data() : nullptr, ws.lse_out.data(), ws.ce_argmax.data(), ws.ce_in.data(),
+      tables.lm_head, ws.labels.data(), ws.weights.data(), cp);
+  for (int64_t j = 0; j < R; ++j) res.argmax[ws.ce_rows[j]] = ws.ce_argmax[j];
   res.loss_sum = st.loss_sum;
   res.weight_sum = st.weight_sum;
   if (!grads) return res;
+  fit(ws.dh, NK * d.H);
+  std::fill(ws.dh.begin(), ws.dh.end(), S(0));
+  for (int64_t j = 0; j < R; ++j) {
+    std::copy_n(ws.ce_grad.data() + j * d.H, d.H, ws.dh.data() + ws.ce_rows[j] * d.H);
+  }
 
   // ---- backward
   S* g_norm = grads + layout.params.back().offset;

@@ -92,7 +92,8 @@ struct DrafterRow {
 struct DrafterRowResult {
   double loss_sum = 0;          ///< Σ w·CE over the row's blocks
   double weight_sum = 0;        ///< Σ w
-  std::vector<int32_t> argmax;  ///< [N·K] drafter argmax per slot
+  std::vector<int32_t> argmax;  ///< [N·K] drafter argmax per supervised slot (-1 elsewhere:
+                                ///< rows of weight 0 skip the LM head)
 };
 
 /// Per-layer activations kept for the backward (internal to the drafter step).
@@ -109,6 +110,8 @@ struct DrafterWorkspace {
   std::vector<LayerActs<S>> layers;
   std::vector<int32_t> pos_kv, pos_q, block_tokens, labels;
   std::vector<S> weights, lse_out;
+  std::vector<int32_t> ce_rows, ce_argmax;  // the supervised rows sent to the LM-head CE
+  std::vector<S> ce_in, ce_grad;            // their final hidden states and gradients
   std::vector<S> inv_freq;
   std::vector<AttnRange> ranges;
 };
