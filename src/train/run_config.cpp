@@ -251,10 +251,10 @@ RunConfig RunConfig::embedded_default(const std::string& assets_dir) {
   c.data.template_name = "chatml";
   c.data.max_length = 512;
   c.data.token_budget = 1024;
-  c.training.max_steps = 200;
+  c.training.max_steps = 900;
   c.training.lr = 1e-3;
   c.training.warmup_ratio = 0.04;
-  c.training.num_anchors = 8;
+  c.training.num_anchors = 4;
   c.training.block_size = 16;
   c.training.log_interval = 10;
   c.training.save_interval = 0;
