@@ -25,20 +25,6 @@ using json = nlohmann::json;
 
 namespace {
 
-// A small JSONL slice of the bundled corpus, made once per test binary.
-const fs::path& small_corpus() {
-  static test::TempDir* dir = new test::TempDir();  // lives until exit
-  static fs::path p = [] {
-    fs::path out = dir->path() / "small.jsonl";
-    const std::string cmd = "xz -dc '" + (test::assets_dir() / "data" / "train.jsonl.xz").string() +
-                            "' | head -n 200 > '" + out.string() + "'";
-    if (std::system(cmd.c_str()) != 0 || fs::file_size(out) == 0) {
-      throw std::runtime_error("cannot make the corpus slice with xz");
-    }
-    return out;
-  }();
-  return p;
-}
 
 std::string yaml_for(const fs::path& out, int64_t steps) {
   return fmt::format(R"(model:
@@ -65,8 +51,8 @@ runtime:
   threads: 2
 output_dir: {}
 )",
-                     (test::assets_dir() / "tiny-qwen3").string(), small_corpus().string(), steps,
-                     out.string());
+                     (test::assets_dir() / "tiny-qwen3").string(),
+                     test::small_corpus().string(), steps, out.string());
 }
 
 RunConfig config_for(const fs::path& out, int64_t steps,

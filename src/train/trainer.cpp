@@ -321,14 +321,17 @@ TrainResult train(const TrainOptions& opts) {
     st.config_yaml = cfg.to_yaml();
     write_file_atomic(rd.path() / "config.resolved.yaml", st.config_yaml);
 
-    const std::vector<float> embed = target.embedding_f32();
-    const std::vector<float> head_copy = tcfg.tie_word_embeddings ? std::vector<float>()
-                                                                  : target.lm_head_f32();
+    // Backend: the CPU reference path, or target + drafter on one GPU.
+    const bool use_cuda = cfg.runtime.backend == "cuda";
+    // f32 copies of the frozen tables for the CPU drafter step only (the cuda backend keeps its
+    // own bf16 copies on the device).
+    const std::vector<float> embed = use_cuda ? std::vector<float>() : target.embedding_f32();
+    const std::vector<float> head_copy = use_cuda || tcfg.tie_word_embeddings
+                                             ? std::vector<float>()
+                                             : target.lm_head_f32();
     DrafterTables<float> tables{embed.data(), tcfg.tie_word_embeddings ? embed.data()
                                                                        : head_copy.data()};
     DrafterWorkspace<float> ws;
-    // Backend: the CPU reference path, or target + drafter on one GPU.
-    const bool use_cuda = cfg.runtime.backend == "cuda";
     std::string backend_desc = fmt::format("cpu, {} threads", parallel_threads());
 #ifdef DFLASH_HAVE_CUDA
     std::unique_ptr<CudaTrainBackend> gpu;

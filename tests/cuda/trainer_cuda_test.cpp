@@ -6,7 +6,6 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -22,19 +21,6 @@ using json = nlohmann::json;
 
 namespace {
 
-const fs::path& small_corpus() {
-  static test::TempDir* dir = new test::TempDir();  // lives until exit
-  static fs::path p = [] {
-    fs::path out = dir->path() / "small.jsonl";
-    const std::string cmd = "xz -dc '" + (test::assets_dir() / "data" / "train.jsonl.xz").string() +
-                            "' | head -n 200 > '" + out.string() + "'";
-    if (std::system(cmd.c_str()) != 0 || fs::file_size(out) == 0) {
-      throw std::runtime_error("cannot make the corpus slice with xz");
-    }
-    return out;
-  }();
-  return p;
-}
 
 RunConfig config_for(const fs::path& out, int64_t steps, const std::string& backend,
                      bool graphs = true) {
@@ -64,7 +50,7 @@ runtime:
 output_dir: {}
 )",
                                        (test::assets_dir() / "tiny-qwen3").string(),
-                                       small_corpus().string(), steps, backend, graphs,
+                                       test::small_corpus().string(), steps, backend, graphs,
                                        out.string());
   return RunConfig::from_yaml(yaml, "test.yaml");
 }

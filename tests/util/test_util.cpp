@@ -113,6 +113,23 @@ double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
   return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
 }
 
+const fs::path& small_corpus() {
+  static TempDir* dir = new TempDir();  // lives until exit
+  static const fs::path path = [] {
+    const std::string text = xz_decompress(assets_dir() / "data" / "train.jsonl.xz");
+    size_t pos = 0;  // just past the last newline taken
+    for (int lines = 0; lines < 200; ++lines) {
+      const size_t nl = text.find('\n', pos);
+      if (nl == std::string::npos) throw std::runtime_error("the corpus has fewer than 200 lines");
+      pos = nl + 1;
+    }
+    fs::path out = dir->path() / "small.jsonl";
+    write_file(out, text.substr(0, pos));
+    return out;
+  }();
+  return path;
+}
+
 double rel_error(const Tensor& a, const Tensor& b) {
   EXPECT_EQ(a.shape(), b.shape()) << a.str() << " vs " << b.str();
   return rel_error(a.to_f32_vector(), b.to_f32_vector());

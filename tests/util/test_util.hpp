@@ -52,6 +52,11 @@ std::string read_file(const fs::path& path);
 /// std::runtime_error naming the file when it is not a valid xz stream.
 std::string xz_decompress(const fs::path& path);
 
+/// A plain JSONL file holding the first 200 conversations of the bundled corpus
+/// (assets/data/train.jsonl.xz), written once per process into a temporary folder that lives until
+/// exit: small training runs for the trainer tests.
+const fs::path& small_corpus();
+
 /// Relative Frobenius error ||a-b|| / max(||b||, tiny), computed in double. Shapes must match.
 double rel_error(const Tensor& a, const Tensor& b);
 double rel_error(const std::vector<float>& a, const std::vector<float>& b);
