@@ -114,6 +114,27 @@ TEST(Drafter, LayoutFollowsTheExportNames) {
   EXPECT_EQ(L.find("layers.0.mlp.down_proj.weight").shape, (std::vector<int64_t>{16, 24}));
   EXPECT_EQ(L.params.size(), 2u + 2 * 11 + 1);
   EXPECT_THROW(L.find("lm_head.weight"), Error);
+  // Named offsets resolve to the export names (the step code uses nothing else).
+  EXPECT_EQ(L.fc, L.find("fc.weight").offset);
+  EXPECT_EQ(L.hidden_norm, L.find("hidden_norm.weight").offset);
+  EXPECT_EQ(L.norm, L.find("norm.weight").offset);
+  ASSERT_EQ(L.layers.size(), 2u);
+  for (int l = 0; l < 2; ++l) {
+    const std::string pre = "layers." + std::to_string(l) + ".";
+    const DrafterLayerOffsets& o = L.layers[static_cast<size_t>(l)];
+    EXPECT_EQ(o.input_layernorm, L.find(pre + "input_layernorm.weight").offset);
+    EXPECT_EQ(o.q_proj, L.find(pre + "self_attn.q_proj.weight").offset);
+    EXPECT_EQ(o.k_proj, L.find(pre + "self_attn.k_proj.weight").offset);
+    EXPECT_EQ(o.v_proj, L.find(pre + "self_attn.v_proj.weight").offset);
+    EXPECT_EQ(o.o_proj, L.find(pre + "self_attn.o_proj.weight").offset);
+    EXPECT_EQ(o.q_norm, L.find(pre + "self_attn.q_norm.weight").offset);
+    EXPECT_EQ(o.k_norm, L.find(pre + "self_attn.k_norm.weight").offset);
+    EXPECT_EQ(o.post_attention_layernorm, L.find(pre + "post_attention_layernorm.weight").offset);
+    EXPECT_EQ(o.gate_proj, L.find(pre + "mlp.gate_proj.weight").offset);
+    EXPECT_EQ(o.up_proj, L.find(pre + "mlp.up_proj.weight").offset);
+    EXPECT_EQ(o.down_proj, L.find(pre + "mlp.down_proj.weight").offset);
+    EXPECT_EQ(o.up_proj, o.gate_proj + 24 * 16);  // adjacent: one [2I, H] matrix
+  }
   // Init: reproducible, norms 1, linear std ≈ 0.02.
   std::vector<float> a(L.total), b(L.total);
   drafter_init(a, L, 9);

@@ -72,6 +72,27 @@ DrafterLayout::DrafterLayout(const DrafterConfig& c) {
     add(p + "mlp.down_proj.weight", {H, I}, false);
   }
   add("norm.weight", {H}, true);
+  fc = find("fc.weight").offset;
+  hidden_norm = find("hidden_norm.weight").offset;
+  norm = find("norm.weight").offset;
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    auto at = [&](const char* name) { return find(p + name).offset; };
+    DrafterLayerOffsets o;
+    o.input_layernorm = at("input_layernorm.weight");
+    o.q_proj = at("self_attn.q_proj.weight");
+    o.k_proj = at("self_attn.k_proj.weight");
+    o.v_proj = at("self_attn.v_proj.weight");
+    o.o_proj = at("self_attn.o_proj.weight");
+    o.q_norm = at("self_attn.q_norm.weight");
+    o.k_norm = at("self_attn.k_norm.weight");
+    o.post_attention_layernorm = at("post_attention_layernorm.weight");
+    o.gate_proj = at("mlp.gate_proj.weight");
+    o.up_proj = at("mlp.up_proj.weight");
+    o.down_proj = at("mlp.down_proj.weight");
+    DFLASH_ASSERT(o.up_proj == o.gate_proj + I * H);
+    layers.push_back(o);
+  }
 }
 
 const ParamInfo& DrafterLayout::find(const std::string& name) const {
@@ -119,11 +140,13 @@ struct LayerParams {
 
 template <typename S>
 LayerParams<S> layer_params(S* base, const DrafterLayout& L, int64_t l) {
-  // Layout: 2 leading params, 11 per layer.
-  const auto& p = L.params;
-  const size_t b = 2 + static_cast<size_t>(l) * 11;
-  auto at = [&](size_t i) { return base + p[b + i].offset; };
-  return {at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7), at(8), at(9), at(10)};
+  const DrafterLayerOffsets& o = L.layers[static_cast<size_t>(l)];
+  return {base + o.input_layernorm, base + o.q_proj,
+          base + o.k_proj,          base + o.v_proj,
+          base + o.o_proj,          base + o.q_norm,
+          base + o.k_norm,          base + o.post_attention_layernorm,
+          base + o.gate_proj,       base + o.up_proj,
+          base + o.down_proj};
 }
 
 template <typename S>
@@ -227,8 +250,8 @@ void context_forward(const DrafterConfig& cfg, const DrafterLayout& layout, cons
   fit(ws.ctx, T * d.H);
   std::fill(ws.ctx_pre.begin(), ws.ctx_pre.end(), S(0));
   std::fill(ws.ctx.begin(), ws.ctx.end(), S(0));
-  const S* fc = params + layout.params[0].offset;
-  const S* hidden_norm = params + layout.params[1].offset;
+  const S* fc = params + layout.fc;
+  const S* hidden_norm = params + layout.hidden_norm;
   if (real > 0) {
     linear_fwd_cpu(ws.ctx_pre.data(), features, fc, nullptr, real, d.F, d.H);
     rmsnorm_fwd_cpu(ws.ctx.data(), nullptr, ws.ctx_pre.data(), hidden_norm, real, d.H,
@@ -318,7 +341,7 @@ DrafterRowResult drafter_train_row(const DrafterConfig& cfg, const DrafterLayout
   block_forward(cfg, layout, params, tables.embed, ws, T, NK, ws.ranges.data());
 
   // Final norm + fused LM head cross-entropy.
-  const S* norm_w = params + layout.params.back().offset;
+  const S* norm_w = params + layout.norm;
   fit(ws.hf, NK * d.H);
   rmsnorm_fwd_cpu(ws.hf.data(), nullptr, ws.h.data(), norm_w, NK, d.H, cfg.rms_norm_eps);
   // Only the supervised rows go through the LM head (about 2/3 of them on short documents): a
@@ -362,7 +385,7 @@ DrafterRowResult drafter_train_row(const DrafterConfig& cfg, const DrafterLayout
   }
 
   // ---- backward
-  S* g_norm = grads + layout.params.back().offset;
+  S* g_norm = grads + layout.norm;
   fit(ws.dtmp, NK * d.H);
   rmsnorm_bwd_cpu(ws.dtmp.data(), g_norm, ws.dh.data(), ws.h.data(), norm_w, NK, d.H,
                   cfg.rms_norm_eps);
@@ -445,15 +468,15 @@ DrafterRowResult drafter_train_row(const DrafterConfig& cfg, const DrafterLayout
     residual_accumulate_cpu(ws.dh.data(), ws.dtmp.data(), NK * d.H);
   }
   // ctx = hidden_norm(fc(features)); features are frozen (no input gradient).
-  const S* hidden_norm = params + layout.params[1].offset;
-  S* g_fc = grads + layout.params[0].offset;
-  S* g_hn = grads + layout.params[1].offset;
+  const S* hidden_norm = params + layout.hidden_norm;
+  S* g_fc = grads + layout.fc;
+  S* g_hn = grads + layout.hidden_norm;
   if (real > 0) {
     fit(ws.dctx_pre, real * d.H);
     rmsnorm_bwd_cpu(ws.dctx_pre.data(), g_hn, ws.dctx.data(), ws.ctx_pre.data(), hidden_norm,
                     real, d.H, cfg.rms_norm_eps);
     linear_bwd_cpu(static_cast<S*>(nullptr), g_fc, nullptr, ws.dctx_pre.data(), row.features,
-                   params + layout.params[0].offset, real, d.F, d.H);
+                   params + layout.fc, real, d.F, d.H);
   }
   return res;
 }
@@ -471,8 +494,8 @@ std::vector<S> drafter_block_logits(const DrafterConfig& cfg, const DrafterLayou
   context_forward(cfg, layout, params, row.features, T, row.doc_offsets.back(), ws);
   block_forward(cfg, layout, params, tables.embed, ws, T, NK, ws.ranges.data());
   fit(ws.hf, NK * d.H);
-  rmsnorm_fwd_cpu(ws.hf.data(), nullptr, ws.h.data(), params + layout.params.back().offset, NK,
-                  d.H, cfg.rms_norm_eps);
+  rmsnorm_fwd_cpu(ws.hf.data(), nullptr, ws.h.data(), params + layout.norm, NK, d.H,
+                  cfg.rms_norm_eps);
   std::vector<S> logits(static_cast<size_t>(NK * d.V));
   linear_fwd_cpu(logits.data(), ws.hf.data(), tables.lm_head, nullptr, NK, d.H, d.V);
   return logits;
@@ -532,8 +555,8 @@ std::vector<float> drafter_draft_block(const DrafterCache& cache, const DrafterC
   }
   block_forward(cfg, layout, params, tables.embed, ws, Tc, K, ws.ranges.data());
   fit(ws.hf, K * d.H);
-  rmsnorm_fwd_cpu(ws.hf.data(), nullptr, ws.h.data(), params + layout.params.back().offset, K,
-                  d.H, cfg.rms_norm_eps);
+  rmsnorm_fwd_cpu(ws.hf.data(), nullptr, ws.h.data(), params + layout.norm, K, d.H,
+                  cfg.rms_norm_eps);
   std::vector<float> logits(static_cast<size_t>(K * d.V));
   linear_fwd_cpu(logits.data(), ws.hf.data(), tables.lm_head, nullptr, K, d.H, d.V);
   return logits;

@@ -62,14 +62,28 @@ struct ParamInfo {
   bool is_norm = false;        ///< RMSNorm weight (initialised to 1)
 };
 
+/// Offsets (elements from the start of the flat array) of one decoder layer's parameters, named
+/// as in the export (`layers.{i}.self_attn.q_proj.weight` → q_proj, ...).
+struct DrafterLayerOffsets {
+  int64_t input_layernorm = 0, q_proj = 0, k_proj = 0, v_proj = 0, o_proj = 0, q_norm = 0,
+          k_norm = 0, post_attention_layernorm = 0, gate_proj = 0, up_proj = 0, down_proj = 0;
+};
+
 /// The flat parameter layout of a config, in export order:
-/// fc, hidden_norm, per layer {input_layernorm, q, k, v, o, q_norm, k_norm, post_attention_layernorm,
-/// gate, up, down}, norm.
+/// fc, hidden_norm, per layer {input_layernorm, q, k, v, o, q_norm, k_norm,
+/// post_attention_layernorm, gate, up, down}, norm. gate_proj and up_proj of a layer are adjacent
+/// (up follows gate), so the two can be read as one [2I, H] matrix. Code reaches a parameter
+/// through the named offsets below (resolved by export name at construction), never by its index in
+/// `params`.
 struct DrafterLayout {
   std::vector<ParamInfo> params;
   int64_t total = 0;
+  int64_t fc = 0;                           ///< offset of fc.weight [H, n_taps·H]
+  int64_t hidden_norm = 0;                  ///< offset of hidden_norm.weight [H]
+  int64_t norm = 0;                         ///< offset of the final norm.weight [H]
+  std::vector<DrafterLayerOffsets> layers;  ///< per decoder layer
   explicit DrafterLayout(const DrafterConfig& c);
-  /// Index of a parameter by export name; throws dflash::Error listing none if unknown.
+  /// A parameter by export name; throws dflash::Error naming it if unknown.
   const ParamInfo& find(const std::string& name) const;
 };
 
