@@ -11,10 +11,11 @@
 // inside a block. Block b's queries see ctx rows [doc_start, anchor) and the K rows of block b.
 //
 // Invariants: parameters live in one flat array in export order (DrafterLayout); parameter
-// gradients ACCUMULATE (+=) into a flat array of the same layout, so several rows of a step add
-// up; activation gradients are overwritten. The step code is templated on the scalar (float for
-// training, double for finite-difference checks) and allocates only inside its workspace, whose
-// buffers keep their capacity between calls.
+// gradients ACCUMULATE (+=) into a flat array of the same layout, so several calls add up;
+// activation gradients are overwritten. A training step's input is a DrafterBatch (all rows of a
+// step as one packed sequence of documents; drafter_batch.hpp). The step code is templated on the
+// scalar (float for training, double for finite-difference checks) and allocates only inside its
+// workspace, whose buffers keep their capacity between calls.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "core/rng.hpp"
+#include "model/drafter_batch.hpp"
 #include "ops/attention.hpp"
 #include "ops/rope.hpp"
 #include "train/objective.hpp"
@@ -91,20 +93,9 @@ struct DrafterLayout {
 /// norm weights 1. Reproducible bit for bit from the seed.
 void drafter_init(std::span<float> params, const DrafterLayout& layout, uint64_t seed);
 
-/// One packed row of the training layout.
-template <typename S>
-struct DrafterRow {
-  const S* features = nullptr;           ///< [T, n_taps·H]
-  const int32_t* tokens = nullptr;       ///< [T]
-  int64_t T = 0;
-  std::span<const int32_t> doc_offsets;  ///< [n_docs+1], see train/objective.hpp
-  std::span<const Anchor> anchors;       ///< N blocks
-  const BlockTargets* targets = nullptr; ///< labels/weights of the N blocks (N·K entries)
-};
-
-/// Result of a forward (and backward) over one row.
-struct DrafterRowResult {
-  double loss_sum = 0;          ///< Σ w·CE over the row's blocks
+/// Result of a forward (and backward) over one DrafterBatch.
+struct DrafterTrainResult {
+  double loss_sum = 0;          ///< Σ w·CE over the batch's blocks
   double weight_sum = 0;        ///< Σ w
   std::vector<int32_t> argmax;  ///< [N·K] drafter argmax per supervised slot (-1 elsewhere:
                                 ///< rows of weight 0 skip the LM head)
@@ -139,21 +130,23 @@ struct DrafterTables {
   const S* lm_head = nullptr;
 };
 
-/// Training forward over one row; when `grads` is not null, also the backward, accumulating
-/// parameter gradients (+=) scaled by `grad_scale` (use 1/Σw over the whole step so that the
-/// gradient is that of Σw·CE/Σw). Throws dflash::Error on inconsistent inputs (naming them).
-/// `ws` must not be shared between threads.
+/// Training forward over a whole DrafterBatch (all its rows as one packed sequence) given the
+/// target features of its context, `features` [T, n_taps·H]; when `grads` is not null, also the
+/// backward, accumulating parameter gradients (+=) scaled by `grad_scale` (use 1/batch.weight_sum
+/// so that the gradient is that of Σw·CE/Σw). Throws dflash::Error on inconsistent inputs (naming
+/// them). `ws` must not be shared between threads.
 template <typename S>
-DrafterRowResult drafter_train_row(const DrafterConfig& cfg, const DrafterLayout& layout,
-                                   const S* params, S* grads, const DrafterTables<S>& tables,
-                                   const DrafterRow<S>& row, double grad_scale,
-                                   DrafterWorkspace<S>& ws);
+DrafterTrainResult drafter_train_step(const DrafterConfig& cfg, const DrafterLayout& layout,
+                                      const S* params, S* grads, const DrafterTables<S>& tables,
+                                      const DrafterBatch& batch, const S* features,
+                                      double grad_scale, DrafterWorkspace<S>& ws);
 
-/// Logits [N·K, V] of the blocks of `row` (training layout; no loss). For tests and tools.
+/// Logits [N·K, V] of the blocks of `batch` (training layout; no loss). For tests and tools.
 template <typename S>
 std::vector<S> drafter_block_logits(const DrafterConfig& cfg, const DrafterLayout& layout,
                                     const S* params, const DrafterTables<S>& tables,
-                                    const DrafterRow<S>& row, DrafterWorkspace<S>& ws);
+                                    const DrafterBatch& batch, const S* features,
+                                    DrafterWorkspace<S>& ws);
 
 /// Drafter KV cache for decoding: per layer the k (normed, roped) and v rows of the accepted
 /// context, positions 0..len-1 of one request.

@@ -1,7 +1,7 @@
-// dflash.cpp — DrafterCuda (see drafter_cuda.hpp). The step mirrors drafter_train_row
-// (src/model/drafter.cpp) op for op; the differences are the batching of all rows into one
-// packed sequence and that the k/v projections of the context and the block rows run as one GEMM
-// over [ctx ; norm(block)] (rows kept contiguous in `kvin`).
+// dflash.cpp — DrafterCuda (see drafter_cuda.hpp). The step mirrors drafter_train_step
+// (src/model/drafter.cpp) op for op; the differences are the padding of the packed step to a
+// fixed shape (inert rows) and that the k/v projections of the context and the block rows run as
+// one GEMM over [ctx ; norm(block)] (rows kept contiguous in `kvin`).
 #include "model/drafter_cuda.hpp"
 
 #ifdef DFLASH_HAVE_CUDA
