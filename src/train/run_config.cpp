@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "core/error.hpp"
+#include "train/topology.hpp"
 
 namespace dflash {
 
@@ -134,6 +135,16 @@ const std::vector<Field>& schema() {
     auto U = &R::runtime;
     f.push_back(make_field("runtime", "backend", U, &RuntimeSection::backend, false));
     f.push_back(make_field("runtime", "devices", U, &RuntimeSection::devices, false));
+    f.push_back(make_field("runtime", "target_devices", U, &RuntimeSection::target_devices, false));
+    f.push_back(
+        make_field("runtime", "drafter_devices", U, &RuntimeSection::drafter_devices, false));
+    f.push_back(make_field("runtime", "colocated", U, &RuntimeSection::colocated, false));
+    f.push_back(make_field("runtime", "target_workers", U, &RuntimeSection::target_workers, false));
+    f.push_back(
+        make_field("runtime", "drafter_workers", U, &RuntimeSection::drafter_workers, false));
+    f.push_back(make_field("runtime", "queue_depth", U, &RuntimeSection::queue_depth, false));
+    f.push_back(
+        make_field("runtime", "stall_timeout_s", U, &RuntimeSection::stall_timeout_s, false));
     f.push_back(make_field("runtime", "threads", U, &RuntimeSection::threads, false));
     f.push_back(make_field("runtime", "cuda_graphs", U, &RuntimeSection::cuda_graphs, false));
     // output_dir is top-level.
@@ -313,6 +324,13 @@ void RunConfig::validate() const {
                "runtime.backend must be cpu or cuda, got '{}'", runtime.backend);
   DFLASH_CHECK(!runtime.devices.empty(), "runtime.devices must list at least one device");
   for (int d : runtime.devices) non_negative("runtime.devices[]", d);
+  for (int d : runtime.target_devices) non_negative("runtime.target_devices[]", d);
+  for (int d : runtime.drafter_devices) non_negative("runtime.drafter_devices[]", d);
+  positive("runtime.target_workers", runtime.target_workers);
+  positive("runtime.drafter_workers", runtime.drafter_workers);
+  positive("runtime.queue_depth", runtime.queue_depth);
+  positive("runtime.stall_timeout_s", runtime.stall_timeout_s);
+  topology_check_keys(runtime);
   non_negative("runtime.threads", runtime.threads);
   DFLASH_CHECK(!output_dir.empty(), "output_dir must name the run directory");
 }

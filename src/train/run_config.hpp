@@ -63,10 +63,23 @@ struct TrainingSection {
   std::string export_dtype = "bf16"; ///< drafter weights in checkpoints: bf16 or f32
 };
 
-/// `runtime` section.
+/// `runtime` section: the backend and the topology of the pipeline (train/topology.hpp).
 struct RuntimeSection {
   std::string backend = "cpu";       ///< "cpu" or "cuda"
-  std::vector<int> devices = {0};    ///< CUDA device indices (cuda backend)
+  /// cuda backend, one GPU: the device of the single target worker and the single drafter worker
+  /// (colocated). Used only when target_devices and drafter_devices are empty.
+  std::vector<int> devices = {0};
+  /// cuda backend: one entry per target worker, its GPU (e.g. [0,1,2,3,4]); empty: `devices`.
+  std::vector<int> target_devices;
+  /// cuda backend: one entry per drafter worker (replica), its GPU (e.g. [5,6,7]); a GPU may be
+  /// listed twice (two replicas on one GPU). Empty: `devices`.
+  std::vector<int> drafter_devices;
+  /// cuda backend: allow a GPU to appear in both target_devices and drafter_devices.
+  bool colocated = false;
+  int target_workers = 1;            ///< cpu backend: target worker threads
+  int drafter_workers = 1;           ///< cpu backend: drafter worker threads (replicas)
+  int queue_depth = 2;               ///< feature batches queued per drafter worker
+  double stall_timeout_s = 300;      ///< a worker making no progress this long stops the run
   int threads = 0;                   ///< CPU threads, 0 = all cores
   /// cuda backend: capture each step shape once as CUDA graphs and replay them (false: enqueue the
   /// step op by op). Results are identical either way; the train log says which path runs.
