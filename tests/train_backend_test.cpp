@@ -218,8 +218,11 @@ TEST(TrainBackend, MisuseIsAClearError) {
   expect_error([&] { a.drafter->update(1e-3); }, "update() without a step()");
   expect_error([&] { a.drafter->result(); }, "result() without an updated step");
   const auto fa = a.target->forward_taps(batch);
-  expect_error([&] { b.drafter->step(batch, *fa); }, "another backend");
+  struct ForeignFeatures final : TargetFeatures {};
+  expect_error([&] { b.drafter->step(batch, ForeignFeatures()); }, "another backend");
   expect_error([&] { a.drafter->step(other, *fa); }, "features");
+  ForeignFeatures foreign;
+  expect_error([&] { a.target->fill_nan(foreign); }, "another stage");
   a.drafter->step(batch, *fa);
   expect_error([&] { a.drafter->step(batch, *fa); }, "twice without update()");
   DrafterState st;

@@ -14,7 +14,8 @@
 //   (drafter_batch_stage), where padding is inert.
 // - Each anchor lies inside its document; targets.K = block_size and targets has N·K entries.
 // - weight_sum = Σ targets.weights, summed in index order in double (the step's loss normaliser
-//   Σw of DESIGN.md §1: the gradient of a step is that of Σ w·CE / weight_sum).
+//   Σw of DESIGN.md §1: the gradient of a step is that of Σ w·CE / weight_sum; with several drafter
+//   replicas, the normaliser is the Σw of all their batches, step_weight_sum).
 // - Anchors are a pure function of (seed, epoch, batch index, row) (docs/design-notes.md), so a
 //   batch is rebuilt identically from the same Batch and options.
 // - The block-row rule (positions anchor − doc_start + j, keys [doc_start, anchor) plus the block's
@@ -23,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -41,6 +43,10 @@ struct DrafterBatch {
   std::vector<Anchor> anchors;          ///< [N] positions in [0, T) and document indices
   BlockTargets targets;                 ///< [N·K] labels, weights, supervised flags
   double weight_sum = 0;                ///< Σ targets.weights (double, index order)
+  /// Σw of the whole optimizer step when this batch is one of several (one per drafter replica,
+  /// docs/design-notes.md): each replica's gradient is that of Σw·CE / step_weight_sum, so that
+  /// their sum is the gradient of the step's loss. Unset: the batch is the whole step.
+  std::optional<double> step_weight_sum;
   int64_t rows = 0;                     ///< rows of the source Batch
   int64_t row_length = 0;               ///< L of the source Batch (rows·L bounds T)
   int64_t epoch = 0, index = 0;         ///< the source Batch's epoch and index in it
@@ -51,6 +57,8 @@ struct DrafterBatch {
   int64_t T() const { return static_cast<int64_t>(tokens.size()); }
   int64_t N() const { return static_cast<int64_t>(anchors.size()); }
   int64_t n_docs() const { return static_cast<int64_t>(doc_offsets.size()) - 1; }
+  /// The step's loss normaliser: step_weight_sum when set, else weight_sum.
+  double loss_normaliser() const { return step_weight_sum.value_or(weight_sum); }
 
   /// Appends one row: `tokens` [n] with its documents `doc_offsets` [d+1] (0 .. n), its anchors
   /// (row positions, row document indices) and their targets (K = block_size, one block per

@@ -5,11 +5,19 @@
 // to the sum over its rows, tests/drafter_batch_test.cpp), gradient norm in double in index order
 // (sum_squares_cpu), AdamW of src/train/optimizer.hpp on fp32 master weights.
 //
+// Data parallelism: with a collective (several replicas), each replica computes the gradient of its
+// batch's Σw·CE divided by the whole step's Σw (DrafterBatch::loss_normaliser), update() sums the
+// replicas' gradients in rank order (train/collective.hpp), takes the norm of the sum and makes the
+// skip decision together with the other replicas, so every replica applies the same update.
+//
 // Invariants: everything is computed synchronously on the calling thread (and parallel_for's
 // workers), in a fixed order, so two runs from the same state give identical bits; the frozen
 // tables are f32 copies owned by the drafter stage; step() allocates only inside its workspace,
-// whose buffers keep their capacity.
+// whose buffers keep their capacity. Any CPU target stage's features feed any CPU drafter stage
+// (the target model is shared read-only between target stages).
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "core/error.hpp"
 #include "core/parallel.hpp"
@@ -30,6 +38,7 @@ class CpuTargetFeatures final : public TargetFeatures {
   const CpuTargetStage* source() const { return source_; }
   uint64_t batch() const { return batch_; }  ///< DrafterBatch::fingerprint of their batch
   const Tensor& taps() const { return taps_; }
+  Tensor& taps() { return taps_; }
 
  private:
   const CpuTargetStage* source_;
@@ -49,6 +58,14 @@ class CpuTargetStage final : public TargetStage {
     return std::make_unique<CpuTargetFeatures>(this, batch.fingerprint(), std::move(taps));
   }
 
+  void fill_nan(TargetFeatures& features) override {
+    auto* f = dynamic_cast<CpuTargetFeatures*>(&features);
+    DFLASH_CHECK(f != nullptr && f->source() == this,
+                 "cpu target stage: fill_nan() of features another stage made");
+    float* p = f->taps().data<float>();
+    std::fill(p, p + f->taps().numel(), std::numeric_limits<float>::quiet_NaN());
+  }
+
  private:
   const TargetModel& target_;
   std::vector<int> taps_;
@@ -58,12 +75,12 @@ class CpuDrafterStage final : public DrafterStage {
  public:
   CpuDrafterStage(const TrainBackendOptions& opts, const TargetModel& target,
                   const DrafterConfig& cfg, const DrafterLayout& layout,
-                  const CpuTargetStage* partner)
+                  std::unique_ptr<Collective> collective)
       : cfg_(cfg),
         layout_(layout),
         adam_(opts.adam),
         clip_grad_norm_(opts.clip_grad_norm),
-        partner_(partner),
+        collective_(std::move(collective)),
         embed_(target.embedding_f32()),
         head_(target.config().tie_word_embeddings ? std::vector<float>() : target.lm_head_f32()) {
     const auto n = static_cast<size_t>(layout.total);
@@ -81,7 +98,7 @@ class CpuDrafterStage final : public DrafterStage {
                  "cpu drafter stage: a batch of block size {} for a drafter of block size {}",
                  batch.block_size, cfg_.block_size);
     const auto* f = dynamic_cast<const CpuTargetFeatures*>(&features);
-    DFLASH_CHECK(f != nullptr && f->source() == partner_,
+    DFLASH_CHECK(f != nullptr,
                  "cpu drafter stage: the features come from another backend's target stage");
     DFLASH_CHECK(f->batch() == batch.fingerprint(),
                  "cpu drafter stage: the features were computed for another batch");
@@ -92,25 +109,34 @@ class CpuDrafterStage final : public DrafterStage {
         shape_str(f->taps().shape()), batch.T(), F);
     DrafterStepResult r;
     r.metrics = ObjectiveMetrics(cfg_.block_size);
-    if (!(batch.weight_sum > 0)) {
+    // Σw of the whole step is 0 on every replica alike: all of them skip, none all-reduces.
+    if (!(batch.loss_normaliser() > 0)) {
       r.skip = StepSkip::no_supervised_slot;
       queue_.stepped(std::move(r));
       return;
     }
     std::fill(grads_.begin(), grads_.end(), 0.0f);
-    const DrafterTrainResult out =
-        drafter_train_step<float>(cfg_, layout_, state_.params.data(), grads_.data(), tables_,
-                                  batch, f->taps().data<float>(), 1.0 / batch.weight_sum, ws_);
-    accumulate_metrics(r.metrics, batch.targets, out.argmax, {});
-    r.metrics.loss_weighted_sum = out.loss_sum;
-    r.metrics.weight_sum = out.weight_sum;
-    r.grad_norm = std::sqrt(sum_squares_cpu(grads_.data(), layout_.total));
+    if (batch.weight_sum > 0) {  // else: this replica's batch adds nothing to the step's gradient
+      const DrafterTrainResult out = drafter_train_step<float>(
+          cfg_, layout_, state_.params.data(), grads_.data(), tables_, batch,
+          f->taps().data<float>(), 1.0 / batch.loss_normaliser(), ws_);
+      accumulate_metrics(r.metrics, batch.targets, out.argmax, {});
+      r.metrics.loss_weighted_sum = out.loss_sum;
+      r.metrics.weight_sum = out.weight_sum;
+    }
+    if (!collective_) r.grad_norm = std::sqrt(sum_squares_cpu(grads_.data(), layout_.total));
     queue_.stepped(std::move(r));
   }
 
   void update(double lr) override {
     DrafterStepResult r = queue_.take_stepped();
-    if (step_decide_update(r, clip_grad_norm_)) {
+    bool peer_non_finite = false;
+    if (collective_ && !r.skipped()) {
+      collective_->all_reduce_sum(grads_.data(), layout_.total);
+      r.grad_norm = std::sqrt(sum_squares_cpu(grads_.data(), layout_.total));
+      peer_non_finite = replicas_non_finite(*collective_, r);
+    }
+    if (step_decide_update(r, clip_grad_norm_, peer_non_finite)) {
       state_.updates += 1;
       adamw_step_cpu(state_.params.data(), state_.adam_m.data(), state_.adam_v.data(),
                      grads_.data(), layout_.total, adam_, lr, state_.updates, r.clip);
@@ -133,12 +159,14 @@ class CpuDrafterStage final : public DrafterStage {
     state_ = in;
   }
 
+  void inject_nan() override { queue_.poison_next(); }
+
  private:
   DrafterConfig cfg_;
   DrafterLayout layout_;
   AdamWConfig adam_;
   double clip_grad_norm_;
-  const CpuTargetStage* partner_;
+  std::unique_ptr<Collective> collective_;  // null: a single replica
   std::vector<float> embed_, head_;  // f32 copies of the frozen tables (head_ empty when tied)
   DrafterTables<float> tables_;
   DrafterState state_;
@@ -147,19 +175,36 @@ class CpuDrafterStage final : public DrafterStage {
   StepQueue queue_;
 };
 
-}  // namespace
-
-TrainBackend cpu_train_backend_create(const TrainBackendOptions& opts, const TargetModel& target,
-                                      const DrafterConfig& cfg, const DrafterLayout& layout) {
+void check_sizes(const TargetModel& target, const DrafterConfig& cfg) {
   cfg.validate();
   DFLASH_CHECK(cfg.hidden_size == target.hidden_size() && cfg.vocab_size == target.vocab_size(),
                "cpu backend: a drafter of hidden size {} and vocabulary {} for a target of {} and "
                "{}",
                cfg.hidden_size, cfg.vocab_size, target.hidden_size(), target.vocab_size());
-  auto target_stage = std::make_shared<CpuTargetStage>(target, cfg.target_layer_ids);
+}
+
+}  // namespace
+
+std::unique_ptr<TargetStage> cpu_target_stage_create(const TargetModel& target,
+                                                     const DrafterConfig& cfg) {
+  check_sizes(target, cfg);
+  return std::make_unique<CpuTargetStage>(target, cfg.target_layer_ids);
+}
+
+std::unique_ptr<DrafterStage> cpu_drafter_stage_create(const TrainBackendOptions& opts,
+                                                       const TargetModel& target,
+                                                       const DrafterConfig& cfg,
+                                                       const DrafterLayout& layout,
+                                                       std::unique_ptr<Collective> collective) {
+  check_sizes(target, cfg);
+  return std::make_unique<CpuDrafterStage>(opts, target, cfg, layout, std::move(collective));
+}
+
+TrainBackend cpu_train_backend_create(const TrainBackendOptions& opts, const TargetModel& target,
+                                      const DrafterConfig& cfg, const DrafterLayout& layout) {
   TrainBackend b;
-  b.drafter = std::make_shared<CpuDrafterStage>(opts, target, cfg, layout, target_stage.get());
-  b.target = std::move(target_stage);
+  b.target = cpu_target_stage_create(target, cfg);
+  b.drafter = cpu_drafter_stage_create(opts, target, cfg, layout, nullptr);
   b.description = fmt::format("cpu, {} threads", parallel_threads());
   return b;
 }

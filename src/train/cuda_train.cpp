@@ -252,6 +252,14 @@ std::unique_ptr<TargetFeatures> CudaTrainBackend::forward_taps(const DrafterBatc
   return std::make_unique<CudaTargetFeatures>(this, staged_ticket_);
 }
 
+void CudaTrainBackend::fill_nan(TargetFeatures& features) {
+  const auto* f = dynamic_cast<const CudaTargetFeatures*>(&features);
+  DFLASH_CHECK(f != nullptr && f->owner == this && f->ticket == staged_ticket_,
+               "CudaTrainBackend: fill_nan() of features this backend does not hold");
+  const size_t bytes = static_cast<size_t>(staged_T_ * cfg_.n_taps() * cfg_.hidden_size) * 2;
+  DFLASH_CUDA_CHECK(cudaMemsetAsync(drafter_->features(), 0xFF, bytes, ctx_->stream()));
+}
+
 void CudaTrainBackend::step(const DrafterBatch& b, const TargetFeatures& features) {
   DFLASH_CHECK(!queue_.waiting_for_update(),
                "CudaTrainBackend: step() called twice without update() in between");
@@ -335,6 +343,10 @@ namespace dflash {
 
 void cuda_train_backend_check(const TrainBackendOptions& opts) {
 #ifdef DFLASH_HAVE_CUDA
+  if (opts.topology.targets() > 0) {
+    topology_check_devices(opts.topology, cuda::device_count());
+    return;
+  }
   DFLASH_CHECK(opts.devices.size() == 1,
                "runtime.devices lists {} devices; this build trains on exactly one GPU",
                opts.devices.size());

@@ -75,6 +75,10 @@ class CudaTrainBackend final : public TargetStage, public DrafterStage {
   void load_state(const DrafterState& in) override;
   /// "cuda: N step shapes captured as CUDA graphs" or "cuda: CUDA graphs off".
   std::string summary() const override;
+  /// Fault injection: the staged features become NaN (bf16 0xFFFF), enqueued on the stream.
+  void fill_nan(TargetFeatures& features) override;
+  /// Fault injection: the next step's loss is reported as NaN.
+  void inject_nan() override { queue_.poison_next(); }
 
   /// Graphs captured so far (0 when graphs are off).
   int64_t graphs_captured() const;

@@ -3,6 +3,7 @@
 #include "train/train_backend.hpp"
 
 #include <cmath>
+#include <limits>
 
 #include "core/error.hpp"
 
@@ -22,8 +23,48 @@ void train_backend_check(const TrainBackendOptions& opts) {
   fail("runtime.backend '{}' is not known (cpu or cuda)", opts.backend);
 }
 
+std::unique_ptr<TargetStage> target_stage_create(const TrainBackendOptions& opts, int device,
+                                                 const TargetModel& target,
+                                                 const DrafterConfig& cfg) {
+  if (opts.backend == "cpu") return cpu_target_stage_create(target, cfg);
+  if (opts.backend == "cuda") return cuda_target_stage_create(opts, device, target, cfg);
+  fail("runtime.backend '{}' is not known (cpu or cuda)", opts.backend);
+}
+
+std::unique_ptr<DrafterStage> drafter_stage_create(const TrainBackendOptions& opts, int device,
+                                                   const TargetModel& target,
+                                                   const DrafterConfig& cfg,
+                                                   const DrafterLayout& layout,
+                                                   const std::shared_ptr<CollectiveGroup>& group,
+                                                   int replica) {
+  if (opts.backend == "cpu") {
+    std::unique_ptr<Collective> member;
+    if (group) {
+      auto* local = dynamic_cast<LocalCollectiveGroup*>(group.get());
+      DFLASH_CHECK(local != nullptr, "cpu backend: a {} collective cannot serve host replicas",
+                   group->kind());
+      member = local->member(replica);
+    }
+    return cpu_drafter_stage_create(opts, target, cfg, layout, std::move(member));
+  }
+  if (opts.backend == "cuda") {
+    return cuda_drafter_stage_create(opts, device, target, cfg, layout, group, replica);
+  }
+  fail("runtime.backend '{}' is not known (cpu or cuda)", opts.backend);
+}
+
+std::shared_ptr<CollectiveGroup> collective_group_create(const std::string& backend,
+                                                         const std::vector<int>& devices) {
+  if (devices.size() <= 1) return nullptr;
+  if (backend == "cpu") return LocalCollectiveGroup::create(static_cast<int>(devices.size()));
+  if (backend == "cuda") return cuda_collective_group_create(devices);
+  fail("runtime.backend '{}' is not known (cpu or cuda)", backend);
+}
+
 void StepQueue::stepped(DrafterStepResult r) {
   DFLASH_CHECK(!waiting_, "drafter stage: step() called twice without update() in between");
+  if (poison_next_) r.metrics.loss_weighted_sum = std::numeric_limits<double>::quiet_NaN();
+  poison_next_ = false;
   waiting_ = std::move(r);
 }
 
@@ -52,9 +93,16 @@ void drafter_state_check(const DrafterState& s, int64_t total) {
   DFLASH_CHECK(s.updates >= 0, "drafter state: negative update count {}", s.updates);
 }
 
-bool step_decide_update(DrafterStepResult& r, double clip_grad_norm) {
+bool replicas_non_finite(Collective& collective, const DrafterStepResult& r) {
+  double non_finite[1] = {std::isfinite(r.metrics.loss_weighted_sum) ? 0.0 : 1.0};
+  collective.all_reduce_sum_host(non_finite);
+  return non_finite[0] != 0.0;
+}
+
+bool step_decide_update(DrafterStepResult& r, double clip_grad_norm, bool peer_non_finite) {
   if (r.skipped()) return false;
-  if (!std::isfinite(r.metrics.loss_weighted_sum) || !std::isfinite(r.grad_norm)) {
+  if (peer_non_finite || !std::isfinite(r.metrics.loss_weighted_sum) ||
+      !std::isfinite(r.grad_norm)) {
     r.skip = StepSkip::non_finite;
     return false;
   }

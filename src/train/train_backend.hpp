@@ -35,18 +35,28 @@
 
 #include "model/drafter.hpp"
 #include "model/drafter_batch.hpp"
+#include "train/collective.hpp"
 #include "train/objective.hpp"
 #include "train/optimizer.hpp"
+#include "train/topology.hpp"
 
 namespace dflash {
 
 class TargetModel;
 
 /// Target features of one DrafterBatch, [T, n_taps·H] (tap i in columns [i·H, (i+1)·H)), in
-/// whatever memory the producing backend keeps them; only that backend's drafter stage reads them.
+/// whatever memory the producing backend keeps them; only drafter stages of the same backend read
+/// them. They may be handed to another thread (a target worker's features go to a drafter worker
+/// through a queue) and destroyed there.
 class TargetFeatures {
  public:
   virtual ~TargetFeatures() = default;
+};
+
+/// Device memory of the GPU a stage runs on (cudaMemGetInfo: the whole device, every process).
+struct DeviceMemory {
+  uint64_t used = 0;   ///< bytes
+  uint64_t total = 0;  ///< bytes
 };
 
 /// The target stage: the frozen target's tap forward over a batch's context (DESIGN.md §1, taps
@@ -58,6 +68,11 @@ class TargetStage {
   /// it); the features are complete by the time the drafter stage uses them. Throws dflash::Error
   /// when the batch does not fit the stage's planned capacity.
   virtual std::unique_ptr<TargetFeatures> forward_taps(const DrafterBatch& batch) = 0;
+  /// Fault injection (train/fault_inject.hpp): overwrites `features`, which this stage made, with
+  /// NaN. Throws dflash::Error for features of another stage.
+  virtual void fill_nan(TargetFeatures& features) = 0;
+  /// The memory of the stage's GPU; nothing on the cpu backend. Call from the stage's thread.
+  virtual std::optional<DeviceMemory> device_memory() const { return std::nullopt; }
 };
 
 /// Why a step changed no weight.
@@ -114,12 +129,20 @@ class DrafterStage {
   /// One line for the end-of-run log (e.g. how many step shapes became CUDA graphs); empty when
   /// the backend has nothing to add.
   virtual std::string summary() const { return {}; }
+  /// Fault injection (train/fault_inject.hpp): the loss of the next step() is reported as NaN, so
+  /// that its update is skipped as non-finite.
+  virtual void inject_nan() = 0;
+  /// The memory of the stage's GPU; nothing on the cpu backend. Call from the stage's thread.
+  virtual std::optional<DeviceMemory> device_memory() const { return std::nullopt; }
 };
 
 /// What a backend needs to know before the first step.
 struct TrainBackendOptions {
   std::string backend = "cpu";     ///< runtime.backend: "cpu" or "cuda"
-  std::vector<int> devices = {0};  ///< runtime.devices (cuda: exactly one today)
+  std::vector<int> devices = {0};  ///< runtime.devices (train_backend_create: exactly one on cuda)
+  /// The run's workers (train/topology.hpp); when it has workers, train_backend_check checks its
+  /// devices instead of `devices`.
+  PipelineTopology topology;
   bool cuda_graphs = true;         ///< runtime.cuda_graphs
   int64_t max_context_tokens = 0;  ///< rows_per_step·token_budget: the largest rows·L of a batch
   AdamWConfig adam;                ///< training.beta1/beta2/adam_eps/weight_decay
@@ -149,14 +172,63 @@ void train_backend_check(const TrainBackendOptions& opts);
 /// over the packed batch, AdamW of src/train/optimizer.hpp; bit-reproducible.
 TrainBackend cpu_train_backend_create(const TrainBackendOptions& opts, const TargetModel& target,
                                       const DrafterConfig& cfg, const DrafterLayout& layout);
+/// The CPU target stage of one worker (several may share `target`, which is read-only).
+std::unique_ptr<TargetStage> cpu_target_stage_create(const TargetModel& target,
+                                                     const DrafterConfig& cfg);
+/// The CPU drafter stage of one replica; `collective` is its member (null: a single replica).
+std::unique_ptr<DrafterStage> cpu_drafter_stage_create(const TrainBackendOptions& opts,
+                                                       const TargetModel& target,
+                                                       const DrafterConfig& cfg,
+                                                       const DrafterLayout& layout,
+                                                       std::unique_ptr<Collective> collective);
 
 /// The CUDA backend on one GPU (src/train/cuda_train.cpp). In a build without CUDA it throws
 /// dflash::Error saying so.
 TrainBackend cuda_train_backend_create(const TrainBackendOptions& opts, const TargetModel& target,
                                        const DrafterConfig& cfg, const DrafterLayout& layout);
-/// train_backend_check for the CUDA backend: the build has CUDA, runtime.devices lists exactly
-/// one device and it exists.
+/// train_backend_check for the CUDA backend: the build has CUDA and the devices exist (every
+/// device of opts.topology when it has workers, else runtime.devices, which must list exactly one
+/// device).
 void cuda_train_backend_check(const TrainBackendOptions& opts);
+/// The CUDA target stage of one worker on `device`, with a context of its own
+/// (src/train/cuda_stages.cpp). Throws dflash::Error in a build without CUDA.
+std::unique_ptr<TargetStage> cuda_target_stage_create(const TrainBackendOptions& opts, int device,
+                                                      const TargetModel& target,
+                                                      const DrafterConfig& cfg);
+/// The CUDA drafter stage of replica `replica` on `device`, with a context of its own and its
+/// member of `group` (null: a single replica). Throws dflash::Error in a build without CUDA.
+std::unique_ptr<DrafterStage> cuda_drafter_stage_create(
+    const TrainBackendOptions& opts, int device, const TargetModel& target,
+    const DrafterConfig& cfg, const DrafterLayout& layout,
+    const std::shared_ptr<CollectiveGroup>& group, int replica);
+
+/// The collective group of `replicas` drafter replicas on `backend` (null for one replica): the
+/// local host group on cpu; on cuda an NCCL group when every replica has a GPU of its own
+/// (`devices`, one per replica) and the in-process device group when two share one (NCCL refuses
+/// two ranks on one GPU). Call on the coordinating thread before the replicas' stages are made.
+std::shared_ptr<CollectiveGroup> collective_group_create(const std::string& backend,
+                                                         const std::vector<int>& devices);
+
+/// The target stage of one target worker on `device` (a CUDA device index; −1 on the cpu
+/// backend), for the taps of `cfg`. Call it on the thread that will drive the stage (a CUDA stage
+/// creates its context there); `target` must outlive the stage. Throws dflash::Error as
+/// train_backend_create.
+std::unique_ptr<TargetStage> target_stage_create(const TrainBackendOptions& opts, int device,
+                                                 const TargetModel& target,
+                                                 const DrafterConfig& cfg);
+
+/// The drafter stage of drafter replica `replica` on `device` (−1 on cpu), with zero weights and
+/// moments (load_state them before the first step). `group` is the replicas' collective (null for
+/// a single replica): the stage takes its member `replica` and all-reduces its gradient and its
+/// skip decision in update(). Call it on the thread that will drive the stage; for an NCCL group
+/// every replica's thread must call it at about the same time (the communicator forms when all
+/// ranks have joined). Throws dflash::Error as train_backend_create.
+std::unique_ptr<DrafterStage> drafter_stage_create(const TrainBackendOptions& opts, int device,
+                                                   const TargetModel& target,
+                                                   const DrafterConfig& cfg,
+                                                   const DrafterLayout& layout,
+                                                   const std::shared_ptr<CollectiveGroup>& group,
+                                                   int replica);
 
 /// The bookkeeping every drafter stage shares: one step waiting for update(), then results in
 /// order. Backends call stepped() from step(), take_stepped() from update() and push the
@@ -174,8 +246,11 @@ class StepQueue {
   DrafterStepResult pop();
   /// True between step() and update().
   bool waiting_for_update() const { return waiting_.has_value(); }
+  /// Fault injection: the next stepped() result gets a NaN loss.
+  void poison_next() { poison_next_ = true; }
 
  private:
+  bool poison_next_ = false;
   std::optional<DrafterStepResult> waiting_;
   std::deque<DrafterStepResult> done_;
 };
@@ -184,9 +259,15 @@ class StepQueue {
 void drafter_state_check(const DrafterState& s, int64_t total);
 
 /// The update decision of a stepped result `r` made on the host: when its loss (Σw·CE) or
-/// gradient norm is not finite, marks it skipped (non_finite) and returns false; otherwise sets
-/// r.clip = clip_scale(grad_norm, clip_grad_norm) and returns true (apply the update). A result
-/// already skipped (no supervised slot) returns false unchanged.
-bool step_decide_update(DrafterStepResult& r, double clip_grad_norm);
+/// gradient norm is not finite, or `peer_non_finite` (another replica's loss is not finite), marks
+/// it skipped (non_finite) and returns false; otherwise sets r.clip = clip_scale(grad_norm,
+/// clip_grad_norm) and returns true (apply the update). A result already skipped (no supervised
+/// slot) returns false unchanged.
+bool step_decide_update(DrafterStepResult& r, double clip_grad_norm, bool peer_non_finite = false);
+
+/// For data-parallel replicas: all-reduces whether each replica's loss of `r` is finite, so that
+/// every replica makes the same skip decision. Returns true when any replica's loss is not finite.
+/// Throws dflash::Error when the collective fails.
+bool replicas_non_finite(Collective& collective, const DrafterStepResult& r);
 
 }  // namespace dflash
