@@ -66,8 +66,9 @@ std::vector<json> deterministic_metrics(const fs::path& dir) {
   std::istringstream in(test::read_file(dir / "metrics.jsonl"));
   for (std::string line; std::getline(in, line);) {
     json j = json::parse(line);
-    for (const char* k : {"tokens_per_s", "supervised_tokens_per_s", "s_per_step", "s_data",
-                          "s_target", "s_drafter", "rss_bytes"}) {
+    for (const char* k :
+         {"tokens_per_s", "supervised_tokens_per_s", "s_per_step", "s_data", "s_target",
+          "s_drafter", "rss_bytes", "target_busy", "drafter_busy", "queue_depth"}) {
       j.erase(k);
     }
     out.push_back(j);
@@ -79,32 +80,6 @@ std::string master_bytes(const fs::path& ckpt) {
   SafetensorsFile f(ckpt / "trainer_state" / "optimizer.safetensors");
   Tensor t = f.get("master");
   return std::string(static_cast<const char*>(t.raw()), t.nbytes());
-}
-
-// Starts the dflash binary with `args` in the background; returns its pid.
-pid_t spawn_dflash(const std::vector<std::string>& args, const fs::path& log,
-                   const std::vector<std::string>& env = {}) {
-  pid_t pid = ::fork();
-  if (pid == 0) {
-    for (const auto& e : env) ::putenv(const_cast<char*>(e.c_str()));
-    FILE* f = std::freopen(log.c_str(), "w", stderr);
-    (void)f;
-    std::vector<char*> argv;
-    std::string bin = DFLASH_BINARY_PATH;
-    argv.push_back(bin.data());
-    std::vector<std::string> copy = args;
-    for (auto& a : copy) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    ::execv(bin.c_str(), argv.data());
-    std::_Exit(127);
-  }
-  return pid;
-}
-
-int wait_exit(pid_t pid) {
-  int st = 0;
-  ::waitpid(pid, &st, 0);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
 }  // namespace
@@ -190,9 +165,9 @@ TEST(Trainer, SigtermCheckpointsAndExitsZeroAndStatusSeesTheLiveRun) {
   test::TempDir tmp;
   const fs::path dir = tmp / "sig";
   test::write_file(tmp / "run.yaml", yaml_for(dir, 100000));
-  pid_t pid = spawn_dflash({"train", "--config", (tmp / "run.yaml").string(),
-                            "training.save_interval=0"},
-                           tmp / "log.txt");
+  pid_t pid = test::spawn_dflash(
+      {"train", "--config", (tmp / "run.yaml").string(), "training.save_interval=0"},
+      tmp / "log.txt");
   // Wait until a step has been logged.
   bool live = false;
   for (int i = 0; i < 600 && !live; ++i) {
@@ -211,7 +186,7 @@ TEST(Trainer, SigtermCheckpointsAndExitsZeroAndStatusSeesTheLiveRun) {
   EXPECT_NE(status.out.find("running (pid " + std::to_string(pid) + ")"), std::string::npos)
       << status.out;
   ::kill(pid, SIGTERM);
-  EXPECT_EQ(wait_exit(pid), 0) << test::read_file(tmp / "log.txt");
+  EXPECT_EQ(test::wait_exit(pid), 0) << test::read_file(tmp / "log.txt");
   auto cps = RunDir::complete_checkpoints(dir);
   ASSERT_EQ(cps.size(), 1u);
   EXPECT_NE(test::read_file(tmp / "log.txt").find("stopped by signal"), std::string::npos);
@@ -225,9 +200,9 @@ TEST(Trainer, CrashWhileWritingACheckpointLeavesThePreviousOneUsable) {
   const fs::path dir = tmp / "crash";
   test::write_file(tmp / "run.yaml", yaml_for(dir, 6));
   // The writer dies (as on SIGKILL) in the middle of writing checkpoint-4.
-  pid_t pid = spawn_dflash({"train", "--config", (tmp / "run.yaml").string()}, tmp / "log.txt",
-                           {"DFLASH_TEST_CRASH_IN_CHECKPOINT=4"});
-  EXPECT_EQ(wait_exit(pid), 86) << test::read_file(tmp / "log.txt");
+  pid_t pid = test::spawn_dflash({"train", "--config", (tmp / "run.yaml").string()},
+                                 tmp / "log.txt", {"DFLASH_TEST_CRASH_IN_CHECKPOINT=4"});
+  EXPECT_EQ(test::wait_exit(pid), 86) << test::read_file(tmp / "log.txt");
   auto cps = RunDir::complete_checkpoints(dir);
   ASSERT_EQ(cps.size(), 1u);
   EXPECT_EQ(cps.back().first, 2);

@@ -1,12 +1,14 @@
-// `dflash status RUN_DIR`: is the run alive, where is it, how fast — from status.json and the lock,
-// without reading logs.
+// `dflash status RUN_DIR [--watch]`: is the run alive, where is it, how fast, and one row per
+// pipeline worker — from status.json and the lock, without reading logs.
 #include <signal.h>
 #include <sys/file.h>
 #include <fcntl.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
+#include <thread>
 #include <fmt/format.h>
 
 #include "cli/commands.hpp"
@@ -32,7 +34,36 @@ std::pair<std::string, bool> lock_holder(const std::filesystem::path& dir) {
   return {pid, held};
 }
 
-void run_status(const std::string& dir) {
+// "30.1/139.8 GiB", or "-" when not measured.
+std::string memory_cell(const nlohmann::json& w) {
+  if (!w.contains("memory_used_bytes")) return "-";
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  return fmt::format("{:.1f}/{:.1f} GiB", w["memory_used_bytes"].get<double>() / gib,
+                     w["memory_total_bytes"].get<double>() / gib);
+}
+
+// One row per pipeline worker: phase (and for how long), step, tokens/s, input queue, busy
+// fraction since the start, device memory. Figures that were not measured print as "-".
+void print_workers(const nlohmann::json& workers) {
+  fmt::print("{:<9} {:<7} {:<40} {:>6} {:>9} {:>6} {:>5}  {}\n", "worker", "device", "phase",
+             "step", "tokens/s", "queue", "busy", "memory");
+  for (const auto& w : workers) {
+    const std::string phase =
+        fmt::format("{} ({})", w.value("phase", "?"), format_duration(w.value("phase_s", 0.0)));
+    const std::string tps =
+        w.contains("tokens_per_s") ? fmt::format("{:.0f}", w["tokens_per_s"].get<double>()) : "-";
+    const std::string queue =
+        w.contains("queue_depth")
+            ? fmt::format("{}/{}", w["queue_depth"].get<int>(), w["queue_capacity"].get<int>())
+            : "-";
+    fmt::print("{:<9} {:<7} {:<40} {:>6} {:>9} {:>6} {:>4.0f}%  {}\n", w.value("name", "?"),
+               w.value("device", "?"), phase, w.value("step", int64_t{0}), tps, queue,
+               100.0 * w.value("busy", 0.0), memory_cell(w));
+  }
+}
+
+// Prints the status once; returns whether the run is still running.
+bool run_status(const std::string& dir) {
   nlohmann::json st = read_status(dir);
   auto [pid, held] = lock_holder(dir);
   const auto mtime = std::filesystem::last_write_time(std::filesystem::path(dir) / "status.json");
@@ -59,6 +90,23 @@ void run_status(const std::string& dir) {
   }
   if (st.contains("checkpoint")) fmt::print("checkpoint {}\n", st["checkpoint"].get<std::string>());
   if (st.contains("error")) fmt::print("error     {}\n", st["error"].get<std::string>());
+  if (st.contains("topology")) fmt::print("topology  {}\n", st["topology"].get<std::string>());
+  if (st.contains("workers")) {
+    fmt::print("\n");
+    print_workers(st["workers"]);
+  }
+  return held;
+}
+
+void watch_status(const std::string& dir, double every_s) {
+  DFLASH_CHECK(every_s > 0, "--every must be > 0 seconds, got {}", every_s);
+  for (;;) {
+    fmt::print("\033[H\033[2J");  // home, clear screen
+    const bool running = run_status(dir);
+    std::fflush(stdout);
+    if (!running) return;
+    std::this_thread::sleep_for(std::chrono::duration<double>(every_s));
+  }
 }
 
 }  // namespace
@@ -66,8 +114,18 @@ void run_status(const std::string& dir) {
 void add_status_command(CLI::App& app) {
   auto* sub = app.add_subcommand("status", "Show whether a training run is alive and how fast");
   auto dir = std::make_shared<std::string>();
+  auto watch = std::make_shared<bool>(false);
+  auto every = std::make_shared<double>(2.0);
   sub->add_option("run_dir", *dir, "The run directory (output_dir of the run)")->required();
-  sub->callback([dir] { run_status(*dir); });
+  sub->add_flag("--watch", *watch, "Refresh until the run ends (Ctrl-C to leave)");
+  sub->add_option("--every", *every, "Seconds between refreshes with --watch (default 2)");
+  sub->callback([dir, watch, every] {
+    if (*watch) {
+      watch_status(*dir, *every);
+    } else {
+      run_status(*dir);
+    }
+  });
 }
 
 }  // namespace dflash::cli

@@ -124,6 +124,8 @@ json TrainStatus::to_json() const {
   if (!last.is_null()) j["last"] = last;
   if (!checkpoint.empty()) j["checkpoint"] = checkpoint;
   if (!error.empty()) j["error"] = error;
+  if (!topology.empty()) j["topology"] = topology;
+  if (!workers.is_null()) j["workers"] = workers;
   return j;
 }
 

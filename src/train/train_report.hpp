@@ -64,6 +64,11 @@ struct TrainStatus {
   nlohmann::json last;             ///< the last metrics record (null: none yet)
   std::string checkpoint;          ///< the newest complete checkpoint ("" none)
   std::string error;               ///< failure message ("" none)
+  std::string topology;            ///< the pipeline's workers (PipelineTopology::describe)
+  /// One entry per pipeline worker: name, stage, device, phase, phase_s, step, busy, and when
+  /// known tokens_per_s, queue_depth/queue_capacity, memory_used_bytes/memory_total_bytes (null:
+  /// not running yet).
+  nlohmann::json workers;
   nlohmann::json to_json() const;  ///< adds "pid"
 };
 

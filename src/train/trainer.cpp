@@ -24,7 +24,9 @@
 #include "model/target.hpp"
 #include "train/checkpoint.hpp"
 #include "train/optimizer.hpp"
+#include "train/pipeline.hpp"
 #include "train/run_dir.hpp"
+#include "train/topology.hpp"
 #include "train/train_backend.hpp"
 #include "train/train_report.hpp"
 
@@ -64,6 +66,7 @@ TrainBackendOptions backend_options_of(const RunConfig& cfg) {
   TrainBackendOptions o;
   o.backend = cfg.runtime.backend;
   o.devices = cfg.runtime.devices;
+  o.topology = topology_of(cfg.runtime);
   o.cuda_graphs = cfg.runtime.cuda_graphs;
   o.max_context_tokens = static_cast<int64_t>(cfg.data.rows_per_step) * cfg.data.token_budget;
   o.adam = {cfg.training.beta1, cfg.training.beta2, cfg.training.adam_eps,
@@ -107,16 +110,32 @@ BatcherOptions batcher_options_of(const RunConfig& cfg) {
   return bo;
 }
 
+// Steps of the run: training.max_steps, else the epochs' batches shared out D per step.
+int64_t total_steps_of(const RunConfig& cfg, int64_t per_epoch, int replicas) {
+  if (cfg.training.max_steps > 0) return cfg.training.max_steps;
+  return (per_epoch * cfg.training.epochs + replicas - 1) / replicas;
+}
+
+// Pipeline figures of the log interval in progress (not checkpointed: after a resume they cover
+// the steps this process ran).
+struct PipelineInterval {
+  double target_busy_s = 0, drafter_busy_s = 0, wall_s = 0;
+  std::vector<double> queue_sum;
+  int64_t steps = 0;
+};
+
 // Everything the step loop works with, built in declaration order by the constructor.
 struct Session {
   const RunConfig& cfg;
   RunDir& rd;
   TrainReport& report;
-  TargetModel target;
+  // Shared with the target workers' stages, which may outlive a failed run (left behind).
+  std::shared_ptr<const TargetModel> target;
   Tokenizer tok;
   DrafterConfig dcfg;
   DrafterLayout layout;
-  TrainBackend backend;  // before the data: a backend that cannot start fails before tokenizing
+  PipelineTopology topo;
+  TrainBackendOptions backend_opts;
   Batcher batcher;
   int64_t per_epoch;
   int64_t total_steps;
@@ -125,20 +144,22 @@ struct Session {
   DType export_dtype;
   TrainerState st;
   std::string last_ckpt;  // newest complete checkpoint ("" none)
+  int64_t last_ckpt_step = -1;
+  PipelineInterval piv;
 
   Session(const RunConfig& c, RunDir& r, TrainReport& rep)
       : cfg(c),
         rd(r),
         report(rep),
-        target(TargetModel::load(c.model.target)),
+        target(std::make_shared<const TargetModel>(TargetModel::load(c.model.target))),
         tok(Tokenizer::load(c.model.target)),
-        dcfg(drafter_config_of(c, target, tok)),
+        dcfg(drafter_config_of(c, *target, tok)),
         layout(dcfg),
-        backend(train_backend_create(backend_options_of(c), target, dcfg, layout)),
+        topo(topology_of(c.runtime)),
+        backend_opts(backend_options_of(c)),
         batcher(prepare_data(c, r, tok, rep), batcher_options_of(c)),
         per_epoch(batcher.batches_in_epoch(0)),
-        total_steps(c.training.max_steps > 0 ? c.training.max_steps
-                                             : per_epoch * c.training.epochs),
+        total_steps(total_steps_of(c, per_epoch, topo.drafters())),
         batch_opts{c.training.block_size, c.training.num_anchors, c.training.gamma,
                    c.training.seed},
         export_dtype(dtype_from_name(c.training.export_dtype)) {
@@ -148,12 +169,31 @@ struct Session {
     sched.warmup_steps = static_cast<int64_t>(
         std::llround(c.training.warmup_ratio * static_cast<double>(total_steps)));
     sched.min_lr_ratio = c.training.min_lr_ratio;
+    piv.queue_sum.assign(static_cast<size_t>(topo.drafters()), 0.0);
   }
 };
 
+// Refuses to resume with another number of drafter replicas (a step consumes one batch per
+// replica) unless forced.
+void check_resume_topology(Session& s, const RunConfig& saved, const TrainOptions& opts) {
+  const int was = topology_of(saved.runtime).drafters(), now = s.topo.drafters();
+  if (was == now) return;
+  if (!opts.force) {
+    fail(
+        "--resume {}: the checkpoint was trained with {} drafter replica{} and this run has {} "
+        "({}); a step consumes one batch per replica, so this would change the run (use --force "
+        "to continue anyway)",
+        s.rd.path().string(), was, was == 1 ? "" : "s", now, s.topo.drafter_key);
+  }
+  s.report.log(
+      fmt::format("--force: continuing with {} drafter replicas (the checkpoint had {}); "
+                  "each step now takes {} batches from the checkpoint's data position",
+                  now, was, now));
+}
+
 // Continues from the newest complete checkpoint (checking that the configuration still fits it),
-// or initialises a fresh drafter; hands the weights to the backend and writes config.resolved.yaml.
-void restore_or_init(Session& s, const TrainOptions& opts, const fs::path& checkpoint) {
+// or initialises a fresh drafter; writes config.resolved.yaml. Returns the initial state.
+DrafterState restore_or_init(Session& s, const TrainOptions& opts, const fs::path& checkpoint) {
   DrafterState ds;
   if (!checkpoint.empty()) {
     checkpoint_read(checkpoint, s.layout, ds, s.st);
@@ -168,6 +208,7 @@ void restore_or_init(Session& s, const TrainOptions& opts, const fs::path& check
           "model or the data order (use --force to resume anyway):{}",
           s.rd.path().string(), list);
     }
+    check_resume_topology(s, saved, opts);
     if (diffs.empty()) {
       s.batcher.restore(s.st.cursor);
     } else {
@@ -184,6 +225,7 @@ void restore_or_init(Session& s, const TrainOptions& opts, const fs::path& check
     }
     s.report.log(fmt::format("resumed from {} (step {})", checkpoint.string(), s.st.step));
     s.last_ckpt = checkpoint.string();
+    s.last_ckpt_step = s.st.step;
   } else {
     const auto n = static_cast<size_t>(s.layout.total);
     ds.params.resize(n);
@@ -191,118 +233,240 @@ void restore_or_init(Session& s, const TrainOptions& opts, const fs::path& check
     ds.adam_v.assign(n, 0.0f);
     drafter_init(ds.params, s.layout, s.cfg.training.seed);
   }
-  s.backend.drafter->load_state(ds);
   s.st.config_yaml = s.cfg.to_yaml();
   write_file_atomic(s.rd.path() / "config.resolved.yaml", s.st.config_yaml);
+  return ds;
 }
 
 // -------------------------------------------------------------------------------------- the loop
 
+// The inputs of one step: the next D batches of the global sequence, one per drafter replica,
+// normalised together (docs/design-notes.md).
+StepInput make_step(Session& s) {
+  StepInput in;
+  double weight_sum = 0;
+  for (int r = 0; r < s.topo.drafters(); ++r) {
+    in.batches.push_back(drafter_batch_from_batch(s.batcher.next(), s.batch_opts));
+    weight_sum += in.batches.back().weight_sum;
+  }
+  if (s.topo.drafters() > 1) {
+    for (DrafterBatch& b : in.batches) b.step_weight_sum = weight_sum;
+  }
+  in.cursor = s.batcher.cursor();
+  return in;
+}
+
+// The replicas' results as one: metrics summed; grad norm, clip and skip are the step's (equal on
+// every replica, checked by the pipeline). Names the replicas whose loss was not finite.
+DrafterStepResult merge_results(const PipelineStep& p, std::string& non_finite) {
+  DrafterStepResult r = p.results[0];
+  for (size_t i = 1; i < p.results.size(); ++i) r.metrics.merge(p.results[i].metrics);
+  for (size_t i = 0; i < p.results.size(); ++i) {
+    if (std::isfinite(p.results[i].metrics.loss_weighted_sum)) continue;
+    non_finite += fmt::format("{}drafter{} (features from {})", non_finite.empty() ? "" : ", ", i,
+                              p.feature_source[i]);
+  }
+  return r;
+}
+
 // Counts a finished step into the trainer state; stops the run after too many skips in a row.
-void account_step(Session& s, const DrafterStepResult& r, const DrafterBatch& batch,
-                  const StepTimes& t) {
+void account_step(Session& s, const PipelineStep& p) {
   TrainerState& st = s.st;
+  std::string non_finite;
+  const DrafterStepResult r = merge_results(p, non_finite);
   if (r.skipped()) {
-    st.skipped += 1;
-    st.consecutive_skips += 1;
+    // Checked before the state changes: a run stopped here keeps the state of the step before.
+    const int64_t streak = st.consecutive_skips + 1;
+    const std::string where = non_finite.empty() ? "" : "; non-finite loss on " + non_finite;
     s.report.log(r.skip == StepSkip::no_supervised_slot
                      ? fmt::format("step {}: skipped (no supervised slot)", st.step + 1)
-                     : fmt::format("step {}: skipped (non-finite; loss {}, grad norm {})",
-                                   st.step + 1, r.metrics.loss_weighted_sum, r.grad_norm));
-    DFLASH_CHECK(st.consecutive_skips < s.cfg.training.max_consecutive_skips,
-                 "{} steps in a row were skipped (non-finite loss or gradient); stopping "
+                     : fmt::format("step {}: skipped (non-finite; loss {}, grad norm {}{})",
+                                   st.step + 1, r.metrics.loss_weighted_sum, r.grad_norm, where));
+    DFLASH_CHECK(streak < s.cfg.training.max_consecutive_skips,
+                 "{} steps in a row were skipped (non-finite loss or gradient{}); stopping "
                  "(training.max_consecutive_skips = {})",
-                 st.consecutive_skips, s.cfg.training.max_consecutive_skips);
+                 streak, where, s.cfg.training.max_consecutive_skips);
+    st.skipped += 1;
+    st.consecutive_skips = streak;
   } else {
     st.consecutive_skips = 0;
   }
   st.step += 1;
-  st.interval.add_step(r, batch.T(), batch.n_supervised, t);
-  st.cursor = s.batcher.cursor();
+  StepTimes t;
+  t.data = p.data_s;
+  t.target = p.target_s / static_cast<double>(p.results.size());  // per batch
+  t.drafter = p.drafter_s;
+  t.total = p.wall_s;
+  int64_t tokens = 0, supervised = 0;
+  for (size_t i = 0; i < p.tokens.size(); ++i) {
+    tokens += p.tokens[i];
+    supervised += p.supervised[i];
+  }
+  st.interval.add_step(r, tokens, supervised, t);
+  st.cursor = p.cursor;
+  PipelineInterval& pv = s.piv;
+  pv.target_busy_s += p.target_busy_s;
+  pv.drafter_busy_s += p.drafter_busy_s;
+  pv.wall_s += p.wall_s;
+  for (size_t i = 0; i < p.queue_held.size(); ++i) pv.queue_sum[i] += p.queue_held[i];
+  pv.steps += 1;
 }
 
 // Writes the metrics record of the interval that ends at this step and starts a new one.
 void finish_interval(Session& s, double eta_s, TrainResult& result) {
   TrainerState& st = s.st;
-  const json record =
+  json record =
       interval_record(st.interval, st.step, st.cursor.epoch, s.sched.at(st.step - 1), st.skipped);
+  const PipelineInterval& pv = s.piv;
+  if (pv.wall_s > 0) {
+    record["target_busy"] = pv.target_busy_s / (pv.wall_s * s.topo.targets());
+    record["drafter_busy"] = pv.drafter_busy_s / (pv.wall_s * s.topo.drafters());
+    std::vector<double> depth;
+    for (double q : pv.queue_sum) depth.push_back(q / static_cast<double>(pv.steps));
+    record["queue_depth"] = depth;
+  }
   s.report.interval(record, s.total_steps, eta_s);
   result.final_loss = st.interval.obj.loss();
   result.final_tau = st.interval.obj.tau();
   st.interval = IntervalMetrics(s.dcfg.block_size);
+  s.piv = PipelineInterval{};
+  s.piv.queue_sum.assign(static_cast<size_t>(s.topo.drafters()), 0.0);
 }
 
-void save_checkpoint(Session& s) {
+void save_checkpoint(Session& s, const DrafterState& ds) {
   s.report.status().phase = "checkpointing";
   s.report.write_status();
-  DrafterState ds;
-  s.backend.drafter->save_state(ds);
   s.last_ckpt =
       checkpoint_write(s.rd, s.dcfg, s.layout, ds, s.st, s.export_dtype, s.cfg.training.keep_last)
           .string();
+  s.last_ckpt_step = s.st.step;
   s.report.log(fmt::format("checkpoint {}", s.last_ckpt));
   s.report.status().phase = "training";
   s.report.status().checkpoint = s.last_ckpt;
   s.report.write_status();
 }
 
-// One step through the stages; `t` gets its times.
-DrafterStepResult run_step(Session& s, StepTimes& t) {
-  const auto t0 = Clock::now();
-  const DrafterBatch batch = drafter_batch_from_batch(s.batcher.next(), s.batch_opts);
-  t.data = seconds_since(t0);
-  const auto tt = Clock::now();
-  const std::unique_ptr<TargetFeatures> features = s.backend.target->forward_taps(batch);
-  t.target = seconds_since(tt);
-  const auto td = Clock::now();
-  s.backend.drafter->step(batch, *features);
-  s.backend.drafter->update(s.sched.at(s.st.step));
-  DrafterStepResult r = s.backend.drafter->result();
-  t.drafter = seconds_since(td);
-  if (r.target_device_s) t.target = *r.target_device_s;  // enqueued: its device time is the cost
-  t.total = seconds_since(t0);
-  account_step(s, r, batch, t);
-  return r;
+// status.json's entry of each worker.
+json workers_json(const std::vector<WorkerInfo>& workers) {
+  json out = json::array();
+  for (const WorkerInfo& w : workers) {
+    json j = {{"name", w.name},       {"stage", w.stage}, {"device", w.device}, {"phase", w.phase},
+              {"phase_s", w.phase_s}, {"step", w.step},   {"busy", w.busy}};
+    if (w.tokens_per_s) j["tokens_per_s"] = *w.tokens_per_s;
+    if (w.queue_held) {
+      j["queue_depth"] = *w.queue_held;
+      j["queue_capacity"] = w.queue_capacity;
+    }
+    if (w.memory) {
+      j["memory_used_bytes"] = w.memory->used;
+      j["memory_total_bytes"] = w.memory->total;
+    }
+    out.push_back(std::move(j));
+  }
+  return out;
 }
 
-TrainResult train_loop(Session& s, const TrainOptions& opts) {
-  TrainerState& st = s.st;
-  ProgressBar bar("train", s.total_steps, "steps");
-  bar.advance(st.step);
+// What the pipeline calls back into the trainer.
+PipelineHooks hooks_of(Session& s, int64_t end_step,
+                       std::shared_ptr<CollectiveGroup> group, TrainResult& result) {
+  PipelineHooks h;
+  h.make_step = [&s](int64_t) { return make_step(s); };
+  const TrainBackendOptions bo = s.backend_opts;
+  const PipelineTopology topo = s.topo;
+  const std::shared_ptr<const TargetModel> target = s.target;
+  const DrafterConfig dcfg = s.dcfg;
+  const DrafterLayout layout = s.layout;
+  h.make_target = [bo, topo, target, dcfg](int t) {
+    return target_stage_create(bo, topo.target_devices[static_cast<size_t>(t)], *target, dcfg);
+  };
+  h.make_drafter = [bo, topo, target, dcfg, layout, group](int r) {
+    return drafter_stage_create(bo, topo.drafter_devices[static_cast<size_t>(r)], *target, dcfg,
+                                layout, group, r);
+  };
+  const LrSchedule sched = s.sched;
+  h.lr = [sched](int64_t step) { return sched.at(step); };
+  const int64_t every = s.cfg.training.save_interval;
+  h.checkpoint_after = [every, end_step](int64_t n) {
+    return n == end_step || (every > 0 && n % every == 0);
+  };
+  auto bar = std::make_shared<ProgressBar>("train", s.total_steps, "steps");
+  bar->advance(s.st.step);
   const auto run_start = Clock::now();
-  int64_t steps_this_run = 0;
-  TrainResult result;
-  while (st.step < s.total_steps) {
-    StepTimes t;
-    const DrafterStepResult r = run_step(s, t);
-    ++steps_this_run;
-    bar.set_suffix(fmt::format("loss {:.3f} τ {:.2f}", r.metrics.loss(), r.metrics.tau()));
-    bar.advance(1);
-    const bool last = st.step == s.total_steps;
-    if (st.step % s.cfg.training.log_interval == 0 || last) {
-      const double eta = seconds_since(run_start) / static_cast<double>(steps_this_run) *
-                         static_cast<double>(s.total_steps - st.step);
+  const int64_t first = s.st.step;
+  h.on_step = [&s, &result, bar, run_start, first](PipelineStep& p) {
+    account_step(s, p);
+    bar->set_suffix(
+        fmt::format("loss {:.3f} τ {:.2f}", s.st.interval.obj.loss(), s.st.interval.obj.tau()));
+    bar->advance(1);
+    if (s.st.step % s.cfg.training.log_interval == 0 || s.st.step == s.total_steps) {
+      const double eta = seconds_since(run_start) / static_cast<double>(s.st.step - first) *
+                         static_cast<double>(s.total_steps - s.st.step);
       finish_interval(s, eta, result);
     }
-    const bool stop =
-        g_stop_signal.load() != 0 || (opts.halt_at_step > 0 && st.step == opts.halt_at_step);
-    const int64_t every = s.cfg.training.save_interval;
-    if (last || stop || (every > 0 && st.step % every == 0)) save_checkpoint(s);
-    if (stop && !last) {
-      result.interrupted = true;
-      const int sig = g_stop_signal.load();
-      s.report.log(sig ? fmt::format("stopped by signal {} after step {}; resume with --resume {}",
-                                     sig, st.step, s.rd.path().string())
-                       : fmt::format("halted after step {} (--halt-at-step)", st.step));
-      break;
-    }
+    if (p.state) save_checkpoint(s, *p.state);
+  };
+  h.on_tick = [&s](const std::vector<WorkerInfo>& w) {
+    s.report.status().workers = workers_json(w);
+    s.report.write_status();
+  };
+  h.stop_requested = [] { return g_stop_signal.load() != 0; };
+  return h;
+}
+
+// Writes the checkpoint of the last step when the pipeline handed back a state no checkpoint
+// holds yet ("when it can": a failed run keeps its last complete checkpoint if this fails).
+void save_final_state(Session& s, PipelineOutcome& o) {
+  if (!o.final_state || s.last_ckpt_step == s.st.step) return;
+  try {
+    save_checkpoint(s, *o.final_state);
+  } catch (const Error& e) {
+    if (o.end != PipelineOutcome::End::failed) throw;
+    s.report.log(fmt::format("no checkpoint of step {}: {}", s.st.step, e.what()));
   }
-  bar.finish();
-  const std::string summary = s.backend.drafter->summary();
-  if (!summary.empty()) s.report.log(summary);
-  result.steps_done = st.step;
-  result.skipped_steps = st.skipped;
+}
+
+TrainResult train_loop(Session& s, const TrainOptions& opts, const DrafterState& initial) {
+  TrainResult result;
+  const int64_t first = s.st.step;
+  const int64_t end =
+      opts.halt_at_step > first ? std::min(s.total_steps, opts.halt_at_step) : s.total_steps;
+  PipelineOptions po;
+  po.topology = s.topo;
+  po.first_step = first;
+  po.end_step = std::max(first, end);
+  po.initial_state = &initial;
+  po.fault = fault_spec_from_env(s.topo);
+  po.collective = collective_group_create(s.cfg.runtime.backend, s.topo.drafter_devices);
+  if (po.collective) s.report.log(fmt::format("collective: {}", po.collective->kind()));
+  if (po.fault) {
+    s.report.log(fmt::format("fault injection: DFLASH_FAULT_INJECT={}", po.fault->text));
+  }
+  const PipelineHooks hooks = hooks_of(s, po.end_step, po.collective, result);
+  PipelineOutcome o = pipeline_run(po, hooks);
+  save_final_state(s, o);
+  result.steps_done = s.st.step;
+  result.skipped_steps = s.st.skipped;
   result.last_checkpoint = s.last_ckpt;
+  if (o.end == PipelineOutcome::End::failed) {
+    fail("{}{}", o.error,
+         s.last_ckpt.empty()
+             ? std::string("; no checkpoint was written")
+             : fmt::format("; the last complete checkpoint is {} (resume with --resume {})",
+                           s.last_ckpt, s.rd.path().string()));
+  }
+  if (o.replica_hashes.size() > 1) {
+    s.report.log(
+        fmt::format("the {} drafter replicas are bit-identical after step {} (state "
+                    "hash {:016x})",
+                    o.replica_hashes.size(), s.st.step, o.replica_hashes[0]));
+  }
+  if (s.st.step < s.total_steps) {
+    result.interrupted = true;
+    const int sig = g_stop_signal.load();
+    s.report.log(sig ? fmt::format("stopped by signal {} after step {}; resume with --resume {}",
+                                   sig, s.st.step, s.rd.path().string())
+                     : fmt::format("halted after step {} (--halt-at-step)", s.st.step));
+  }
   return result;
 }
 
@@ -334,17 +498,18 @@ TrainResult train(const TrainOptions& opts) {
   TrainReport report(rd);
   try {
     Session s(cfg, rd, report);
-    restore_or_init(s, opts, resuming ? complete.back().second : fs::path());
+    const DrafterState initial =
+        restore_or_init(s, opts, resuming ? complete.back().second : fs::path());
     report.status().checkpoint = s.last_ckpt;
-    report.log(
-        fmt::format("train: target {} ({} layers, hidden {}), drafter {} layers ({} "
-                    "parameters), taps [{}], mask id {}, block {}, {} steps ({} "
-                    "batches/epoch), backend {}",
-                    cfg.model.target, s.target.config().num_hidden_layers,
-                    s.target.config().hidden_size, s.dcfg.num_layers, s.layout.total,
-                    fmt::join(s.dcfg.target_layer_ids, ","), s.dcfg.mask_token_id,
-                    s.dcfg.block_size, s.total_steps, s.per_epoch, s.backend.description));
-    TrainResult result = train_loop(s, opts);
+    report.status().topology = s.topo.describe();
+    report.log(fmt::format(
+        "train: target {} ({} layers, hidden {}), drafter {} layers ({} "
+        "parameters), taps [{}], mask id {}, block {}, {} steps ({} "
+        "batches/epoch), {}",
+        cfg.model.target, s.target->config().num_hidden_layers, s.target->config().hidden_size,
+        s.dcfg.num_layers, s.layout.total, fmt::join(s.dcfg.target_layer_ids, ","),
+        s.dcfg.mask_token_id, s.dcfg.block_size, s.total_steps, s.per_epoch, s.topo.describe()));
+    TrainResult result = train_loop(s, opts, initial);
     report.status().phase = result.interrupted ? "interrupted" : "done";
     report.status().step = result.steps_done;
     report.write_status();

@@ -68,6 +68,31 @@ RunResult run_dflash(const std::vector<std::string>& args, const std::string& st
   return r;
 }
 
+pid_t spawn_dflash(const std::vector<std::string>& args, const fs::path& log,
+                   const std::vector<std::string>& env) {
+  std::vector<std::string> argv_s = {DFLASH_BINARY_PATH};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : argv_s) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  std::vector<std::string> env_s = env;
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    for (auto& e : env_s) ::putenv(e.data());
+    if (std::freopen(log.c_str(), "w", stderr) == nullptr) std::_Exit(126);
+    ::dup2(::fileno(stderr), STDOUT_FILENO);
+    ::execv(argv[0], argv.data());
+    std::_Exit(127);
+  }
+  return pid;
+}
+
+int wait_exit(pid_t pid) {
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
 void write_file(const fs::path& path, const std::string& bytes) {
   std::ofstream f(path, std::ios::binary);
   f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <sys/types.h>
 
 #include <filesystem>
 #include <string>
@@ -43,6 +44,13 @@ struct RunResult {
 };
 /// Runs the built `dflash` binary with `args` (shell-quoted for you), optional stdin text.
 RunResult run_dflash(const std::vector<std::string>& args, const std::string& stdin_text = "");
+
+/// Starts the `dflash` binary with `args` in the background, its stderr (and stdout) into `log`,
+/// with `env` entries ("KEY=VALUE") added to its environment; returns its pid.
+pid_t spawn_dflash(const std::vector<std::string>& args, const fs::path& log,
+                   const std::vector<std::string>& env = {});
+/// Waits for process `pid` to end; its exit code, or 128 + the signal that killed it.
+int wait_exit(pid_t pid);
 
 /// Writes `bytes` to `path` (binary).
 void write_file(const fs::path& path, const std::string& bytes);
