@@ -7,8 +7,9 @@
 //     their configs with head_dim 64 and random bf16 weights, random tokens; plus qwen2-bias with
 //     a sliding window of 8 from layer 1 on (use_sliding_window, max_window_layers).
 // The CPU runs fp32 on the same bf16 weights; the GPU adds bf16 activations at GEMM inputs, so
-// every tap must agree within 2e-2 relative (as the tiny-qwen3 check in train_step_cuda_test) and
-// the MoE families must route every token as the CPU does (checked through the taps).
+// every tap must agree within tol::kTargetTaps (2e-2, as the tiny-qwen3 check in
+// train_step_cuda_test), and the MoE families must route every token as the CPU does (checked
+// through the taps).
 #include <fmt/format.h>
 
 #include <cmath>
@@ -17,6 +18,7 @@
 
 #include "backend/cuda/context.hpp"
 #include "cuda/cuda_test_util.hpp"
+#include "cuda/tolerances.hpp"
 #include "model/safetensors.hpp"
 #include "model/target.hpp"
 #include "model/target_cuda.hpp"
@@ -28,8 +30,6 @@ using namespace dflash::test;
 using json = nlohmann::json;
 
 namespace {
-
-constexpr double kTapTol = 2e-2;
 
 fs::path models() {
   return source_dir() / "tests" / "fixtures" / "models";
@@ -110,12 +110,12 @@ double compare(const TargetModel& m, const Docs& d, const SafetensorsFile* golde
           c.push_back(cpu.data<float>()[(t * L + l) * H + h]);
         }
       const double e = rel_error(g, c);
-      EXPECT_LT(e, kTapTol) << "document " << i << " (" << n << " tokens), layer " << l;
+      EXPECT_LT(e, tol::kTargetTaps) << "document " << i << " (" << n << " tokens), layer " << l;
       worst = std::max(worst, e);
       if (golden && (i == 1 || i == 2)) {
         const Tensor hf = golden->get(fmt::format("p{}.layer{}.out", i - 1, l));
         const double eh = rel_error(g, hf.to_f32_vector());
-        EXPECT_LT(eh, kTapTol) << "vs HF: prompt " << i - 1 << ", layer " << l;
+        EXPECT_LT(eh, tol::kTargetTaps) << "vs HF: prompt " << i - 1 << ", layer " << l;
         worst = std::max(worst, eh);
       }
     }
