@@ -1,7 +1,7 @@
-// dflash.cpp — DrafterCuda (see drafter_cuda.hpp). The step mirrors drafter_train_row
-// (src/model/drafter.cpp) op for op; the differences are the batching of all rows into one
-// packed sequence and that the k/v projections of the context and the block rows run as one GEMM
-// over [ctx ; norm(block)] (rows kept contiguous in `kvin`).
+// dflash.cpp — DrafterCuda (see drafter_cuda.hpp). The step mirrors drafter_train_step
+// (src/model/drafter.cpp) op for op; the differences are the padding of the packed step to a
+// fixed shape (inert rows) and that the k/v projections of the context and the block rows run as
+// one GEMM over [ctx ; norm(block)] (rows kept contiguous in `kvin`).
 #include "model/drafter_cuda.hpp"
 
 #ifdef DFLASH_HAVE_CUDA
@@ -28,12 +28,6 @@ namespace dflash {
 namespace {
 
 constexpr size_t kBf = 2, kF = 4;
-
-// Indices of one layer's parameters in the layout (2 leading params, 11 per layer).
-enum LayerParam {
-  kInNorm = 0, kWq, kWk, kWv, kWo, kQNorm, kKNorm, kPostNorm, kWGate, kWUp, kWDown
-};
-size_t layer_param(int64_t l, int which) { return 2 + static_cast<size_t>(l) * 11 + which; }
 
 // y[M,N] (+)= x[M,K] · W[N,K]ᵀ with bf16 x and W; y f32 or bf16.
 void mm_xwt(cuda::CudaContext& ctx, void* y, DType yt, const uint16_t* x, const uint16_t* w,
@@ -188,13 +182,13 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim, NH = c.num_heads;
   const int64_t NKV = c.num_kv_heads, QD = NH * D, KD = NKV * D, F = c.n_taps() * H;
   const double eps = c.rms_norm_eps;
-  const auto& PL = layout_.params;
   float* P = params_.as<float>();
   float* G = grads_.as<float>();
   const uint16_t* W = wbf_.as<uint16_t>();
-  auto pf = [&](size_t i) { return P + PL[i].offset; };
-  auto gf = [&](size_t i) { return G + PL[i].offset; };
-  auto wb = [&](size_t i) { return W + PL[i].offset; };
+  // A parameter's master weight, gradient and bf16 copy, by its layout offset.
+  auto pf = [&](int64_t offset) { return P + offset; };
+  auto gf = [&](int64_t offset) { return G + offset; };
+  auto wb = [&](int64_t offset) { return W + offset; };
   const float* inv_freq = inv_freq_.as<float>();
   const int32_t* pos_q = in.pos + T;
   float* nullf = nullptr;
@@ -207,9 +201,9 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   // ---- forward
   // ctx = hidden_norm(fc(features)), written into the first T rows of every layer's kvin.
   float* ctx_pre = ctx_pre_.as<float>();
-  mm_xwt(ctx_, ctx_pre, DType::f32, in.features, wb(0), T, H, F, 0.0f);
+  mm_xwt(ctx_, ctx_pre, DType::f32, in.features, wb(layout_.fc), T, H, F, 0.0f);
   uint16_t* ctx0 = layers_[0].kvin.as<uint16_t>();
-  rmsnorm_fwd_cuda(ctx_, ctx0, nullf, ctx_pre, pf(1), T, H, eps);
+  rmsnorm_fwd_cuda(ctx_, ctx0, nullf, ctx_pre, pf(layout_.hidden_norm), T, H, eps);
   for (size_t l = 1; l < layers_.size(); ++l) {
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(layers_[l].kvin.data(), ctx0,
                                       static_cast<size_t>(T * H) * kBf, cudaMemcpyDeviceToDevice,
@@ -219,40 +213,39 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   embedding_fwd_cuda(ctx_, h, embed_, in.block_tokens, NK, c.vocab_size, H);
   for (int64_t l = 0; l < c.num_layers; ++l) {
     LayerBuf& a = layers_[static_cast<size_t>(l)];
-    auto li = [&](int which) { return layer_param(l, which); };
+    const DrafterLayerOffsets& L = layout_.layers[static_cast<size_t>(l)];
     uint16_t* kvin = a.kvin.as<uint16_t>();
     uint16_t* hn = kvin + T * H;
-    rmsnorm_fwd_cuda(ctx_, hn, nullf, h, pf(li(kInNorm)), NK, H, eps);
+    rmsnorm_fwd_cuda(ctx_, hn, nullf, h, pf(L.input_layernorm), NK, H, eps);
     uint16_t *q_raw = a.q_raw.as<uint16_t>(), *q = a.q.as<uint16_t>();
-    mm_xwt(ctx_, q_raw, DType::bf16, hn, wb(li(kWq)), NK, QD, H, 0.0f);
-    rmsnorm_fwd_cuda(ctx_, q, nullf, q_raw, pf(li(kQNorm)), NK * NH, D, eps);
+    mm_xwt(ctx_, q_raw, DType::bf16, hn, wb(L.q_proj), NK, QD, H, 0.0f);
+    rmsnorm_fwd_cuda(ctx_, q, nullf, q_raw, pf(L.q_norm), NK * NH, D, eps);
     rope_fwd_cuda(ctx_, q, q, pos_q, inv_freq, rope_scaling_, NK, NH, D);
     uint16_t *k_raw = a.k_raw.as<uint16_t>(), *k = a.k.as<uint16_t>(), *v = a.v.as<uint16_t>();
-    mm_xwt(ctx_, k_raw, DType::bf16, kvin, wb(li(kWk)), TK, KD, H, 0.0f);
-    rmsnorm_fwd_cuda(ctx_, k, nullf, k_raw, pf(li(kKNorm)), TK * NKV, D, eps);
+    mm_xwt(ctx_, k_raw, DType::bf16, kvin, wb(L.k_proj), TK, KD, H, 0.0f);
+    rmsnorm_fwd_cuda(ctx_, k, nullf, k_raw, pf(L.k_norm), TK * NKV, D, eps);
     rope_fwd_cuda(ctx_, k, k, in.pos, inv_freq, rope_scaling_, TK, NKV, D);
-    mm_xwt(ctx_, v, DType::bf16, kvin, wb(li(kWv)), TK, KD, H, 0.0f);
+    mm_xwt(ctx_, v, DType::bf16, kvin, wb(L.v_proj), TK, KD, H, 0.0f);
     uint16_t* o = a.o.as<uint16_t>();
     attention_fwd_cuda(ctx_, o, a.lse.as<float>(), q, k, v, in.ranges, ap);
     float* h_mid = a.h_mid.as<float>();
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(h_mid, h, static_cast<size_t>(NK * H) * kF,
                                       cudaMemcpyDeviceToDevice, s));
-    mm_xwt(ctx_, h_mid, DType::f32, o, wb(li(kWo)), NK, H, QD, 1.0f);
+    mm_xwt(ctx_, h_mid, DType::f32, o, wb(L.o_proj), NK, H, QD, 1.0f);
     uint16_t* hn2 = a.hn2.as<uint16_t>();
-    rmsnorm_fwd_cuda(ctx_, hn2, nullf, h_mid, pf(li(kPostNorm)), NK, H, eps);
+    rmsnorm_fwd_cuda(ctx_, hn2, nullf, h_mid, pf(L.post_attention_layernorm), NK, H, eps);
     uint16_t *gu = a.gu.as<uint16_t>(), *act = a.act.as<uint16_t>();
-    mm_xwt(ctx_, gu, DType::bf16, hn2, wb(li(kWGate)), NK, 2 * I, H, 0.0f);  // [gate | up]
+    mm_xwt(ctx_, gu, DType::bf16, hn2, wb(L.gate_proj), NK, 2 * I, H, 0.0f);  // [gate | up]
     swiglu_fwd_cuda(ctx_, act, gu, gu + I, NK, I, 2 * I);
     float* h_out = a.h_out.as<float>();
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(h_out, h_mid, static_cast<size_t>(NK * H) * kF,
                                       cudaMemcpyDeviceToDevice, s));
-    mm_xwt(ctx_, h_out, DType::f32, act, wb(li(kWDown)), NK, H, I, 1.0f);
+    mm_xwt(ctx_, h_out, DType::f32, act, wb(L.down_proj), NK, H, I, 1.0f);
     h = h_out;
   }
   // Final norm and the fused LM-head cross-entropy (d_hf = grad_scale·d(Σ w·CE)/d hf).
-  const size_t norm_i = PL.size() - 1;
   uint16_t* hf = hf_.as<uint16_t>();
-  rmsnorm_fwd_cuda(ctx_, hf, nullf, h, pf(norm_i), NK, H, eps);
+  rmsnorm_fwd_cuda(ctx_, hf, nullf, h, pf(layout_.norm), NK, H, eps);
   FusedCeParams cp;
   cp.R = NK;
   cp.H = H;
@@ -267,56 +260,57 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   float* dh = dh_.as<float>();
   float* dtmp = dtmp_.as<float>();
   uint16_t* dh_bf = dh_bf_.as<uint16_t>();
-  rmsnorm_bwd_cuda(ctx_, dh, gf(norm_i), d_hf, h, pf(norm_i), NK, H, eps);
+  rmsnorm_bwd_cuda(ctx_, dh, gf(layout_.norm), d_hf, h, pf(layout_.norm), NK, H, eps);
   float* dctx = dctx_.as<float>();
   float* dx = dx_.as<float>();
   for (int64_t l = c.num_layers - 1; l >= 0; --l) {
     LayerBuf& a = layers_[static_cast<size_t>(l)];
-    auto li = [&](int which) { return layer_param(l, which); };
+    const DrafterLayerOffsets& L = layout_.layers[static_cast<size_t>(l)];
     const float* x_in = l == 0 ? h0_.as<float>() : layers_[static_cast<size_t>(l - 1)].h_out.as<float>();
     uint16_t* kvin = a.kvin.as<uint16_t>();
     const uint16_t* hn = kvin + T * H;
     // MLP: h_out = h_mid + down(act).
     cast_cuda(ctx_, dh_bf, dh, NK * H);
     uint16_t* d_act = d_act_.as<uint16_t>();
-    linear_bwd_cuda(ctx_, d_act, gf(li(kWDown)), dh_bf, a.act.as<uint16_t>(), wb(li(kWDown)), NK,
+    linear_bwd_cuda(ctx_, d_act, gf(L.down_proj), dh_bf, a.act.as<uint16_t>(), wb(L.down_proj), NK,
                     I, H);
     uint16_t* d_gu = d_gu_.as<uint16_t>();
     const uint16_t* gu = a.gu.as<uint16_t>();
     swiglu_bwd_cuda(ctx_, d_gu, d_gu + I, d_act, gu, gu + I, NK, I, 2 * I);
     float* dhn2 = dhn2_.as<float>();
     // gate and up are adjacent in the layout: one [2I, H] linear.
-    linear_bwd_cuda(ctx_, dhn2, gf(li(kWGate)), d_gu, a.hn2.as<uint16_t>(), wb(li(kWGate)), NK, H,
+    linear_bwd_cuda(ctx_, dhn2, gf(L.gate_proj), d_gu, a.hn2.as<uint16_t>(), wb(L.gate_proj), NK, H,
                     2 * I);
-    rmsnorm_bwd_cuda(ctx_, dtmp, gf(li(kPostNorm)), dhn2, a.h_mid.as<float>(), pf(li(kPostNorm)),
-                     NK, H, eps);
+    rmsnorm_bwd_cuda(ctx_, dtmp, gf(L.post_attention_layernorm), dhn2, a.h_mid.as<float>(),
+                     pf(L.post_attention_layernorm), NK, H, eps);
     residual_accumulate_cuda(ctx_, dh, dtmp, NK * H);  // dh = d(h_mid)
     // Attention: h_mid = x_in + o_proj(o).
     cast_cuda(ctx_, dh_bf, dh, NK * H);
     uint16_t* d_o = d_o_.as<uint16_t>();
-    linear_bwd_cuda(ctx_, d_o, gf(li(kWo)), dh_bf, a.o.as<uint16_t>(), wb(li(kWo)), NK, QD, H);
+    linear_bwd_cuda(ctx_, d_o, gf(L.o_proj), dh_bf, a.o.as<uint16_t>(), wb(L.o_proj), NK, QD, H);
     uint16_t *dq = dq_.as<uint16_t>(), *dk = dk_.as<uint16_t>(), *dv = dv_.as<uint16_t>();
     attention_bwd_cuda(ctx_, dq, dk, dv, d_o, a.q.as<uint16_t>(), a.k.as<uint16_t>(),
                        a.v.as<uint16_t>(), a.o.as<uint16_t>(), a.lse.as<float>(), in.ranges, ap);
     // q path: rope -> q_norm -> q_proj.
     rope_bwd_cuda(ctx_, dq, dq, pos_q, inv_freq, rope_scaling_, NK, NH, D);
     uint16_t* dq_raw = dq_raw_.as<uint16_t>();
-    rmsnorm_bwd_cuda(ctx_, dq_raw, gf(li(kQNorm)), dq, a.q_raw.as<uint16_t>(), pf(li(kQNorm)),
-                     NK * NH, D, eps);
+    rmsnorm_bwd_cuda(ctx_, dq_raw, gf(L.q_norm), dq, a.q_raw.as<uint16_t>(), pf(L.q_norm), NK * NH,
+                     D, eps);
     // k path over all rows [ctx ; block].
     rope_bwd_cuda(ctx_, dk, dk, in.pos, inv_freq, rope_scaling_, TK, NKV, D);
     uint16_t* dk_raw = dk_raw_.as<uint16_t>();
-    rmsnorm_bwd_cuda(ctx_, dk_raw, gf(li(kKNorm)), dk, a.k_raw.as<uint16_t>(), pf(li(kKNorm)),
-                     TK * NKV, D, eps);
+    rmsnorm_bwd_cuda(ctx_, dk_raw, gf(L.k_norm), dk, a.k_raw.as<uint16_t>(), pf(L.k_norm), TK * NKV,
+                     D, eps);
     // dX[TK, H] = dk_raw·Wk + dv·Wv, then rows [T, TK) += dq_raw·Wq; weight gradients.
-    mm_dyw(ctx_, dx, DType::f32, dk_raw, wb(li(kWk)), TK, KD, H, 0.0f);
-    mm_dyw(ctx_, dx, DType::f32, dv, wb(li(kWv)), TK, KD, H, 1.0f);
-    mm_dyw(ctx_, dx + T * H, DType::f32, dq_raw, wb(li(kWq)), NK, QD, H, 1.0f);
-    mm_dw(ctx_, gf(li(kWk)), dk_raw, kvin, TK, KD, H);
-    mm_dw(ctx_, gf(li(kWv)), dv, kvin, TK, KD, H);
-    mm_dw(ctx_, gf(li(kWq)), dq_raw, hn, NK, QD, H);
+    mm_dyw(ctx_, dx, DType::f32, dk_raw, wb(L.k_proj), TK, KD, H, 0.0f);
+    mm_dyw(ctx_, dx, DType::f32, dv, wb(L.v_proj), TK, KD, H, 1.0f);
+    mm_dyw(ctx_, dx + T * H, DType::f32, dq_raw, wb(L.q_proj), NK, QD, H, 1.0f);
+    mm_dw(ctx_, gf(L.k_proj), dk_raw, kvin, TK, KD, H);
+    mm_dw(ctx_, gf(L.v_proj), dv, kvin, TK, KD, H);
+    mm_dw(ctx_, gf(L.q_proj), dq_raw, hn, NK, QD, H);
     // input_layernorm of the block rows; ctx rows enter every layer unnormed.
-    rmsnorm_bwd_cuda(ctx_, dtmp, gf(li(kInNorm)), dx + T * H, x_in, pf(li(kInNorm)), NK, H, eps);
+    rmsnorm_bwd_cuda(ctx_, dtmp, gf(L.input_layernorm), dx + T * H, x_in, pf(L.input_layernorm), NK,
+                     H, eps);
     residual_accumulate_cuda(ctx_, dh, dtmp, NK * H);  // dh = d(x_in)
     if (l == c.num_layers - 1) {
       DFLASH_CUDA_CHECK(cudaMemcpyAsync(dctx, dx, static_cast<size_t>(T * H) * kF,
@@ -327,10 +321,11 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   }
   // ctx = hidden_norm(fc(features)); the features are frozen.
   float* dctx_pre = dctx_pre_.as<float>();
-  rmsnorm_bwd_cuda(ctx_, dctx_pre, gf(1), dctx, ctx_pre, pf(1), T, H, eps);
+  rmsnorm_bwd_cuda(ctx_, dctx_pre, gf(layout_.hidden_norm), dctx, ctx_pre, pf(layout_.hidden_norm),
+                   T, H, eps);
   uint16_t* dctx_bf = dctx_bf_.as<uint16_t>();
   cast_cuda(ctx_, dctx_bf, dctx_pre, T * H);
-  mm_dw(ctx_, gf(0), dctx_bf, in.features, T, H, F);
+  mm_dw(ctx_, gf(layout_.fc), dctx_bf, in.features, T, H, F);
 
   grad_sumsq_cuda(ctx_, sumsq_.as<double>(), segs_.as<AdamWSegment>(), 1);
 }
