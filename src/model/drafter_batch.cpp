@@ -148,6 +148,24 @@ void drafter_batch_block_rows(const DrafterBatch& b, int32_t mask_token_id, int6
   }
 }
 
+void drafter_batch_stage_context(const DrafterBatch& b, int32_t pad_id, std::span<int32_t> tokens,
+                                 std::span<int32_t> positions, std::span<AttnRange> ranges) {
+  const int64_t T = b.T();
+  const auto T_pad = static_cast<int64_t>(tokens.size());
+  DFLASH_CHECK(T_pad >= T && positions.size() == tokens.size() && ranges.size() == tokens.size(),
+               "drafter_batch_stage_context: a context of {} tokens into arrays of {}, {} and {}",
+               T, tokens.size(), positions.size(), ranges.size());
+  // Real tokens, then one-token padding documents.
+  std::copy(b.tokens.begin(), b.tokens.end(), tokens.begin());
+  drafter_batch_context_positions(b, positions.first(static_cast<size_t>(T)));
+  attention_causal_varlen_ranges(ranges.data(), b.doc_offsets.data(), b.n_docs(), T);
+  for (auto t = static_cast<int32_t>(T); t < static_cast<int32_t>(T_pad); ++t) {
+    tokens[static_cast<size_t>(t)] = pad_id;
+    positions[static_cast<size_t>(t)] = 0;
+    ranges[static_cast<size_t>(t)] = AttnRange{t, t + 1, 0, 0};
+  }
+}
+
 void drafter_batch_stage(const DrafterBatch& b, int32_t mask_token_id, int32_t pad_id,
                          const DrafterStaging& out) {
   b.validate();
@@ -165,16 +183,8 @@ void drafter_batch_stage(const DrafterBatch& b, int32_t mask_token_id, int32_t p
                    static_cast<int64_t>(out.weights.size()) == NK_pad,
                "drafter_batch_stage: staging arrays disagree with {} context and {} block rows",
                T_pad, NK_pad);
-  const auto T32 = static_cast<int32_t>(T_pad);
-  // Context: real tokens, then one-token padding documents.
-  std::copy(b.tokens.begin(), b.tokens.end(), out.tokens.begin());
-  drafter_batch_context_positions(b, out.positions.first(static_cast<size_t>(T)));
-  attention_causal_varlen_ranges(out.context_ranges.data(), b.doc_offsets.data(), b.n_docs(), T);
-  for (auto t = static_cast<int32_t>(T); t < T32; ++t) {
-    out.tokens[static_cast<size_t>(t)] = pad_id;
-    out.positions[static_cast<size_t>(t)] = 0;
-    out.context_ranges[static_cast<size_t>(t)] = AttnRange{t, t + 1, 0, 0};
-  }
+  drafter_batch_stage_context(b, pad_id, out.tokens,
+                              out.positions.first(static_cast<size_t>(T_pad)), out.context_ranges);
   // Blocks: real ones, then inert ones.
   auto block_pos = out.positions.subspan(static_cast<size_t>(T_pad));
   drafter_batch_block_rows(b, mask_token_id, T_pad, out.block_tokens.first(static_cast<size_t>(NK)),

@@ -114,6 +114,13 @@ struct DrafterStaging {
   std::span<float> weights;             ///< [NK_pad]
 };
 
+/// The context part of drafter_batch_stage, for a stage that runs only the target: writes `b`'s
+/// tokens, positions and causal key ranges into `tokens`, `positions` and `ranges` (all of size
+/// T_pad ≥ T), the rows [T, T_pad) being one-token padding documents of `pad_id` at position 0.
+/// Throws dflash::Error when the spans differ in size or are shorter than the context.
+void drafter_batch_stage_context(const DrafterBatch& b, int32_t pad_id, std::span<int32_t> tokens,
+                                 std::span<int32_t> positions, std::span<AttnRange> ranges);
+
 /// Writes `b` into `out` padded to its sizes: context rows [T, T_pad) hold `pad_id`, position 0
 /// and see only themselves (one-token documents); block rows [N·K, NK_pad) are inert blocks (MASK
 /// tokens, positions 0..K−1, weight 0, label 0, seeing only their own block), so padding changes

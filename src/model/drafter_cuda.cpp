@@ -349,6 +349,15 @@ DrafterCuda::Results DrafterCuda::fetch_results(int64_t NK) {
   return r;
 }
 
+double DrafterCuda::grad_norm() {
+  grad_sumsq_cuda(ctx_, sumsq_.as<double>(), segs_.as<AdamWSegment>(), 1);
+  double sumsq = 0;
+  DFLASH_CUDA_CHECK(
+      cudaMemcpyAsync(&sumsq, sumsq_.data(), sizeof sumsq, cudaMemcpyDeviceToHost, ctx_.stream()));
+  ctx_.synchronize();
+  return std::sqrt(sumsq);
+}
+
 void DrafterCuda::adamw(const AdamWConfig& cfg, double lr, int64_t step, double grad_scale) {
   const float gs = static_cast<float>(grad_scale);
   DFLASH_CUDA_CHECK(

@@ -81,6 +81,12 @@ class DrafterCuda {
   /// The feature buffer [max_ctx, n_taps·H] bf16 that the target's tap forward writes.
   uint16_t* features() { return features_.as<uint16_t>(); }
 
+  /// The parameter gradients [layout.total] f32 on the device (what the replicas all-reduce).
+  float* grads() { return grads_.as<float>(); }
+  /// Global L2 norm of the gradient array as it is now (after an all-reduce, say): the same
+  /// two-pass device reduction as forward_backward's, read back (synchronises the stream).
+  double grad_norm();
+
  private:
   struct LayerBuf {
     cuda::DeviceBuffer kvin, q_raw, q, k_raw, k, v, o, lse, h_mid, hn2, gu, act, h_out;

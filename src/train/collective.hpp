@@ -76,10 +76,12 @@ class LocalCollectiveGroup final : public CollectiveGroup,
   /// the members (public for them only).
   template <typename T>
   void all_reduce(int rank, T* data, int64_t n);
+  /// Waits until every rank has called it (the building block of the collectives, also of the
+  /// in-process device group). Throws dflash::Error when the group is or gets aborted.
+  void barrier();
 
  private:
   explicit LocalCollectiveGroup(int size);
-  void barrier();  // throws when aborted
 
   int size_;
   std::mutex mu_;
@@ -103,6 +105,7 @@ std::shared_ptr<CollectiveGroup> cuda_collective_group_create(const std::vector<
 /// rank's; its device collectives are enqueued on `stream` (a cudaStream_t). For NCCL this joins
 /// the communicator and returns when every rank has joined. Throws dflash::Error naming the rank
 /// and the NCCL error, or when the group is not a CUDA group.
-std::unique_ptr<Collective> cuda_collective_member(CollectiveGroup& group, int rank, void* stream);
+std::unique_ptr<Collective> cuda_collective_member(const std::shared_ptr<CollectiveGroup>& group,
+                                                   int rank, void* stream);
 
 }  // namespace dflash

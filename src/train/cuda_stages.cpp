@@ -1,13 +1,479 @@
-// dflash.cpp — the CUDA stages of one pipeline worker each (placeholder until the split stages
-// land).
+// dflash.cpp — the CUDA stages of the pipeline's workers (train/pipeline.hpp): a target stage and a
+// drafter stage per worker, each with a CudaContext of its own (stream, cuBLASLt handle, caching
+// allocator, GEMM plans, graphs) on its GPU, made and driven by the worker's thread. Several
+// stages may share one GPU (colocated workers, or several drafter replicas on one GPU).
+//
+// Target stage: stages the batch's context (drafter_batch_stage_context) into pinned buffers, runs
+// TargetCuda::forward_taps (one CUDA graph per context length) into a fixed taps buffer, copies the
+// taps into a free buffer of its feature pool and waits for the stream: the features it returns are
+// complete. A pool buffer goes back to the pool when its CudaFeatures object is destroyed (on any
+// thread). The pool holds opts.feature_buffers buffers, as many as the pipeline can have alive
+// (train/trainer.cpp sizes it), so a forward never waits for one; running out is an error.
+//
+// Drafter stage: its own bf16 copies of the target's embedding and LM head, a DrafterCuda, pinned
+// staging of the block rows (drafter_batch_stage); step() copies the features into the drafter's
+// feature buffer (cudaMemcpyPeerAsync: a peer copy when the GPUs allow it, else the driver stages
+// it through host memory; a plain device copy on the same GPU), enqueues the forward/backward (one
+// graph per (context length, block rows) shape) and reads the results back. With several replicas,
+// update() all-reduces the gradient on the device (train/collective_cuda.cpp), recomputes its norm
+// and shares the skip decision, then runs AdamW with the factor clip/Σw of the whole step.
+//
+// Invariants: the step math is CudaTrainBackend's (same kernels, same padding: context rows·L,
+// block rows a multiple of kBlockRowsMultiple blocks), gradients computed unscaled and scaled in
+// AdamW. A CudaTargetStage outlives every CudaFeatures it made (the pipeline releases a target
+// worker only after every queue is drained and every drafter has left its loop).
+#include <memory>
+
 #include "core/error.hpp"
 #include "train/train_backend.hpp"
+
+#ifdef DFLASH_HAVE_CUDA
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <set>
+#include <utility>
+
+#include "backend/cuda/check.hpp"
+#include "backend/cuda/context.hpp"
+#include "backend/cuda/device.hpp"
+#include "backend/cuda/pinned.hpp"
+#include "core/dtype.hpp"
+#include "model/drafter_cuda.hpp"
+#include "model/target_cuda.hpp"
+#include "train/cuda_train.hpp"
+
+namespace dflash {
+
+namespace {
+
+constexpr size_t kBf16 = 2;
+
+std::optional<DeviceMemory> memory_of_current_device() {
+  size_t free = 0, total = 0;
+  if (cudaMemGetInfo(&free, &total) != cudaSuccess) {
+    cudaGetLastError();
+    return std::nullopt;
+  }
+  return DeviceMemory{total - free, total};
+}
+
+// bf16 bits of a float tensor (as stored when bf16, rounded to nearest even otherwise), uploaded.
+cuda::DeviceBuffer upload_bf16_table(cuda::CudaContext& ctx, const Tensor& t) {
+  std::vector<uint16_t> bits(static_cast<size_t>(t.numel()));
+  if (t.dtype() == DType::bf16) {
+    std::copy_n(t.data<uint16_t>(), bits.size(), bits.begin());
+  } else {
+    const std::vector<float> f = t.to_f32_vector();
+    for (size_t i = 0; i < f.size(); ++i) bits[i] = f32_to_bf16_bits(f[i]);
+  }
+  cuda::DeviceBuffer b = ctx.scratch(bits.size() * kBf16);
+  DFLASH_CUDA_CHECK(cudaMemcpy(b.data(), bits.data(), bits.size() * kBf16, cudaMemcpyHostToDevice));
+  return b;
+}
+
+// Context rows of a batch on the device: its rows·L (the batcher's shape), as CudaTrainBackend.
+int64_t context_rows(const DrafterBatch& b) {
+  return b.rows * b.row_length;
+}
+
+// Block rows of a batch on the device: its blocks padded to a multiple of kBlockRowsMultiple.
+int64_t block_rows(const DrafterBatch& b) {
+  const int64_t multiple = CudaTrainBackend::kBlockRowsMultiple * b.block_size;
+  return std::max<int64_t>(multiple, (b.N() * b.block_size + multiple - 1) / multiple * multiple);
+}
+
+// One staged input: a device buffer and its pinned host twin (copies from it can be captured).
+struct Staged {
+  Staged() = default;
+  Staged(cuda::CudaContext& ctx, size_t bytes) : dev(ctx.scratch(bytes)), host(bytes) {}
+  void upload(cudaStream_t s, size_t bytes) const {
+    DFLASH_CUDA_CHECK(
+        cudaMemcpyAsync(dev.data(), host.as<void>(), bytes, cudaMemcpyHostToDevice, s));
+  }
+  cuda::DeviceBuffer dev;
+  cuda::PinnedBuffer host;
+};
+
+class CudaTargetStage;
+
+// Features of a CudaTargetStage (see the file comment).
+class CudaFeatures final : public TargetFeatures {
+ public:
+  CudaFeatures(CudaTargetStage* owner, int slot, const uint16_t* data, int device, int64_t rows,
+               int64_t cols, uint64_t batch)
+      : owner(owner),
+        slot(slot),
+        data(data),
+        device(device),
+        rows(rows),
+        cols(cols),
+        batch(batch) {}
+  ~CudaFeatures() override;
+  CudaTargetStage* owner;
+  int slot;
+  const uint16_t* data;  ///< [rows, cols] bf16 on `device`
+  int device;
+  int64_t rows, cols;
+  uint64_t batch;  ///< DrafterBatch::fingerprint
+};
+
+class CudaTargetStage final : public TargetStage {
+ public:
+  CudaTargetStage(int device, const TargetModel& model, const DrafterConfig& cfg, int64_t max_ctx,
+                  bool graphs, int64_t buffers)
+      : taps_(cfg.target_layer_ids),
+        block_size_(cfg.block_size),
+        cols_(cfg.n_taps() * cfg.hidden_size),
+        max_ctx_(max_ctx),
+        use_graphs_(graphs) {
+    DFLASH_CHECK(buffers >= 1, "cuda target stage: {} feature buffers", buffers);
+    ctx_ = std::make_unique<cuda::CudaContext>(device);
+    target_ = std::make_unique<TargetCuda>(*ctx_, model, max_ctx);
+    const auto T = static_cast<size_t>(max_ctx);
+    tokens_ = Staged(*ctx_, T * sizeof(int32_t));
+    pos_ = Staged(*ctx_, T * sizeof(int32_t));
+    ranges_ = Staged(*ctx_, T * sizeof(AttnRange));
+    taps_out_ = ctx_->scratch(T * static_cast<size_t>(cols_) * kBf16);
+    for (int64_t i = 0; i < buffers; ++i) {
+      pool_.push_back(ctx_->scratch(T * static_cast<size_t>(cols_) * kBf16));
+      free_.push_back(static_cast<int>(i));
+    }
+  }
+
+  std::unique_ptr<TargetFeatures> forward_taps(const DrafterBatch& b) override {
+    DFLASH_CHECK(b.block_size == block_size_,
+                 "cuda target stage: a batch of block size {} for a drafter of block size {}",
+                 b.block_size, block_size_);
+    const int64_t T = context_rows(b);
+    DFLASH_CHECK(T > 0 && T <= max_ctx_,
+                 "cuda target stage: a step of {} rows of {} tokens exceeds the planned {} tokens",
+                 b.rows, b.row_length, max_ctx_);
+    const auto Ts = static_cast<size_t>(T);
+    drafter_batch_stage_context(b, 0, {tokens_.host.as<int32_t>(), Ts},
+                                {pos_.host.as<int32_t>(), Ts}, {ranges_.host.as<AttnRange>(), Ts});
+    const int slot = acquire();
+    cudaStream_t s = ctx_->stream();
+    auto enqueue = [&] {
+      tokens_.upload(s, T * sizeof(int32_t));
+      pos_.upload(s, T * sizeof(int32_t));
+      ranges_.upload(s, T * sizeof(AttnRange));
+      target_->forward_taps(taps_out_.as<uint16_t>(), tokens_.dev.as<int32_t>(),
+                            pos_.dev.as<int32_t>(), ranges_.dev.as<AttnRange>(), T, taps_);
+    };
+    try {
+      if (use_graphs_) {
+        graphs_.launch(T, s, enqueue);
+      } else {
+        enqueue();
+      }
+      const size_t bytes = Ts * static_cast<size_t>(cols_) * kBf16;
+      DFLASH_CUDA_CHECK(cudaMemcpyAsync(pool_[static_cast<size_t>(slot)].data(), taps_out_.data(),
+                                        bytes, cudaMemcpyDeviceToDevice, s));
+      ctx_->synchronize();  // the staging buffers are reused next time; the features are complete
+    } catch (...) {
+      release(slot);
+      throw;
+    }
+    return std::make_unique<CudaFeatures>(this, slot,
+                                          pool_[static_cast<size_t>(slot)].as<uint16_t>(),
+                                          ctx_->device(), T, cols_, b.fingerprint());
+  }
+
+  void fill_nan(TargetFeatures& features) override {
+    auto* f = dynamic_cast<CudaFeatures*>(&features);
+    DFLASH_CHECK(f != nullptr && f->owner == this,
+                 "cuda target stage: fill_nan() of features another stage made");
+    const size_t bytes = static_cast<size_t>(f->rows * f->cols) * kBf16;
+    DFLASH_CUDA_CHECK(cudaMemsetAsync(pool_[static_cast<size_t>(f->slot)].data(), 0xFF, bytes,
+                                      ctx_->stream()));  // bf16 0xFFFF is a NaN
+    ctx_->synchronize();
+  }
+
+  std::optional<DeviceMemory> device_memory() const override { return memory_of_current_device(); }
+
+  // A pool buffer comes back (any thread).
+  void release(int slot) {
+    std::lock_guard<std::mutex> lk(pool_mu_);
+    free_.push_back(slot);
+  }
+
+ private:
+  int acquire() {
+    std::lock_guard<std::mutex> lk(pool_mu_);
+    DFLASH_CHECK(!free_.empty(),
+                 "cuda target stage: all {} feature buffers are in use (internal error: the "
+                 "pipeline holds more features than it planned)",
+                 pool_.size());
+    const int slot = free_.back();
+    free_.pop_back();
+    return slot;
+  }
+
+  std::unique_ptr<cuda::CudaContext> ctx_;
+  std::unique_ptr<TargetCuda> target_;
+  std::vector<int> taps_;
+  int block_size_;
+  int64_t cols_, max_ctx_;
+  bool use_graphs_;
+  Staged tokens_, pos_, ranges_;
+  cuda::DeviceBuffer taps_out_;
+  cuda::GraphCache<int64_t> graphs_;
+  std::vector<cuda::DeviceBuffer> pool_;
+  std::mutex pool_mu_;
+  std::vector<int> free_;
+};
+
+CudaFeatures::~CudaFeatures() {
+  owner->release(slot);
+}
+
+class CudaDrafterStage final : public DrafterStage {
+ public:
+  CudaDrafterStage(int device, const TargetModel& model, const DrafterConfig& cfg,
+                   const DrafterLayout& layout, int64_t max_ctx, bool graphs,
+                   const AdamWConfig& adam, double clip,
+                   const std::shared_ptr<CollectiveGroup>& group, int replica)
+      : cfg_(cfg),
+        params_(layout.total),
+        max_ctx_(max_ctx),
+        max_rows_(max_ctx * cfg.block_size),
+        use_graphs_(graphs),
+        adam_(adam),
+        clip_grad_norm_(clip) {
+    ctx_ = std::make_unique<cuda::CudaContext>(device);
+    embed_ = upload_bf16_table(*ctx_, model.embed_tokens());
+    const bool tied = model.config().tie_word_embeddings;
+    if (!tied) head_ = upload_bf16_table(*ctx_, model.lm_head());
+    drafter_ = std::make_unique<DrafterCuda>(*ctx_, cfg, layout, max_ctx_, max_rows_,
+                                             embed_.as<uint16_t>(),
+                                             tied ? embed_.as<uint16_t>() : head_.as<uint16_t>());
+    const auto T = static_cast<size_t>(max_ctx_), NK = static_cast<size_t>(max_rows_);
+    tokens_.resize(T);
+    context_ranges_.resize(T);
+    pos_ = Staged(*ctx_, (T + NK) * sizeof(int32_t));
+    block_tokens_ = Staged(*ctx_, NK * sizeof(int32_t));
+    block_ranges_ = Staged(*ctx_, NK * sizeof(AttnRange));
+    labels_ = Staged(*ctx_, NK * sizeof(int32_t));
+    weights_ = Staged(*ctx_, NK * sizeof(float));
+    if (group) collective_ = cuda_collective_member(group, replica, ctx_->stream());
+  }
+
+  void step(const DrafterBatch& b, const TargetFeatures& features) override {
+    DFLASH_CHECK(!queue_.waiting_for_update(),
+                 "cuda drafter stage: step() called twice without update() in between");
+    DFLASH_CHECK(b.block_size == cfg_.block_size,
+                 "cuda drafter stage: a batch of block size {} for a drafter of block size {}",
+                 b.block_size, cfg_.block_size);
+    const auto* f = dynamic_cast<const CudaFeatures*>(&features);
+    DFLASH_CHECK(f != nullptr,
+                 "cuda drafter stage: the features come from another backend's target stage");
+    DFLASH_CHECK(f->batch == b.fingerprint(),
+                 "cuda drafter stage: the features were computed for another batch");
+    const int64_t T = context_rows(b), NK = block_rows(b);
+    DFLASH_CHECK(f->rows == T && f->cols == cfg_.n_taps() * cfg_.hidden_size,
+                 "cuda drafter stage: features [{}, {}] for {} context rows and {} tap columns",
+                 f->rows, f->cols, T, cfg_.n_taps() * cfg_.hidden_size);
+    DFLASH_CHECK(
+        T <= max_ctx_ && NK <= max_rows_,
+        "cuda drafter stage: a step of {} context and {} block rows exceeds the planned {} "
+        "and {}",
+        T, NK, max_ctx_, max_rows_);
+    DrafterStepResult r;
+    r.metrics = ObjectiveMetrics(cfg_.block_size);
+    if (!(b.loss_normaliser() > 0)) {  // the same on every replica: all skip, none all-reduces
+      r.skip = StepSkip::no_supervised_slot;
+      queue_.stepped(std::move(r));
+      return;
+    }
+    stage(b, T, NK);
+    cudaStream_t s = ctx_->stream();
+    const size_t bytes = static_cast<size_t>(T * f->cols) * kBf16;
+    check_peer(f->device);
+    DFLASH_CUDA_CHECK(
+        cudaMemcpyPeerAsync(drafter_->features(), ctx_->device(), f->data, f->device, bytes, s));
+    auto enqueue = [&] { enqueue_step(T, NK); };
+    if (use_graphs_) {
+      graphs_.launch(std::pair<int64_t, int64_t>(T, NK), s, enqueue);
+    } else {
+      enqueue();
+    }
+    // Synchronises the stream: the feature copy is complete when step() returns.
+    const DrafterCuda::Results res = drafter_->fetch_results(NK);
+    pending_scale_ = 1.0 / b.loss_normaliser();
+    const size_t real_rows = static_cast<size_t>(b.N()) * static_cast<size_t>(cfg_.block_size);
+    accumulate_metrics(r.metrics, b.targets, std::span<const int32_t>(res.argmax.data(), real_rows),
+                       {});
+    r.metrics.loss_weighted_sum = res.loss_sum;
+    r.metrics.weight_sum = res.weight_sum;
+    if (!collective_) r.grad_norm = res.grad_norm * pending_scale_;
+    queue_.stepped(std::move(r));
+  }
+
+  void update(double lr) override {
+    DrafterStepResult r = queue_.take_stepped();
+    bool peer_non_finite = false;
+    if (collective_ && !r.skipped()) {
+      collective_->all_reduce_sum(drafter_->grads(), params_);
+      r.grad_norm = drafter_->grad_norm() * pending_scale_;
+      peer_non_finite = replicas_non_finite(*collective_, r);
+    }
+    if (step_decide_update(r, clip_grad_norm_, peer_non_finite)) {
+      updates_ += 1;
+      drafter_->adamw(adam_, lr, updates_, r.clip * pending_scale_);
+    }
+    queue_.finish(std::move(r));
+  }
+
+  DrafterStepResult result() override { return queue_.pop(); }
+
+  void save_state(DrafterState& out) override {
+    DFLASH_CHECK(!queue_.waiting_for_update(),
+                 "cuda drafter stage: save_state() between step() and update()");
+    const auto n = static_cast<size_t>(params_);
+    out.params.resize(n);
+    out.adam_m.resize(n);
+    out.adam_v.resize(n);
+    drafter_->download_state(out.params, out.adam_m, out.adam_v);
+    out.updates = updates_;
+  }
+
+  void load_state(const DrafterState& in) override {
+    DFLASH_CHECK(!queue_.waiting_for_update(),
+                 "cuda drafter stage: load_state() between step() and update()");
+    drafter_state_check(in, params_);
+    drafter_->upload_state(in.params, in.adam_m, in.adam_v);
+    updates_ = in.updates;
+  }
+
+  void inject_nan() override { queue_.poison_next(); }
+
+  std::optional<DeviceMemory> device_memory() const override { return memory_of_current_device(); }
+
+  std::string summary() const override {
+    std::string s =
+        use_graphs_
+            ? fmt::format("cuda drafter: {} step shapes captured as CUDA graphs", graphs_.size())
+            : std::string("cuda drafter: CUDA graphs off");
+    for (const auto& [device, how] : peers_) {
+      s += fmt::format("; features from GPU {}: {}", device, how);
+    }
+    if (collective_) s += "; collective " + collective_->describe();
+    return s;
+  }
+
+ private:
+  // The block rows (and the positions of all rows) into the pinned buffers.
+  void stage(const DrafterBatch& b, int64_t T, int64_t NK) {
+    const auto Ts = static_cast<size_t>(T), NKs = static_cast<size_t>(NK);
+    DrafterStaging st;
+    st.tokens = {tokens_.data(), Ts};
+    st.context_ranges = {context_ranges_.data(), Ts};
+    st.positions = {pos_.host.as<int32_t>(), Ts + NKs};
+    st.block_tokens = {block_tokens_.host.as<int32_t>(), NKs};
+    st.block_ranges = {block_ranges_.host.as<AttnRange>(), NKs};
+    st.labels = {labels_.host.as<int32_t>(), NKs};
+    st.weights = {weights_.host.as<float>(), NKs};
+    drafter_batch_stage(b, cfg_.mask_token_id, 0, st);
+  }
+
+  void enqueue_step(int64_t T, int64_t NK) {
+    cudaStream_t s = ctx_->stream();
+    pos_.upload(s, static_cast<size_t>(T + NK) * sizeof(int32_t));
+    block_tokens_.upload(s, static_cast<size_t>(NK) * sizeof(int32_t));
+    block_ranges_.upload(s, static_cast<size_t>(NK) * sizeof(AttnRange));
+    labels_.upload(s, static_cast<size_t>(NK) * sizeof(int32_t));
+    weights_.upload(s, static_cast<size_t>(NK) * sizeof(float));
+    DrafterCudaInputs in;
+    in.T = T;
+    in.NK = NK;
+    in.features = drafter_->features();
+    in.pos = pos_.dev.as<int32_t>();
+    in.block_tokens = block_tokens_.dev.as<int32_t>();
+    in.ranges = block_ranges_.dev.as<AttnRange>();
+    in.labels = labels_.dev.as<int32_t>();
+    in.weights = weights_.dev.as<float>();
+    drafter_->forward_backward(in, 1.0);  // unscaled: the step's 1/Σw is applied by adamw()
+  }
+
+  // Peer access to the GPU of a target stage, once per GPU; how its features travel (for the log).
+  void check_peer(int device) {
+    const int mine = ctx_->device();
+    if (device == mine || peers_.count(device)) return;
+    int can = 0;
+    DFLASH_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, mine, device));
+    if (can) {
+      const cudaError_t e = cudaDeviceEnablePeerAccess(device, 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled) {
+        cudaGetLastError();  // clear it
+      } else {
+        DFLASH_CUDA_CHECK(e);
+      }
+    }
+    peers_[device] = can ? "peer copy" : "copied through host memory (no peer access)";
+  }
+
+  std::unique_ptr<cuda::CudaContext> ctx_;
+  cuda::DeviceBuffer embed_, head_;
+  std::unique_ptr<DrafterCuda> drafter_;
+  DrafterConfig cfg_;
+  int64_t params_;
+  int64_t max_ctx_, max_rows_;
+  bool use_graphs_;
+  AdamWConfig adam_;
+  double clip_grad_norm_;
+  int64_t updates_ = 0;
+  double pending_scale_ = 1.0;             // 1/Σw of the step waiting for update()
+  std::vector<int32_t> tokens_;            // host only (the target stage uploads the context)
+  std::vector<AttnRange> context_ranges_;  // host only
+  Staged pos_, block_tokens_, block_ranges_, labels_, weights_;
+  cuda::GraphCache<std::pair<int64_t, int64_t>> graphs_;
+  std::map<int, std::string> peers_;
+  std::unique_ptr<Collective> collective_;
+  StepQueue queue_;
+};
+
+}  // namespace
+
+std::unique_ptr<TargetStage> cuda_target_stage_create(const TrainBackendOptions& opts, int device,
+                                                      const TargetModel& target,
+                                                      const DrafterConfig& cfg) {
+  const int n = cuda::device_count();
+  DFLASH_CHECK(device >= 0 && device < n,
+               "cuda target stage: CUDA device {} does not exist ({} "
+               "visible)",
+               device, n);
+  return std::make_unique<CudaTargetStage>(device, target, cfg, opts.max_context_tokens,
+                                           opts.cuda_graphs, opts.feature_buffers);
+}
+
+std::unique_ptr<DrafterStage> cuda_drafter_stage_create(
+    const TrainBackendOptions& opts, int device, const TargetModel& target,
+    const DrafterConfig& cfg, const DrafterLayout& layout,
+    const std::shared_ptr<CollectiveGroup>& group, int replica) {
+  const int n = cuda::device_count();
+  DFLASH_CHECK(device >= 0 && device < n,
+               "cuda drafter stage: CUDA device {} does not exist ({} visible)", device, n);
+  return std::make_unique<CudaDrafterStage>(device, target, cfg, layout, opts.max_context_tokens,
+                                            opts.cuda_graphs, opts.adam, opts.clip_grad_norm, group,
+                                            replica);
+}
+
+}  // namespace dflash
+
+#else  // no CUDA
 
 namespace dflash {
 
 std::unique_ptr<TargetStage> cuda_target_stage_create(const TrainBackendOptions&, int,
                                                       const TargetModel&, const DrafterConfig&) {
-  fail("runtime.backend 'cuda' is not available in the pipeline yet");
+  fail(
+      "runtime.backend 'cuda' is not available: this dflash was built without the CUDA backend "
+      "(configure with -DDFLASH_CUDA=ON)");
 }
 
 std::unique_ptr<DrafterStage> cuda_drafter_stage_create(const TrainBackendOptions&, int,
@@ -15,15 +481,11 @@ std::unique_ptr<DrafterStage> cuda_drafter_stage_create(const TrainBackendOption
                                                         const DrafterLayout&,
                                                         const std::shared_ptr<CollectiveGroup>&,
                                                         int) {
-  fail("runtime.backend 'cuda' is not available in the pipeline yet");
-}
-
-std::shared_ptr<CollectiveGroup> cuda_collective_group_create(const std::vector<int>&) {
-  fail("runtime.backend 'cuda' is not available in the pipeline yet");
-}
-
-std::unique_ptr<Collective> cuda_collective_member(CollectiveGroup&, int, void*) {
-  fail("runtime.backend 'cuda' is not available in the pipeline yet");
+  fail(
+      "runtime.backend 'cuda' is not available: this dflash was built without the CUDA backend "
+      "(configure with -DDFLASH_CUDA=ON)");
 }
 
 }  // namespace dflash
+
+#endif  // DFLASH_HAVE_CUDA

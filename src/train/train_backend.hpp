@@ -145,6 +145,8 @@ struct TrainBackendOptions {
   PipelineTopology topology;
   bool cuda_graphs = true;         ///< runtime.cuda_graphs
   int64_t max_context_tokens = 0;  ///< rows_per_step·token_budget: the largest rows·L of a batch
+  /// cuda target stages: feature buffers in the pool (as many as the pipeline can hold alive).
+  int64_t feature_buffers = 1;
   AdamWConfig adam;                ///< training.beta1/beta2/adam_eps/weight_decay
   double clip_grad_norm = 1.0;     ///< training.clip_grad_norm (≤ 0: no clipping)
 };

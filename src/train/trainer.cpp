@@ -67,6 +67,10 @@ TrainBackendOptions backend_options_of(const RunConfig& cfg) {
   o.backend = cfg.runtime.backend;
   o.devices = cfg.runtime.devices;
   o.topology = topology_of(cfg.runtime);
+  // A target worker's features alive at once: queue_depth in each drafter's queue, one in each
+  // drafter's step, one being made (train/pipeline.hpp).
+  o.feature_buffers =
+      static_cast<int64_t>(o.topology.drafters()) * (o.topology.queue_depth + 1) + 1;
   o.cuda_graphs = cfg.runtime.cuda_graphs;
   o.max_context_tokens = static_cast<int64_t>(cfg.data.rows_per_step) * cfg.data.token_budget;
   o.adam = {cfg.training.beta1, cfg.training.beta2, cfg.training.adam_eps,

@@ -13,7 +13,24 @@
 #include "ops/attention.hpp"
 #include "train/optimizer.hpp"
 
+namespace dflash::cuda {
+
+/// Ranks of one in-process device all-reduce at most (train/collective_cuda.cpp).
+inline constexpr int kMaxLocalRanks = 16;
+/// The device arrays of the ranks of one in-process all-reduce, passed by value to the kernel.
+struct RankBuffers {
+  float* p[kMaxLocalRanks] = {};
+  int n = 0;
+};
+
+}  // namespace dflash::cuda
+
 namespace dflash::cuda::launch {
+
+// ---- collective.cu
+/// For i in [begin, end): s = p[0][i] + p[1][i] + … in rank order (f32, no contraction), then
+/// p[r][i] = s for every rank. Every array must be readable and writable from `s`'s device.
+void sum_ranks(const RankBuffers& bufs, int64_t begin, int64_t end, cudaStream_t s);
 
 // ---- elementwise.cu
 void embedding_fwd(void* y, DType yt, const void* table, DType wt, const int32_t* ids, int64_t T,
