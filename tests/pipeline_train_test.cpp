@@ -144,11 +144,11 @@ TEST(PipelineTrain, TheNumberOfTargetWorkersDoesNotChangeTheBits) {
 TEST(PipelineTrain, TwoByTwoResumesBitIdenticallyAndRefusesAnotherReplicaCount) {
   test::TempDir tmp;
   TrainOptions a;
-  a.config = config_for(tmp / "a", 6, 2, 2);
+  a.config = config_for(tmp / "a", 4, 2, 2);
   const TrainResult ra = train(a);
-  EXPECT_EQ(ra.steps_done, 6);
+  EXPECT_EQ(ra.steps_done, 4);
   const std::string log_a = test::read_file(tmp / "a" / "log.txt");
-  EXPECT_NE(log_a.find("the 2 drafter replicas are bit-identical after step 6"), std::string::npos)
+  EXPECT_NE(log_a.find("the 2 drafter replicas are bit-identical after step 4"), std::string::npos)
       << log_a;
   EXPECT_NE(log_a.find("cpu: 2 target workers, 2 drafter workers"), std::string::npos);
   // status.json lists every worker.
@@ -171,11 +171,11 @@ TEST(PipelineTrain, TwoByTwoResumesBitIdenticallyAndRefusesAnotherReplicaCount) 
   EXPECT_EQ(m["queue_depth"].size(), 2u) << first;
 
   TrainOptions b;
-  b.config = config_for(tmp / "b", 6, 2, 2);
-  b.halt_at_step = 3;
+  b.config = config_for(tmp / "b", 4, 2, 2);
+  b.halt_at_step = 2;
   EXPECT_TRUE(train(b).interrupted);
   TrainOptions other;
-  other.config = config_for(tmp / "b", 6, 2, 1);
+  other.config = config_for(tmp / "b", 4, 2, 1);
   other.resume_dir = (tmp / "b").string();
   try {
     train(other);
@@ -187,10 +187,10 @@ TEST(PipelineTrain, TwoByTwoResumesBitIdenticallyAndRefusesAnotherReplicaCount) 
         << e.what();
   }
   TrainOptions c;
-  c.config = config_for(tmp / "b", 6, 1, 2);  // another number of target workers is fine
+  c.config = config_for(tmp / "b", 4, 1, 2);  // another number of target workers is fine
   c.resume_dir = (tmp / "b").string();
-  EXPECT_EQ(train(c).steps_done, 6);
-  EXPECT_EQ(master_bytes(tmp / "a" / "checkpoint-6"), master_bytes(tmp / "b" / "checkpoint-6"));
+  EXPECT_EQ(train(c).steps_done, 4);
+  EXPECT_EQ(master_bytes(tmp / "a" / "checkpoint-4"), master_bytes(tmp / "b" / "checkpoint-4"));
   EXPECT_EQ(deterministic_metrics(tmp / "a"), deterministic_metrics(tmp / "b"));
 }
 
@@ -253,7 +253,7 @@ TEST(PipelineTrain, AHangIsReportedAsStuckWithEveryWorkersPhase) {
 TEST(PipelineTrain, ANanStreakStopsTheRunNamingTheReplicaAndKeepsTheLastGoodState) {
   test::TempDir tmp;
   const fs::path dir = tmp / "nan";
-  test::write_file(tmp / "run.yaml", yaml_for(dir, 8, 2, 2));
+  test::write_file(tmp / "run.yaml", yaml_for(dir, 6, 2, 2));
   const FaultRun r = run_with_fault(tmp / "run.yaml", tmp / "log.txt", "drafter:0:3:nan",
                                     "stopping every worker", {"training.max_consecutive_skips=3"});
   EXPECT_EQ(r.exit_code, 1) << r.log;
@@ -267,5 +267,5 @@ TEST(PipelineTrain, ANanStreakStopsTheRunNamingTheReplicaAndKeepsTheLastGoodStat
   // weights of step 2 (skipped steps change nothing).
   ASSERT_TRUE(fs::exists(dir / "checkpoint-4" / "COMPLETE")) << r.log;
   EXPECT_EQ(master_bytes(dir / "checkpoint-2"), master_bytes(dir / "checkpoint-4"));
-  expect_resumes_to(dir, 8);
+  expect_resumes_to(dir, 6);
 }

@@ -439,6 +439,15 @@ class CudaDrafterStage final : public DrafterStage {
 
 }  // namespace
 
+std::string cuda_backend_describe(const TrainBackendOptions& opts) {
+  std::set<int> devices(opts.topology.target_devices.begin(), opts.topology.target_devices.end());
+  devices.insert(opts.topology.drafter_devices.begin(), opts.topology.drafter_devices.end());
+  if (devices.empty()) devices.insert(opts.devices.begin(), opts.devices.end());
+  std::string s = fmt::format("cuda, CUDA graphs {}", opts.cuda_graphs ? "on" : "off");
+  for (int d : devices) s += fmt::format("; GPU {}: {}", d, cuda::device_description(d));
+  return s;
+}
+
 std::unique_ptr<TargetStage> cuda_target_stage_create(const TrainBackendOptions& opts, int device,
                                                       const TargetModel& target,
                                                       const DrafterConfig& cfg) {
@@ -468,6 +477,11 @@ std::unique_ptr<DrafterStage> cuda_drafter_stage_create(
 #else  // no CUDA
 
 namespace dflash {
+
+std::string cuda_backend_describe(const TrainBackendOptions&) {
+  fail("runtime.backend 'cuda' is not available: this dflash was built without the CUDA backend "
+       "(configure with -DDFLASH_CUDA=ON)");
+}
 
 std::unique_ptr<TargetStage> cuda_target_stage_create(const TrainBackendOptions&, int,
                                                       const TargetModel&, const DrafterConfig&) {

@@ -161,6 +161,7 @@ struct Event {
   std::optional<DrafterState> state;
   std::optional<uint64_t> hash;
   std::string error;       // exited, final_done: the worker's error ("" none)
+  std::string summary;     // final_done: the drafter stage's summary()
   int64_t last_done = -1;  // exited (drafters): the last 0-based step completed
 };
 
@@ -360,6 +361,7 @@ void drafter_final_service(Shared& sh, int r, DrafterStage* stage) {
     cmd = *sh.final[static_cast<size_t>(r)];
   }
   Event e(Event::Kind::final_done, sh.targets() + r);
+  if (stage) e.summary = stage->summary();
   if (stage && (cmd.save || cmd.hash)) {
     const Phase before = w.current();
     w.set_phase(Phase::saving_state);
@@ -749,6 +751,9 @@ void Coordinator::shutdown(std::vector<std::thread>& threads) {
   wait_events(clean ? std::max(grace, sh_->opts.topology.stall_timeout_s) : left(), [&] {
     return std::all_of(asked.begin(), asked.end(), [&](int r) { return final_done_.count(r); });
   });
+  for (const auto& [r, e] : final_done_) {
+    if (!e.summary.empty()) out_.summaries.push_back(fmt::format("drafter{}: {}", r, e.summary));
+  }
   if (saver >= 0 && final_done_.count(saver) && final_done_.at(saver).state) {
     out_.final_state = std::move(final_done_.at(saver).state);
   } else if (saver >= 0) {

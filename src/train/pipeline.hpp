@@ -99,6 +99,8 @@ struct PipelineOutcome {
   std::vector<uint64_t> replica_hashes;
   /// Workers that did not stop within the grace period (left running, detached).
   std::vector<std::string> abandoned;
+  /// "drafter0: <its stage's summary()>" for each drafter whose stage had something to say.
+  std::vector<std::string> summaries;
 };
 
 /// What the pipeline calls. make_target/make_drafter run on the worker's own thread, make_step on

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "core/error.hpp"
+#include "core/parallel.hpp"
 
 namespace dflash {
 
@@ -59,6 +60,11 @@ std::shared_ptr<CollectiveGroup> collective_group_create(const std::string& back
   if (backend == "cpu") return LocalCollectiveGroup::create(static_cast<int>(devices.size()));
   if (backend == "cuda") return cuda_collective_group_create(devices);
   fail("runtime.backend '{}' is not known (cpu or cuda)", backend);
+}
+
+std::string train_backend_describe(const TrainBackendOptions& opts) {
+  if (opts.backend == "cuda") return cuda_backend_describe(opts);
+  return fmt::format("{}, {} threads per worker", opts.backend, parallel_threads());
 }
 
 void StepQueue::stepped(DrafterStepResult r) {

@@ -170,6 +170,12 @@ TrainBackend train_backend_create(const TrainBackendOptions& opts, const TargetM
 /// exist; throws dflash::Error naming runtime.backend or runtime.devices otherwise.
 void train_backend_check(const TrainBackendOptions& opts);
 
+/// One line for the log about the backend: "cpu, 2 threads per worker", or "cuda, CUDA graphs on;
+/// GPU 0: NVIDIA H200 (sm_90, 139.8 GiB)" naming each GPU of opts.topology (else runtime.devices).
+std::string train_backend_describe(const TrainBackendOptions& opts);
+/// The cuda part of train_backend_describe (src/train/cuda_stages.cpp).
+std::string cuda_backend_describe(const TrainBackendOptions& opts);
+
 /// The CPU backend (src/train/cpu_train.cpp): the target's forward_taps and drafter_train_step
 /// over the packed batch, AdamW of src/train/optimizer.hpp; bit-reproducible.
 TrainBackend cpu_train_backend_create(const TrainBackendOptions& opts, const TargetModel& target,

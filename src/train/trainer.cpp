@@ -447,6 +447,7 @@ TrainResult train_loop(Session& s, const TrainOptions& opts, const DrafterState&
   }
   const PipelineHooks hooks = hooks_of(s, po.end_step, po.collective, result);
   PipelineOutcome o = pipeline_run(po, hooks);
+  for (const std::string& line : o.summaries) s.report.log(line);
   save_final_state(s, o);
   result.steps_done = s.st.step;
   result.skipped_steps = s.st.skipped;
@@ -509,10 +510,11 @@ TrainResult train(const TrainOptions& opts) {
     report.log(fmt::format(
         "train: target {} ({} layers, hidden {}), drafter {} layers ({} "
         "parameters), taps [{}], mask id {}, block {}, {} steps ({} "
-        "batches/epoch), {}",
+        "batches/epoch), {}; {}",
         cfg.model.target, s.target->config().num_hidden_layers, s.target->config().hidden_size,
         s.dcfg.num_layers, s.layout.total, fmt::join(s.dcfg.target_layer_ids, ","),
-        s.dcfg.mask_token_id, s.dcfg.block_size, s.total_steps, s.per_epoch, s.topo.describe()));
+        s.dcfg.mask_token_id, s.dcfg.block_size, s.total_steps, s.per_epoch, s.topo.describe(),
+        train_backend_describe(s.backend_opts)));
     TrainResult result = train_loop(s, opts, initial);
     report.status().phase = result.interrupted ? "interrupted" : "done";
     report.status().step = result.steps_done;
