@@ -6,8 +6,11 @@
 // failure, leaving a checkpoint that resumes. Tiny runs (a 200-conversation slice of the corpus,
 // one 256-token row per batch, 2 anchors per document).
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -86,8 +89,13 @@ std::vector<json> deterministic_metrics(const fs::path& dir) {
 
 using SteadyClock = std::chrono::steady_clock;
 
+// The most lines a 6-step failing run may log: its set-up, six steps, the failure report with one
+// line per worker, the checkpoints; a stall must add none.
+constexpr std::ptrdiff_t kMaxLogLines = 60;
+
 // Runs `dflash train` with a fault injected; returns the exit code, the log, and the seconds from
-// the first log line holding `failure_mark` to the process's exit.
+// the first log line holding `failure_mark` to the process's exit. A run still going after
+// `limits.timeout_s`, or whose log passes `limits.max_log_bytes`, is killed and fails the test.
 struct FaultRun {
   int exit_code = -1;
   std::string log;
@@ -95,9 +103,11 @@ struct FaultRun {
 };
 FaultRun run_with_fault(const fs::path& yaml, const fs::path& log, const std::string& fault,
                         const std::string& failure_mark,
-                        const std::vector<std::string>& overrides = {}) {
+                        const std::vector<std::string>& overrides = {},
+                        const test::RunLimits& limits = {}) {
   std::vector<std::string> args = {"train", "--config", yaml.string()};
   args.insert(args.end(), overrides.begin(), overrides.end());
+  const auto start = SteadyClock::now();
   const pid_t pid = test::spawn_dflash(args, log, {"DFLASH_FAULT_INJECT=" + fault});
   std::optional<SteadyClock::time_point> seen;
   int status = 0;
@@ -109,6 +119,18 @@ FaultRun run_with_fault(const fs::path& yaml, const fs::path& log, const std::st
     if (done == pid) {
       r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
       if (seen) r.stop_s = std::chrono::duration<double>(now - *seen).count();
+      break;
+    }
+    const double ran_s = std::chrono::duration<double>(now - start).count();
+    std::error_code ec;
+    const std::uintmax_t bytes = fs::file_size(log, ec);
+    if ((!ec && bytes > limits.max_log_bytes) || ran_s > limits.timeout_s) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      ADD_FAILURE() << "dflash train (fault " << fault << ") killed after " << ran_s << " s with "
+                    << bytes << " bytes of log (limits: " << limits.timeout_s << " s, "
+                    << limits.max_log_bytes << " bytes)";
+      r.exit_code = 128 + SIGKILL;
       break;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -236,9 +258,13 @@ TEST(PipelineTrain, AHangIsReportedAsStuckWithEveryWorkersPhase) {
   test::TempDir tmp;
   const fs::path dir = tmp / "hang";
   test::write_file(tmp / "run.yaml", yaml_for(dir, 6, 2, 2));
+  // The stall adds nothing to the log (a run once filled a disk with its output): killed past
+  // 64 KiB or 3 min, and a bounded number of lines.
   const FaultRun r = run_with_fault(tmp / "run.yaml", tmp / "log.txt", "target:1:3:hang",
-                                    "is stuck", {"runtime.stall_timeout_s=3"});
+                                    "is stuck", {"runtime.stall_timeout_s=10"},
+                                    {.timeout_s = 180, .max_log_bytes = 64u << 10});
   EXPECT_EQ(r.exit_code, 1) << r.log;
+  EXPECT_LT(std::count(r.log.begin(), r.log.end(), '\n'), kMaxLogLines) << r.log;
   EXPECT_NE(r.log.find("target1 (cpu) is stuck: no progress for"), std::string::npos) << r.log;
   for (const char* w : {"target0 (cpu): ", "drafter0 (cpu): ", "drafter1 (cpu): "}) {
     EXPECT_NE(r.log.find(w), std::string::npos) << r.log;

@@ -186,7 +186,7 @@ TEST(Trainer, SigtermCheckpointsAndExitsZeroAndStatusSeesTheLiveRun) {
   EXPECT_NE(status.out.find("running (pid " + std::to_string(pid) + ")"), std::string::npos)
       << status.out;
   ::kill(pid, SIGTERM);
-  EXPECT_EQ(test::wait_exit(pid), 0) << test::read_file(tmp / "log.txt");
+  EXPECT_EQ(test::wait_exit(pid, tmp / "log.txt"), 0) << test::read_file(tmp / "log.txt");
   auto cps = RunDir::complete_checkpoints(dir);
   ASSERT_EQ(cps.size(), 1u);
   EXPECT_NE(test::read_file(tmp / "log.txt").find("stopped by signal"), std::string::npos);
@@ -202,7 +202,7 @@ TEST(Trainer, CrashWhileWritingACheckpointLeavesThePreviousOneUsable) {
   // The writer dies (as on SIGKILL) in the middle of writing checkpoint-4.
   pid_t pid = test::spawn_dflash({"train", "--config", (tmp / "run.yaml").string()},
                                  tmp / "log.txt", {"DFLASH_TEST_CRASH_IN_CHECKPOINT=4"});
-  EXPECT_EQ(test::wait_exit(pid), 86) << test::read_file(tmp / "log.txt");
+  EXPECT_EQ(test::wait_exit(pid, tmp / "log.txt"), 86) << test::read_file(tmp / "log.txt");
   auto cps = RunDir::complete_checkpoints(dir);
   ASSERT_EQ(cps.size(), 1u);
   EXPECT_EQ(cps.back().first, 2);

@@ -1,19 +1,34 @@
 #include "util/test_util.hpp"
 
 #include <lzma.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <random>
 #include <sstream>
+#include <thread>
 
 namespace dflash::test {
 
-fs::path source_dir() { return fs::path(DFLASH_SOURCE_DIR); }
+fs::path source_dir() {
+  const char* env = std::getenv("DFLASH_TEST_SOURCE_DIR");
+  return fs::path(env && *env ? env : DFLASH_SOURCE_DIR);
+}
+
+namespace {
+// The dflash binary the tests run: $DFLASH_TEST_BINARY, else the one built beside the tests.
+std::string dflash_binary() {
+  const char* env = std::getenv("DFLASH_TEST_BINARY");
+  return env && *env ? env : DFLASH_BINARY_PATH;
+}
+}  // namespace
 
 fs::path shared_dir() {
   const char* env = std::getenv("DFLASH_SHARED_DIR");
@@ -35,9 +50,11 @@ TempDir::TempDir() {
   char* p = mkdtemp(buf.data());
   if (!p) throw std::runtime_error("mkdtemp failed");
   path_ = p;
+  owner_ = ::getpid();
 }
 
 TempDir::~TempDir() {
+  if (::getpid() != owner_) return;
   std::error_code ec;
   fs::remove_all(path_, ec);
 }
@@ -55,7 +72,7 @@ std::string shell_quote(const std::string& s) {
 
 RunResult run_dflash(const std::vector<std::string>& args, const std::string& stdin_text) {
   TempDir tmp;
-  std::string cmd = shell_quote(DFLASH_BINARY_PATH);
+  std::string cmd = shell_quote(dflash_binary());
   for (const auto& a : args) cmd += " " + shell_quote(a);
   write_file(tmp / "in", stdin_text);
   cmd += " <" + shell_quote((tmp / "in").string()) + " >" + shell_quote((tmp / "out").string()) +
@@ -70,14 +87,17 @@ RunResult run_dflash(const std::vector<std::string>& args, const std::string& st
 
 pid_t spawn_dflash(const std::vector<std::string>& args, const fs::path& log,
                    const std::vector<std::string>& env) {
-  std::vector<std::string> argv_s = {DFLASH_BINARY_PATH};
+  std::vector<std::string> argv_s = {dflash_binary()};
   argv_s.insert(argv_s.end(), args.begin(), args.end());
   std::vector<char*> argv;
   for (auto& a : argv_s) argv.push_back(a.data());
   argv.push_back(nullptr);
   std::vector<std::string> env_s = env;
+  const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
   if (pid == 0) {
+    // Dies with the test process (and not after it: the parent may be gone already).
+    if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || ::getppid() != parent) std::_Exit(125);
     for (auto& e : env_s) ::putenv(e.data());
     if (std::freopen(log.c_str(), "w", stderr) == nullptr) std::_Exit(126);
     ::dup2(::fileno(stderr), STDOUT_FILENO);
@@ -87,10 +107,30 @@ pid_t spawn_dflash(const std::vector<std::string>& args, const fs::path& log,
   return pid;
 }
 
-int wait_exit(pid_t pid) {
+int wait_exit(pid_t pid, const fs::path& log, const RunLimits& limits) {
+  using Clock = std::chrono::steady_clock;
+  const auto until = Clock::now() + std::chrono::duration<double>(limits.timeout_s);
   int st = 0;
-  ::waitpid(pid, &st, 0);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  for (;;) {
+    const pid_t done = ::waitpid(pid, &st, WNOHANG);
+    if (done == pid) return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    std::error_code ec;
+    const std::uintmax_t bytes = log.empty() ? 0 : fs::file_size(log, ec);
+    const bool runaway = !ec && bytes > limits.max_log_bytes;
+    if (runaway || Clock::now() > until) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &st, 0);
+      if (runaway) {
+        ADD_FAILURE() << "dflash (pid " << pid << ") wrote more than " << limits.max_log_bytes
+                      << " bytes to " << log << "; killed";
+      } else {
+        ADD_FAILURE() << "dflash (pid " << pid << ") still running after " << limits.timeout_s
+                      << " s; killed";
+      }
+      return 128 + SIGKILL;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
 }
 
 void write_file(const fs::path& path, const std::string& bytes) {
@@ -139,7 +179,7 @@ double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 const fs::path& small_corpus() {
-  static TempDir* dir = new TempDir();  // lives until exit
+  static TempDir dir;  // removed at exit
   static const fs::path path = [] {
     const std::string text = xz_decompress(assets_dir() / "data" / "train.jsonl.xz");
     size_t pos = 0;  // just past the last newline taken
@@ -148,7 +188,7 @@ const fs::path& small_corpus() {
       if (nl == std::string::npos) throw std::runtime_error("the corpus has fewer than 200 lines");
       pos = nl + 1;
     }
-    fs::path out = dir->path() / "small.jsonl";
+    fs::path out = dir.path() / "small.jsonl";
     write_file(out, text.substr(0, pos));
     return out;
   }();

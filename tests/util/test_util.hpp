@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <sys/types.h>
 
+#include <cstdint>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -15,14 +16,16 @@ namespace dflash::test {
 
 namespace fs = std::filesystem;
 
-/// The repository root (compile-time path).
+/// The repository root: $DFLASH_TEST_SOURCE_DIR if set (binaries run on another machine), else
+/// the compile-time path.
 fs::path source_dir();
 /// The shared fixtures folder: $DFLASH_SHARED_DIR if set, else the configured ../shared. Fails the
 /// test (fatal) when it does not exist.
 fs::path shared_dir();
 /// The project's embedded assets: source_dir()/assets.
 fs::path assets_dir();
-/// A fresh, empty temporary folder removed when the returned object is destroyed.
+/// A fresh, empty temporary folder removed when the returned object is destroyed (by the process
+/// that made it: a forked child that runs destructors leaves it alone).
 class TempDir {
  public:
   TempDir();
@@ -34,6 +37,7 @@ class TempDir {
 
  private:
   fs::path path_;
+  pid_t owner_;
 };
 
 /// Result of running the dflash binary.
@@ -42,15 +46,26 @@ struct RunResult {
   std::string out;  ///< stdout
   std::string err;  ///< stderr
 };
-/// Runs the built `dflash` binary with `args` (shell-quoted for you), optional stdin text.
+/// Runs the `dflash` binary ($DFLASH_TEST_BINARY if set, else the one built with the tests) with
+/// `args` (shell-quoted for you), optional stdin text.
 RunResult run_dflash(const std::vector<std::string>& args, const std::string& stdin_text = "");
 
-/// Starts the `dflash` binary with `args` in the background, its stderr (and stdout) into `log`,
-/// with `env` entries ("KEY=VALUE") added to its environment; returns its pid.
+/// Starts the `dflash` binary (as run_dflash) with `args` in the background, its stderr (and stdout) into `log`,
+/// with `env` entries ("KEY=VALUE") added to its environment; returns its pid. The child is killed
+/// (SIGKILL) when the test process dies, so a test killed by its timeout leaves no run behind.
 pid_t spawn_dflash(const std::vector<std::string>& args, const fs::path& log,
                    const std::vector<std::string>& env = {});
-/// Waits for process `pid` to end; its exit code, or 128 + the signal that killed it.
-int wait_exit(pid_t pid);
+
+/// Limits on a spawned run (wait_exit): how long it may take and how large its log may grow.
+struct RunLimits {
+  double timeout_s = 300;                    ///< seconds from the call to the exit
+  std::uintmax_t max_log_bytes = 1u << 20;  ///< a larger log counts as runaway output
+};
+/// Waits for process `pid` to end; its exit code, or 128 + the signal that killed it. A run that
+/// passes a limit of `limits` (its log `log`, when given, larger than max_log_bytes; still running
+/// after timeout_s) is killed with SIGKILL, reaped, and the test fails (non-fatal) saying which
+/// limit; the return is then 128 + SIGKILL.
+int wait_exit(pid_t pid, const fs::path& log = {}, const RunLimits& limits = {});
 
 /// Writes `bytes` to `path` (binary).
 void write_file(const fs::path& path, const std::string& bytes);
