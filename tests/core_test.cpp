@@ -1,12 +1,15 @@
-// Tests of src/core: dtype conversions, tensors and views, errors.
+// Tests of src/core: dtype conversions, tensors and views, errors, the progress bar on a
+// non-terminal.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
+#include "core/log.hpp"
 #include "core/tensor.hpp"
 
 using namespace dflash;
@@ -128,4 +131,50 @@ TEST(Error, CheckCarriesMessageAndContext) {
     EXPECT_STREQ(e.with_context("file x.safetensors").what(),
                  "file x.safetensors: tensor w: expected shape [2], found [3]");
   }
+}
+
+namespace {
+// Reads back what was written to `f` (a tmpfile) and counts its lines.
+int lines_written(std::FILE* f) {
+  std::fflush(f);
+  std::rewind(f);
+  int lines = 0;
+  for (int c; (c = std::fgetc(f)) != EOF;) lines += c == '\n';
+  return lines;
+}
+}  // namespace
+
+TEST(ProgressBar, OnANonTerminalPrintsOnlyWhenWorkWasDone) {
+  std::FILE* f = std::tmpfile();
+  ASSERT_NE(f, nullptr);
+  {
+    ProgressOptions o;
+    o.out = f;
+    o.plain_every_s = 0;  // no time limit: only the work done bounds the lines
+    ProgressBar bar("stalled", 10, "steps", o);
+    for (int i = 0; i < 1000; ++i) bar.advance(0);  // a stall: no line
+    EXPECT_EQ(lines_written(f), 0);
+    for (int i = 0; i < 3; ++i) bar.advance(1);
+    EXPECT_EQ(lines_written(f), 3);
+    for (int i = 0; i < 1000; ++i) bar.advance(0);
+    EXPECT_EQ(lines_written(f), 3);
+  }  // the final line
+  EXPECT_EQ(lines_written(f), 4);
+  std::fclose(f);
+}
+
+TEST(ProgressBar, WithoutPlainLinesPrintsOnlyTheFinalLineToANonTerminal) {
+  std::FILE* f = std::tmpfile();
+  ASSERT_NE(f, nullptr);
+  {
+    ProgressOptions o;
+    o.out = f;
+    o.plain_every_s = 0;
+    o.plain_lines = false;
+    ProgressBar bar("train", 10, "steps", o);
+    for (int i = 0; i < 10; ++i) bar.advance(1);
+    EXPECT_EQ(lines_written(f), 0);
+  }
+  EXPECT_EQ(lines_written(f), 1);
+  std::fclose(f);
 }

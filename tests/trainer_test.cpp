@@ -195,6 +195,34 @@ TEST(Trainer, SigtermCheckpointsAndExitsZeroAndStatusSeesTheLiveRun) {
   EXPECT_NE(status.out.find("not running"), std::string::npos) << status.out;
 }
 
+// `dflash status --watch` into a file (not a terminal) appends a snapshot only when the run moved
+// on: a stalled run adds nothing however long it is watched.
+TEST(Trainer, StatusWatchIntoAFileWritesASnapshotOnlyWhenTheRunMovesOn) {
+  test::TempDir tmp;
+  const fs::path dir = tmp / "watched";
+  auto count = [](const std::string& text, const std::string& what) {
+    size_t n = 0;
+    for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+    return n;
+  };
+  pid_t pid = -1;
+  {
+    RunDir holder(dir);  // holds the run's lock: the run counts as alive
+    holder.write_status(json{{"phase", "training"}, {"step", 3}, {"total_steps", 10}});
+    pid = test::spawn_dflash({"status", dir.string(), "--watch", "--every", "0.02"},
+                             tmp / "watch.txt");
+    std::this_thread::sleep_for(std::chrono::seconds(1));  // about 50 refreshes of a stalled run
+    EXPECT_EQ(count(test::read_file(tmp / "watch.txt"), "step      3/10"), 1u);
+    holder.write_status(json{{"phase", "training"}, {"step", 4}, {"total_steps", 10}});
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  }  // the lock goes: the watch prints the last snapshot and ends
+  EXPECT_EQ(test::wait_exit(pid, tmp / "watch.txt", {.timeout_s = 30}), 0);
+  const std::string out = test::read_file(tmp / "watch.txt");
+  EXPECT_EQ(count(out, "step      3/10"), 1u) << out;
+  EXPECT_EQ(count(out, "step      4/10"), 2u) << out;  // moved on; then no longer alive
+  EXPECT_EQ(out.find("\033"), std::string::npos) << out;
+}
+
 TEST(Trainer, CrashWhileWritingACheckpointLeavesThePreviousOneUsable) {
   test::TempDir tmp;
   const fs::path dir = tmp / "crash";

@@ -1,5 +1,6 @@
 // `dflash status RUN_DIR [--watch]`: is the run alive, where is it, how fast, and one row per
-// pipeline worker — from status.json and the lock, without reading logs.
+// pipeline worker — from status.json and the lock, without reading logs. `--watch` redraws a
+// terminal; to a non-terminal it appends a snapshot only when the run or a worker moved on.
 #include <signal.h>
 #include <sys/file.h>
 #include <fcntl.h>
@@ -98,12 +99,39 @@ bool run_status(const std::string& dir) {
   return held;
 }
 
+// What a non-terminal --watch prints a new snapshot for: the run's phase and step, whether it is
+// alive, and each worker's phase and step (not the seconds in a phase, which grow while stalled).
+std::string watch_key(const std::string& dir) {
+  const nlohmann::json st = read_status(dir);
+  std::string key = fmt::format("{} {} {}", st.value("phase", "?"), st.value("step", int64_t{0}),
+                                lock_holder(dir).second);
+  if (st.contains("workers")) {
+    for (const auto& w : st["workers"]) {
+      key += fmt::format(" {}:{}", w.value("phase", "?"), w.value("step", int64_t{0}));
+    }
+  }
+  return key;
+}
+
+// Refreshes every `every_s` until the run ends. On a terminal the screen is redrawn; to a
+// non-terminal (a log file) a snapshot is appended only when watch_key changed, so a stalled run
+// adds nothing.
 void watch_status(const std::string& dir, double every_s) {
   DFLASH_CHECK(every_s > 0, "--every must be > 0 seconds, got {}", every_s);
+  const bool tty = isatty(fileno(stdout)) != 0;
+  std::string last_key;
   for (;;) {
-    fmt::print("\033[H\033[2J");  // home, clear screen
-    const bool running = run_status(dir);
-    std::fflush(stdout);
+    bool running = true;
+    const std::string key = tty ? std::string() : watch_key(dir);
+    if (tty || key != last_key) {
+      if (tty) fmt::print("\033[H\033[2J");  // home, clear screen
+      else if (!last_key.empty()) fmt::print("\n");
+      running = run_status(dir);
+      std::fflush(stdout);
+      last_key = key;
+    } else {
+      running = lock_holder(dir).second;
+    }
     if (!running) return;
     std::this_thread::sleep_for(std::chrono::duration<double>(every_s));
   }

@@ -29,11 +29,12 @@ std::string format_duration(double s) {
   return fmt::format("{} h {} min", t / 3600, (t % 3600) / 60);
 }
 
-ProgressBar::ProgressBar(std::string label, int64_t total, std::string unit)
+ProgressBar::ProgressBar(std::string label, int64_t total, std::string unit, ProgressOptions opts)
     : label_(std::move(label)),
       unit_(std::move(unit)),
+      opts_(opts),
       total_(total),
-      tty_(isatty(fileno(stderr)) != 0),
+      tty_(isatty(fileno(opts.out)) != 0),
       start_(std::chrono::steady_clock::now()),
       last_draw_(start_) {}
 
@@ -45,7 +46,11 @@ void ProgressBar::advance(int64_t n) {
   done_ += n;
   auto now = std::chrono::steady_clock::now();
   double since = std::chrono::duration<double>(now - last_draw_).count();
-  if ((tty_ && since >= 0.1) || (!tty_ && since >= 10.0)) draw(false);
+  if (tty_) {
+    if (since >= 0.1) draw(false);
+  } else if (opts_.plain_lines && done_ != drawn_done_ && since >= opts_.plain_every_s) {
+    draw(false);
+  }
 }
 
 void ProgressBar::finish() {
@@ -56,6 +61,7 @@ void ProgressBar::finish() {
 
 void ProgressBar::draw(bool final) {
   last_draw_ = std::chrono::steady_clock::now();
+  drawn_done_ = done_;
   double el = std::chrono::duration<double>(last_draw_ - start_).count();
   double rate = el > 0 ? static_cast<double>(done_) / el : 0.0;
   std::string line;
@@ -75,11 +81,11 @@ void ProgressBar::draw(bool final) {
   }
   if (!suffix_.empty()) line += "  " + suffix_;
   if (tty_) {
-    std::fprintf(stderr, "\r\033[K%s%s", line.c_str(), final ? "\n" : "");
+    std::fprintf(opts_.out, "\r\033[K%s%s", line.c_str(), final ? "\n" : "");
   } else {
-    std::fprintf(stderr, "%s\n", line.c_str());
+    std::fprintf(opts_.out, "%s\n", line.c_str());
   }
-  std::fflush(stderr);
+  std::fflush(opts_.out);
 }
 
 std::string format_thousands(int64_t n) {

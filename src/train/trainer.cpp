@@ -393,7 +393,11 @@ PipelineHooks hooks_of(Session& s, int64_t end_step,
   h.checkpoint_after = [every, end_step](int64_t n) {
     return n == end_step || (every > 0 && n % every == 0);
   };
-  auto bar = std::make_shared<ProgressBar>("train", s.total_steps, "steps");
+  // On a non-terminal the line per log interval (finish_interval) is the progress; the bar adds
+  // its final line only.
+  ProgressOptions progress;
+  progress.plain_lines = false;
+  auto bar = std::make_shared<ProgressBar>("train", s.total_steps, "steps", progress);
   bar->advance(s.st.step);
   const auto run_start = Clock::now();
   const int64_t first = s.st.step;
