@@ -142,7 +142,7 @@ data:
   train_file: $PWD/assets/data/train.jsonl.xz
   template: chatml
   max_length: 2048
-  token_budget: 16384
+  token_budget: 8192
   rows_per_step: 1
 training:
   max_steps: 40
