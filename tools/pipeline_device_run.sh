@@ -99,8 +99,9 @@ if recs:
     r = recs[-1]
     line += (f", step {r.get('step')}, loss {r.get('loss', float('nan')):.4f}, "
              f"simulated tau {r.get('tau', float('nan')):.3f}, tokens/s {r.get('tokens_per_s', 0):.0f}")
-    busy = [(x.get('step'), x.get('target_busy'), x.get('drafter_busy'), x.get('s_per_step'))
-            for x in recs if 'target_busy' in x]
+    num = lambda v: round(v, 3) if isinstance(v, float) else v
+    busy = [(x.get('step'), num(x.get('target_busy')), num(x.get('drafter_busy')),
+             num(x.get('s_per_step'))) for x in recs if 'target_busy' in x]
     if busy:
         line += "\n  step, target_busy, drafter_busy, s_per_step: " + "; ".join(
             f"{s} {t} {d} {w}" for s, t, d, w in busy)
@@ -110,13 +111,15 @@ print(line)
 PY
   grep -E "collective:|bit-identical|backend|failed|stuck|error" "$runs/$name/log.txt" \
     2>/dev/null | sed 's/^/  /' >> "$summary"
+  [[ $rc == 0 ]] || tail -n 3 "$out/$name.stderr.txt" | sed 's/^/  /' >> "$summary"
 }
 
 if want tests; then
   DFLASH_TEST_SOURCE_DIR=$PWD DFLASH_TEST_BINARY=$bin/dflash \
     "$bin/pipeline_cuda_test" --gtest_color=no > "$out/pipeline_cuda_test.log" 2>&1
   echo "pipeline_cuda_test: rc $?" >> "$summary"
-  grep -E '^\[ +(OK|FAILED|SKIPPED) ' "$out/pipeline_cuda_test.log" | sed 's/^/  /' >> "$summary"
+  grep -E '^\[ +(OK|FAILED|SKIPPED) +\].*\([0-9]+ ms\)$' "$out/pipeline_cuda_test.log" |
+    sed 's/^/  /' >> "$summary"
 fi
 
 if want tiny; then
