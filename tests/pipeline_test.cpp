@@ -44,12 +44,15 @@ struct FakeFeatures final : TargetFeatures {
 };
 
 struct FakeTarget final : TargetStage {
+  explicit FakeTarget(int delay_ms) : delay_ms(delay_ms) {}
   std::unique_ptr<TargetFeatures> forward_taps(const DrafterBatch& b) override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
     auto f = std::make_unique<FakeFeatures>();
     f->value = static_cast<double>(b.index);
     return f;
   }
   void fill_nan(TargetFeatures& f) override { dynamic_cast<FakeFeatures&>(f).value = std::nan(""); }
+  int delay_ms;  // each forward_taps sleeps this long
 };
 
 // A drafter with 4 parameters: the gradient of a batch is (index + 1 + replica-independent
@@ -115,6 +118,7 @@ struct FakeRun {
   std::shared_ptr<LocalCollectiveGroup> group;
   std::vector<PipelineStep> steps;  // as on_step saw them
   bool no_reduce = false;
+  std::vector<int> target_delay_ms;  // per target worker (none: 0)
 
   FakeRun(int targets, int drafters, int64_t steps_to_run) {
     opts.topology.target_devices.assign(static_cast<size_t>(targets), -1);
@@ -140,7 +144,10 @@ struct FakeRun {
       in.cursor.batch = (s + 1) * drafters;
       return in;
     };
-    hooks.make_target = [](int) { return std::make_unique<FakeTarget>(); };
+    hooks.make_target = [this](int t) {
+      const auto i = static_cast<size_t>(t);
+      return std::make_unique<FakeTarget>(i < target_delay_ms.size() ? target_delay_ms[i] : 0);
+    };
     hooks.make_drafter = [this](int r) {
       return std::make_unique<FakeDrafter>(group ? group->member(r) : nullptr, no_reduce);
     };
@@ -385,6 +392,9 @@ TEST(Pipeline, AWorkerErrorStopsEveryWorkerNamingIt) {
 TEST(Pipeline, AStuckWorkerIsNamedWithEveryWorkersPhaseAndLeftBehind) {
   FakeRun run(2, 1, 50);
   run.opts.fault = fault_spec_parse("target:1:3:hang");
+  // target1 hangs at the first batch of a step ≥ 3 it computes: a slow target0 leaves it one
+  // (a fast one could take every batch on a loaded machine, and the run would end cleanly).
+  run.target_delay_ms = {20, 0};
   run.opts.topology.stall_timeout_s = 0.5;
   run.opts.stop_grace_s = 2;
   const auto t0 = std::chrono::steady_clock::now();
