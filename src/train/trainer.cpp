@@ -273,6 +273,15 @@ TrainResult train(const TrainOptions& opts) {
     bo.rows = cfg.data.rows_per_step;
     bo.sort_by_length = cfg.data.sort_by_length;
     bo.seed = cfg.training.seed;
+    bo.block_budget = cfg.block_budget();
+    if (bo.block_budget < bo.token_budget) {
+      const TokenDataset& ds = prep.dataset;
+      bo.doc_blocks.resize(static_cast<size_t>(ds.num_docs()));
+      for (int64_t d = 0; d < ds.num_docs(); ++d) {
+        bo.doc_blocks[static_cast<size_t>(d)] =
+            document_blocks(ds.doc_loss_mask(d), cfg.training.num_anchors);
+      }
+    }
     Batcher batcher(prep.dataset, bo);
     const int64_t per_epoch = batcher.batches_in_epoch(0);
     const int64_t total_steps =
