@@ -5,12 +5,13 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
-#include <map>
 #include <utility>
 
+#include "backend/cuda/arena.hpp"
 #include "backend/cuda/check.hpp"
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/device.hpp"
+#include "backend/cuda/graph.hpp"
 #include "core/error.hpp"
 #include "model/drafter_cuda.hpp"
 #include "model/target_cuda.hpp"
@@ -49,9 +50,9 @@ class PinnedBuffer {
   size_t bytes_ = 0;
 };
 
-// One staged input: device buffer plus its pinned host twin.
+// One staged input: device buffer (from the arena) plus its pinned host twin.
 struct Staged {
-  cuda::DeviceBuffer dev;
+  void* dev = nullptr;
   PinnedBuffer host;
   template <typename T>
   void fill(const std::vector<T>& src) {
@@ -64,17 +65,24 @@ struct Staged {
   template <typename T>
   void upload(cudaStream_t s, int64_t first, int64_t n) const {
     if (n <= 0) return;
-    DFLASH_CUDA_CHECK(cudaMemcpyAsync(dev.as<T>() + first, host.as<T>() + first,
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(static_cast<T*>(dev) + first, host.as<T>() + first,
                                       static_cast<size_t>(n) * sizeof(T), cudaMemcpyHostToDevice,
                                       s));
   }
 };
 
-Staged make_staged(cuda::CudaContext& ctx, size_t bytes) {
+Staged make_staged(cuda::DeviceArena& arena, const char* name, size_t bytes) {
   Staged st;
-  st.dev = ctx.scratch(bytes);
+  st.dev = arena.get_bytes(name, bytes);
   st.host = PinnedBuffer(bytes);
   return st;
+}
+
+// total − free device memory of the current device.
+uint64_t used_device_memory() {
+  size_t free = 0, total = 0;
+  DFLASH_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  return total - free;
 }
 
 }  // namespace
@@ -82,72 +90,66 @@ Staged make_staged(cuda::CudaContext& ctx, size_t bytes) {
 struct CudaTrainBackend::Inputs {
   Staged tokens, target_ranges, pos, block_tokens, block_ranges, labels, weights;
   cudaEvent_t start = nullptr, after_target = nullptr, end = nullptr;
-  std::map<int64_t, cudaGraphExec_t> target_graphs;                        // by T
-  std::map<std::pair<int64_t, int64_t>, cudaGraphExec_t> drafter_graphs;  // by (T, NK)
-  ~Inputs() {
-    for (auto& [k, g] : target_graphs) cudaGraphExecDestroy(g);
-    for (auto& [k, g] : drafter_graphs) cudaGraphExecDestroy(g);
-  }
+  cuda::GraphCache<int64_t> target_graphs;                       // by T
+  cuda::GraphCache<std::pair<int64_t, int64_t>> drafter_graphs;  // by (T, NK)
 };
 
-namespace {
-
-// Replays the graph of `key`, capturing `enqueue` into it first when there is none.
-template <typename Key, typename F>
-void replay(std::map<Key, cudaGraphExec_t>& graphs, const Key& key, cudaStream_t s, F&& enqueue) {
-  auto it = graphs.find(key);
-  if (it == graphs.end()) {
-    // Relaxed: the caching allocator may still call cudaMalloc the first time a size is needed.
-    DFLASH_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
-    try {
-      enqueue();
-    } catch (...) {
-      cudaGraph_t broken = nullptr;
-      cudaStreamEndCapture(s, &broken);
-      if (broken) cudaGraphDestroy(broken);
-      throw;
-    }
-    cudaGraph_t graph = nullptr;
-    DFLASH_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
-    cudaGraphExec_t exec = nullptr;
-    const cudaError_t e = cudaGraphInstantiate(&exec, graph, 0);
-    cudaGraphDestroy(graph);
-    DFLASH_CUDA_CHECK(e);
-    it = graphs.emplace(key, exec).first;
-  }
-  DFLASH_CUDA_CHECK(cudaGraphLaunch(it->second, s));
-}
-
-}  // namespace
-
-CudaTrainBackend::CudaTrainBackend(int device, const TargetModel& target,
-                                   const DrafterConfig& cfg, const DrafterLayout& layout,
-                                   int64_t max_ctx, bool use_graphs)
+CudaTrainBackend::CudaTrainBackend(int device, const TargetModel& target, const DrafterConfig& cfg,
+                                   const DrafterLayout& layout, const TrainMemoryPlan& plan,
+                                   bool use_graphs)
     : taps_(cfg.target_layer_ids),
-      max_ctx_(max_ctx),
-      max_rows_(max_ctx * cfg.block_size),
-      use_graphs_(use_graphs) {
+      max_ctx_(plan.T),
+      max_rows_(plan.NK),
+      use_graphs_(use_graphs),
+      planned_context_bytes_(plan.context_bytes + plan.cublaslt_bytes) {
   const int n = cuda::device_count();
   DFLASH_CHECK(device >= 0 && device < n,
                "runtime.devices: CUDA device {} does not exist ({} visible)", device, n);
   description_ = fmt::format("cuda:{} {}, CUDA graphs {}", device,
                              cuda::device_description(device), use_graphs ? "on" : "off");
   ctx_ = std::make_unique<cuda::CudaContext>(device);
-  target_ = std::make_unique<TargetCuda>(*ctx_, target, max_ctx);
-  drafter_ = std::make_unique<DrafterCuda>(*ctx_, cfg, layout, max_ctx, max_rows_,
-                                           target_->embed(), target_->lm_head());
+  context_bytes_ = used_device_memory();  // context, library handles, cuBLASLt workspace
+  arena_ = std::make_unique<cuda::DeviceArena>(*ctx_, plan.arena);
+  target_ = std::make_unique<TargetCuda>(*ctx_, target, plan.T, plan.target_layers, arena_.get());
+  drafter_ = std::make_unique<DrafterCuda>(*ctx_, cfg, layout, plan.T, plan.NK, target_->embed(),
+                                           target_->lm_head(), arena_.get());
   in_ = std::make_unique<Inputs>();
-  const auto T = static_cast<size_t>(max_ctx), NK = static_cast<size_t>(max_rows_);
-  in_->tokens = make_staged(*ctx_, T * sizeof(int32_t));
-  in_->target_ranges = make_staged(*ctx_, T * sizeof(AttnRange));
-  in_->pos = make_staged(*ctx_, (T + NK) * sizeof(int32_t));
-  in_->block_tokens = make_staged(*ctx_, NK * sizeof(int32_t));
-  in_->block_ranges = make_staged(*ctx_, NK * sizeof(AttnRange));
-  in_->labels = make_staged(*ctx_, NK * sizeof(int32_t));
-  in_->weights = make_staged(*ctx_, NK * sizeof(float));
+  const auto T = static_cast<size_t>(plan.T), NK = static_cast<size_t>(plan.NK);
+  cuda::DeviceArena& a = *arena_;
+  in_->tokens = make_staged(a, "inputs.tokens", T * sizeof(int32_t));
+  in_->target_ranges = make_staged(a, "inputs.target_ranges", T * sizeof(AttnRange));
+  in_->pos = make_staged(a, "inputs.pos", (T + NK) * sizeof(int32_t));
+  in_->block_tokens = make_staged(a, "inputs.block_tokens", NK * sizeof(int32_t));
+  in_->block_ranges = make_staged(a, "inputs.block_ranges", NK * sizeof(AttnRange));
+  in_->labels = make_staged(a, "inputs.labels", NK * sizeof(int32_t));
+  in_->weights = make_staged(a, "inputs.weights", NK * sizeof(float));
+  const char* pool = "workspace.op_scratch";
+  const uint64_t pool_bytes = a.planned_bytes(pool);
+  ctx_->allocator().use_pool(a.get_bytes(pool, pool_bytes), pool_bytes);
+  const std::vector<std::string> unused = a.untaken();
+  DFLASH_CHECK(unused.empty(),
+               "memory plan: {} planned buffers are not used by the CUDA step "
+               "(e.g. '{}'): the plan and the code disagree",
+               unused.size(), unused.empty() ? "" : unused.front());
   in_->start = ctx_->new_event(true);
   in_->after_target = ctx_->new_event(true);
   in_->end = ctx_->new_event(true);
+}
+
+uint64_t CudaTrainBackend::device_memory_used() const {
+  ctx_->make_current();
+  return used_device_memory();
+}
+
+std::string CudaTrainBackend::memory_report() const {
+  const double gb = static_cast<double>(target_->upload_bytes()) / 1e9;
+  const double s = target_->upload_seconds();
+  return fmt::format(
+      "device memory: context, handles and cuBLASLt workspace {} (planned {}), arena {}, in use "
+      "now {}; target weights {:.2f} GB uploaded in {:.2f} s ({:.2f} GB/s)",
+      format_bytes(context_bytes_), format_bytes(planned_context_bytes_),
+      format_bytes(arena_->bytes()), format_bytes(device_memory_used()), gb, s,
+      s > 0 ? gb / s : 0.0);
 }
 
 CudaTrainBackend::~CudaTrainBackend() = default;
@@ -161,9 +163,9 @@ void CudaTrainBackend::enqueue_target(int64_t T) {
   in_->tokens.upload<int32_t>(s, 0, T);
   in_->target_ranges.upload<AttnRange>(s, 0, T);
   in_->pos.upload<int32_t>(s, 0, T);
-  target_->forward_taps(drafter_->features(), in_->tokens.dev.as<int32_t>(),
-                        in_->pos.dev.as<int32_t>(), in_->target_ranges.dev.as<AttnRange>(), T,
-                        taps_);
+  target_->forward_taps(drafter_->features(), static_cast<int32_t*>(in_->tokens.dev),
+                        static_cast<int32_t*>(in_->pos.dev),
+                        static_cast<AttnRange*>(in_->target_ranges.dev), T, taps_);
 }
 
 void CudaTrainBackend::enqueue_drafter(int64_t T, int64_t NK) {
@@ -177,11 +179,11 @@ void CudaTrainBackend::enqueue_drafter(int64_t T, int64_t NK) {
   di.T = T;
   di.NK = NK;
   di.features = drafter_->features();
-  di.pos = in_->pos.dev.as<int32_t>();
-  di.block_tokens = in_->block_tokens.dev.as<int32_t>();
-  di.ranges = in_->block_ranges.dev.as<AttnRange>();
-  di.labels = in_->labels.dev.as<int32_t>();
-  di.weights = in_->weights.dev.as<float>();
+  di.pos = static_cast<int32_t*>(in_->pos.dev);
+  di.block_tokens = static_cast<int32_t*>(in_->block_tokens.dev);
+  di.ranges = static_cast<AttnRange*>(in_->block_ranges.dev);
+  di.labels = static_cast<int32_t*>(in_->labels.dev);
+  di.weights = static_cast<float*>(in_->weights.dev);
   drafter_->forward_backward(di, 1.0);  // unscaled: the step's 1/Σw is applied by adamw()
 }
 
@@ -202,14 +204,14 @@ CudaTrainBackend::StepResult CudaTrainBackend::step(const PackedStep& s, double 
   const int64_t T = s.T, NK = s.NK;
   DFLASH_CUDA_CHECK(cudaEventRecord(in_->start, st));
   if (use_graphs_) {
-    replay(in_->target_graphs, T, st, [&] { enqueue_target(T); });
+    in_->target_graphs.run(T, st, [&] { enqueue_target(T); });
   } else {
     enqueue_target(T);
   }
   DFLASH_CUDA_CHECK(cudaEventRecord(in_->after_target, st));
   if (use_graphs_) {
-    replay(in_->drafter_graphs, std::pair<int64_t, int64_t>(T, NK), st,
-           [&] { enqueue_drafter(T, NK); });
+    in_->drafter_graphs.run(std::pair<int64_t, int64_t>(T, NK), st,
+                            [&] { enqueue_drafter(T, NK); });
   } else {
     enqueue_drafter(T, NK);
   }

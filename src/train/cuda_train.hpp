@@ -9,9 +9,11 @@
 // loss scale 1/Σw of a step is not baked into a graph) and the scale is applied by AdamW.
 //
 // Invariants: one CudaTrainBackend per thread and device; it owns its CudaContext, so nothing is
-// shared between two backends. Activations, gradients and optimizer state are planned at
-// construction for the largest step; per-op scratch comes from the context's caching allocator,
-// which calls cudaMalloc only the first time a size class is needed (a few warm-up steps).
+// shared between two backends. Every device buffer of the step (target weights and activations,
+// drafter state, activations and workspaces, per-op scratch, step inputs) comes from ONE arena
+// allocated at construction from a TrainMemoryPlan (train/memory_plan.hpp); steps of every shape
+// use the same arena, and ops take their scratch from the plan's pool, so no step calls
+// cudaMalloc.
 #pragma once
 
 #ifdef DFLASH_HAVE_CUDA
@@ -24,6 +26,7 @@
 
 #include "model/drafter.hpp"
 #include "model/target.hpp"
+#include "train/memory_plan.hpp"
 #include "train/optimizer.hpp"
 #include "train/packed_step.hpp"
 
@@ -31,6 +34,7 @@ namespace dflash {
 
 namespace cuda {
 class CudaContext;
+class DeviceArena;
 }
 class TargetCuda;
 class DrafterCuda;
@@ -38,11 +42,12 @@ class DrafterCuda;
 /// Target + drafter training step on one GPU.
 class CudaTrainBackend {
  public:
-  /// Creates the context on `device`, uploads the target and plans buffers for packed steps of
-  /// at most `max_ctx` context rows (block rows up to max_ctx·block_size). Throws dflash::Error
-  /// when the device does not exist or the models are not supported on CUDA.
+  /// Creates the context on `device`, allocates the arena of `plan` (packed steps of at most
+  /// plan.T context rows and plan.NK block rows) and uploads the target's layers up to the
+  /// deepest tap into it. Throws dflash::Error when the device does not exist, the arena does not
+  /// fit, or the models are not supported on CUDA.
   CudaTrainBackend(int device, const TargetModel& target, const DrafterConfig& cfg,
-                   const DrafterLayout& layout, int64_t max_ctx, bool use_graphs);
+                   const DrafterLayout& layout, const TrainMemoryPlan& plan, bool use_graphs);
   ~CudaTrainBackend();
 
   /// Results of one step (host copies).
@@ -66,9 +71,15 @@ class CudaTrainBackend {
   void download_state(std::span<float> params, std::span<float> m, std::span<float> v);
   /// "cuda:0 NVIDIA H200 (...), CUDA graphs off".
   const std::string& description() const { return description_; }
+  /// Measured device memory: "context and handles X (planned Y), arena Z, in use W; target
+  /// upload G GB in S s (R GB/s)". Device memory in use is re-read at each call.
+  std::string memory_report() const;
+  /// Device memory in use now (cudaMemGetInfo: total − free), in bytes.
+  uint64_t device_memory_used() const;
 
  private:
   std::unique_ptr<cuda::CudaContext> ctx_;
+  std::unique_ptr<cuda::DeviceArena> arena_;
   std::unique_ptr<TargetCuda> target_;
   std::unique_ptr<DrafterCuda> drafter_;
   std::vector<int> taps_;
@@ -76,6 +87,7 @@ class CudaTrainBackend {
   bool use_graphs_ = false;
   double pending_scale_ = 1.0;
   std::string description_;
+  uint64_t context_bytes_ = 0, planned_context_bytes_ = 0;
   struct Inputs;
   std::unique_ptr<Inputs> in_;
   // Enqueue one step's work (copies from the pinned staging buffers included).

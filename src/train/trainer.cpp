@@ -23,9 +23,10 @@
 #include "model/drafter_io.hpp"
 #include "model/safetensors.hpp"
 #include "model/target.hpp"
+#include "train/cuda_train.hpp"
+#include "train/memory_plan.hpp"
 #include "train/objective.hpp"
 #include "train/optimizer.hpp"
-#include "train/cuda_train.hpp"
 #include "train/packed_step.hpp"
 #include "train/run_dir.hpp"
 
@@ -39,9 +40,6 @@ namespace {
 std::atomic<int> g_stop_signal{0};
 
 #ifdef DFLASH_HAVE_CUDA
-// Packed steps on a device pad their block rows to a multiple of this many blocks, so that few
-// distinct shapes occur (GEMM plans are cached per shape).
-constexpr int64_t kBlockRowsMultiple = 64;
 // Document offsets of a row without tokens.
 constexpr int32_t kEmptyOffsets[1] = {0};
 #endif
@@ -195,6 +193,40 @@ void install_train_signal_handlers() {
   std::signal(SIGTERM, on_stop_signal);
 }
 
+DrafterConfig drafter_config_for_run(const RunConfig& cfg, const ModelConfig& target,
+                                     const Tokenizer* tok) {
+  DrafterSizes sizes;
+  if (cfg.model.intermediate_size) sizes.intermediate_size = *cfg.model.intermediate_size;
+  if (cfg.model.num_attention_heads) sizes.num_heads = *cfg.model.num_attention_heads;
+  if (cfg.model.num_key_value_heads) sizes.num_kv_heads = *cfg.model.num_key_value_heads;
+  if (cfg.model.head_dim) sizes.head_dim = *cfg.model.head_dim;
+  sizes.block_size = cfg.training.block_size;
+  std::optional<std::vector<int>> taps;
+  if (!cfg.model.target_layer_ids.empty()) taps = cfg.model.target_layer_ids;
+  return drafter_config_for_target(target, cfg.model.drafter_layers, sizes, cfg.model.mask_token_id,
+                                   taps, tok);
+}
+
+std::string print_train_memory_plan(const RunConfig& cfg) {
+  const fs::path target_dir = cfg.model.target;
+  const ModelConfig tcfg = model_config_load(target_dir);
+  std::optional<Tokenizer> tok;
+  if (fs::exists(target_dir / "tokenizer.json")) tok = Tokenizer::load(target_dir);
+  const DrafterConfig dcfg = drafter_config_for_run(cfg, tcfg, tok ? &*tok : nullptr);
+  const DrafterLayout layout(dcfg);
+  const TrainMemoryPlan plan = plan_train_memory(cfg, tcfg, dcfg, layout);
+  fmt::print(
+      "cuda backend, one device: target {} ({} layers, hidden {}), drafter {} layers "
+      "({} parameters), {} row(s) x {} tokens, block budget {} per row, block size {}\n"
+      "{}\n",
+      target_dir.string(), tcfg.num_hidden_layers, tcfg.hidden_size, dcfg.num_layers, layout.total,
+      cfg.data.rows_per_step, cfg.data.token_budget, cfg.block_budget(), dcfg.block_size,
+      plan.table());
+  return plan.fits()
+             ? std::string()
+             : plan_shortfall_message(plan, largest_fitting_budget(cfg, tcfg, dcfg, layout));
+}
+
 TrainResult train(const TrainOptions& opts) {
   g_stop_signal.store(0);
   RunConfig cfg = opts.config;
@@ -236,17 +268,19 @@ TrainResult train(const TrainOptions& opts) {
     TargetModel target = TargetModel::load(target_dir);
     const ModelConfig& tcfg = target.config();
     Tokenizer tok = Tokenizer::load(target_dir);
-    DrafterSizes sizes;
-    if (cfg.model.intermediate_size) sizes.intermediate_size = *cfg.model.intermediate_size;
-    if (cfg.model.num_attention_heads) sizes.num_heads = *cfg.model.num_attention_heads;
-    if (cfg.model.num_key_value_heads) sizes.num_kv_heads = *cfg.model.num_key_value_heads;
-    if (cfg.model.head_dim) sizes.head_dim = *cfg.model.head_dim;
-    sizes.block_size = cfg.training.block_size;
-    std::optional<std::vector<int>> taps;
-    if (!cfg.model.target_layer_ids.empty()) taps = cfg.model.target_layer_ids;
-    DrafterConfig dcfg = drafter_config_for_target(tcfg, cfg.model.drafter_layers, sizes,
-                                                   cfg.model.mask_token_id, taps, &tok);
-    DrafterLayout layout(dcfg);
+    const DrafterConfig dcfg = drafter_config_for_run(cfg, tcfg, &tok);
+    const DrafterLayout layout(dcfg);
+#ifdef DFLASH_HAVE_CUDA
+    // The device memory plan, checked before anything is allocated.
+    std::optional<TrainMemoryPlan> mem_plan;
+    if (cfg.runtime.backend == "cuda") {
+      mem_plan = plan_train_memory(cfg, tcfg, dcfg, layout);
+      log(mem_plan->table());
+      DFLASH_CHECK(
+          mem_plan->fits(), "{}",
+          plan_shortfall_message(*mem_plan, largest_fitting_budget(cfg, tcfg, dcfg, layout)));
+    }
+#endif
 
     PrepareOptions po;
     po.data = cfg.data.train_file;
@@ -348,11 +382,11 @@ TrainResult train(const TrainOptions& opts) {
       DFLASH_CHECK(cfg.runtime.devices.size() == 1,
                    "runtime.devices lists {} devices; this build trains on exactly one GPU",
                    cfg.runtime.devices.size());
-      const int64_t max_ctx = cfg.data.rows_per_step * cfg.data.token_budget;
       gpu = std::make_unique<CudaTrainBackend>(cfg.runtime.devices[0], target, dcfg, layout,
-                                               max_ctx, cfg.runtime.cuda_graphs);
+                                               *mem_plan, cfg.runtime.cuda_graphs);
       gpu->upload_state(params, m, v);
       backend_desc = gpu->description();
+      log(gpu->memory_report());
     }
 #else
     DFLASH_CHECK(!use_cuda, "runtime.backend is 'cuda' but this dflash was built without the CUDA "
