@@ -331,7 +331,9 @@ TrainResult train(const TrainOptions& opts) {
 
     // ---- weights and state
     std::vector<float> params(layout.total), m(layout.total, 0.0f), v(layout.total, 0.0f);
-    std::vector<float> grads(layout.total, 0.0f);
+    // Host gradients for the CPU backend only: the cuda backend keeps its own on the device (at
+    // Qwen3-8B scale, zeroing 4.2 GB of unused host gradients was 0.46 s of every 2.6 s step).
+    std::vector<float> grads(cfg.runtime.backend == "cpu" ? layout.total : 0, 0.0f);
     TrainerState st;
     st.interval.obj = ObjectiveMetrics(dcfg.block_size);
     if (resuming) {
@@ -449,7 +451,7 @@ TrainResult train(const TrainOptions& opts) {
 
       // Drafter forward/backward.
       const auto td = Clock::now();
-      std::fill(grads.begin(), grads.end(), 0.0f);
+      std::fill(grads.begin(), grads.end(), 0.0f);  // empty on the cuda backend
       ObjectiveMetrics step_metrics(dcfg.block_size);
       double loss_sum = 0, weight_sum = 0;
       double gnorm = 0;
