@@ -30,15 +30,14 @@ struct Problem {
   BlockTargets targets;
   int64_t T = 0;
 
-  DrafterRow<S> row() const {
-    DrafterRow<S> r;
-    r.features = features.data();
-    r.tokens = tokens.data();
-    r.T = T;
-    r.doc_offsets = doc_offsets;
-    r.anchors = anchors;
-    r.targets = &targets;
-    return r;
+  // The problem as a one-row DrafterBatch; the trailing padding tokens form one more document
+  // without anchors (no block sees them).
+  DrafterBatch batch() const {
+    std::vector<int32_t> offsets = doc_offsets;
+    if (offsets.back() < T) offsets.push_back(static_cast<int32_t>(T));
+    DrafterBatch b(cfg.block_size);
+    b.append_row(tokens, offsets, anchors, targets);
+    return b;
   }
   DrafterTables<S> tables() const { return {embed.data(), head.data()}; }
 };
@@ -94,10 +93,9 @@ Problem<S> make_problem(uint64_t seed, int layers, int NH, int NKV, int D, int K
 template <typename S>
 double loss_of(const Problem<S>& p, std::vector<S>* grads) {
   DrafterWorkspace<S>* ws = new DrafterWorkspace<S>();
-  double total_w = 0;
-  for (float w : p.targets.weights) total_w += w;
-  auto r = drafter_train_row<S>(p.cfg, *p.layout, p.params.data(), grads ? grads->data() : nullptr,
-                                p.tables(), p.row(), 1.0 / total_w, *ws);
+  const DrafterBatch b = p.batch();
+  auto r = drafter_train_step<S>(p.cfg, *p.layout, p.params.data(), grads ? grads->data() : nullptr,
+                                 p.tables(), b, p.features.data(), 1.0 / b.weight_sum, *ws);
   delete ws;
   return r.loss_sum / r.weight_sum;
 }
@@ -114,6 +112,27 @@ TEST(Drafter, LayoutFollowsTheExportNames) {
   EXPECT_EQ(L.find("layers.0.mlp.down_proj.weight").shape, (std::vector<int64_t>{16, 24}));
   EXPECT_EQ(L.params.size(), 2u + 2 * 11 + 1);
   EXPECT_THROW(L.find("lm_head.weight"), Error);
+  // Named offsets resolve to the export names (the step code uses nothing else).
+  EXPECT_EQ(L.fc, L.find("fc.weight").offset);
+  EXPECT_EQ(L.hidden_norm, L.find("hidden_norm.weight").offset);
+  EXPECT_EQ(L.norm, L.find("norm.weight").offset);
+  ASSERT_EQ(L.layers.size(), 2u);
+  for (int l = 0; l < 2; ++l) {
+    const std::string pre = "layers." + std::to_string(l) + ".";
+    const DrafterLayerOffsets& o = L.layers[static_cast<size_t>(l)];
+    EXPECT_EQ(o.input_layernorm, L.find(pre + "input_layernorm.weight").offset);
+    EXPECT_EQ(o.q_proj, L.find(pre + "self_attn.q_proj.weight").offset);
+    EXPECT_EQ(o.k_proj, L.find(pre + "self_attn.k_proj.weight").offset);
+    EXPECT_EQ(o.v_proj, L.find(pre + "self_attn.v_proj.weight").offset);
+    EXPECT_EQ(o.o_proj, L.find(pre + "self_attn.o_proj.weight").offset);
+    EXPECT_EQ(o.q_norm, L.find(pre + "self_attn.q_norm.weight").offset);
+    EXPECT_EQ(o.k_norm, L.find(pre + "self_attn.k_norm.weight").offset);
+    EXPECT_EQ(o.post_attention_layernorm, L.find(pre + "post_attention_layernorm.weight").offset);
+    EXPECT_EQ(o.gate_proj, L.find(pre + "mlp.gate_proj.weight").offset);
+    EXPECT_EQ(o.up_proj, L.find(pre + "mlp.up_proj.weight").offset);
+    EXPECT_EQ(o.down_proj, L.find(pre + "mlp.down_proj.weight").offset);
+    EXPECT_EQ(o.up_proj, o.gate_proj + 24 * 16);  // adjacent: one [2I, H] matrix
+  }
   // Init: reproducible, norms 1, linear std ≈ 0.02.
   std::vector<float> a(L.total), b(L.total);
   drafter_init(a, L, 9);
@@ -191,7 +210,8 @@ TEST(Drafter, VisibilityRuleIsExact) {
   auto p = make_problem<float>(7, 2, 4, 2, 8, 4, 7.0, {0, 10, 20}, {{3, 0}, {6, 0}, {14, 1}});
   DrafterWorkspace<float> ws;
   const int64_t KV = 4 * 23;
-  auto base = drafter_block_logits(p.cfg, *p.layout, p.params.data(), p.tables(), p.row(), ws);
+  auto base = drafter_block_logits(p.cfg, *p.layout, p.params.data(), p.tables(), p.batch(),
+                                   p.features.data(), ws);
   auto block = [&](const std::vector<float>& l, int b) {
     return std::vector<float>(l.begin() + b * KV, l.begin() + (b + 1) * KV);
   };
@@ -203,7 +223,8 @@ TEST(Drafter, VisibilityRuleIsExact) {
     for (int64_t t = 6; t < 10; ++t)
       for (int64_t f = 0; f < F; ++f) q.features[t * F + f] = std::numeric_limits<float>::quiet_NaN();
     for (int64_t f = 0; f < F; ++f) q.features[15 * F + f] = 1e3f;  // doc 1, after its anchor
-    auto l = drafter_block_logits(q.cfg, *q.layout, q.params.data(), q.tables(), q.row(), ws);
+    auto l = drafter_block_logits(q.cfg, *q.layout, q.params.data(), q.tables(), q.batch(),
+                                  q.features.data(), ws);
     EXPECT_EQ(block(l, 0), block(base, 0));
     EXPECT_EQ(block(l, 1), block(base, 1));
     EXPECT_EQ(block(l, 2), block(base, 2));
@@ -213,7 +234,8 @@ TEST(Drafter, VisibilityRuleIsExact) {
   {
     auto q = p;
     q.features[4 * F + 5] += 1.0f;
-    auto l = drafter_block_logits(q.cfg, *q.layout, q.params.data(), q.tables(), q.row(), ws);
+    auto l = drafter_block_logits(q.cfg, *q.layout, q.params.data(), q.tables(), q.batch(),
+                                  q.features.data(), ws);
     EXPECT_EQ(block(l, 0), block(base, 0));
     EXPECT_NE(block(l, 1), block(base, 1));
     EXPECT_EQ(block(l, 2), block(base, 2));
@@ -223,11 +245,13 @@ TEST(Drafter, VisibilityRuleIsExact) {
     auto q = p;
     q.tokens[4] = (q.tokens[4] + 1) % 22;  // after anchor 3, before anchor 6
     q.tokens[7] = (q.tokens[7] + 1) % 22;
-    auto l = drafter_block_logits(q.cfg, *q.layout, q.params.data(), q.tables(), q.row(), ws);
+    auto l = drafter_block_logits(q.cfg, *q.layout, q.params.data(), q.tables(), q.batch(),
+                                  q.features.data(), ws);
     EXPECT_EQ(block(l, 0), block(base, 0));
     EXPECT_EQ(block(l, 1), block(base, 1));
     q.tokens[6] = (q.tokens[6] + 1) % 22;  // anchor of block 1
-    l = drafter_block_logits(q.cfg, *q.layout, q.params.data(), q.tables(), q.row(), ws);
+    l = drafter_block_logits(q.cfg, *q.layout, q.params.data(), q.tables(), q.batch(),
+                             q.features.data(), ws);
     EXPECT_EQ(block(l, 0), block(base, 0));
     EXPECT_NE(block(l, 1), block(base, 1));
   }
@@ -236,7 +260,8 @@ TEST(Drafter, VisibilityRuleIsExact) {
     auto q = p;
     q.anchors = {{6, 0}};
     q.targets = block_targets(q.tokens, q.mask, q.doc_offsets, q.anchors, 4, 7.0);
-    auto l = drafter_block_logits(q.cfg, *q.layout, q.params.data(), q.tables(), q.row(), ws);
+    auto l = drafter_block_logits(q.cfg, *q.layout, q.params.data(), q.tables(), q.batch(),
+                                  q.features.data(), ws);
     EXPECT_EQ(block(l, 0), block(base, 1));
   }
 }
@@ -249,11 +274,11 @@ TEST(Drafter, TrainStepUsesExactlyTheSupervisedRows) {
   auto p = make_problem<float>(9, 1, 2, 1, 8, 6, 3.0, {0, 9, 30},
                                {{2, 0}, {4, 0}, {12, 1}, {27, 1}});
   DrafterWorkspace<float> ws;
-  const auto logits =
-      drafter_block_logits(p.cfg, *p.layout, p.params.data(), p.tables(), p.row(), ws);
+  const auto logits = drafter_block_logits(p.cfg, *p.layout, p.params.data(), p.tables(), p.batch(),
+                                           p.features.data(), ws);
   std::vector<float> grads(static_cast<size_t>(p.layout->total), 0.0f);
-  const auto res = drafter_train_row<float>(p.cfg, *p.layout, p.params.data(), grads.data(),
-                                            p.tables(), p.row(), 1.0, ws);
+  const auto res = drafter_train_step<float>(p.cfg, *p.layout, p.params.data(), grads.data(),
+                                             p.tables(), p.batch(), p.features.data(), 1.0, ws);
   const int64_t V = p.cfg.vocab_size, NK = static_cast<int64_t>(p.targets.labels.size());
   ASSERT_EQ(static_cast<int64_t>(res.argmax.size()), NK);
   double loss = 0, wsum = 0;
@@ -285,7 +310,8 @@ TEST(Drafter, TrainStepUsesExactlyTheSupervisedRows) {
 TEST(Drafter, TrainingAndInferenceLayoutsAgree) {
   auto p = make_problem<float>(8, 2, 6, 3, 8, 6, 7.0, {0, 7, 30}, {{5, 0}, {19, 1}});
   DrafterWorkspace<float> ws;
-  auto train = drafter_block_logits(p.cfg, *p.layout, p.params.data(), p.tables(), p.row(), ws);
+  auto train = drafter_block_logits(p.cfg, *p.layout, p.params.data(), p.tables(), p.batch(),
+                                    p.features.data(), ws);
   // Block 1: anchor 19 in doc [7, 30): context rows 7..18 at positions 0..11.
   DrafterCache cache;
   drafter_cache_append(cache, p.cfg, *p.layout, p.params.data(), p.features.data() + 7 * 32, 5);
@@ -363,23 +389,16 @@ TEST(Drafter, ReproducesTheReferenceTrainingStep) {
     d.targets = block_targets(d.tokens, d.mask, d.offsets, d.anchors, cfg.block_size, 7.0);
     for (float w : d.targets.weights) total_w += w;
   }
+  // All rows as one packed DrafterBatch, as the trainer runs a step (features [R·T, F]).
+  DrafterBatch batch(cfg.block_size);
+  for (const RowData& d : rows) batch.append_row(d.tokens, d.offsets, d.anchors, d.targets);
+  EXPECT_EQ(batch.weight_sum, total_w);
   DrafterWorkspace<float> ws;
-  double loss_sum = 0, weight_sum = 0;
   ObjectiveMetrics m(cfg.block_size);
-  for (int64_t r = 0; r < R; ++r) {
-    DrafterRow<float> row;
-    row.features = feats.data<float>() + r * T * feats.dim(2);
-    row.tokens = rows[r].tokens.data();
-    row.T = T;
-    row.doc_offsets = rows[r].offsets;
-    row.anchors = rows[r].anchors;
-    row.targets = &rows[r].targets;
-    auto res = drafter_train_row<float>(cfg, layout, params.data(), grads.data(), tables, row,
-                                        1.0 / total_w, ws);
-    loss_sum += res.loss_sum;
-    weight_sum += res.weight_sum;
-    accumulate_metrics(m, rows[r].targets, res.argmax, {});
-  }
+  const auto res = drafter_train_step<float>(cfg, layout, params.data(), grads.data(), tables,
+                                             batch, feats.data<float>(), 1.0 / total_w, ws);
+  const double loss_sum = res.loss_sum, weight_sum = res.weight_sum;
+  accumulate_metrics(m, batch.targets, res.argmax, {});
   const double golden_loss = meta["loss_value"];
   EXPECT_NEAR(loss_sum / weight_sum, golden_loss, 1e-4 * golden_loss);
   EXPECT_NEAR(m.accuracy(), meta["accuracy_value"].get<double>(), 1e-9);

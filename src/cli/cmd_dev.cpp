@@ -3,7 +3,8 @@
 // safetensors files with fixed names, described in each tool's help.
 //
 // `dflash dev drafter-step IN.safetensors OUT.safetensors`: one DFlash training step of the CPU
-// drafter on one packed row (block_targets + drafter_train_row<float>, gradient of Σw·CE/Σw).
+// drafter on one packed row (block_targets + drafter_train_step<float> over a one-row DrafterBatch,
+// gradient of Σw·CE/Σw).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -96,22 +97,18 @@ void run_drafter_step(const std::string& in_path, const std::string& out_path) {
 
   const BlockTargets targets =
       block_targets(tokens, loss_mask, doc_offsets, anchors, static_cast<int>(K), gamma);
-  double weight_sum = 0;
-  for (float w : targets.weights) weight_sum += w;
-  DFLASH_CHECK(weight_sum > 0, "{}: the anchors supervise no slot (Σw = 0)", in_path);
-
-  DrafterRow<float> row;
-  row.features = features.data();
-  row.tokens = tokens.data();
-  row.T = T;
-  row.doc_offsets = doc_offsets;
-  row.anchors = anchors;
-  row.targets = &targets;
+  // Tokens past the last document are padding: in a DrafterBatch they become one more document
+  // without anchors, which no block sees (so it changes no loss and no gradient).
+  std::vector<int32_t> batch_offsets = doc_offsets;
+  if (batch_offsets.back() < T) batch_offsets.push_back(static_cast<int32_t>(T));
+  DrafterBatch batch(static_cast<int>(K));
+  batch.append_row(tokens, batch_offsets, anchors, targets);
+  DFLASH_CHECK(batch.weight_sum > 0, "{}: the anchors supervise no slot (Σw = 0)", in_path);
   std::vector<float> grads(static_cast<size_t>(layout.total), 0.0f);
   DrafterWorkspace<float> ws;
-  const DrafterRowResult res = drafter_train_row<float>(
+  const DrafterTrainResult res = drafter_train_step<float>(
       cfg, layout, params.data(), grads.data(), DrafterTables<float>{embed.data(), head.data()},
-      row, 1.0 / weight_sum, ws);
+      batch, features.data(), 1.0 / batch.weight_sum, ws);
 
   ObjectiveMetrics m(static_cast<int>(K));
   accumulate_metrics(m, targets, res.argmax, {});
@@ -129,7 +126,7 @@ void run_drafter_step(const std::string& in_path, const std::string& out_path) {
     // supervised slots'; the first maximum, as the CE's).
     const DrafterTables<float> tables{embed.data(), head.data()};
     std::vector<float> logits =
-        drafter_block_logits<float>(cfg, layout, params.data(), tables, row, ws);
+        drafter_block_logits<float>(cfg, layout, params.data(), tables, batch, features.data(), ws);
     Tensor am = Tensor::empty({N, K}, DType::i32);
     for (int64_t i = 0; i < N * K; ++i) {
       const float* z = logits.data() + i * V;

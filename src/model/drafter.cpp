@@ -72,6 +72,27 @@ DrafterLayout::DrafterLayout(const DrafterConfig& c) {
     add(p + "mlp.down_proj.weight", {H, I}, false);
   }
   add("norm.weight", {H}, true);
+  fc = find("fc.weight").offset;
+  hidden_norm = find("hidden_norm.weight").offset;
+  norm = find("norm.weight").offset;
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    auto at = [&](const char* name) { return find(p + name).offset; };
+    DrafterLayerOffsets o;
+    o.input_layernorm = at("input_layernorm.weight");
+    o.q_proj = at("self_attn.q_proj.weight");
+    o.k_proj = at("self_attn.k_proj.weight");
+    o.v_proj = at("self_attn.v_proj.weight");
+    o.o_proj = at("self_attn.o_proj.weight");
+    o.q_norm = at("self_attn.q_norm.weight");
+    o.k_norm = at("self_attn.k_norm.weight");
+    o.post_attention_layernorm = at("post_attention_layernorm.weight");
+    o.gate_proj = at("mlp.gate_proj.weight");
+    o.up_proj = at("mlp.up_proj.weight");
+    o.down_proj = at("mlp.down_proj.weight");
+    DFLASH_ASSERT(o.up_proj == o.gate_proj + I * H);
+    layers.push_back(o);
+  }
 }
 
 const ParamInfo& DrafterLayout::find(const std::string& name) const {
@@ -119,11 +140,13 @@ struct LayerParams {
 
 template <typename S>
 LayerParams<S> layer_params(S* base, const DrafterLayout& L, int64_t l) {
-  // Layout: 2 leading params, 11 per layer.
-  const auto& p = L.params;
-  const size_t b = 2 + static_cast<size_t>(l) * 11;
-  auto at = [&](size_t i) { return base + p[b + i].offset; };
-  return {at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7), at(8), at(9), at(10)};
+  const DrafterLayerOffsets& o = L.layers[static_cast<size_t>(l)];
+  return {base + o.input_layernorm, base + o.q_proj,
+          base + o.k_proj,          base + o.v_proj,
+          base + o.o_proj,          base + o.q_norm,
+          base + o.k_norm,          base + o.post_attention_layernorm,
+          base + o.gate_proj,       base + o.up_proj,
+          base + o.down_proj};
 }
 
 template <typename S>
@@ -217,21 +240,19 @@ void block_forward(const DrafterConfig& cfg, const DrafterLayout& layout, const 
   }
 }
 
-// ctx rows and their per-layer k/v (rows [0, T); rows at or past `real` are zero).
+// ctx rows [0, T) and their per-layer k/v.
 template <typename S>
 void context_forward(const DrafterConfig& cfg, const DrafterLayout& layout, const S* params,
-                     const S* features, int64_t T, int64_t real, DrafterWorkspace<S>& ws) {
+                     const S* features, int64_t T, DrafterWorkspace<S>& ws) {
   const Dims<S> d(cfg);
   const S scaling = static_cast<S>(rope_attention_scaling(cfg.rope));
   fit(ws.ctx_pre, T * d.H);
   fit(ws.ctx, T * d.H);
-  std::fill(ws.ctx_pre.begin(), ws.ctx_pre.end(), S(0));
-  std::fill(ws.ctx.begin(), ws.ctx.end(), S(0));
-  const S* fc = params + layout.params[0].offset;
-  const S* hidden_norm = params + layout.params[1].offset;
-  if (real > 0) {
-    linear_fwd_cpu(ws.ctx_pre.data(), features, fc, nullptr, real, d.F, d.H);
-    rmsnorm_fwd_cpu(ws.ctx.data(), nullptr, ws.ctx_pre.data(), hidden_norm, real, d.H,
+  const S* fc = params + layout.fc;
+  const S* hidden_norm = params + layout.hidden_norm;
+  if (T > 0) {
+    linear_fwd_cpu(ws.ctx_pre.data(), features, fc, nullptr, T, d.F, d.H);
+    rmsnorm_fwd_cpu(ws.ctx.data(), nullptr, ws.ctx_pre.data(), hidden_norm, T, d.H,
                     cfg.rms_norm_eps);
   }
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
@@ -250,48 +271,25 @@ void context_forward(const DrafterConfig& cfg, const DrafterLayout& layout, cons
   }
 }
 
-// Sets up positions, block tokens and ranges of a training row.
+// Positions, block tokens and key ranges of a training step (the rule of drafter_batch.hpp, block
+// keys right after the T context keys).
 template <typename S>
-void plan_row(const DrafterConfig& cfg, const DrafterRow<S>& row, DrafterWorkspace<S>& ws) {
-  const int64_t T = row.T, K = cfg.block_size, N = static_cast<int64_t>(row.anchors.size());
-  check_doc_offsets(row.doc_offsets, T);
-  ws.pos_kv.assign(static_cast<size_t>(T + N * K), 0);
-  for (size_t dd = 0; dd + 1 < row.doc_offsets.size(); ++dd) {
-    for (int32_t p = row.doc_offsets[dd]; p < row.doc_offsets[dd + 1]; ++p) {
-      ws.pos_kv[p] = p - row.doc_offsets[dd];
-    }
-  }
-  ws.pos_q.resize(static_cast<size_t>(N * K));
-  ws.block_tokens.resize(static_cast<size_t>(N * K));
-  ws.ranges.resize(static_cast<size_t>(N * K));
-  for (int64_t b = 0; b < N; ++b) {
-    const Anchor& a = row.anchors[b];
-    DFLASH_CHECK(a.doc >= 0 && static_cast<size_t>(a.doc) + 1 < row.doc_offsets.size(),
-                 "anchor {} names document {} of {}", b, a.doc, row.doc_offsets.size() - 1);
-    const int32_t s = row.doc_offsets[a.doc], e = row.doc_offsets[a.doc + 1];
-    DFLASH_CHECK(a.pos >= s && a.pos < e,
-                 "anchor {} at position {} is outside its document [{}, {})", b, a.pos, s, e);
-    for (int64_t j = 0; j < K; ++j) {
-      const size_t i = static_cast<size_t>(b * K + j);
-      ws.pos_q[i] = static_cast<int32_t>(a.pos - s + j);
-      ws.pos_kv[static_cast<size_t>(T) + i] = ws.pos_q[i];
-      ws.block_tokens[i] = j == 0 ? row.tokens[a.pos] : cfg.mask_token_id;
-      ws.ranges[i] = AttnRange{s, a.pos, static_cast<int32_t>(T + b * K),
-                               static_cast<int32_t>(T + (b + 1) * K)};
-    }
-  }
-}
-
-template <typename S>
-void check_row(const DrafterConfig& cfg, const DrafterRow<S>& row) {
-  DFLASH_CHECK(row.features != nullptr && row.tokens != nullptr, "drafter row without inputs");
-  DFLASH_CHECK(row.T > 0, "drafter row with no tokens");
-  if (row.targets) {
-    DFLASH_CHECK(row.targets->K == cfg.block_size &&
-                     row.targets->num_blocks() == static_cast<int64_t>(row.anchors.size()),
-                 "targets for {} blocks of {} given {} anchors with block size {}",
-                 row.targets->num_blocks(), row.targets->K, row.anchors.size(), cfg.block_size);
-  }
+void plan_batch(const DrafterConfig& cfg, const DrafterBatch& b, const S* features,
+                DrafterWorkspace<S>& ws) {
+  DFLASH_CHECK(b.block_size == cfg.block_size,
+               "drafter batch of block size {} for a drafter of block size {}", b.block_size,
+               cfg.block_size);
+  b.validate();
+  DFLASH_CHECK(features != nullptr || b.T() == 0, "drafter step without target features");
+  const int64_t T = b.T(), NK = b.N() * cfg.block_size;
+  ws.pos_kv.resize(static_cast<size_t>(T + NK));
+  ws.block_tokens.resize(static_cast<size_t>(NK));
+  ws.ranges.resize(static_cast<size_t>(NK));
+  std::span<int32_t> pos(ws.pos_kv);
+  drafter_batch_context_positions(b, pos.first(static_cast<size_t>(T)));
+  drafter_batch_block_rows(b, cfg.mask_token_id, T, ws.block_tokens,
+                           pos.subspan(static_cast<size_t>(T)), ws.ranges);
+  ws.pos_q.assign(ws.pos_kv.begin() + T, ws.pos_kv.end());
 }
 
 }  // namespace
@@ -299,26 +297,23 @@ void check_row(const DrafterConfig& cfg, const DrafterRow<S>& row) {
 // ------------------------------------------------------------------------------------ train step
 
 template <typename S>
-DrafterRowResult drafter_train_row(const DrafterConfig& cfg, const DrafterLayout& layout,
-                                   const S* params, S* grads, const DrafterTables<S>& tables,
-                                   const DrafterRow<S>& row, double grad_scale,
-                                   DrafterWorkspace<S>& ws) {
-  check_row(cfg, row);
-  DFLASH_CHECK(row.targets != nullptr, "drafter_train_row needs block targets");
+DrafterTrainResult drafter_train_step(const DrafterConfig& cfg, const DrafterLayout& layout,
+                                      const S* params, S* grads, const DrafterTables<S>& tables,
+                                      const DrafterBatch& batch, const S* features,
+                                      double grad_scale, DrafterWorkspace<S>& ws) {
   const Dims<S> d(cfg);
-  const int64_t T = row.T, N = static_cast<int64_t>(row.anchors.size()), NK = N * d.K;
-  DrafterRowResult res;
+  const int64_t T = batch.T(), N = batch.N(), NK = N * d.K;
+  plan_batch(cfg, batch, features, ws);
+  DrafterTrainResult res;
   res.argmax.assign(static_cast<size_t>(NK), -1);
   if (N == 0) return res;
   rope_table(ws.inv_freq, cfg);
   ws.layers.resize(static_cast<size_t>(cfg.num_layers));
-  plan_row(cfg, row, ws);
-  const int64_t real = row.doc_offsets.back();
-  context_forward(cfg, layout, params, row.features, T, real, ws);
+  context_forward(cfg, layout, params, features, T, ws);
   block_forward(cfg, layout, params, tables.embed, ws, T, NK, ws.ranges.data());
 
   // Final norm + fused LM head cross-entropy.
-  const S* norm_w = params + layout.params.back().offset;
+  const S* norm_w = params + layout.norm;
   fit(ws.hf, NK * d.H);
   rmsnorm_fwd_cpu(ws.hf.data(), nullptr, ws.h.data(), norm_w, NK, d.H, cfg.rms_norm_eps);
   // Only the supervised rows go through the LM head (about 2/3 of them on short documents): a
@@ -326,7 +321,7 @@ DrafterRowResult drafter_train_row(const DrafterConfig& cfg, const DrafterLayout
   // loss or to any gradient, and its argmax is not reported (-1). The selected rows are packed.
   ws.ce_rows.clear();
   for (int64_t i = 0; i < NK; ++i) {
-    if (row.targets->weights[i] != 0.0f || row.targets->counted[i]) {
+    if (batch.targets.weights[i] != 0.0f || batch.targets.counted[i]) {
       ws.ce_rows.push_back(static_cast<int32_t>(i));
     }
   }
@@ -337,8 +332,8 @@ DrafterRowResult drafter_train_row(const DrafterConfig& cfg, const DrafterLayout
   fit(ws.ce_in, R * d.H);
   for (int64_t j = 0; j < R; ++j) {
     const int64_t i = ws.ce_rows[j];
-    ws.labels[j] = std::max(row.targets->labels[i], 0);
-    ws.weights[j] = static_cast<S>(row.targets->weights[i]);
+    ws.labels[j] = std::max(batch.targets.labels[i], 0);
+    ws.weights[j] = static_cast<S>(batch.targets.weights[i]);
     std::copy_n(ws.hf.data() + i * d.H, d.H, ws.ce_in.data() + j * d.H);
   }
   FusedCeParams cp;
@@ -362,7 +357,7 @@ DrafterRowResult drafter_train_row(const DrafterConfig& cfg, const DrafterLayout
   }
 
   // ---- backward
-  S* g_norm = grads + layout.params.back().offset;
+  S* g_norm = grads + layout.norm;
   fit(ws.dtmp, NK * d.H);
   rmsnorm_bwd_cpu(ws.dtmp.data(), g_norm, ws.dh.data(), ws.h.data(), norm_w, NK, d.H,
                   cfg.rms_norm_eps);
@@ -445,15 +440,15 @@ DrafterRowResult drafter_train_row(const DrafterConfig& cfg, const DrafterLayout
     residual_accumulate_cpu(ws.dh.data(), ws.dtmp.data(), NK * d.H);
   }
   // ctx = hidden_norm(fc(features)); features are frozen (no input gradient).
-  const S* hidden_norm = params + layout.params[1].offset;
-  S* g_fc = grads + layout.params[0].offset;
-  S* g_hn = grads + layout.params[1].offset;
-  if (real > 0) {
-    fit(ws.dctx_pre, real * d.H);
-    rmsnorm_bwd_cpu(ws.dctx_pre.data(), g_hn, ws.dctx.data(), ws.ctx_pre.data(), hidden_norm,
-                    real, d.H, cfg.rms_norm_eps);
-    linear_bwd_cpu(static_cast<S*>(nullptr), g_fc, nullptr, ws.dctx_pre.data(), row.features,
-                   params + layout.params[0].offset, real, d.F, d.H);
+  const S* hidden_norm = params + layout.hidden_norm;
+  S* g_fc = grads + layout.fc;
+  S* g_hn = grads + layout.hidden_norm;
+  if (T > 0) {
+    fit(ws.dctx_pre, T * d.H);
+    rmsnorm_bwd_cpu(ws.dctx_pre.data(), g_hn, ws.dctx.data(), ws.ctx_pre.data(), hidden_norm, T,
+                    d.H, cfg.rms_norm_eps);
+    linear_bwd_cpu(static_cast<S*>(nullptr), g_fc, nullptr, ws.dctx_pre.data(), features,
+                   params + layout.fc, T, d.F, d.H);
   }
   return res;
 }
@@ -461,18 +456,18 @@ DrafterRowResult drafter_train_row(const DrafterConfig& cfg, const DrafterLayout
 template <typename S>
 std::vector<S> drafter_block_logits(const DrafterConfig& cfg, const DrafterLayout& layout,
                                     const S* params, const DrafterTables<S>& tables,
-                                    const DrafterRow<S>& row, DrafterWorkspace<S>& ws) {
-  check_row(cfg, row);
+                                    const DrafterBatch& batch, const S* features,
+                                    DrafterWorkspace<S>& ws) {
   const Dims<S> d(cfg);
-  const int64_t T = row.T, N = static_cast<int64_t>(row.anchors.size()), NK = N * d.K;
+  const int64_t T = batch.T(), NK = batch.N() * d.K;
+  plan_batch(cfg, batch, features, ws);
   rope_table(ws.inv_freq, cfg);
   ws.layers.resize(static_cast<size_t>(cfg.num_layers));
-  plan_row(cfg, row, ws);
-  context_forward(cfg, layout, params, row.features, T, row.doc_offsets.back(), ws);
+  context_forward(cfg, layout, params, features, T, ws);
   block_forward(cfg, layout, params, tables.embed, ws, T, NK, ws.ranges.data());
   fit(ws.hf, NK * d.H);
-  rmsnorm_fwd_cpu(ws.hf.data(), nullptr, ws.h.data(), params + layout.params.back().offset, NK,
-                  d.H, cfg.rms_norm_eps);
+  rmsnorm_fwd_cpu(ws.hf.data(), nullptr, ws.h.data(), params + layout.norm, NK, d.H,
+                  cfg.rms_norm_eps);
   std::vector<S> logits(static_cast<size_t>(NK * d.V));
   linear_fwd_cpu(logits.data(), ws.hf.data(), tables.lm_head, nullptr, NK, d.H, d.V);
   return logits;
@@ -493,7 +488,7 @@ void drafter_cache_append(DrafterCache& cache, const DrafterConfig& cfg,
   ws.layers.resize(static_cast<size_t>(cfg.num_layers));
   ws.pos_kv.resize(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) ws.pos_kv[i] = static_cast<int32_t>(cache.len + i);
-  context_forward(cfg, layout, params, features, n, n, ws);
+  context_forward(cfg, layout, params, features, n, ws);
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     auto& a = ws.layers[static_cast<size_t>(l)];
     cache.k[l].insert(cache.k[l].end(), a.k.begin(), a.k.end());
@@ -532,21 +527,20 @@ std::vector<float> drafter_draft_block(const DrafterCache& cache, const DrafterC
   }
   block_forward(cfg, layout, params, tables.embed, ws, Tc, K, ws.ranges.data());
   fit(ws.hf, K * d.H);
-  rmsnorm_fwd_cpu(ws.hf.data(), nullptr, ws.h.data(), params + layout.params.back().offset, K,
-                  d.H, cfg.rms_norm_eps);
+  rmsnorm_fwd_cpu(ws.hf.data(), nullptr, ws.h.data(), params + layout.norm, K, d.H,
+                  cfg.rms_norm_eps);
   std::vector<float> logits(static_cast<size_t>(K * d.V));
   linear_fwd_cpu(logits.data(), ws.hf.data(), tables.lm_head, nullptr, K, d.H, d.V);
   return logits;
 }
 
-#define DFLASH_DRAFTER_INSTANTIATE(S)                                                         \
-  template DrafterRowResult drafter_train_row<S>(const DrafterConfig&, const DrafterLayout&,  \
-                                                 const S*, S*, const DrafterTables<S>&,      \
-                                                 const DrafterRow<S>&, double,               \
-                                                 DrafterWorkspace<S>&);                      \
-  template std::vector<S> drafter_block_logits<S>(const DrafterConfig&, const DrafterLayout&, \
-                                                  const S*, const DrafterTables<S>&,         \
-                                                  const DrafterRow<S>&, DrafterWorkspace<S>&);
+#define DFLASH_DRAFTER_INSTANTIATE(S)                                                    \
+  template DrafterTrainResult drafter_train_step<S>(                                     \
+      const DrafterConfig&, const DrafterLayout&, const S*, S*, const DrafterTables<S>&, \
+      const DrafterBatch&, const S*, double, DrafterWorkspace<S>&);                      \
+  template std::vector<S> drafter_block_logits<S>(                                       \
+      const DrafterConfig&, const DrafterLayout&, const S*, const DrafterTables<S>&,     \
+      const DrafterBatch&, const S*, DrafterWorkspace<S>&);
 DFLASH_DRAFTER_INSTANTIATE(float)
 DFLASH_DRAFTER_INSTANTIATE(double)
 

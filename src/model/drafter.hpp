@@ -11,10 +11,11 @@
 // inside a block. Block b's queries see ctx rows [doc_start, anchor) and the K rows of block b.
 //
 // Invariants: parameters live in one flat array in export order (DrafterLayout); parameter
-// gradients ACCUMULATE (+=) into a flat array of the same layout, so several rows of a step add
-// up; activation gradients are overwritten. The step code is templated on the scalar (float for
-// training, double for finite-difference checks) and allocates only inside its workspace, whose
-// buffers keep their capacity between calls.
+// gradients ACCUMULATE (+=) into a flat array of the same layout, so several calls add up;
+// activation gradients are overwritten. A training step's input is a DrafterBatch (all rows of a
+// step as one packed sequence of documents; drafter_batch.hpp). The step code is templated on the
+// scalar (float for training, double for finite-difference checks) and allocates only inside its
+// workspace, whose buffers keep their capacity between calls.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "core/rng.hpp"
+#include "model/drafter_batch.hpp"
 #include "ops/attention.hpp"
 #include "ops/rope.hpp"
 #include "train/objective.hpp"
@@ -62,14 +64,28 @@ struct ParamInfo {
   bool is_norm = false;        ///< RMSNorm weight (initialised to 1)
 };
 
+/// Offsets (elements from the start of the flat array) of one decoder layer's parameters, named
+/// as in the export (`layers.{i}.self_attn.q_proj.weight` → q_proj, ...).
+struct DrafterLayerOffsets {
+  int64_t input_layernorm = 0, q_proj = 0, k_proj = 0, v_proj = 0, o_proj = 0, q_norm = 0,
+          k_norm = 0, post_attention_layernorm = 0, gate_proj = 0, up_proj = 0, down_proj = 0;
+};
+
 /// The flat parameter layout of a config, in export order:
-/// fc, hidden_norm, per layer {input_layernorm, q, k, v, o, q_norm, k_norm, post_attention_layernorm,
-/// gate, up, down}, norm.
+/// fc, hidden_norm, per layer {input_layernorm, q, k, v, o, q_norm, k_norm,
+/// post_attention_layernorm, gate, up, down}, norm. gate_proj and up_proj of a layer are adjacent
+/// (up follows gate), so the two can be read as one [2I, H] matrix. Code reaches a parameter
+/// through the named offsets below (resolved by export name at construction), never by its index in
+/// `params`.
 struct DrafterLayout {
   std::vector<ParamInfo> params;
   int64_t total = 0;
+  int64_t fc = 0;                           ///< offset of fc.weight [H, n_taps·H]
+  int64_t hidden_norm = 0;                  ///< offset of hidden_norm.weight [H]
+  int64_t norm = 0;                         ///< offset of the final norm.weight [H]
+  std::vector<DrafterLayerOffsets> layers;  ///< per decoder layer
   explicit DrafterLayout(const DrafterConfig& c);
-  /// Index of a parameter by export name; throws dflash::Error listing none if unknown.
+  /// A parameter by export name; throws dflash::Error naming it if unknown.
   const ParamInfo& find(const std::string& name) const;
 };
 
@@ -77,20 +93,9 @@ struct DrafterLayout {
 /// norm weights 1. Reproducible bit for bit from the seed.
 void drafter_init(std::span<float> params, const DrafterLayout& layout, uint64_t seed);
 
-/// One packed row of the training layout.
-template <typename S>
-struct DrafterRow {
-  const S* features = nullptr;           ///< [T, n_taps·H]
-  const int32_t* tokens = nullptr;       ///< [T]
-  int64_t T = 0;
-  std::span<const int32_t> doc_offsets;  ///< [n_docs+1], see train/objective.hpp
-  std::span<const Anchor> anchors;       ///< N blocks
-  const BlockTargets* targets = nullptr; ///< labels/weights of the N blocks (N·K entries)
-};
-
-/// Result of a forward (and backward) over one row.
-struct DrafterRowResult {
-  double loss_sum = 0;          ///< Σ w·CE over the row's blocks
+/// Result of a forward (and backward) over one DrafterBatch.
+struct DrafterTrainResult {
+  double loss_sum = 0;          ///< Σ w·CE over the batch's blocks
   double weight_sum = 0;        ///< Σ w
   std::vector<int32_t> argmax;  ///< [N·K] drafter argmax per supervised slot (-1 elsewhere:
                                 ///< rows of weight 0 skip the LM head)
@@ -125,21 +130,23 @@ struct DrafterTables {
   const S* lm_head = nullptr;
 };
 
-/// Training forward over one row; when `grads` is not null, also the backward, accumulating
-/// parameter gradients (+=) scaled by `grad_scale` (use 1/Σw over the whole step so that the
-/// gradient is that of Σw·CE/Σw). Throws dflash::Error on inconsistent inputs (naming them).
-/// `ws` must not be shared between threads.
+/// Training forward over a whole DrafterBatch (all its rows as one packed sequence) given the
+/// target features of its context, `features` [T, n_taps·H]; when `grads` is not null, also the
+/// backward, accumulating parameter gradients (+=) scaled by `grad_scale` (use 1/batch.weight_sum
+/// so that the gradient is that of Σw·CE/Σw). Throws dflash::Error on inconsistent inputs (naming
+/// them). `ws` must not be shared between threads.
 template <typename S>
-DrafterRowResult drafter_train_row(const DrafterConfig& cfg, const DrafterLayout& layout,
-                                   const S* params, S* grads, const DrafterTables<S>& tables,
-                                   const DrafterRow<S>& row, double grad_scale,
-                                   DrafterWorkspace<S>& ws);
+DrafterTrainResult drafter_train_step(const DrafterConfig& cfg, const DrafterLayout& layout,
+                                      const S* params, S* grads, const DrafterTables<S>& tables,
+                                      const DrafterBatch& batch, const S* features,
+                                      double grad_scale, DrafterWorkspace<S>& ws);
 
-/// Logits [N·K, V] of the blocks of `row` (training layout; no loss). For tests and tools.
+/// Logits [N·K, V] of the blocks of `batch` (training layout; no loss). For tests and tools.
 template <typename S>
 std::vector<S> drafter_block_logits(const DrafterConfig& cfg, const DrafterLayout& layout,
                                     const S* params, const DrafterTables<S>& tables,
-                                    const DrafterRow<S>& row, DrafterWorkspace<S>& ws);
+                                    const DrafterBatch& batch, const S* features,
+                                    DrafterWorkspace<S>& ws);
 
 /// Drafter KV cache for decoding: per layer the k (normed, roped) and v rows of the accepted
 /// context, positions 0..len-1 of one request.

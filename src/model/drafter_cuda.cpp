@@ -1,7 +1,7 @@
-// dflash.cpp — DrafterCuda (see drafter_cuda.hpp). The step mirrors drafter_train_row
-// (src/model/drafter.cpp) op for op; the differences are the batching of all rows into one
-// packed sequence and that the k/v projections of the context and the block rows run as one GEMM
-// over [ctx ; norm(block)] (rows kept contiguous in `kvin`).
+// dflash.cpp — DrafterCuda (see drafter_cuda.hpp). The step mirrors drafter_train_step
+// (src/model/drafter.cpp) op for op; the differences are the padding of the packed step to a
+// fixed shape (inert rows) and that the k/v projections of the context and the block rows run as
+// one GEMM over [ctx ; norm(block)] (rows kept contiguous in `kvin`).
 #include "model/drafter_cuda.hpp"
 
 #ifdef DFLASH_HAVE_CUDA
@@ -30,12 +30,6 @@ namespace dflash {
 namespace {
 
 constexpr size_t kF = 4;  // bytes of an fp32 value
-
-// Indices of one layer's parameters in the layout (2 leading params, 11 per layer).
-enum LayerParam {
-  kInNorm = 0, kWq, kWk, kWv, kWo, kQNorm, kKNorm, kPostNorm, kWGate, kWUp, kWDown
-};
-size_t layer_param(int64_t l, int which) { return 2 + static_cast<size_t>(l) * 11 + which; }
 
 // y[M,N] (+)= x[M,K] · W[N,K]ᵀ with bf16 x and W; y f32 or bf16.
 void mm_xwt(cuda::CudaContext& ctx, void* y, DType yt, const uint16_t* x, const uint16_t* w,
@@ -217,13 +211,13 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim, NH = c.num_heads;
   const int64_t NKV = c.num_kv_heads, QD = NH * D, KD = NKV * D, F = c.n_taps() * H;
   const double eps = c.rms_norm_eps;
-  const auto& PL = layout_.params;
-  float* P = params_;
-  float* G = grads_;
-  const uint16_t* W = wbf_;
-  auto pf = [&](size_t i) { return P + PL[i].offset; };
-  auto gf = [&](size_t i) { return G + PL[i].offset; };
-  auto wb = [&](size_t i) { return W + PL[i].offset; };
+  // A parameter's master weight, gradient and bf16 copy, by its layout offset.
+  auto pf = [&](int64_t offset) { return params_ + offset; };
+  auto gf = [&](int64_t offset) { return grads_ + offset; };
+  auto wb = [&](int64_t offset) { return static_cast<const uint16_t*>(wbf_) + offset; };
+  auto layer = [&](int64_t l) -> const DrafterLayerOffsets& {
+    return layout_.layers[static_cast<size_t>(l)];
+  };
   const float* inv_freq = inv_freq_;
   const int32_t* pos_q = in.pos + T;
   float* nullf = nullptr;
@@ -233,11 +227,11 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   uint16_t* hn = kvin_ + T * H;  // block rows: norm(x_in) of the current layer
   // Recomputations of the backward, by the forward's kernels on the forward's inputs.
   auto norm_rope_q = [&](const LayerBuf& a, int64_t l) {
-    rmsnorm_fwd_cuda(ctx_, q_, nullf, a.q_raw, pf(layer_param(l, kQNorm)), NK * NH, D, eps);
+    rmsnorm_fwd_cuda(ctx_, q_, nullf, a.q_raw, pf(layer(l).q_norm), NK * NH, D, eps);
     rope_fwd_cuda(ctx_, q_, q_, pos_q, inv_freq, rope_scaling_, NK, NH, D);
   };
   auto norm_rope_k = [&](const LayerBuf& a, int64_t l) {
-    rmsnorm_fwd_cuda(ctx_, k_, nullf, a.k_raw, pf(layer_param(l, kKNorm)), TK * NKV, D, eps);
+    rmsnorm_fwd_cuda(ctx_, k_, nullf, a.k_raw, pf(layer(l).k_norm), TK * NKV, D, eps);
     rope_fwd_cuda(ctx_, k_, k_, in.pos, inv_freq, rope_scaling_, TK, NKV, D);
   };
   auto swiglu = [&](const LayerBuf& a) {
@@ -247,31 +241,31 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   // ---- phase drafter ctx
   DFLASH_CUDA_CHECK(cudaMemsetAsync(grads_, 0, static_cast<size_t>(layout_.total) * kF, s));
   // ctx = hidden_norm(fc(features)): the first T rows of kvin, shared by every layer.
-  mm_xwt(ctx_, ctx_pre_, DType::f32, in.features, wb(0), T, H, F, 0.0f);
-  rmsnorm_fwd_cuda(ctx_, kvin, nullf, ctx_pre_, pf(1), T, H, eps);
+  mm_xwt(ctx_, ctx_pre_, DType::f32, in.features, wb(layout_.fc), T, H, F, 0.0f);
+  rmsnorm_fwd_cuda(ctx_, kvin, nullf, ctx_pre_, pf(layout_.hidden_norm), T, H, eps);
   embedding_fwd_cuda(ctx_, h0_, embed_, in.block_tokens, NK, c.vocab_size, H);
 
   // ---- forward, layer by layer (phases fwd attn, fwd mlp)
   const float* h = h0_;
   for (int64_t l = 0; l < c.num_layers; ++l) {
     LayerBuf& a = layers_[static_cast<size_t>(l)];
-    auto li = [&](int which) { return layer_param(l, which); };
-    rmsnorm_fwd_cuda(ctx_, hn, nullf, h, pf(li(kInNorm)), NK, H, eps);
-    mm_xwt(ctx_, a.q_raw, DType::bf16, hn, wb(li(kWq)), NK, QD, H, 0.0f);
+    const DrafterLayerOffsets& L = layer(l);
+    rmsnorm_fwd_cuda(ctx_, hn, nullf, h, pf(L.input_layernorm), NK, H, eps);
+    mm_xwt(ctx_, a.q_raw, DType::bf16, hn, wb(L.q_proj), NK, QD, H, 0.0f);
     norm_rope_q(a, l);
-    mm_xwt(ctx_, a.k_raw, DType::bf16, kvin, wb(li(kWk)), TK, KD, H, 0.0f);
+    mm_xwt(ctx_, a.k_raw, DType::bf16, kvin, wb(L.k_proj), TK, KD, H, 0.0f);
     norm_rope_k(a, l);
-    mm_xwt(ctx_, a.v, DType::bf16, kvin, wb(li(kWv)), TK, KD, H, 0.0f);
+    mm_xwt(ctx_, a.v, DType::bf16, kvin, wb(L.v_proj), TK, KD, H, 0.0f);
     attention_fwd_cuda(ctx_, a.o, a.lse, q_, k_, a.v, in.ranges, ap);
     DFLASH_CUDA_CHECK(
         cudaMemcpyAsync(a.h_mid, h, static_cast<size_t>(NK * H) * kF, cudaMemcpyDeviceToDevice, s));
-    mm_xwt(ctx_, a.h_mid, DType::f32, a.o, wb(li(kWo)), NK, H, QD, 1.0f);
-    rmsnorm_fwd_cuda(ctx_, hn2_, nullf, a.h_mid, pf(li(kPostNorm)), NK, H, eps);
-    mm_xwt(ctx_, a.gu, DType::bf16, hn2_, wb(li(kWGate)), NK, 2 * I, H, 0.0f);  // [gate | up]
+    mm_xwt(ctx_, a.h_mid, DType::f32, a.o, wb(L.o_proj), NK, H, QD, 1.0f);
+    rmsnorm_fwd_cuda(ctx_, hn2_, nullf, a.h_mid, pf(L.post_attention_layernorm), NK, H, eps);
+    mm_xwt(ctx_, a.gu, DType::bf16, hn2_, wb(L.gate_proj), NK, 2 * I, H, 0.0f);  // [gate | up]
     swiglu(a);
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(a.h_out, a.h_mid, static_cast<size_t>(NK * H) * kF,
                                       cudaMemcpyDeviceToDevice, s));
-    mm_xwt(ctx_, a.h_out, DType::f32, act_, wb(li(kWDown)), NK, H, I, 1.0f);
+    mm_xwt(ctx_, a.h_out, DType::f32, act_, wb(L.down_proj), NK, H, I, 1.0f);
     h = a.h_out;
   }
 
@@ -281,7 +275,7 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
 
   // ---- phase head: final norm, the fused LM-head CE (d_hf = grad_scale·d(Σ w·CE)/d hf) and the
   // final norm's backward.
-  const size_t norm_i = PL.size() - 1;
+  const int64_t norm_i = layout_.norm;
   rmsnorm_fwd_cuda(ctx_, hf_, nullf, h, pf(norm_i), NK, H, eps);
   FusedCeParams cp;
   cp.R = NK;
@@ -297,41 +291,41 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   // ---- backward, layer by layer (phases bwd mlp, bwd attn)
   for (int64_t l = c.num_layers - 1; l >= 0; --l) {
     LayerBuf& a = layers_[static_cast<size_t>(l)];
-    auto li = [&](int which) { return layer_param(l, which); };
+    const DrafterLayerOffsets& L = layer(l);
     // MLP: h_out = h_mid + down(SwiGLU(gu)), gu = norm(h_mid)·Wguᵀ.
     cast_cuda(ctx_, dh_bf_, dh_, NK * H);
     swiglu(a);
-    linear_bwd_cuda(ctx_, d_act_, gf(li(kWDown)), dh_bf_, act_, wb(li(kWDown)), NK, I, H);
+    linear_bwd_cuda(ctx_, d_act_, gf(L.down_proj), dh_bf_, act_, wb(L.down_proj), NK, I, H);
     swiglu_bwd_cuda(ctx_, d_gu_, d_gu_ + I, d_act_, a.gu, a.gu + I, NK, I, 2 * I);
-    rmsnorm_fwd_cuda(ctx_, hn2_, nullf, a.h_mid, pf(li(kPostNorm)), NK, H, eps);
+    rmsnorm_fwd_cuda(ctx_, hn2_, nullf, a.h_mid, pf(L.post_attention_layernorm), NK, H, eps);
     // gate and up are adjacent in the layout: one [2I, H] linear.
-    linear_bwd_cuda(ctx_, dhn2_, gf(li(kWGate)), d_gu_, hn2_, wb(li(kWGate)), NK, H, 2 * I);
-    rmsnorm_bwd_cuda(ctx_, dtmp_, gf(li(kPostNorm)), dhn2_, a.h_mid, pf(li(kPostNorm)), NK, H, eps);
+    linear_bwd_cuda(ctx_, dhn2_, gf(L.gate_proj), d_gu_, hn2_, wb(L.gate_proj), NK, H, 2 * I);
+    rmsnorm_bwd_cuda(ctx_, dtmp_, gf(L.post_attention_layernorm), dhn2_, a.h_mid, pf(L.post_attention_layernorm), NK, H, eps);
     residual_accumulate_cuda(ctx_, dh_, dtmp_, NK * H);  // dh = d(h_mid)
     // Attention: h_mid = x_in + o_proj(o).
     cast_cuda(ctx_, dh_bf_, dh_, NK * H);
-    linear_bwd_cuda(ctx_, d_o_, gf(li(kWo)), dh_bf_, a.o, wb(li(kWo)), NK, QD, H);
+    linear_bwd_cuda(ctx_, d_o_, gf(L.o_proj), dh_bf_, a.o, wb(L.o_proj), NK, QD, H);
     if (l == 0) embedding_fwd_cuda(ctx_, h0_, embed_, in.block_tokens, NK, c.vocab_size, H);
     const float* x_in = l == 0 ? h0_ : layers_[static_cast<size_t>(l - 1)].h_out;
-    rmsnorm_fwd_cuda(ctx_, hn, nullf, x_in, pf(li(kInNorm)), NK, H, eps);
+    rmsnorm_fwd_cuda(ctx_, hn, nullf, x_in, pf(L.input_layernorm), NK, H, eps);
     norm_rope_q(a, l);
     norm_rope_k(a, l);
     attention_bwd_cuda(ctx_, dq_, dk_, dv_, d_o_, q_, k_, a.v, a.o, a.lse, in.ranges, ap);
     // q path: rope -> q_norm -> q_proj.
     rope_bwd_cuda(ctx_, dq_, dq_, pos_q, inv_freq, rope_scaling_, NK, NH, D);
-    rmsnorm_bwd_cuda(ctx_, dq_raw_, gf(li(kQNorm)), dq_, a.q_raw, pf(li(kQNorm)), NK * NH, D, eps);
+    rmsnorm_bwd_cuda(ctx_, dq_raw_, gf(L.q_norm), dq_, a.q_raw, pf(L.q_norm), NK * NH, D, eps);
     // k path over all rows [ctx ; block].
     rope_bwd_cuda(ctx_, dk_, dk_, in.pos, inv_freq, rope_scaling_, TK, NKV, D);
-    rmsnorm_bwd_cuda(ctx_, dk_raw_, gf(li(kKNorm)), dk_, a.k_raw, pf(li(kKNorm)), TK * NKV, D, eps);
+    rmsnorm_bwd_cuda(ctx_, dk_raw_, gf(L.k_norm), dk_, a.k_raw, pf(L.k_norm), TK * NKV, D, eps);
     // dX[TK, H] = dk_raw·Wk + dv·Wv, then rows [T, TK) += dq_raw·Wq; weight gradients.
-    mm_dyw(ctx_, dx_, DType::f32, dk_raw_, wb(li(kWk)), TK, KD, H, 0.0f);
-    mm_dyw(ctx_, dx_, DType::f32, dv_, wb(li(kWv)), TK, KD, H, 1.0f);
-    mm_dyw(ctx_, dx_ + T * H, DType::f32, dq_raw_, wb(li(kWq)), NK, QD, H, 1.0f);
-    mm_dw(ctx_, gf(li(kWk)), dk_raw_, kvin, TK, KD, H);
-    mm_dw(ctx_, gf(li(kWv)), dv_, kvin, TK, KD, H);
-    mm_dw(ctx_, gf(li(kWq)), dq_raw_, hn, NK, QD, H);
+    mm_dyw(ctx_, dx_, DType::f32, dk_raw_, wb(L.k_proj), TK, KD, H, 0.0f);
+    mm_dyw(ctx_, dx_, DType::f32, dv_, wb(L.v_proj), TK, KD, H, 1.0f);
+    mm_dyw(ctx_, dx_ + T * H, DType::f32, dq_raw_, wb(L.q_proj), NK, QD, H, 1.0f);
+    mm_dw(ctx_, gf(L.k_proj), dk_raw_, kvin, TK, KD, H);
+    mm_dw(ctx_, gf(L.v_proj), dv_, kvin, TK, KD, H);
+    mm_dw(ctx_, gf(L.q_proj), dq_raw_, hn, NK, QD, H);
     // input_layernorm of the block rows; ctx rows enter every layer unnormed.
-    rmsnorm_bwd_cuda(ctx_, dtmp_, gf(li(kInNorm)), dx_ + T * H, x_in, pf(li(kInNorm)), NK, H, eps);
+    rmsnorm_bwd_cuda(ctx_, dtmp_, gf(L.input_layernorm), dx_ + T * H, x_in, pf(L.input_layernorm), NK, H, eps);
     residual_accumulate_cuda(ctx_, dh_, dtmp_, NK * H);  // dh = d(x_in)
     if (l == c.num_layers - 1) {
       DFLASH_CUDA_CHECK(cudaMemcpyAsync(dctx_, dx_, static_cast<size_t>(T * H) * kF,
@@ -342,9 +336,10 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   }
 
   // ---- phase bwd ctx: ctx = hidden_norm(fc(features)); the features are frozen.
-  rmsnorm_bwd_cuda(ctx_, dctx_pre_, gf(1), dctx_, ctx_pre_, pf(1), T, H, eps);
+  rmsnorm_bwd_cuda(ctx_, dctx_pre_, gf(layout_.hidden_norm), dctx_, ctx_pre_,
+                   pf(layout_.hidden_norm), T, H, eps);
   cast_cuda(ctx_, dctx_bf_, dctx_pre_, T * H);
-  mm_dw(ctx_, gf(0), dctx_bf_, in.features, T, H, F);
+  mm_dw(ctx_, gf(layout_.fc), dctx_bf_, in.features, T, H, F);
 
   grad_sumsq_cuda(ctx_, sumsq_, segs_, 1);
 }

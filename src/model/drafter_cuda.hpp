@@ -1,6 +1,6 @@
 // dflash.cpp — the DFlash drafter's training step on the CUDA backend (the same model and objective
-// as drafter_train_row in src/model/drafter.hpp, over a whole packed step at once; see
-// src/train/packed_step.hpp for the layout).
+// as drafter_train_step in src/model/drafter.hpp, over a whole packed step at once; the inputs are
+// a DrafterBatch staged by drafter_batch_stage, src/model/drafter_batch.hpp).
 //
 // Numerics (DESIGN.md §3): fp32 master weights, AdamW moments and gradients; a bf16 copy of the
 // weights feeds every GEMM (bf16 in, fp32 accumulate); the residual stream, norm statistics,
@@ -32,7 +32,8 @@
 
 namespace dflash {
 
-/// Device pointers of one step's inputs (all on ctx's device).
+/// Device pointers of one step's inputs (all on ctx's device): the uploaded image of a
+/// DrafterBatch written by drafter_batch_stage (same names, same layout).
 struct DrafterCudaInputs {
   int64_t T = 0;                         ///< context rows
   int64_t NK = 0;                        ///< block rows (multiple of K)

@@ -10,12 +10,12 @@
 
 #include "core/error.hpp"
 #include "core/rng.hpp"
+#include "model/drafter_batch.hpp"
 #include "model/drafter_io.hpp"
 #include "model/presets.hpp"
 #include "model/step_plan.hpp"
 #include "train/objective.hpp"
 #include "train/optimizer.hpp"
-#include "train/packed_step.hpp"
 
 #ifdef DFLASH_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -79,25 +79,49 @@ HostBatch make_rows(const BenchSetup& s, const BenchOptions& o) {
   return b;
 }
 
-// Samples anchors for step `step` and packs the step (what the trainer does per step).
-PackedStep pack_bench_step(HostBatch& b, const BenchSetup& s, const BenchOptions& o, int64_t step) {
-  std::vector<PackedRowInput> rows(b.tokens.size());
-  for (size_t r = 0; r < rows.size(); ++r) {
+// One step staged as CudaTrainBackend stages it (drafter_batch_stage into the step's fixed shape).
+struct StagedStep {
+  int64_t T = 0, NK = 0, N = 0;
+  double weight_sum = 0;
+  std::vector<int32_t> tokens, pos, block_tokens, labels;
+  std::vector<AttnRange> context_ranges, block_ranges;
+  std::vector<float> weights;
+};
+
+// Samples anchors for step `step`, builds its DrafterBatch and stages it (what the trainer and the
+// backend do per step).
+StagedStep stage_bench_step(HostBatch& b, const BenchSetup& s, const BenchOptions& o,
+                            int64_t step) {
+  DrafterBatch d(o.block_size);
+  for (size_t r = 0; r < b.tokens.size(); ++r) {
     Rng rng(derive_seed(o.seed, {static_cast<uint64_t>(step), static_cast<uint64_t>(r)}));
     b.anchors[r] = sample_anchors(b.mask[r], b.offsets[r], o.anchors, rng);
     b.targets[r] =
         block_targets(b.tokens[r], b.mask[r], b.offsets[r], b.anchors[r], o.block_size, 7.0);
-    rows[r].tokens = b.tokens[r];
-    rows[r].doc_offsets = b.offsets[r];
-    rows[r].anchors = b.anchors[r];
-    rows[r].targets = &b.targets[r];
+    d.append_row(b.tokens[r], b.offsets[r], b.anchors[r], b.targets[r]);
   }
-  return pack_step(rows, o.token_budget, o.block_size, s.drafter.mask_token_id, 0,
-                   kBlockRowsMultiple * o.block_size);
+  d.row_length = o.token_budget;
+  StagedStep st;
+  st.T = d.rows * d.row_length;
+  st.N = d.N();
+  st.NK = padded_block_rows(d.N(), o.block_size);
+  st.weight_sum = d.weight_sum;
+  const auto T = static_cast<size_t>(st.T), NK = static_cast<size_t>(st.NK);
+  st.tokens.resize(T);
+  st.context_ranges.resize(T);
+  st.pos.resize(T + NK);
+  st.block_tokens.resize(NK);
+  st.block_ranges.resize(NK);
+  st.labels.resize(NK);
+  st.weights.resize(NK);
+  drafter_batch_stage(d, s.drafter.mask_token_id, 0,
+                      {st.tokens, st.context_ranges, st.pos, st.block_tokens, st.block_ranges,
+                       st.labels, st.weights});
+  return st;
 }
 
 // Keys the real block rows see (context prefix + own block) and the causal keys of real tokens.
-double drafter_visible_keys(const PackedStep& p, int K) {
+double drafter_visible_keys(const StagedStep& p, int K) {
   double n = 0;
   for (int64_t q = 0; q < p.N * K; ++q) {
     const AttnRange& r = p.block_ranges[static_cast<size_t>(q)];
@@ -375,7 +399,7 @@ BenchReport run_bench(const BenchOptions& o) {
 
   cudaStream_t st = ctx.stream();
   HostBatch batch = make_rows(s, o);
-  PackedStep packed;
+  StagedStep packed;
   auto enqueue_target = [&](int64_t t) {
     tokens.upload<int32_t>(st, 0, t);
     tranges.upload<AttnRange>(st, 0, t);
@@ -412,17 +436,16 @@ BenchReport run_bench(const BenchOptions& o) {
   // One training step as the trainer runs it; returns {wall ms, per-phase device ms...}.
   auto run_step = [&](bool graphs) {
     const auto w0 = Clock::now();
-    packed = pack_bench_step(batch, s, o, step_no);
+    packed = stage_bench_step(batch, s, o, step_no);
     const auto w1 = Clock::now();
     tokens.fill(packed.tokens);
-    tranges.fill(packed.target_ranges);
+    tranges.fill(packed.context_ranges);
     pos.fill(packed.pos);
     btok.fill(packed.block_tokens);
     branges.fill(packed.block_ranges);
     labels.fill(packed.labels);
     weights.fill(packed.weights);
-    double total_w = 0;
-    for (float w : packed.weights) total_w += w;
+    const double total_w = packed.weight_sum;
     const auto w2 = Clock::now();
     const int64_t t = packed.T, nk = packed.NK;
     drafter.set_phase_events(graphs ? DrafterCuda::PhaseEvents{}

@@ -88,7 +88,7 @@ struct BenchReport {
   std::string header;              ///< model, shapes, device
   std::vector<BenchPhase> phases;  ///< graphs off
   double host_ms_off = NAN;        ///< median wall − device time per step, graphs off
-  double host_pack_ms = NAN;       ///< of which: anchors, block targets, pack_step (graphs off)
+  double host_pack_ms = NAN;       ///< of which: anchors, block targets, staging (graphs off)
   double host_stage_ms = NAN;      ///< of which: copies into the pinned input buffers
   double step_ms_off = NAN, device_ms_off = NAN;  ///< medians: wall and device time per step
   double host_ms_on = NAN, step_ms_on = NAN, device_ms_on = NAN;

@@ -1,9 +1,16 @@
+// dflash.cpp — CudaTrainBackend (see cuda_train.hpp) and cuda_train_backend_create, which fails
+// clearly in a build without CUDA.
 #include "train/cuda_train.hpp"
+
+#include "core/error.hpp"
+#include "train/train_backend.hpp"
 
 #ifdef DFLASH_HAVE_CUDA
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <utility>
 
@@ -12,7 +19,6 @@
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/device.hpp"
 #include "backend/cuda/graph.hpp"
-#include "core/error.hpp"
 #include "model/drafter_cuda.hpp"
 #include "model/target_cuda.hpp"
 
@@ -90,17 +96,32 @@ uint64_t used_device_memory() {
 struct CudaTrainBackend::Inputs {
   Staged tokens, target_ranges, pos, block_tokens, block_ranges, labels, weights;
   cudaEvent_t start = nullptr, after_target = nullptr, end = nullptr;
-  cuda::GraphCache<int64_t> target_graphs;                       // by T
+  cudaEvent_t opt_start = nullptr, opt_end = nullptr;  // around the AdamW update
+  cuda::GraphCache<int64_t> target_graphs;                        // by T
   cuda::GraphCache<std::pair<int64_t, int64_t>> drafter_graphs;  // by (T, NK)
+};
+
+// Features of a CudaTrainBackend: they live in its drafter's feature buffer; `ticket` names the
+// forward_taps() call that wrote them.
+class CudaTargetFeatures final : public TargetFeatures {
+ public:
+  CudaTargetFeatures(const CudaTrainBackend* owner, int64_t ticket)
+      : owner(owner), ticket(ticket) {}
+  const CudaTrainBackend* owner;
+  int64_t ticket;
 };
 
 CudaTrainBackend::CudaTrainBackend(int device, const TargetModel& target, const DrafterConfig& cfg,
                                    const DrafterLayout& layout, const TrainMemoryPlan& plan,
-                                   bool use_graphs)
-    : taps_(cfg.target_layer_ids),
+                                   bool use_graphs, const AdamWConfig& adam, double clip_grad_norm)
+    : cfg_(cfg),
+      param_count_(layout.total),
+      taps_(cfg.target_layer_ids),
       max_ctx_(plan.T),
       max_rows_(plan.NK),
       use_graphs_(use_graphs),
+      adam_(adam),
+      clip_grad_norm_(clip_grad_norm),
       planned_context_bytes_(plan.context_bytes + plan.cublaslt_bytes) {
   const int n = cuda::device_count();
   DFLASH_CHECK(device >= 0 && device < n,
@@ -128,12 +149,14 @@ CudaTrainBackend::CudaTrainBackend(int device, const TargetModel& target, const 
   ctx_->allocator().use_pool(a.get_bytes(pool, pool_bytes), pool_bytes);
   const std::vector<std::string> unused = a.untaken();
   DFLASH_CHECK(unused.empty(),
-               "memory plan: {} planned buffers are not used by the CUDA step "
-               "(e.g. '{}'): the plan and the code disagree",
+               "memory plan: {} planned buffers are not used by the CUDA step (e.g. '{}'): the "
+               "plan and the code disagree",
                unused.size(), unused.empty() ? "" : unused.front());
   in_->start = ctx_->new_event(true);
   in_->after_target = ctx_->new_event(true);
   in_->end = ctx_->new_event(true);
+  in_->opt_start = ctx_->new_event(true);
+  in_->opt_end = ctx_->new_event(true);
 }
 
 uint64_t CudaTrainBackend::device_memory_used() const {
@@ -156,6 +179,11 @@ CudaTrainBackend::~CudaTrainBackend() = default;
 
 int64_t CudaTrainBackend::graphs_captured() const {
   return static_cast<int64_t>(in_->target_graphs.size() + in_->drafter_graphs.size());
+}
+
+std::string CudaTrainBackend::summary() const {
+  if (!use_graphs_) return "cuda: CUDA graphs off";
+  return fmt::format("cuda: {} step shapes captured as CUDA graphs", graphs_captured());
 }
 
 void CudaTrainBackend::enqueue_target(int64_t T) {
@@ -187,64 +215,184 @@ void CudaTrainBackend::enqueue_drafter(int64_t T, int64_t NK) {
   drafter_->forward_backward(di, 1.0);  // unscaled: the step's 1/Σw is applied by adamw()
 }
 
-CudaTrainBackend::StepResult CudaTrainBackend::step(const PackedStep& s, double grad_scale) {
-  DFLASH_CHECK(s.T > 0 && s.T <= max_ctx_ && s.NK > 0 && s.NK <= max_rows_,
-               "CudaTrainBackend: packed step of {} tokens and {} block rows exceeds the planned "
-               "{} and {}", s.T, s.NK, max_ctx_, max_rows_);
-  DFLASH_CHECK(std::isfinite(grad_scale), "CudaTrainBackend: grad_scale {} is not finite",
-               grad_scale);
-  in_->tokens.fill(s.tokens);
-  in_->target_ranges.fill(s.target_ranges);
-  in_->pos.fill(s.pos);
-  in_->block_tokens.fill(s.block_tokens);
-  in_->block_ranges.fill(s.block_ranges);
-  in_->labels.fill(s.labels);
-  in_->weights.fill(s.weights);
-  cudaStream_t st = ctx_->stream();
-  const int64_t T = s.T, NK = s.NK;
-  DFLASH_CUDA_CHECK(cudaEventRecord(in_->start, st));
+std::unique_ptr<TargetFeatures> CudaTrainBackend::forward_taps(const DrafterBatch& b) {
+  DFLASH_CHECK(staged_consumed_,
+               "CudaTrainBackend: forward_taps() again before step() used the previous features "
+               "(this backend holds one step in flight)");
+  DFLASH_CHECK(b.block_size == cfg_.block_size,
+               "CudaTrainBackend: a batch of block size {} for a drafter of block size {}",
+               b.block_size, cfg_.block_size);
+  const int64_t K = cfg_.block_size, multiple = kBlockRowsMultiple * K;
+  const int64_t T = b.rows * b.row_length;
+  const int64_t NK = std::max<int64_t>(multiple, (b.N() * K + multiple - 1) / multiple * multiple);
+  DFLASH_CHECK(T > 0 && T <= max_ctx_ && NK <= max_rows_,
+               "CudaTrainBackend: a step of {} rows of {} tokens and {} block rows exceeds the "
+               "planned {} tokens and {} block rows",
+               b.rows, b.row_length, NK, max_ctx_, max_rows_);
+  // The pinned staging buffers are reused: the previous step's copies from them must be done
+  // (they are: step() and update() wait for the device; this also covers a skipped step).
+  ctx_->synchronize();
+  const auto T_ = static_cast<size_t>(T), NK_ = static_cast<size_t>(NK);
+  DrafterStaging st;
+  st.tokens = {in_->tokens.host.as<int32_t>(), T_};
+  st.context_ranges = {in_->target_ranges.host.as<AttnRange>(), T_};
+  st.positions = {in_->pos.host.as<int32_t>(), T_ + NK_};
+  st.block_tokens = {in_->block_tokens.host.as<int32_t>(), NK_};
+  st.block_ranges = {in_->block_ranges.host.as<AttnRange>(), NK_};
+  st.labels = {in_->labels.host.as<int32_t>(), NK_};
+  st.weights = {in_->weights.host.as<float>(), NK_};
+  drafter_batch_stage(b, cfg_.mask_token_id, 0, st);
+  staged_T_ = T;
+  staged_NK_ = NK;
+  staged_batch_ = b.fingerprint();
+  staged_consumed_ = false;
+  ++staged_ticket_;
+  cudaStream_t s = ctx_->stream();
+  DFLASH_CUDA_CHECK(cudaEventRecord(in_->start, s));
   if (use_graphs_) {
-    in_->target_graphs.run(T, st, [&] { enqueue_target(T); });
+    in_->target_graphs.run(T, s, [&] { enqueue_target(T); });
   } else {
     enqueue_target(T);
   }
-  DFLASH_CUDA_CHECK(cudaEventRecord(in_->after_target, st));
+  DFLASH_CUDA_CHECK(cudaEventRecord(in_->after_target, s));
+  return std::make_unique<CudaTargetFeatures>(this, staged_ticket_);
+}
+
+void CudaTrainBackend::step(const DrafterBatch& b, const TargetFeatures& features) {
+  DFLASH_CHECK(!queue_.waiting_for_update(),
+               "CudaTrainBackend: step() called twice without update() in between");
+  const auto* f = dynamic_cast<const CudaTargetFeatures*>(&features);
+  DFLASH_CHECK(f != nullptr && f->owner == this,
+               "CudaTrainBackend: the features come from another backend's target stage");
+  DFLASH_CHECK(
+      f->ticket == staged_ticket_ && !staged_consumed_,
+      "CudaTrainBackend: stale features (forward_taps call {}, the buffer holds call {}{})",
+      f->ticket, staged_ticket_, staged_consumed_ ? ", already used" : "");
+  DFLASH_CHECK(b.fingerprint() == staged_batch_,
+               "CudaTrainBackend: step() of batch {} of epoch {} with the features of another "
+               "batch",
+               b.index, b.epoch);
+  staged_consumed_ = true;
+  DrafterStepResult r;
+  r.metrics = ObjectiveMetrics(cfg_.block_size);
+  if (!(b.weight_sum > 0)) {
+    r.skip = StepSkip::no_supervised_slot;
+    queue_.stepped(std::move(r));
+    return;
+  }
+  const int64_t T = staged_T_, NK = staged_NK_;
+  cudaStream_t s = ctx_->stream();
   if (use_graphs_) {
-    in_->drafter_graphs.run(std::pair<int64_t, int64_t>(T, NK), st,
+    in_->drafter_graphs.run(std::pair<int64_t, int64_t>(T, NK), s,
                             [&] { enqueue_drafter(T, NK); });
   } else {
     enqueue_drafter(T, NK);
   }
-  DFLASH_CUDA_CHECK(cudaEventRecord(in_->end, st));
-  DrafterCuda::Results r = drafter_->fetch_results(NK);
-  pending_scale_ = grad_scale;
-  StepResult out;
-  out.loss_sum = r.loss_sum;
-  out.weight_sum = r.weight_sum;
-  out.grad_norm = r.grad_norm * grad_scale;
-  out.argmax = std::move(r.argmax);
+  DFLASH_CUDA_CHECK(cudaEventRecord(in_->end, s));
+  const auto wait0 = std::chrono::steady_clock::now();
+  const DrafterCuda::Results res = drafter_->fetch_results(NK);  // waits for the device
+  r.host_wait_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - wait0).count();
+  pending_scale_ = 1.0 / b.weight_sum;
+  const size_t real_rows = static_cast<size_t>(b.N()) * static_cast<size_t>(cfg_.block_size);
+  accumulate_metrics(r.metrics, b.targets, std::span<const int32_t>(res.argmax.data(), real_rows),
+                     {});
+  r.metrics.loss_weighted_sum = res.loss_sum;
+  r.metrics.weight_sum = res.weight_sum;
+  r.grad_norm = res.grad_norm * pending_scale_;
   float ms_t = 0, ms_d = 0;
   DFLASH_CUDA_CHECK(cudaEventElapsedTime(&ms_t, in_->start, in_->after_target));
   DFLASH_CUDA_CHECK(cudaEventElapsedTime(&ms_d, in_->after_target, in_->end));
-  out.target_s = ms_t * 1e-3;
-  out.drafter_s = ms_d * 1e-3;
-  return out;
+  r.target_device_s = ms_t * 1e-3;
+  r.drafter_device_s = ms_d * 1e-3;
+  queue_.stepped(std::move(r));
 }
 
-void CudaTrainBackend::adamw(const AdamWConfig& cfg, double lr, int64_t step, double clip) {
-  drafter_->adamw(cfg, lr, step, clip * pending_scale_);
+void CudaTrainBackend::update(double lr) {
+  DrafterStepResult r = queue_.take_stepped();
+  if (step_decide_update(r, clip_grad_norm_)) {
+    updates_ += 1;
+    cudaStream_t s = ctx_->stream();
+    DFLASH_CUDA_CHECK(cudaEventRecord(in_->opt_start, s));
+    const auto wait0 = std::chrono::steady_clock::now();
+    drafter_->adamw(adam_, lr, updates_, r.clip * pending_scale_);  // waits for the device
+    DFLASH_CUDA_CHECK(cudaEventRecord(in_->opt_end, s));
+    DFLASH_CUDA_CHECK(cudaEventSynchronize(in_->opt_end));
+    float ms = 0;
+    DFLASH_CUDA_CHECK(cudaEventElapsedTime(&ms, in_->opt_start, in_->opt_end));
+    r.optimizer_device_s = ms * 1e-3;
+    r.host_wait_s = r.host_wait_s.value_or(0.0) +
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - wait0).count();
+  }
+  queue_.finish(std::move(r));
 }
 
-void CudaTrainBackend::upload_state(std::span<const float> params, std::span<const float> m,
-                                    std::span<const float> v) {
-  drafter_->upload_state(params, m, v);
+void CudaTrainBackend::save_state(DrafterState& out) {
+  DFLASH_CHECK(!queue_.waiting_for_update(),
+               "CudaTrainBackend: save_state() between step() and update()");
+  const auto n = static_cast<size_t>(param_count_);
+  out.params.resize(n);
+  out.adam_m.resize(n);
+  out.adam_v.resize(n);
+  drafter_->download_state(out.params, out.adam_m, out.adam_v);
+  out.updates = updates_;
 }
 
-void CudaTrainBackend::download_state(std::span<float> params, std::span<float> m,
-                                      std::span<float> v) {
-  drafter_->download_state(params, m, v);
+void CudaTrainBackend::load_state(const DrafterState& in) {
+  DFLASH_CHECK(!queue_.waiting_for_update(),
+               "CudaTrainBackend: load_state() between step() and update()");
+  drafter_state_check(in, param_count_);
+  drafter_->upload_state(in.params, in.adam_m, in.adam_v);
+  updates_ = in.updates;
 }
 
 }  // namespace dflash
 
 #endif  // DFLASH_HAVE_CUDA
+
+namespace dflash {
+
+void cuda_train_backend_check(const TrainBackendOptions& opts) {
+#ifdef DFLASH_HAVE_CUDA
+  DFLASH_CHECK(opts.devices.size() == 1,
+               "runtime.devices lists {} devices; this build trains on exactly one GPU",
+               opts.devices.size());
+  const int n = cuda::device_count();
+  DFLASH_CHECK(opts.devices[0] >= 0 && opts.devices[0] < n,
+               "runtime.devices: CUDA device {} does not exist ({} visible)", opts.devices[0], n);
+#else
+  (void)opts;
+  fail(
+      "runtime.backend 'cuda' is not available: this dflash was built without the CUDA backend "
+      "(configure with -DDFLASH_CUDA=ON), so it trains on the cpu backend only");
+#endif
+}
+
+TrainBackend cuda_train_backend_create(const TrainBackendOptions& opts, const TargetModel& target,
+                                       const DrafterConfig& cfg, const DrafterLayout& layout) {
+  cuda_train_backend_check(opts);
+#ifdef DFLASH_HAVE_CUDA
+  const TrainMemoryPlan plan =
+      plan_train_memory(target.config(), cfg, layout,
+                        TrainStepCapacity{opts.max_context_tokens, opts.max_blocks},
+                        opts.device_memory_gib);
+  DFLASH_CHECK(plan.fits(),
+               "the training step does not fit the device: it needs {} and "
+               "runtime.device_memory_gib allows {} (dflash train --plan names the largest token "
+               "budget that fits)",
+               format_bytes(plan.total_bytes()), format_bytes(plan.device_bytes));
+  auto b = std::make_shared<CudaTrainBackend>(opts.devices[0], target, cfg, layout, plan,
+                                              opts.cuda_graphs, opts.adam, opts.clip_grad_norm);
+  TrainBackend out;
+  out.description = b->description();
+  out.memory_report = b->memory_report();
+  out.target = b;
+  out.drafter = b;
+  return out;
+#else
+  (void)target, (void)cfg, (void)layout;
+  fail("internal error: no CUDA backend in this build");
+#endif
+}
+
+}  // namespace dflash

@@ -22,7 +22,7 @@
 
 namespace dflash {
 
-/// Blocks of a packed step are padded to a multiple of this many (train/packed_step.hpp), so that
+/// Blocks of a staged step are padded to a multiple of this many (CudaTrainBackend), so that
 /// few shapes occur.
 inline constexpr int64_t kBlockRowsMultiple = 64;
 /// Device memory the CUDA context, the cuBLASLt handle and the kernels' modules take beside our
@@ -40,7 +40,7 @@ struct TrainStepCapacity {
 };
 
 /// Block rows of a packed step with `blocks` blocks: the blocks padded to a multiple of
-/// kBlockRowsMultiple (at least one multiple), times the block size K (pack_step's NK).
+/// kBlockRowsMultiple (at least one multiple), times the block size K (the staged NK).
 int64_t padded_block_rows(int64_t blocks, int K);
 
 /// The capacity of `cfg`'s steps: T = rows·token_budget and rows·min(block_budget, token_budget−1)

@@ -1,15 +1,14 @@
+// dflash.cpp — `dflash train` (see trainer.hpp): setup, the step loop, and the glue between the
+// batcher, the backend's stages (train_backend.hpp), checkpoints (checkpoint.hpp) and the run's
+// reports (train_report.hpp). Nothing here depends on which backend runs.
 #include "train/trainer.hpp"
-
-#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <csignal>
-#include <cstdlib>
 #include <filesystem>
-#include <fstream>
-#include <nlohmann/json.hpp>
+#include <optional>
 
 #include "core/error.hpp"
 #include "core/fs.hpp"
@@ -20,15 +19,16 @@
 #include "data/dataset.hpp"
 #include "data/tokenizer.hpp"
 #include "model/drafter.hpp"
+#include "model/drafter_batch.hpp"
 #include "model/drafter_io.hpp"
-#include "model/safetensors.hpp"
 #include "model/target.hpp"
-#include "train/cuda_train.hpp"
+#include "train/checkpoint.hpp"
 #include "train/memory_plan.hpp"
 #include "train/objective.hpp"
 #include "train/optimizer.hpp"
-#include "train/packed_step.hpp"
 #include "train/run_dir.hpp"
+#include "train/train_backend.hpp"
+#include "train/train_report.hpp"
 
 namespace dflash {
 
@@ -39,11 +39,6 @@ namespace {
 
 std::atomic<int> g_stop_signal{0};
 
-#ifdef DFLASH_HAVE_CUDA
-// Document offsets of a row without tokens.
-constexpr int32_t kEmptyOffsets[1] = {0};
-#endif
-
 extern "C" void on_stop_signal(int sig) { g_stop_signal.store(sig); }
 
 using Clock = std::chrono::steady_clock;
@@ -51,147 +46,281 @@ double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-// Resident set size in bytes (Linux /proc), 0 if unknown.
-int64_t rss_bytes() {
-  std::ifstream f("/proc/self/statm");
-  int64_t pages = 0, resident = 0;
-  f >> pages >> resident;
-  return resident * static_cast<int64_t>(::sysconf(_SC_PAGESIZE));
+// ------------------------------------------------------------------------------------------ setup
+
+TrainBackendOptions backend_options_of(const RunConfig& cfg) {
+  TrainBackendOptions o;
+  o.backend = cfg.runtime.backend;
+  o.devices = cfg.runtime.devices;
+  o.cuda_graphs = cfg.runtime.cuda_graphs;
+  o.max_context_tokens = static_cast<int64_t>(cfg.data.rows_per_step) * cfg.data.token_budget;
+  o.max_blocks = train_step_capacity(cfg).blocks;
+  o.device_memory_gib = cfg.runtime.device_memory_gib;
+  o.adam = {cfg.training.beta1, cfg.training.beta2, cfg.training.adam_eps,
+            cfg.training.weight_decay};
+  o.clip_grad_norm = cfg.training.clip_grad_norm;
+  return o;
 }
 
-// Metrics of one log interval.
-struct IntervalMetrics {
-  ObjectiveMetrics obj;
-  double grad_norm_sum = 0;
-  int64_t steps = 0, tokens = 0, supervised = 0;
-  double t_data = 0, t_target = 0, t_drafter = 0, t_total = 0;
-  double t_gpu_drafter = 0;  // device time of the drafter step (cuda backend; 0 on the cpu)
+// The tokenized training data (cached), as prepare_dataset gives it.
+TokenDataset prepare_data(const RunConfig& cfg, const RunDir& rd, const Tokenizer& tok,
+                          TrainReport& report) {
+  const fs::path target_dir = cfg.model.target;
+  PrepareOptions po;
+  po.data = cfg.data.train_file;
+  po.cache = cfg.data.cache_dir.empty() ? rd.path() / "cache" / "train.dftok"
+                                        : fs::path(cfg.data.cache_dir) / "train.dftok";
+  fs::create_directories(po.cache.parent_path());
+  po.chat_template = resolve_chat_template(target_dir, cfg.data.template_name, false);
+  po.max_length = cfg.data.max_length;
+  po.skip_invalid = cfg.data.skip_invalid;
+  po.threads = cfg.runtime.threads;
+  po.encode = [&tok](std::string_view text, std::vector<std::pair<size_t, size_t>>* offsets) {
+    return tok.encode(text, offsets);
+  };
+  po.tokenizer_hash = hash_file(target_dir / "tokenizer.json");
+  report.status().phase = "tokenizing";
+  report.write_status();
+  PrepareResult prep = prepare_dataset(po);
+  report.log(prep.reused
+                 ? fmt::format("data: reusing cache {}", po.cache.string())
+                 : fmt::format("data: built cache {} ({})", po.cache.string(), prep.reason));
+  return std::move(prep.dataset);
+}
 
-  json to_json() const {
-    json j = {{"loss_weighted_sum", obj.loss_weighted_sum}, {"weight_sum", obj.weight_sum},
-              {"slot_correct", obj.slot_correct},           {"slot_count", obj.slot_count},
-              {"accept_len_sum", obj.accept_len_sum},       {"blocks", obj.blocks},
-              {"K", obj.K},                                 {"grad_norm_sum", grad_norm_sum},
-              {"steps", steps},                             {"tokens", tokens},
-              {"supervised", supervised},                   {"t_data", t_data},
-              {"t_target", t_target},                       {"t_drafter", t_drafter},
-              {"t_gpu_drafter", t_gpu_drafter},
-              {"t_total", t_total}};
-    return j;
+// The batcher of the run; with a block budget that can bind, it needs every document's block
+// count (what sample_anchors will take from it).
+Batcher make_batcher(const RunConfig& cfg, TokenDataset data) {
+  BatcherOptions bo;
+  bo.token_budget = cfg.data.token_budget;
+  bo.rows = cfg.data.rows_per_step;
+  bo.sort_by_length = cfg.data.sort_by_length;
+  bo.seed = cfg.training.seed;
+  bo.block_budget = cfg.block_budget();
+  if (bo.block_budget < bo.token_budget) {
+    bo.doc_blocks.resize(static_cast<size_t>(data.num_docs()));
+    for (int64_t d = 0; d < data.num_docs(); ++d) {
+      bo.doc_blocks[static_cast<size_t>(d)] =
+          document_blocks(data.doc_loss_mask(d), cfg.training.num_anchors);
+    }
   }
-  static IntervalMetrics from_json(const json& j) {
-    IntervalMetrics m;
-    m.obj = ObjectiveMetrics(j.at("K").get<int>());
-    m.obj.loss_weighted_sum = j.at("loss_weighted_sum");
-    m.obj.weight_sum = j.at("weight_sum");
-    m.obj.slot_correct = j.at("slot_correct").get<std::vector<int64_t>>();
-    m.obj.slot_count = j.at("slot_count").get<std::vector<int64_t>>();
-    m.obj.accept_len_sum = j.at("accept_len_sum");
-    m.obj.blocks = j.at("blocks");
-    m.grad_norm_sum = j.at("grad_norm_sum");
-    m.steps = j.at("steps");
-    m.tokens = j.at("tokens");
-    m.supervised = j.at("supervised");
-    m.t_data = j.at("t_data");
-    m.t_target = j.at("t_target");
-    m.t_drafter = j.at("t_drafter");
-    m.t_gpu_drafter = j.value("t_gpu_drafter", 0.0);
-    m.t_total = j.at("t_total");
-    return m;
+  return Batcher(std::move(data), bo);
+}
+
+// The cuda backend's memory plan, logged and checked before anything is allocated on the device
+// (the backend allocates this same plan). Returns whether a plan was made.
+bool check_memory_plan(const RunConfig& cfg, const ModelConfig& target, const DrafterConfig& d,
+                       const DrafterLayout& layout, TrainReport& report) {
+  if (cfg.runtime.backend != "cuda") return false;
+  const TrainMemoryPlan plan = plan_train_memory(cfg, target, d, layout);
+  report.log(plan.table());
+  DFLASH_CHECK(plan.fits(), "{}",
+               plan_shortfall_message(plan, largest_fitting_budget(cfg, target, d, layout)));
+  return true;
+}
+
+// Everything the step loop works with, built in declaration order by the constructor.
+struct Session {
+  const RunConfig& cfg;
+  RunDir& rd;
+  TrainReport& report;
+  TargetModel target;
+  Tokenizer tok;
+  DrafterConfig dcfg;
+  DrafterLayout layout;
+  bool planned;          // the device memory plan was logged and fits (cuda backend)
+  TrainBackend backend;  // before the data: a backend that cannot start fails before tokenizing
+  Batcher batcher;
+  int64_t per_epoch;
+  int64_t total_steps;
+  LrSchedule sched;
+  DrafterBatchOptions batch_opts;
+  DType export_dtype;
+  TrainerState st;
+  std::string last_ckpt;  // newest complete checkpoint ("" none)
+
+  Session(const RunConfig& c, RunDir& r, TrainReport& rep)
+      : cfg(c),
+        rd(r),
+        report(rep),
+        target(TargetModel::load(c.model.target)),
+        tok(Tokenizer::load(c.model.target)),
+        dcfg(drafter_config_for_run(c, target.config(), &tok)),
+        layout(dcfg),
+        planned(check_memory_plan(c, target.config(), dcfg, layout, rep)),
+        backend(train_backend_create(backend_options_of(c), target, dcfg, layout)),
+        batcher(make_batcher(c, prepare_data(c, r, tok, rep))),
+        per_epoch(batcher.batches_in_epoch(0)),
+        total_steps(c.training.max_steps > 0 ? c.training.max_steps
+                                             : per_epoch * c.training.epochs),
+        batch_opts{c.training.block_size, c.training.num_anchors, c.training.gamma,
+                   c.training.seed},
+        export_dtype(dtype_from_name(c.training.export_dtype)) {
+    st.interval = IntervalMetrics(c.training.block_size);
+    sched.base_lr = c.training.lr;
+    sched.total_steps = total_steps;
+    sched.warmup_steps = static_cast<int64_t>(
+        std::llround(c.training.warmup_ratio * static_cast<double>(total_steps)));
+    sched.min_lr_ratio = c.training.min_lr_ratio;
   }
 };
 
-// Everything a checkpoint restores besides the weights.
-struct TrainerState {
-  int64_t step = 0;  ///< optimizer steps done
-  int64_t skipped = 0, consecutive_skips = 0;
-  DataCursor cursor;
-  IntervalMetrics interval;
-  std::string config_yaml;
-};
-
-void write_checkpoint(RunDir& rd, const DrafterConfig& dcfg, const DrafterLayout& layout,
-                      const std::vector<float>& params, const std::vector<float>& m,
-                      const std::vector<float>& v, const TrainerState& st, DType export_dtype,
-                      int keep_last) {
-  const fs::path final_dir = rd.path() / RunDir::checkpoint_name(st.step);
-  const fs::path tmp = rd.path() / (".tmp-" + RunDir::checkpoint_name(st.step));
-  fs::remove_all(tmp);
-  fs::remove_all(final_dir);  // an incomplete folder of the same step (a torn earlier write)
-  fs::create_directories(tmp / "trainer_state");
-  drafter_save(tmp, dcfg, layout, params, export_dtype);
-  const int64_t n = layout.total;
-  auto view = [n](const std::vector<float>& x) {
-    return Tensor::from_blob(const_cast<float*>(x.data()), {n}, DType::f32);
-  };
-  safetensors_write(tmp / "trainer_state" / "optimizer.safetensors",
-                    {{"master", view(params)}, {"adam_m", view(m)}, {"adam_v", view(v)}},
-                    {{"format", "dflash-trainer-state-1"}});
-  json sj = {{"format", "dflash-trainer-state-1"},
-             {"step", st.step},
-             {"skipped", st.skipped},
-             {"consecutive_skips", st.consecutive_skips},
-             {"data_cursor", st.cursor.to_json()},
-             {"interval", st.interval.to_json()},
-             {"config", st.config_yaml}};
-  write_file_atomic(tmp / "trainer_state" / "state.json", sj.dump(1) + "\n");
-  fsync_path(tmp / "trainer_state");
-  fsync_path(tmp);
-  // Test hook: die here (as on SIGKILL) while checkpoint STEP is half written.
-  if (const char* crash = std::getenv("DFLASH_TEST_CRASH_IN_CHECKPOINT")) {
-    if (std::to_string(st.step) == crash) std::_Exit(86);
+// Continues from the newest complete checkpoint (checking that the configuration still fits it),
+// or initialises a fresh drafter; hands the weights to the backend and writes config.resolved.yaml.
+void restore_or_init(Session& s, const TrainOptions& opts, const fs::path& checkpoint) {
+  DrafterState ds;
+  if (!checkpoint.empty()) {
+    checkpoint_read(checkpoint, s.layout, ds, s.st);
+    const RunConfig saved =
+        RunConfig::from_yaml(s.st.config_yaml, (checkpoint / "trainer_state/state.json").string());
+    const auto diffs = saved.resume_incompatibilities(s.cfg);
+    if (!diffs.empty() && !opts.force) {
+      std::string list;
+      for (const auto& d : diffs) list += "\n  " + d;
+      fail(
+          "--resume {}: the configuration differs from the checkpoint's in keys that change the "
+          "model or the data order (use --force to resume anyway):{}",
+          s.rd.path().string(), list);
+    }
+    if (diffs.empty()) {
+      s.batcher.restore(s.st.cursor);
+    } else {
+      // Forced: the old data plan cannot be replayed; continue at the same epoch and batch
+      // index of the new plan.
+      DataCursor c = s.batcher.cursor();
+      c.epoch = s.st.cursor.epoch;
+      c.batch = std::min(s.st.cursor.batch, s.batcher.batches_in_epoch(s.st.cursor.epoch));
+      s.batcher.restore(c);
+      s.report.log(
+          fmt::format("--force: resuming despite changed keys; the data order continues "
+                      "at epoch {} batch {} of the new plan",
+                      c.epoch, c.batch));
+    }
+    s.report.log(fmt::format("resumed from {} (step {})", checkpoint.string(), s.st.step));
+    s.last_ckpt = checkpoint.string();
+  } else {
+    const auto n = static_cast<size_t>(s.layout.total);
+    ds.params.resize(n);
+    ds.adam_m.assign(n, 0.0f);
+    ds.adam_v.assign(n, 0.0f);
+    drafter_init(ds.params, s.layout, s.cfg.training.seed);
   }
-  fs::rename(tmp, final_dir);
-  fsync_path(rd.path());
-  write_file_atomic(final_dir / "COMPLETE", fmt::format("step {}\n", st.step));
-  rd.prune_checkpoints(keep_last);
+  s.backend.drafter->load_state(ds);
+  s.st.config_yaml = s.cfg.to_yaml();
+  write_file_atomic(s.rd.path() / "config.resolved.yaml", s.st.config_yaml);
 }
 
-// Reads the trainer state of a complete checkpoint into params/m/v/state.
-void read_checkpoint(const fs::path& dir, const DrafterLayout& layout, std::vector<float>& params,
-                     std::vector<float>& m, std::vector<float>& v, TrainerState& st) {
-  SafetensorsFile f(dir / "trainer_state" / "optimizer.safetensors");
-  auto load = [&](const char* name, std::vector<float>& out) {
-    Tensor t = f.get_as(name, DType::f32);
-    DFLASH_CHECK(t.numel() == layout.total, "{}: tensor '{}' has {} values, the drafter {}",
-                 f.path().string(), name, t.numel(), layout.total);
-    out.assign(t.data<float>(), t.data<float>() + layout.total);
-  };
-  load("master", params);
-  load("adam_m", m);
-  load("adam_v", v);
-  const fs::path sp = dir / "trainer_state" / "state.json";
-  json j;
-  try {
-    j = json::parse(read_file_text(sp));
-    st.step = j.at("step");
-    st.skipped = j.at("skipped");
-    st.consecutive_skips = j.at("consecutive_skips");
-    st.cursor = DataCursor::from_json(j.at("data_cursor"));
-    st.interval = IntervalMetrics::from_json(j.at("interval"));
-    st.config_yaml = j.at("config");
-  } catch (const json::exception& e) {
-    fail("{}: {}", sp.string(), e.what());
+// -------------------------------------------------------------------------------------- the loop
+
+// Counts a finished step into the trainer state; stops the run after too many skips in a row.
+void account_step(Session& s, const DrafterStepResult& r, const DrafterBatch& batch,
+                  const StepTimes& t) {
+  TrainerState& st = s.st;
+  if (r.skipped()) {
+    st.skipped += 1;
+    st.consecutive_skips += 1;
+    s.report.log(r.skip == StepSkip::no_supervised_slot
+                     ? fmt::format("step {}: skipped (no supervised slot)", st.step + 1)
+                     : fmt::format("step {}: skipped (non-finite; loss {}, grad norm {})",
+                                   st.step + 1, r.metrics.loss_weighted_sum, r.grad_norm));
+    DFLASH_CHECK(st.consecutive_skips < s.cfg.training.max_consecutive_skips,
+                 "{} steps in a row were skipped (non-finite loss or gradient); stopping "
+                 "(training.max_consecutive_skips = {})",
+                 st.consecutive_skips, s.cfg.training.max_consecutive_skips);
+  } else {
+    st.consecutive_skips = 0;
   }
+  st.step += 1;
+  st.interval.add_step(r, batch.T(), batch.n_supervised, t);
+  st.cursor = s.batcher.cursor();
 }
 
-// Document offsets of row `r` of a batch (row-local, [0, ..., real tokens]).
-std::vector<int32_t> row_doc_offsets(const Batch& b, int64_t r) {
-  std::vector<int32_t> off = {0};
-  for (int32_t d = b.row_doc_offsets[r]; d < b.row_doc_offsets[r + 1]; ++d) {
-    const DocSlot& s = b.docs[static_cast<size_t>(d)];
-    DFLASH_ASSERT(s.start == off.back());
-    off.push_back(s.start + s.length);
+// Writes the metrics record of the interval that ends at this step and starts a new one.
+void finish_interval(Session& s, double eta_s, TrainResult& result) {
+  TrainerState& st = s.st;
+  const json record =
+      interval_record(st.interval, st.step, st.cursor.epoch, s.sched.at(st.step - 1), st.skipped);
+  s.report.interval(record, s.total_steps, eta_s);
+  result.final_loss = st.interval.obj.loss();
+  result.final_tau = st.interval.obj.tau();
+  st.interval = IntervalMetrics(s.dcfg.block_size);
+}
+
+void save_checkpoint(Session& s) {
+  s.report.status().phase = "checkpointing";
+  s.report.write_status();
+  DrafterState ds;
+  s.backend.drafter->save_state(ds);
+  s.last_ckpt =
+      checkpoint_write(s.rd, s.dcfg, s.layout, ds, s.st, s.export_dtype, s.cfg.training.keep_last)
+          .string();
+  s.report.log(fmt::format("checkpoint {}", s.last_ckpt));
+  s.report.status().phase = "training";
+  s.report.status().checkpoint = s.last_ckpt;
+  s.report.write_status();
+}
+
+// One step through the stages; `t` gets its times.
+DrafterStepResult run_step(Session& s, StepTimes& t) {
+  const auto t0 = Clock::now();
+  const DrafterBatch batch = drafter_batch_from_batch(s.batcher.next(), s.batch_opts);
+  t.data = seconds_since(t0);
+  const auto tt = Clock::now();
+  const std::unique_ptr<TargetFeatures> features = s.backend.target->forward_taps(batch);
+  t.target = seconds_since(tt);
+  const auto td = Clock::now();
+  s.backend.drafter->step(batch, *features);
+  s.backend.drafter->update(s.sched.at(s.st.step));
+  DrafterStepResult r = s.backend.drafter->result();
+  t.drafter = seconds_since(td);
+  if (r.target_device_s) t.target = *r.target_device_s;  // enqueued: its device time is the cost
+  t.total = seconds_since(t0);
+  account_step(s, r, batch, t);
+  return r;
+}
+
+TrainResult train_loop(Session& s, const TrainOptions& opts) {
+  TrainerState& st = s.st;
+  ProgressBar bar("train", s.total_steps, "steps");
+  bar.advance(st.step);
+  const auto run_start = Clock::now();
+  int64_t steps_this_run = 0;
+  TrainResult result;
+  while (st.step < s.total_steps) {
+    StepTimes t;
+    const DrafterStepResult r = run_step(s, t);
+    ++steps_this_run;
+    bar.set_suffix(fmt::format("loss {:.3f} τ {:.2f}", r.metrics.loss(), r.metrics.tau()));
+    bar.advance(1);
+    const bool last = st.step == s.total_steps;
+    if (st.step % s.cfg.training.log_interval == 0 || last) {
+      const double eta = seconds_since(run_start) / static_cast<double>(steps_this_run) *
+                         static_cast<double>(s.total_steps - st.step);
+      finish_interval(s, eta, result);
+    }
+    const bool stop =
+        g_stop_signal.load() != 0 || (opts.halt_at_step > 0 && st.step == opts.halt_at_step);
+    const int64_t every = s.cfg.training.save_interval;
+    if (last || stop || (every > 0 && st.step % every == 0)) save_checkpoint(s);
+    if (stop && !last) {
+      result.interrupted = true;
+      const int sig = g_stop_signal.load();
+      s.report.log(sig ? fmt::format("stopped by signal {} after step {}; resume with --resume {}",
+                                     sig, st.step, s.rd.path().string())
+                       : fmt::format("halted after step {} (--halt-at-step)", st.step));
+      break;
+    }
   }
-  return off;
+  bar.finish();
+  const std::string summary = s.backend.drafter->summary();
+  if (!summary.empty()) s.report.log(summary);
+  result.steps_done = st.step;
+  result.skipped_steps = st.skipped;
+  result.last_checkpoint = s.last_ckpt;
+  return result;
 }
 
 }  // namespace
-
-void install_train_signal_handlers() {
-  std::signal(SIGINT, on_stop_signal);
-  std::signal(SIGTERM, on_stop_signal);
-}
 
 DrafterConfig drafter_config_for_run(const RunConfig& cfg, const ModelConfig& target,
                                      const Tokenizer* tok) {
@@ -203,8 +332,8 @@ DrafterConfig drafter_config_for_run(const RunConfig& cfg, const ModelConfig& ta
   sizes.block_size = cfg.training.block_size;
   std::optional<std::vector<int>> taps;
   if (!cfg.model.target_layer_ids.empty()) taps = cfg.model.target_layer_ids;
-  return drafter_config_for_target(target, cfg.model.drafter_layers, sizes, cfg.model.mask_token_id,
-                                   taps, tok);
+  return drafter_config_for_target(target, cfg.model.drafter_layers, sizes,
+                                   cfg.model.mask_token_id, taps, tok);
 }
 
 std::string print_train_memory_plan(const RunConfig& cfg) {
@@ -227,24 +356,21 @@ std::string print_train_memory_plan(const RunConfig& cfg) {
              : plan_shortfall_message(plan, largest_fitting_budget(cfg, tcfg, dcfg, layout));
 }
 
+void install_train_signal_handlers() {
+  std::signal(SIGINT, on_stop_signal);
+  std::signal(SIGTERM, on_stop_signal);
+}
+
 TrainResult train(const TrainOptions& opts) {
   g_stop_signal.store(0);
   RunConfig cfg = opts.config;
   const bool resuming = !opts.resume_dir.empty();
   if (resuming) cfg.output_dir = opts.resume_dir;
-#ifdef DFLASH_HAVE_CUDA
-  DFLASH_CHECK(cfg.runtime.backend == "cpu" || cfg.runtime.backend == "cuda",
-               "runtime.backend '{}' is not known (cpu or cuda)", cfg.runtime.backend);
-#else
-  DFLASH_CHECK(cfg.runtime.backend == "cpu",
-               "runtime.backend '{}' is not available: this dflash was built without the CUDA "
-               "backend (configure with -DDFLASH_CUDA=ON), so it trains on the cpu backend only",
-               cfg.runtime.backend);
-#endif
+  train_backend_check(backend_options_of(cfg));
   if (cfg.runtime.threads > 0) set_parallel_threads(cfg.runtime.threads);
 
   RunDir rd(cfg.output_dir);
-  auto complete = RunDir::complete_checkpoints(rd.path());
+  const auto complete = RunDir::complete_checkpoints(rd.path());
   if (resuming) {
     DFLASH_CHECK(!complete.empty(), "--resume {}: no complete checkpoint to resume from",
                  rd.path().string());
@@ -253,400 +379,33 @@ TrainResult train(const TrainOptions& opts) {
                  "run directory '{}' already holds checkpoints: use --resume to continue it, or "
                  "choose another output_dir", rd.path().string());
   }
-  auto log_file = std::make_shared<std::ofstream>(rd.path() / "log.txt", std::ios::app);
-  auto log = [&](const std::string& msg) {
-    spdlog::info("{}", msg);
-    *log_file << msg << "\n";
-    log_file->flush();
-  };
-  json status = {{"phase", "loading"}, {"pid", ::getpid()}};
-  rd.write_status(status);
-
+  TrainReport report(rd);
   try {
-    // ---- target, tokenizer, data
-    const fs::path target_dir = cfg.model.target;
-    TargetModel target = TargetModel::load(target_dir);
-    const ModelConfig& tcfg = target.config();
-    Tokenizer tok = Tokenizer::load(target_dir);
-    const DrafterConfig dcfg = drafter_config_for_run(cfg, tcfg, &tok);
-    const DrafterLayout layout(dcfg);
-#ifdef DFLASH_HAVE_CUDA
-    // The device memory plan, checked before anything is allocated.
-    std::optional<TrainMemoryPlan> mem_plan;
-    if (cfg.runtime.backend == "cuda") {
-      mem_plan = plan_train_memory(cfg, tcfg, dcfg, layout);
-      log(mem_plan->table());
-      DFLASH_CHECK(
-          mem_plan->fits(), "{}",
-          plan_shortfall_message(*mem_plan, largest_fitting_budget(cfg, tcfg, dcfg, layout)));
-    }
-#endif
-
-    PrepareOptions po;
-    po.data = cfg.data.train_file;
-    po.cache = cfg.data.cache_dir.empty()
-                   ? rd.path() / "cache" / "train.dftok"
-                   : fs::path(cfg.data.cache_dir) / "train.dftok";
-    fs::create_directories(po.cache.parent_path());
-    po.chat_template = resolve_chat_template(target_dir, cfg.data.template_name, false);
-    po.max_length = cfg.data.max_length;
-    po.skip_invalid = cfg.data.skip_invalid;
-    po.threads = cfg.runtime.threads;
-    po.encode = [&tok](std::string_view text, std::vector<std::pair<size_t, size_t>>* offsets) {
-      return tok.encode(text, offsets);
-    };
-    po.tokenizer_hash = hash_file(target_dir / "tokenizer.json");
-    status["phase"] = "tokenizing";
-    rd.write_status(status);
-    PrepareResult prep = prepare_dataset(po);
-    log(prep.reused ? fmt::format("data: reusing cache {}", po.cache.string())
-                    : fmt::format("data: built cache {} ({})", po.cache.string(), prep.reason));
-
-    BatcherOptions bo;
-    bo.token_budget = cfg.data.token_budget;
-    bo.rows = cfg.data.rows_per_step;
-    bo.sort_by_length = cfg.data.sort_by_length;
-    bo.seed = cfg.training.seed;
-    bo.block_budget = cfg.block_budget();
-    if (bo.block_budget < bo.token_budget) {
-      const TokenDataset& ds = prep.dataset;
-      bo.doc_blocks.resize(static_cast<size_t>(ds.num_docs()));
-      for (int64_t d = 0; d < ds.num_docs(); ++d) {
-        bo.doc_blocks[static_cast<size_t>(d)] =
-            document_blocks(ds.doc_loss_mask(d), cfg.training.num_anchors);
-      }
-    }
-    Batcher batcher(prep.dataset, bo);
-    const int64_t per_epoch = batcher.batches_in_epoch(0);
-    const int64_t total_steps =
-        cfg.training.max_steps > 0 ? cfg.training.max_steps : per_epoch * cfg.training.epochs;
-    LrSchedule sched;
-    sched.base_lr = cfg.training.lr;
-    sched.total_steps = total_steps;
-    sched.warmup_steps =
-        static_cast<int64_t>(std::llround(cfg.training.warmup_ratio * static_cast<double>(total_steps)));
-    sched.min_lr_ratio = cfg.training.min_lr_ratio;
-    AdamWConfig adam{cfg.training.beta1, cfg.training.beta2, cfg.training.adam_eps,
-                     cfg.training.weight_decay};
-
-    // ---- weights and state
-    std::vector<float> params(layout.total), m(layout.total, 0.0f), v(layout.total, 0.0f);
-    // Host gradients for the CPU backend only: the cuda backend keeps its own on the device (at
-    // Qwen3-8B scale, zeroing 4.2 GB of unused host gradients was 0.46 s of every 2.6 s step).
-    std::vector<float> grads(cfg.runtime.backend == "cpu" ? layout.total : 0, 0.0f);
-    TrainerState st;
-    st.interval.obj = ObjectiveMetrics(dcfg.block_size);
-    if (resuming) {
-      const auto& [cstep, cdir] = complete.back();
-      read_checkpoint(cdir, layout, params, m, v, st);
-      RunConfig saved = RunConfig::from_yaml(st.config_yaml, (cdir / "trainer_state/state.json").string());
-      auto diffs = saved.resume_incompatibilities(cfg);
-      if (!diffs.empty() && !opts.force) {
-        std::string list;
-        for (const auto& d : diffs) list += "\n  " + d;
-        fail("--resume {}: the configuration differs from the checkpoint's in keys that change the "
-             "model or the data order (use --force to resume anyway):{}", rd.path().string(), list);
-      }
-      if (diffs.empty()) {
-        batcher.restore(st.cursor);
-      } else {
-        // Forced: the old data plan cannot be replayed; continue at the same epoch and batch
-        // index of the new plan.
-        DataCursor c = batcher.cursor();
-        c.epoch = st.cursor.epoch;
-        c.batch = std::min(st.cursor.batch, batcher.batches_in_epoch(st.cursor.epoch));
-        batcher.restore(c);
-        log(fmt::format("--force: resuming despite changed keys; the data order continues at "
-                        "epoch {} batch {} of the new plan", c.epoch, c.batch));
-      }
-      log(fmt::format("resumed from {} (step {})", cdir.string(), cstep));
-    } else {
-      drafter_init(params, layout, cfg.training.seed);
-    }
-    st.config_yaml = cfg.to_yaml();
-    write_file_atomic(rd.path() / "config.resolved.yaml", st.config_yaml);
-
-    // Backend: the CPU reference path, or target + drafter on one GPU.
-    const bool use_cuda = cfg.runtime.backend == "cuda";
-    // f32 copies of the frozen tables for the CPU drafter step only (the cuda backend keeps its
-    // own bf16 copies on the device).
-    const std::vector<float> embed = use_cuda ? std::vector<float>() : target.embedding_f32();
-    const std::vector<float> head_copy = use_cuda || tcfg.tie_word_embeddings
-                                             ? std::vector<float>()
-                                             : target.lm_head_f32();
-    DrafterTables<float> tables{embed.data(), tcfg.tie_word_embeddings ? embed.data()
-                                                                       : head_copy.data()};
-    DrafterWorkspace<float> ws;
-    std::string backend_desc = fmt::format("cpu, {} threads", parallel_threads());
-#ifdef DFLASH_HAVE_CUDA
-    std::unique_ptr<CudaTrainBackend> gpu;
-    if (use_cuda) {
-      DFLASH_CHECK(cfg.runtime.devices.size() == 1,
-                   "runtime.devices lists {} devices; this build trains on exactly one GPU",
-                   cfg.runtime.devices.size());
-      gpu = std::make_unique<CudaTrainBackend>(cfg.runtime.devices[0], target, dcfg, layout,
-                                               *mem_plan, cfg.runtime.cuda_graphs);
-      gpu->upload_state(params, m, v);
-      backend_desc = gpu->description();
-      log(gpu->memory_report());
-    }
-#else
-    DFLASH_CHECK(!use_cuda, "runtime.backend is 'cuda' but this dflash was built without the CUDA "
-                 "backend (configure with -DDFLASH_CUDA=ON)");
-#endif
-    const DType export_dtype = dtype_from_name(cfg.training.export_dtype);
-    log(fmt::format("train: target {} ({} layers, hidden {}), drafter {} layers ({} parameters), "
-                    "taps [{}], mask id {}, block {}, {} steps ({} batches/epoch), backend {}",
-                    target_dir.string(), tcfg.num_hidden_layers, tcfg.hidden_size,
-                    dcfg.num_layers, layout.total, fmt::join(dcfg.target_layer_ids, ","),
-                    dcfg.mask_token_id, dcfg.block_size, total_steps, per_epoch,
-                    backend_desc));
-
-    ProgressBar bar("train", total_steps, "steps");
-    bar.advance(st.step);
-    const auto run_start = Clock::now();
-    int64_t steps_this_run = 0;
-    TrainResult result;
-    std::string last_ckpt = complete.empty() ? "" : complete.back().second.string();
-    json last_metrics;
-
-    while (st.step < total_steps) {
-      const auto t0 = Clock::now();
-      Batch batch = batcher.next();
-      const double t_data = seconds_since(t0);
-
-      // Target features and targets of every row.
-      const int64_t R = batch.tokens.dim(0), L = batch.row_length;
-      struct RowWork {
-        std::vector<int32_t> offsets;
-        std::vector<Anchor> anchors;
-        BlockTargets targets;
-        Tensor features;
-        int64_t real = 0;
-      };
-      std::vector<RowWork> rows(static_cast<size_t>(R));
-      double total_w = 0;
-      double t_target = 0, t_gpu_drafter = 0;
-      for (int64_t r = 0; r < R; ++r) {
-        RowWork& w = rows[static_cast<size_t>(r)];
-        w.offsets = row_doc_offsets(batch, r);
-        w.real = w.offsets.back();
-        if (w.real == 0) continue;
-        const int32_t* tok_row = batch.tokens.data<int32_t>() + r * L;
-        const uint8_t* mask_row = batch.loss_mask.data<uint8_t>() + r * L;
-        Rng rng(derive_seed(cfg.training.seed,
-                            {static_cast<uint64_t>(batch.epoch), static_cast<uint64_t>(batch.index),
-                             static_cast<uint64_t>(r)}));
-        std::span<const uint8_t> mask(mask_row, static_cast<size_t>(w.real));
-        std::span<const int32_t> toks(tok_row, static_cast<size_t>(w.real));
-        w.anchors = sample_anchors(mask, w.offsets, cfg.training.num_anchors, rng);
-        w.targets = block_targets(toks, mask, w.offsets, w.anchors, dcfg.block_size,
-                                  cfg.training.gamma);
-        for (float x : w.targets.weights) total_w += x;
-        if (use_cuda) continue;
-        const auto tt = Clock::now();
-        w.features = target.forward_taps(toks, w.offsets, dcfg.target_layer_ids);
-        t_target += seconds_since(tt);
-      }
-
-      // Drafter forward/backward.
-      const auto td = Clock::now();
-      std::fill(grads.begin(), grads.end(), 0.0f);  // empty on the cuda backend
-      ObjectiveMetrics step_metrics(dcfg.block_size);
-      double loss_sum = 0, weight_sum = 0;
-      double gnorm = 0;
-#ifdef DFLASH_HAVE_CUDA
-      if (use_cuda && total_w > 0) {
-        std::vector<PackedRowInput> prow(static_cast<size_t>(R));
-        for (int64_t r = 0; r < R; ++r) {
-          const RowWork& w = rows[static_cast<size_t>(r)];
-          PackedRowInput& p = prow[static_cast<size_t>(r)];
-          p.tokens = std::span<const int32_t>(batch.tokens.data<int32_t>() + r * L,
-                                              static_cast<size_t>(w.real));
-          p.doc_offsets = w.offsets.empty() ? std::span<const int32_t>(kEmptyOffsets)
-                                            : std::span<const int32_t>(w.offsets);
-          p.anchors = w.anchors;
-          p.targets = &w.targets;
-        }
-        const PackedStep packed = pack_step(prow, L, dcfg.block_size, dcfg.mask_token_id, 0,
-                                            kBlockRowsMultiple * dcfg.block_size);
-        CudaTrainBackend::StepResult res = gpu->step(packed, 1.0 / total_w);
-        loss_sum = res.loss_sum;
-        weight_sum = res.weight_sum;
-        gnorm = res.grad_norm;
-        t_target = res.target_s;
-        t_gpu_drafter = res.drafter_s;
-        for (int64_t r = 0; r < R; ++r) {
-          const RowWork& w = rows[static_cast<size_t>(r)];
-          const auto b0 = static_cast<size_t>(packed.row_block_start[static_cast<size_t>(r)]);
-          const size_t n = w.anchors.size() * static_cast<size_t>(dcfg.block_size);
-          accumulate_metrics(step_metrics, w.targets,
-                             std::span<const int32_t>(res.argmax.data() +
-                                                          b0 * static_cast<size_t>(dcfg.block_size),
-                                                      n),
-                             {});
-        }
-      }
-#endif
-      if (!use_cuda && total_w > 0) {
-        for (auto& w : rows) {
-          if (w.anchors.empty()) continue;
-          DrafterRow<float> row;
-          row.features = w.features.data<float>();
-          row.tokens = batch.tokens.data<int32_t>() + (&w - rows.data()) * L;
-          row.T = w.real;
-          row.doc_offsets = w.offsets;
-          row.anchors = w.anchors;
-          row.targets = &w.targets;
-          auto res = drafter_train_row<float>(dcfg, layout, params.data(), grads.data(), tables,
-                                              row, 1.0 / total_w, ws);
-          loss_sum += res.loss_sum;
-          weight_sum += res.weight_sum;
-          accumulate_metrics(step_metrics, w.targets, res.argmax, {});
-        }
-      }
-      step_metrics.loss_weighted_sum = loss_sum;
-      step_metrics.weight_sum = weight_sum;
-      if (!use_cuda) gnorm = std::sqrt(sum_squares_cpu(grads.data(), layout.total));
-      const bool finite = std::isfinite(loss_sum) && std::isfinite(gnorm);
-      if (!finite || total_w <= 0) {
-        st.skipped += 1;
-        st.consecutive_skips += 1;
-        log(fmt::format("step {}: skipped ({}; loss {}, grad norm {})", st.step + 1,
-                        total_w <= 0 ? "no supervised slot" : "non-finite", loss_sum, gnorm));
-        DFLASH_CHECK(st.consecutive_skips < cfg.training.max_consecutive_skips,
-                     "{} steps in a row were skipped (non-finite loss or gradient); stopping "
-                     "(training.max_consecutive_skips = {})", st.consecutive_skips,
-                     cfg.training.max_consecutive_skips);
-      } else {
-        st.consecutive_skips = 0;
-        const double lr = sched.at(st.step);
-        const int64_t adam_step = st.step + 1 - st.skipped;
-        const double clip = clip_scale(gnorm, cfg.training.clip_grad_norm);
-#ifdef DFLASH_HAVE_CUDA
-        if (use_cuda) gpu->adamw(adam, lr, adam_step, clip);
-#endif
-        if (!use_cuda) {
-          adamw_step_cpu(params.data(), m.data(), v.data(), grads.data(), layout.total, adam, lr,
-                         adam_step, clip);
-        }
-        st.interval.obj.merge(step_metrics);
-        st.interval.grad_norm_sum += gnorm;
-      }
-      const double t_drafter = seconds_since(td);
-      st.step += 1;
-      ++steps_this_run;
-      st.interval.steps += 1;
-      st.interval.tokens += batch.n_tokens;
-      st.interval.supervised += batch.n_supervised;
-      st.interval.t_data += t_data;
-      st.interval.t_target += t_target;
-      st.interval.t_drafter += t_drafter;
-      st.interval.t_gpu_drafter += t_gpu_drafter;
-      st.interval.t_total += seconds_since(t0);
-      st.cursor = batcher.cursor();
-      bar.set_suffix(fmt::format("loss {:.3f} τ {:.2f}", step_metrics.loss(), step_metrics.tau()));
-      bar.advance(1);
-
-      const bool last = st.step == total_steps;
-      if (st.step % cfg.training.log_interval == 0 || last) {
-        const IntervalMetrics& iv = st.interval;
-        const double per_step = iv.t_total / std::max<int64_t>(1, iv.steps);
-        std::vector<double> slot_acc;
-        for (int k = 1; k < dcfg.block_size; ++k) {
-          const double a = iv.obj.slot_accuracy(k);
-          slot_acc.push_back(std::isnan(a) ? 0.0 : a);
-        }
-        last_metrics = {
-            {"step", st.step},
-            {"epoch", st.cursor.epoch},
-            {"lr", sched.at(st.step - 1)},
-            {"loss", iv.obj.loss()},
-            {"accuracy", iv.obj.accuracy()},
-            {"slot_accuracy", slot_acc},
-            {"tau", iv.obj.tau()},
-            {"grad_norm", iv.grad_norm_sum / std::max<int64_t>(1, iv.steps)},
-            {"skipped_steps", st.skipped},
-            {"tokens_per_s", iv.t_total > 0 ? iv.tokens / iv.t_total : 0.0},
-            {"supervised_tokens_per_s", iv.t_total > 0 ? iv.supervised / iv.t_total : 0.0},
-            {"s_per_step", per_step},
-            {"s_data", iv.t_data / std::max<int64_t>(1, iv.steps)},
-            {"s_target", iv.t_target / std::max<int64_t>(1, iv.steps)},
-            {"s_drafter", iv.t_drafter / std::max<int64_t>(1, iv.steps)},
-            {"s_drafter_gpu", iv.t_gpu_drafter / std::max<int64_t>(1, iv.steps)},
-            {"rss_bytes", rss_bytes()},
-        };
-        rd.append_metrics(last_metrics);
-        log(fmt::format("step {}/{} loss {:.4f} acc {:.3f} τ {:.3f} lr {:.2e} grad {:.3f} "
-                        "{:.0f} tok/s", st.step, total_steps, iv.obj.loss(), iv.obj.accuracy(),
-                        iv.obj.tau(), sched.at(st.step - 1),
-                        iv.grad_norm_sum / std::max<int64_t>(1, iv.steps),
-                        last_metrics["tokens_per_s"].get<double>()));
-        result.final_loss = iv.obj.loss();
-        result.final_tau = iv.obj.tau();
-        st.interval = IntervalMetrics();
-        st.interval.obj = ObjectiveMetrics(dcfg.block_size);
-        const double elapsed = seconds_since(run_start);
-        status = {{"phase", "training"},
-                  {"pid", ::getpid()},
-                  {"step", st.step},
-                  {"total_steps", total_steps},
-                  {"eta_s", elapsed / static_cast<double>(steps_this_run) *
-                                static_cast<double>(total_steps - st.step)},
-                  {"last", last_metrics},
-                  {"checkpoint", last_ckpt}};
-        rd.write_status(status);
-      }
-      const bool stop = g_stop_signal.load() != 0 ||
-                        (opts.halt_at_step > 0 && st.step == opts.halt_at_step);
-      const bool save = last || stop ||
-                        (cfg.training.save_interval > 0 && st.step % cfg.training.save_interval == 0);
-      if (save) {
-        status["phase"] = "checkpointing";
-        rd.write_status(status);
-#ifdef DFLASH_HAVE_CUDA
-        if (use_cuda) gpu->download_state(params, m, v);
-#endif
-        write_checkpoint(rd, dcfg, layout, params, m, v, st, export_dtype,
-                         cfg.training.keep_last);
-        last_ckpt = (rd.path() / RunDir::checkpoint_name(st.step)).string();
-        log(fmt::format("checkpoint {}", last_ckpt));
-        status["phase"] = "training";
-        status["checkpoint"] = last_ckpt;
-        rd.write_status(status);
-      }
-      if (stop && !last) {
-        result.interrupted = true;
-        const int sig = g_stop_signal.load();
-        log(sig ? fmt::format("stopped by signal {} after step {}; resume with --resume {}", sig,
-                              st.step, rd.path().string())
-                : fmt::format("halted after step {} (--halt-at-step)", st.step));
-        break;
-      }
-    }
-    bar.finish();
-#ifdef DFLASH_HAVE_CUDA
-    if (use_cuda) {
-      log(fmt::format("cuda: {} step shapes captured as CUDA graphs (0 = graphs off)",
-                      gpu->graphs_captured()));
-    }
-#endif
-    result.steps_done = st.step;
-    result.skipped_steps = st.skipped;
-    result.last_checkpoint = last_ckpt;
-    status["phase"] = result.interrupted ? "interrupted" : "done";
-    status["step"] = st.step;
-    status["checkpoint"] = last_ckpt;
-    rd.write_status(status);
+    Session s(cfg, rd, report);
+    if (!s.backend.memory_report.empty()) report.log(s.backend.memory_report);
+    restore_or_init(s, opts, resuming ? complete.back().second : fs::path());
+    report.status().checkpoint = s.last_ckpt;
+    report.log(
+        fmt::format("train: target {} ({} layers, hidden {}), drafter {} layers ({} "
+                    "parameters), taps [{}], mask id {}, block {}, {} steps ({} "
+                    "batches/epoch), backend {}",
+                    cfg.model.target, s.target.config().num_hidden_layers,
+                    s.target.config().hidden_size, s.dcfg.num_layers, s.layout.total,
+                    fmt::join(s.dcfg.target_layer_ids, ","), s.dcfg.mask_token_id,
+                    s.dcfg.block_size, s.total_steps, s.per_epoch, s.backend.description));
+    TrainResult result = train_loop(s, opts);
+    report.status().phase = result.interrupted ? "interrupted" : "done";
+    report.status().step = result.steps_done;
+    report.write_status();
     return result;
   } catch (const Error& e) {
-    status["phase"] = "failed";
-    status["error"] = e.what();
+    report.status().phase = "failed";
+    report.status().error = e.what();
     try {
-      rd.write_status(status);
+      report.write_status();
     } catch (...) {
     }
-    *log_file << "error: " << e.what() << "\n";
+    report.log_error(e.what());
     throw;
   }
 }

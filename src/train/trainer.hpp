@@ -1,11 +1,13 @@
 // dflash.cpp — `dflash train`: the training loop of a DFlash drafter against a frozen target.
 //
-// One step: the next batch of packed rows → target features of every row (forward_taps) →
-// anchors sampled per document (seed, epoch, batch, row) → drafter forward/backward over every row
-// (gradients summed, scaled by 1/Σw of the whole step) → global grad norm, non-finite check, clip →
-// AdamW on fp32 master weights → metrics. Checkpoints hold the export format plus the trainer state
-// (master weights, AdamW moments, step, data cursor, metric accumulators, config), so that a resumed
-// run on the CPU backend continues bit-identically.
+// One step: the next batch of packed rows → its DrafterBatch (anchors sampled per document, seed,
+// epoch, batch, row; model/drafter_batch.hpp) → the backend's target stage (features) → its
+// drafter stage: forward/backward of the whole step, gradient norm, non-finite skip, clip, AdamW
+// (train/train_backend.hpp) → metrics. train() is setup (target, drafter config, backend, data,
+// state), the step loop, checkpoint I/O (train/checkpoint.hpp) and reporting (log, metrics,
+// status; train/train_report.hpp); it never names a backend. Checkpoints hold the export format
+// plus the trainer state (master weights, AdamW moments, step, data cursor, metric accumulators,
+// config), so that a resumed run on the CPU backend continues bit-identically.
 //
 // Invariants: anchors are a pure function of (seed, epoch, batch index, row), so no RNG state needs
 // saving; a checkpoint is written to a temporary folder, fsynced, renamed and only then marked

@@ -1,17 +1,21 @@
 // The CUDA training step against the CPU reference: TargetCuda's tap forward against
 // TargetModel::forward_taps on the tiny Qwen3 fixture (packed rows with several documents and
-// padding), and DrafterCuda's forward/backward over a packed step against drafter_train_row summed
-// over the rows (loss, Σw, every parameter gradient, the gradient norm and the argmax), plus an
-// AdamW step and determinism of the whole GPU step, and that sharing the memory plan's arena by
-// phase changes no bit of a step. Weights, tables and features are rounded to
-// bf16 first so that the only differences are the GPU's bf16 activations and summation order.
+// padding), and DrafterCuda's forward/backward over a packed step (a DrafterBatch staged as
+// CudaTrainBackend stages it) against drafter_train_step summed over the rows (loss, Σw, every
+// parameter gradient, the gradient norm and the argmax), plus an AdamW step, determinism of the
+// whole GPU step, and that sharing the memory plan's arena by phase changes no bit of a step.
+// Weights, tables and features are rounded to bf16 first so that the only
+// differences are the GPU's bf16 activations and summation order.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 #include "backend/cuda/arena.hpp"
 #include "backend/cuda/context.hpp"
 #include "cuda/cuda_test_util.hpp"
+#include "model/drafter_batch.hpp"
 #include "model/drafter_cuda.hpp"
 #include "model/drafter_io.hpp"
 #include "model/target.hpp"
@@ -19,7 +23,6 @@
 #include "train/memory_plan.hpp"
 #include "train/objective.hpp"
 #include "train/optimizer.hpp"
-#include "train/packed_step.hpp"
 #include "util/test_util.hpp"
 
 using namespace dflash;
@@ -64,15 +67,42 @@ HostBatch make_batch(const std::vector<std::vector<int>>& doc_lengths, int64_t L
   return b;
 }
 
-std::vector<PackedRowInput> packed_rows(const HostBatch& b) {
-  std::vector<PackedRowInput> rows(b.tokens.size());
-  for (size_t r = 0; r < rows.size(); ++r) {
-    rows[r].tokens = b.tokens[r];
-    rows[r].doc_offsets = b.offsets[r];
-    rows[r].anchors = b.anchors[r];
-    rows[r].targets = &b.targets[r];
+// Rows [first, last) of `b` as one DrafterBatch (block size K).
+DrafterBatch drafter_batch_of(const HostBatch& b, int K, size_t first = 0, size_t last = SIZE_MAX) {
+  DrafterBatch d(K);
+  for (size_t r = first; r < std::min(last, b.tokens.size()); ++r) {
+    d.append_row(b.tokens[r], b.offsets[r], b.anchors[r], b.targets[r]);
   }
-  return rows;
+  d.row_length = b.L;
+  return d;
+}
+
+// A DrafterBatch staged (drafter_batch_stage) into host arrays of T = rows·L context rows and NK
+// block rows padded to a multiple of `multiple`, as CudaTrainBackend stages a step.
+struct Staged {
+  int64_t T = 0, NK = 0, N = 0;
+  std::vector<int32_t> tokens, pos, block_tokens, labels;
+  std::vector<AttnRange> context_ranges, block_ranges;
+  std::vector<float> weights;
+};
+
+Staged stage(const DrafterBatch& d, int32_t mask_token_id, int64_t multiple) {
+  Staged s;
+  s.T = d.rows * d.row_length;
+  s.N = d.N();
+  s.NK = std::max<int64_t>(multiple, (d.N() * d.block_size + multiple - 1) / multiple * multiple);
+  const auto T = static_cast<size_t>(s.T), NK = static_cast<size_t>(s.NK);
+  s.tokens.resize(T);
+  s.context_ranges.resize(T);
+  s.pos.resize(T + NK);
+  s.block_tokens.resize(NK);
+  s.block_ranges.resize(NK);
+  s.labels.resize(NK);
+  s.weights.resize(NK);
+  drafter_batch_stage(
+      d, mask_token_id, 0,
+      {s.tokens, s.context_ranges, s.pos, s.block_tokens, s.block_ranges, s.labels, s.weights});
+  return s;
 }
 
 template <typename T>
@@ -93,24 +123,25 @@ TEST(TargetCuda, TapsMatchCpuOnPackedRows) {
   const std::vector<int> taps = {1, 3, 1};
   // Two rows of 97 slots: documents of 1, 40 and 30 tokens (26 padding), and one of 97 tokens.
   HostBatch b = make_batch({{1, 40, 30}, {97}}, 97, V, 4, 8, 11);
-  const PackedStep s = pack_step(packed_rows(b), b.L, 4, 8000, 0, 16);
+  const Staged s = stage(drafter_batch_of(b, 4), 8000, 16);
   cuda::CudaContext ctx(0);
   TargetCuda tc(ctx, target, s.T);
   std::vector<cuda::DeviceBuffer> keep;
   const int32_t* tokens = device_copy(ctx, keep, s.tokens);
   const int32_t* pos = device_copy(ctx, keep, s.pos);
-  const AttnRange* ranges = device_copy(ctx, keep, s.target_ranges);
+  const AttnRange* ranges = device_copy(ctx, keep, s.context_ranges);
   const int64_t F = static_cast<int64_t>(taps.size()) * H;
   DeviceGuarded<uint16_t> out(static_cast<size_t>(s.T * F));
   tc.forward_taps(out.get(), tokens, pos, ranges, s.T, taps);
   ctx.synchronize();
   const std::vector<float> gpu = from_bf16(out.download());
   EXPECT_TRUE(out.guard_intact());
+  int64_t t0 = 0;  // rows lie back to back in the packed context, padding after the last one
   for (size_t r = 0; r < b.tokens.size(); ++r) {
     const Tensor cpu = target.forward_taps(b.tokens[r], b.offsets[r], taps);
     const int64_t real = static_cast<int64_t>(b.tokens[r].size());
-    std::vector<float> g(gpu.begin() + static_cast<int64_t>(r) * b.L * F,
-                         gpu.begin() + (static_cast<int64_t>(r) * b.L + real) * F);
+    std::vector<float> g(gpu.begin() + t0 * F, gpu.begin() + (t0 + real) * F);
+    t0 += real;
     const double e = rel_error(g, cpu.to_f32_vector());
     EXPECT_LT(e, 2e-2) << "row " << r;
     std::printf("row %zu: tap relative error %.3g over %lld tokens\n", r, e,
@@ -151,32 +182,27 @@ TEST(DrafterCuda, StepMatchesCpuReference) {
 
   // Three rows of 61 slots with several documents and padding; up to 6 anchors per document.
   HostBatch b = make_batch({{1, 30, 17}, {61}, {5, 12}}, 61, V, K, 6, 3);
-  const PackedStep s = pack_step(packed_rows(b), b.L, K, c.mask_token_id, 0, 8 * K);
+  const Staged s = stage(drafter_batch_of(b, K), c.mask_token_id, 8 * K);
   ASSERT_GT(s.N, 8);
   ASSERT_GT(s.NK, s.N * K);  // padding blocks are exercised
   const std::vector<float> feats = round_bf16(randn(static_cast<size_t>(s.T * F), 9, 1.0f));
 
-  // CPU reference: one drafter_train_row per row, gradients scaled by 1/Σw of the whole step.
-  double total_w = 0;
-  for (const auto& t : b.targets)
-    for (float w : t.weights) total_w += w;
+  // CPU reference: one drafter_train_step per row, gradients scaled by 1/Σw of the whole step.
+  const double total_w = drafter_batch_of(b, K).weight_sum;
   ASSERT_GT(total_w, 0);
   std::vector<float> cpu_grads(params.size(), 0.0f);
   DrafterTables<float> tables{embed.data(), head.data()};
   DrafterWorkspace<float> ws;
   double cpu_loss = 0, cpu_w = 0;
   std::vector<int32_t> cpu_argmax;
+  int64_t t0 = 0;  // the row's first context row in the packed step
   for (size_t r = 0; r < b.tokens.size(); ++r) {
-    DrafterRow<float> row;
-    row.features = feats.data() + static_cast<int64_t>(r) * b.L * F;
-    row.tokens = b.tokens[r].data();
-    row.T = static_cast<int64_t>(b.tokens[r].size());
-    row.doc_offsets = b.offsets[r];
-    row.anchors = b.anchors[r];
-    row.targets = &b.targets[r];
-    if (row.anchors.empty()) continue;
-    auto res = drafter_train_row<float>(c, layout, params.data(), cpu_grads.data(), tables, row,
-                                        1.0 / total_w, ws);
+    const DrafterBatch row = drafter_batch_of(b, K, r, r + 1);
+    const float* row_features = feats.data() + t0 * F;
+    t0 += row.T();
+    if (row.N() == 0) continue;
+    auto res = drafter_train_step<float>(c, layout, params.data(), cpu_grads.data(), tables, row,
+                                         row_features, 1.0 / total_w, ws);
     cpu_loss += res.loss_sum;
     cpu_w += res.weight_sum;
     cpu_argmax.insert(cpu_argmax.end(), res.argmax.begin(), res.argmax.end());
@@ -268,7 +294,7 @@ TEST(TrainStepCuda, SharingTheArenaByPhaseChangesNoBit) {
   const DrafterConfig c = drafter_config_for_target(tc, 2, sizes, 8000, std::vector<int>{1, 3});
   const DrafterLayout layout(c);
   HostBatch b = make_batch({{1, 40, 30}, {97}, {20, 20, 20}}, 97, tc.vocab_size, 4, 8, 5);
-  const PackedStep s = pack_step(packed_rows(b), b.L, 4, 8000, 0, 16);
+  const Staged s = stage(drafter_batch_of(b, 4), 8000, 16);
   const TrainMemoryPlan plan = plan_train_memory(tc, c, layout, TrainStepCapacity{s.T, s.N}, 139.0);
   ASSERT_GE(plan.NK, s.NK);
   double total_w = 0;
@@ -296,7 +322,7 @@ TEST(TrainStepCuda, SharingTheArenaByPhaseChangesNoBit) {
       return d;
     };
     const int32_t* tokens = put("inputs.tokens", s.tokens);
-    const AttnRange* tranges = put("inputs.target_ranges", s.target_ranges);
+    const AttnRange* tranges = put("inputs.target_ranges", s.context_ranges);
     DrafterCudaInputs in;
     in.T = s.T;
     in.NK = s.NK;

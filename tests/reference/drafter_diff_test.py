@@ -4,7 +4,7 @@ For 12 seeded random configurations (GQA ratios 1/2/3, head_dim 8/16/32, block s
 1..3 drafter layers and taps, gamma 7 and 0, 1..3 packed documents per row with random lengths,
 partial loss masks and trailing padding, explicit anchors including adjacent ones and one at a
 document's last position) we write the problem to a safetensors file, run
-`dflash dev drafter-step IN OUT` (block_targets + drafter_train_row<float>, grad scale 1/Σw) and
+`dflash dev drafter-step IN OUT` (block_targets + drafter_train_step<float>, grad scale 1/Σw) and
 compare with tests/reference/dflash_ref.py evaluated in float64 on the same float32 inputs
 (jax.value_and_grad):
   - loss: relative error < 1e-5;

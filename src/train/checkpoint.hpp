@@ -1,0 +1,53 @@
+// dflash.cpp — checkpoints of `dflash train`: the export format of DESIGN.md §1 plus the trainer
+// state that a resumed run needs to continue bit-identically (CPU backend).
+//
+// Layout of <run>/checkpoint-<STEP>/:
+//   config.json, model.safetensors   the exported drafter (drafter_save, training.export_dtype)
+//   trainer_state/optimizer.safetensors   f32 [P] master, adam_m, adam_v
+//   trainer_state/state.json         format, step, skipped, consecutive_skips, data_cursor,
+//                                    interval (IntervalMetrics), config (the resolved YAML)
+//   COMPLETE                         written last
+// Invariants: a checkpoint is written to .tmp-checkpoint-<STEP>, fsynced, renamed, the run
+// directory fsynced, and only then marked COMPLETE; a folder without COMPLETE is never read. The
+// AdamW update count is not stored: every step applies one update or is skipped, so
+// updates = step − skipped (checked when writing, restored when reading).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+
+#include "core/dtype.hpp"
+#include "data/batcher.hpp"
+#include "model/drafter.hpp"
+#include "train/run_dir.hpp"
+#include "train/train_backend.hpp"
+#include "train/train_report.hpp"
+
+namespace dflash {
+
+/// Everything a checkpoint restores besides the drafter's weights and moments.
+struct TrainerState {
+  int64_t step = 0;               ///< optimizer steps done (applied or skipped)
+  int64_t skipped = 0;            ///< steps skipped in total
+  int64_t consecutive_skips = 0;  ///< skipped steps since the last applied one
+  DataCursor cursor;              ///< the batcher's position after `step`
+  IntervalMetrics interval;       ///< the log interval in progress
+  std::string config_yaml;        ///< the resolved configuration of the run
+};
+
+/// Writes checkpoint `st.step` of `rd` (see the file comment), then keeps only the newest
+/// `keep_last` complete checkpoints. Returns the checkpoint's folder. Throws dflash::Error when
+/// `drafter` does not match `layout` or its update count is not st.step − st.skipped, or on I/O
+/// errors (naming the file).
+std::filesystem::path checkpoint_write(RunDir& rd, const DrafterConfig& cfg,
+                                       const DrafterLayout& layout, const DrafterState& drafter,
+                                       const TrainerState& st, DType export_dtype, int keep_last);
+
+/// Reads the trainer state of the complete checkpoint `dir` into `drafter` (sized for `layout`)
+/// and `st`. Throws dflash::Error naming the file and the tensor or key that is missing or has
+/// the wrong size.
+void checkpoint_read(const std::filesystem::path& dir, const DrafterLayout& layout,
+                     DrafterState& drafter, TrainerState& st);
+
+}  // namespace dflash

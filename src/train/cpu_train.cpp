@@ -1,0 +1,167 @@
+// dflash.cpp — the CPU backend of the step contract (train_backend.hpp): the reference path.
+//
+// Target stage: TargetModel::forward_taps over the batch's packed context (f32 features).
+// Drafter stage: drafter_train_step<float> over the whole DrafterBatch (one packed sequence; equal
+// to the sum over its rows, tests/drafter_batch_test.cpp), gradient norm in double in index order
+// (sum_squares_cpu), AdamW of src/train/optimizer.hpp on fp32 master weights.
+//
+// Invariants: everything is computed synchronously on the calling thread (and parallel_for's
+// workers), in a fixed order, so two runs from the same state give identical bits; the frozen
+// tables are f32 copies owned by the drafter stage; step() allocates only inside its workspace,
+// whose buffers keep their capacity.
+#include <cmath>
+
+#include "core/error.hpp"
+#include "core/parallel.hpp"
+#include "model/target.hpp"
+#include "train/train_backend.hpp"
+
+namespace dflash {
+
+namespace {
+
+class CpuTargetStage;
+
+// Features made by a CpuTargetStage: f32 [T, n_taps·H] in host memory.
+class CpuTargetFeatures final : public TargetFeatures {
+ public:
+  CpuTargetFeatures(const CpuTargetStage* source, uint64_t batch, Tensor taps)
+      : source_(source), batch_(batch), taps_(std::move(taps)) {}
+  const CpuTargetStage* source() const { return source_; }
+  uint64_t batch() const { return batch_; }  ///< DrafterBatch::fingerprint of their batch
+  const Tensor& taps() const { return taps_; }
+
+ private:
+  const CpuTargetStage* source_;
+  uint64_t batch_;
+  Tensor taps_;
+};
+
+class CpuTargetStage final : public TargetStage {
+ public:
+  CpuTargetStage(const TargetModel& target, std::vector<int> taps)
+      : target_(target), taps_(std::move(taps)) {}
+
+  std::unique_ptr<TargetFeatures> forward_taps(const DrafterBatch& batch) override {
+    const int64_t F = static_cast<int64_t>(taps_.size()) * target_.hidden_size();
+    Tensor taps = batch.T() > 0 ? target_.forward_taps(batch.tokens, batch.doc_offsets, taps_)
+                                : Tensor::empty({0, F}, DType::f32);
+    return std::make_unique<CpuTargetFeatures>(this, batch.fingerprint(), std::move(taps));
+  }
+
+ private:
+  const TargetModel& target_;
+  std::vector<int> taps_;
+};
+
+class CpuDrafterStage final : public DrafterStage {
+ public:
+  CpuDrafterStage(const TrainBackendOptions& opts, const TargetModel& target,
+                  const DrafterConfig& cfg, const DrafterLayout& layout,
+                  const CpuTargetStage* partner)
+      : cfg_(cfg),
+        layout_(layout),
+        adam_(opts.adam),
+        clip_grad_norm_(opts.clip_grad_norm),
+        partner_(partner),
+        embed_(target.embedding_f32()),
+        head_(target.config().tie_word_embeddings ? std::vector<float>() : target.lm_head_f32()) {
+    const auto n = static_cast<size_t>(layout.total);
+    state_.params.assign(n, 0.0f);
+    state_.adam_m.assign(n, 0.0f);
+    state_.adam_v.assign(n, 0.0f);
+    grads_.assign(n, 0.0f);
+    tables_ = {embed_.data(), head_.empty() ? embed_.data() : head_.data()};
+  }
+
+  void step(const DrafterBatch& batch, const TargetFeatures& features) override {
+    DFLASH_CHECK(!queue_.waiting_for_update(),
+                 "cpu drafter stage: step() called twice without update() in between");
+    DFLASH_CHECK(batch.block_size == cfg_.block_size,
+                 "cpu drafter stage: a batch of block size {} for a drafter of block size {}",
+                 batch.block_size, cfg_.block_size);
+    const auto* f = dynamic_cast<const CpuTargetFeatures*>(&features);
+    DFLASH_CHECK(f != nullptr && f->source() == partner_,
+                 "cpu drafter stage: the features come from another backend's target stage");
+    DFLASH_CHECK(f->batch() == batch.fingerprint(),
+                 "cpu drafter stage: the features were computed for another batch");
+    const int64_t F = cfg_.n_taps() * cfg_.hidden_size;
+    DFLASH_CHECK(
+        f->taps().dtype() == DType::f32 && f->taps().dim(0) == batch.T() && f->taps().dim(1) == F,
+        "cpu drafter stage: features {} for a batch of {} tokens and {} tap columns",
+        shape_str(f->taps().shape()), batch.T(), F);
+    DrafterStepResult r;
+    r.metrics = ObjectiveMetrics(cfg_.block_size);
+    if (!(batch.weight_sum > 0)) {
+      r.skip = StepSkip::no_supervised_slot;
+      queue_.stepped(std::move(r));
+      return;
+    }
+    std::fill(grads_.begin(), grads_.end(), 0.0f);
+    const DrafterTrainResult out =
+        drafter_train_step<float>(cfg_, layout_, state_.params.data(), grads_.data(), tables_,
+                                  batch, f->taps().data<float>(), 1.0 / batch.weight_sum, ws_);
+    accumulate_metrics(r.metrics, batch.targets, out.argmax, {});
+    r.metrics.loss_weighted_sum = out.loss_sum;
+    r.metrics.weight_sum = out.weight_sum;
+    r.grad_norm = std::sqrt(sum_squares_cpu(grads_.data(), layout_.total));
+    queue_.stepped(std::move(r));
+  }
+
+  void update(double lr) override {
+    DrafterStepResult r = queue_.take_stepped();
+    if (step_decide_update(r, clip_grad_norm_)) {
+      state_.updates += 1;
+      adamw_step_cpu(state_.params.data(), state_.adam_m.data(), state_.adam_v.data(),
+                     grads_.data(), layout_.total, adam_, lr, state_.updates, r.clip);
+    }
+    queue_.finish(std::move(r));
+  }
+
+  DrafterStepResult result() override { return queue_.pop(); }
+
+  void save_state(DrafterState& out) override {
+    DFLASH_CHECK(!queue_.waiting_for_update(),
+                 "cpu drafter stage: save_state() between step() and update()");
+    out = state_;
+  }
+
+  void load_state(const DrafterState& in) override {
+    DFLASH_CHECK(!queue_.waiting_for_update(),
+                 "cpu drafter stage: load_state() between step() and update()");
+    drafter_state_check(in, layout_.total);
+    state_ = in;
+  }
+
+ private:
+  DrafterConfig cfg_;
+  DrafterLayout layout_;
+  AdamWConfig adam_;
+  double clip_grad_norm_;
+  const CpuTargetStage* partner_;
+  std::vector<float> embed_, head_;  // f32 copies of the frozen tables (head_ empty when tied)
+  DrafterTables<float> tables_;
+  DrafterState state_;
+  std::vector<float> grads_;
+  DrafterWorkspace<float> ws_;
+  StepQueue queue_;
+};
+
+}  // namespace
+
+TrainBackend cpu_train_backend_create(const TrainBackendOptions& opts, const TargetModel& target,
+                                      const DrafterConfig& cfg, const DrafterLayout& layout) {
+  cfg.validate();
+  DFLASH_CHECK(cfg.hidden_size == target.hidden_size() && cfg.vocab_size == target.vocab_size(),
+               "cpu backend: a drafter of hidden size {} and vocabulary {} for a target of {} and "
+               "{}",
+               cfg.hidden_size, cfg.vocab_size, target.hidden_size(), target.vocab_size());
+  auto target_stage = std::make_shared<CpuTargetStage>(target, cfg.target_layer_ids);
+  TrainBackend b;
+  b.drafter = std::make_shared<CpuDrafterStage>(opts, target, cfg, layout, target_stage.get());
+  b.target = std::move(target_stage);
+  b.description = fmt::format("cpu, {} threads", parallel_threads());
+  return b;
+}
+
+}  // namespace dflash

@@ -1,0 +1,101 @@
+// dflash.cpp — what a training run reports: log.txt, metrics.jsonl (one record per log interval),
+// status.json (what `dflash status` reads), and the interval accumulators behind them.
+//
+// Invariants: every line of log.txt is also logged through spdlog and flushed at once; status.json
+// is rewritten atomically from one TrainStatus, whose unknown fields are left out (never written
+// as 0); a metrics record covers the steps since the previous record (the accumulator is saved in
+// checkpoints, so an interval cut by a resume continues where it stopped); skipped steps add to
+// the step, token and time counters but not to the loss, accuracy, τ or gradient-norm sums.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+
+#include "train/objective.hpp"
+#include "train/run_dir.hpp"
+#include "train/train_backend.hpp"
+
+namespace dflash {
+
+/// Host seconds of one step's stages as the trainer measured them.
+struct StepTimes {
+  double data = 0;     ///< next batch and its DrafterBatch (anchors, targets)
+  double target = 0;   ///< target stage (its device time when the backend measured it)
+  double drafter = 0;  ///< drafter stage: step, update and result
+  double total = 0;    ///< the whole step
+};
+
+/// Accumulated figures of one log interval (saved in checkpoints as JSON).
+struct IntervalMetrics {
+  ObjectiveMetrics obj;                ///< merged over the interval's applied (not skipped) steps
+  double grad_norm_sum = 0;            ///< Σ gradient norm over the applied steps
+  int64_t steps = 0;                   ///< steps of the interval, skipped ones included
+  int64_t tokens = 0, supervised = 0;  ///< context tokens and loss-mask tokens
+  double t_data = 0, t_target = 0, t_drafter = 0, t_total = 0;  ///< Σ StepTimes
+  double t_gpu_drafter = 0;    ///< Σ device time of the drafter step (0: never measured)
+  double t_gpu_optimizer = 0;  ///< Σ device time of the optimizer update (0: never measured)
+  double t_host_wait = 0;      ///< Σ host time blocked on the device (0: never measured)
+
+  explicit IntervalMetrics(int K = 0) : obj(K) {}
+  /// Adds one step: its result (merged into obj and grad_norm_sum unless skipped), its batch's
+  /// token counts and its times.
+  void add_step(const DrafterStepResult& r, int64_t step_tokens, int64_t step_supervised,
+                const StepTimes& t);
+  nlohmann::json to_json() const;
+  /// Throws dflash::Error naming the missing or mistyped key.
+  static IntervalMetrics from_json(const nlohmann::json& j);
+};
+
+/// The metrics.jsonl record of a finished interval: step, epoch, lr, loss, accuracy, per-slot
+/// accuracy (slots 1..K−1; 0 for a slot never supervised), τ, mean grad norm, skipped steps so far,
+/// tokens/s, supervised tokens/s, seconds per step (total, data, target, drafter, and when the
+/// backend measured them: the drafter's and the optimizer's device time, s_device = target +
+/// drafter + optimizer device time, and s_host_wait, the host's time blocked on the device),
+/// resident memory.
+nlohmann::json interval_record(const IntervalMetrics& iv, int64_t step, int64_t epoch, double lr,
+                               int64_t skipped_total);
+
+/// What status.json holds; fields that are not known are left out of the file.
+struct TrainStatus {
+  std::string phase;            ///< loading, tokenizing, training, checkpointing, done, ...
+  std::optional<int64_t> step;  ///< optimizer steps done
+  std::optional<int64_t> total_steps;
+  std::optional<double> eta_s;
+  nlohmann::json last;             ///< the last metrics record (null: none yet)
+  std::string checkpoint;          ///< the newest complete checkpoint ("" none)
+  std::string error;               ///< failure message ("" none)
+  nlohmann::json to_json() const;  ///< adds "pid"
+};
+
+/// The reporting side of one run: log.txt, metrics.jsonl and status.json of a RunDir.
+class TrainReport {
+ public:
+  /// Opens `rd`'s log.txt for appending and writes status {phase: "loading"}. `rd` must outlive
+  /// the report.
+  explicit TrainReport(RunDir& rd);
+  /// Logs `msg` (spdlog info) and appends it to log.txt.
+  void log(const std::string& msg);
+  /// Appends "error: msg" to log.txt only (the CLI prints the error itself).
+  void log_error(const std::string& msg);
+  /// The status; change it, then write_status().
+  TrainStatus& status() { return status_; }
+  /// Rewrites status.json from status().
+  void write_status();
+  /// A finished interval: appends `record` to metrics.jsonl, logs its line and sets the status to
+  /// training at record["step"] of `total_steps` with `eta_s`.
+  void interval(const nlohmann::json& record, int64_t total_steps, double eta_s);
+
+ private:
+  RunDir& rd_;
+  std::ofstream log_;
+  TrainStatus status_;
+};
+
+/// Resident set size of this process in bytes (Linux /proc/self/statm); 0 when unreadable.
+int64_t rss_bytes();
+
+}  // namespace dflash
