@@ -3,9 +3,9 @@
 // optimizer device time, s_host_wait), a backend that does not measure them leaves the keys out
 // (never 0), and the accumulator round-trips through JSON, also from checkpoints written before
 // these fields existed.
-#include <gtest/gtest.h>
-
 #include "train/train_report.hpp"
+
+#include <gtest/gtest.h>
 
 using namespace dflash;
 

@@ -167,8 +167,8 @@ void DrafterCuda::upload_state(std::span<const float> params, std::span<const fl
 void DrafterCuda::download_state(std::span<float> params, std::span<float> m, std::span<float> v) {
   const auto P = static_cast<size_t>(layout_.total);
   DFLASH_CHECK(params.size() == P && m.size() == P && v.size() == P,
-               "DrafterCuda::download_state: {} / {} / {} values for {} parameters",
-               params.size(), m.size(), v.size(), P);
+               "DrafterCuda::download_state: {} / {} / {} values for {} parameters", params.size(),
+               m.size(), v.size(), P);
   DFLASH_CUDA_CHECK(
       cudaMemcpyAsync(params.data(), params_, P * kF, cudaMemcpyDeviceToHost, ctx_.stream()));
   DFLASH_CUDA_CHECK(cudaMemcpyAsync(m.data(), m_, P * kF, cudaMemcpyDeviceToHost, ctx_.stream()));
@@ -300,7 +300,8 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
     rmsnorm_fwd_cuda(ctx_, hn2_, nullf, a.h_mid, pf(L.post_attention_layernorm), NK, H, eps);
     // gate and up are adjacent in the layout: one [2I, H] linear.
     linear_bwd_cuda(ctx_, dhn2_, gf(L.gate_proj), d_gu_, hn2_, wb(L.gate_proj), NK, H, 2 * I);
-    rmsnorm_bwd_cuda(ctx_, dtmp_, gf(L.post_attention_layernorm), dhn2_, a.h_mid, pf(L.post_attention_layernorm), NK, H, eps);
+    rmsnorm_bwd_cuda(ctx_, dtmp_, gf(L.post_attention_layernorm), dhn2_, a.h_mid,
+                     pf(L.post_attention_layernorm), NK, H, eps);
     residual_accumulate_cuda(ctx_, dh_, dtmp_, NK * H);  // dh = d(h_mid)
     // Attention: h_mid = x_in + o_proj(o).
     cast_cuda(ctx_, dh_bf_, dh_, NK * H);
@@ -325,7 +326,8 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
     mm_dw(ctx_, gf(L.v_proj), dv_, kvin, TK, KD, H);
     mm_dw(ctx_, gf(L.q_proj), dq_raw_, hn, NK, QD, H);
     // input_layernorm of the block rows; ctx rows enter every layer unnormed.
-    rmsnorm_bwd_cuda(ctx_, dtmp_, gf(L.input_layernorm), dx_ + T * H, x_in, pf(L.input_layernorm), NK, H, eps);
+    rmsnorm_bwd_cuda(ctx_, dtmp_, gf(L.input_layernorm), dx_ + T * H, x_in, pf(L.input_layernorm),
+                     NK, H, eps);
     residual_accumulate_cuda(ctx_, dh_, dtmp_, NK * H);  // dh = d(x_in)
     if (l == c.num_layers - 1) {
       DFLASH_CUDA_CHECK(cudaMemcpyAsync(dctx_, dx_, static_cast<size_t>(T * H) * kF,

@@ -96,8 +96,8 @@ uint64_t used_device_memory() {
 struct CudaTrainBackend::Inputs {
   Staged tokens, target_ranges, pos, block_tokens, block_ranges, labels, weights;
   cudaEvent_t start = nullptr, after_target = nullptr, end = nullptr;
-  cudaEvent_t opt_start = nullptr, opt_end = nullptr;  // around the AdamW update
-  cuda::GraphCache<int64_t> target_graphs;                        // by T
+  cudaEvent_t opt_start = nullptr, opt_end = nullptr;            // around the AdamW update
+  cuda::GraphCache<int64_t> target_graphs;                       // by T
   cuda::GraphCache<std::pair<int64_t, int64_t>> drafter_graphs;  // by (T, NK)
 };
 
@@ -283,16 +283,14 @@ void CudaTrainBackend::step(const DrafterBatch& b, const TargetFeatures& feature
   const int64_t T = staged_T_, NK = staged_NK_;
   cudaStream_t s = ctx_->stream();
   if (use_graphs_) {
-    in_->drafter_graphs.run(std::pair<int64_t, int64_t>(T, NK), s,
-                            [&] { enqueue_drafter(T, NK); });
+    in_->drafter_graphs.run(std::pair<int64_t, int64_t>(T, NK), s, [&] { enqueue_drafter(T, NK); });
   } else {
     enqueue_drafter(T, NK);
   }
   DFLASH_CUDA_CHECK(cudaEventRecord(in_->end, s));
   const auto wait0 = std::chrono::steady_clock::now();
   const DrafterCuda::Results res = drafter_->fetch_results(NK);  // waits for the device
-  r.host_wait_s =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - wait0).count();
+  r.host_wait_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - wait0).count();
   pending_scale_ = 1.0 / b.weight_sum;
   const size_t real_rows = static_cast<size_t>(b.N()) * static_cast<size_t>(cfg_.block_size);
   accumulate_metrics(r.metrics, b.targets, std::span<const int32_t>(res.argmax.data(), real_rows),
@@ -372,10 +370,9 @@ TrainBackend cuda_train_backend_create(const TrainBackendOptions& opts, const Ta
                                        const DrafterConfig& cfg, const DrafterLayout& layout) {
   cuda_train_backend_check(opts);
 #ifdef DFLASH_HAVE_CUDA
-  const TrainMemoryPlan plan =
-      plan_train_memory(target.config(), cfg, layout,
-                        TrainStepCapacity{opts.max_context_tokens, opts.max_blocks},
-                        opts.device_memory_gib);
+  const TrainMemoryPlan plan = plan_train_memory(
+      target.config(), cfg, layout, TrainStepCapacity{opts.max_context_tokens, opts.max_blocks},
+      opts.device_memory_gib);
   DFLASH_CHECK(plan.fits(),
                "the training step does not fit the device: it needs {} and "
                "runtime.device_memory_gib allows {} (dflash train --plan names the largest token "

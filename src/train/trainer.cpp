@@ -332,8 +332,8 @@ DrafterConfig drafter_config_for_run(const RunConfig& cfg, const ModelConfig& ta
   sizes.block_size = cfg.training.block_size;
   std::optional<std::vector<int>> taps;
   if (!cfg.model.target_layer_ids.empty()) taps = cfg.model.target_layer_ids;
-  return drafter_config_for_target(target, cfg.model.drafter_layers, sizes,
-                                   cfg.model.mask_token_id, taps, tok);
+  return drafter_config_for_target(target, cfg.model.drafter_layers, sizes, cfg.model.mask_token_id,
+                                   taps, tok);
 }
 
 std::string print_train_memory_plan(const RunConfig& cfg) {
