@@ -36,102 +36,12 @@ namespace dflash {
 
 namespace {
 
-double median(std::vector<double> v) {
-  if (v.empty()) return NAN;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 // "-" for what was not measured.
 std::string num(double v, const char* f = "{:.1f}") {
   return std::isnan(v) ? std::string("-") : fmt::format(fmt::runtime(f), v);
 }
 nlohmann::json jnum(double v) {
   return std::isnan(v) ? nlohmann::json() : nlohmann::json(v);
-}
-
-// The host side of one step: the rows' tokens are fixed, anchors are drawn afresh each step.
-struct HostBatch {
-  std::vector<std::vector<int32_t>> tokens, offsets;
-  std::vector<std::vector<uint8_t>> mask;
-  std::vector<std::vector<Anchor>> anchors;
-  std::vector<BlockTargets> targets;
-};
-
-HostBatch make_rows(const BenchSetup& s, const BenchOptions& o) {
-  HostBatch b;
-  Rng rng(derive_seed(o.seed, {0x62656e6368ull /* "bench" */}));
-  for (int64_t r = 0; r < o.rows; ++r) {
-    std::vector<int32_t> t, off{0};
-    for (int64_t d = 0; d < s.docs_per_row; ++d) {
-      for (int64_t i = 0; i < o.doc_length; ++i) {
-        t.push_back(static_cast<int32_t>(rng.below(static_cast<uint64_t>(s.target.vocab_size))));
-      }
-      off.push_back(static_cast<int32_t>(t.size()));
-    }
-    b.mask.emplace_back(t.size(), uint8_t{1});
-    b.tokens.push_back(std::move(t));
-    b.offsets.push_back(std::move(off));
-  }
-  b.anchors.resize(b.tokens.size());
-  b.targets.resize(b.tokens.size());
-  return b;
-}
-
-// One step staged as CudaTrainBackend stages it (drafter_batch_stage into the step's fixed shape).
-struct StagedStep {
-  int64_t T = 0, NK = 0, N = 0;
-  double weight_sum = 0;
-  std::vector<int32_t> tokens, pos, block_tokens, labels;
-  std::vector<AttnRange> context_ranges, block_ranges;
-  std::vector<float> weights;
-};
-
-// Samples anchors for step `step`, builds its DrafterBatch and stages it (what the trainer and the
-// backend do per step).
-StagedStep stage_bench_step(HostBatch& b, const BenchSetup& s, const BenchOptions& o,
-                            int64_t step) {
-  DrafterBatch d(o.block_size);
-  for (size_t r = 0; r < b.tokens.size(); ++r) {
-    Rng rng(derive_seed(o.seed, {static_cast<uint64_t>(step), static_cast<uint64_t>(r)}));
-    b.anchors[r] = sample_anchors(b.mask[r], b.offsets[r], o.anchors, rng);
-    b.targets[r] =
-        block_targets(b.tokens[r], b.mask[r], b.offsets[r], b.anchors[r], o.block_size, 7.0);
-    d.append_row(b.tokens[r], b.offsets[r], b.anchors[r], b.targets[r]);
-  }
-  d.row_length = o.token_budget;
-  StagedStep st;
-  st.T = d.rows * d.row_length;
-  st.N = d.N();
-  st.NK = padded_block_rows(d.N(), o.block_size);
-  st.weight_sum = d.weight_sum;
-  const auto T = static_cast<size_t>(st.T), NK = static_cast<size_t>(st.NK);
-  st.tokens.resize(T);
-  st.context_ranges.resize(T);
-  st.pos.resize(T + NK);
-  st.block_tokens.resize(NK);
-  st.block_ranges.resize(NK);
-  st.labels.resize(NK);
-  st.weights.resize(NK);
-  drafter_batch_stage(d, s.drafter.mask_token_id, 0,
-                      {st.tokens, st.context_ranges, st.pos, st.block_tokens, st.block_ranges,
-                       st.labels, st.weights});
-  return st;
-}
-
-// Keys the real block rows see (context prefix + own block) and the causal keys of real tokens.
-double drafter_visible_keys(const StagedStep& p, int K) {
-  double n = 0;
-  for (int64_t q = 0; q < p.N * K; ++q) {
-    const AttnRange& r = p.block_ranges[static_cast<size_t>(q)];
-    n += (r.hi1 - r.lo1) + (r.hi2 - r.lo2);
-  }
-  return n;
-}
-double causal_visible_keys(const BenchSetup& s, const BenchOptions& o) {
-  const double L = static_cast<double>(o.doc_length);
-  return static_cast<double>(o.rows * s.docs_per_row) * L * (L + 1) / 2;
 }
 
 }  // namespace
@@ -284,6 +194,96 @@ BenchReport run_bench(const BenchOptions&) {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+double median(std::vector<double> v) {
+  if (v.empty()) return NAN;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// The host side of one step: the rows' tokens are fixed, anchors are drawn afresh each step.
+struct HostBatch {
+  std::vector<std::vector<int32_t>> tokens, offsets;
+  std::vector<std::vector<uint8_t>> mask;
+  std::vector<std::vector<Anchor>> anchors;
+  std::vector<BlockTargets> targets;
+};
+
+HostBatch make_rows(const BenchSetup& s, const BenchOptions& o) {
+  HostBatch b;
+  Rng rng(derive_seed(o.seed, {0x62656e6368ull /* "bench" */}));
+  for (int64_t r = 0; r < o.rows; ++r) {
+    std::vector<int32_t> t, off{0};
+    for (int64_t d = 0; d < s.docs_per_row; ++d) {
+      for (int64_t i = 0; i < o.doc_length; ++i) {
+        t.push_back(static_cast<int32_t>(rng.below(static_cast<uint64_t>(s.target.vocab_size))));
+      }
+      off.push_back(static_cast<int32_t>(t.size()));
+    }
+    b.mask.emplace_back(t.size(), uint8_t{1});
+    b.tokens.push_back(std::move(t));
+    b.offsets.push_back(std::move(off));
+  }
+  b.anchors.resize(b.tokens.size());
+  b.targets.resize(b.tokens.size());
+  return b;
+}
+
+// One step staged as CudaTrainBackend stages it (drafter_batch_stage into the step's fixed shape).
+struct StagedStep {
+  int64_t T = 0, NK = 0, N = 0;
+  double weight_sum = 0;
+  std::vector<int32_t> tokens, pos, block_tokens, labels;
+  std::vector<AttnRange> context_ranges, block_ranges;
+  std::vector<float> weights;
+};
+
+// Samples anchors for step `step`, builds its DrafterBatch and stages it (what the trainer and the
+// backend do per step).
+StagedStep stage_bench_step(HostBatch& b, const BenchSetup& s, const BenchOptions& o,
+                            int64_t step) {
+  DrafterBatch d(o.block_size);
+  for (size_t r = 0; r < b.tokens.size(); ++r) {
+    Rng rng(derive_seed(o.seed, {static_cast<uint64_t>(step), static_cast<uint64_t>(r)}));
+    b.anchors[r] = sample_anchors(b.mask[r], b.offsets[r], o.anchors, rng);
+    b.targets[r] =
+        block_targets(b.tokens[r], b.mask[r], b.offsets[r], b.anchors[r], o.block_size, 7.0);
+    d.append_row(b.tokens[r], b.offsets[r], b.anchors[r], b.targets[r]);
+  }
+  d.row_length = o.token_budget;
+  StagedStep st;
+  st.T = d.rows * d.row_length;
+  st.N = d.N();
+  st.NK = padded_block_rows(d.N(), o.block_size);
+  st.weight_sum = d.weight_sum;
+  const auto T = static_cast<size_t>(st.T), NK = static_cast<size_t>(st.NK);
+  st.tokens.resize(T);
+  st.context_ranges.resize(T);
+  st.pos.resize(T + NK);
+  st.block_tokens.resize(NK);
+  st.block_ranges.resize(NK);
+  st.labels.resize(NK);
+  st.weights.resize(NK);
+  drafter_batch_stage(d, s.drafter.mask_token_id, 0,
+                      {st.tokens, st.context_ranges, st.pos, st.block_tokens, st.block_ranges,
+                       st.labels, st.weights});
+  return st;
+}
+
+// Keys the real block rows see (context prefix + own block) and the causal keys of real tokens.
+double drafter_visible_keys(const StagedStep& p, int K) {
+  double n = 0;
+  for (int64_t q = 0; q < p.N * K; ++q) {
+    const AttnRange& r = p.block_ranges[static_cast<size_t>(q)];
+    n += (r.hi1 - r.lo1) + (r.hi2 - r.lo2);
+  }
+  return n;
+}
+double causal_visible_keys(const BenchSetup& s, const BenchOptions& o) {
+  const double L = static_cast<double>(o.doc_length);
+  return static_cast<double>(o.rows * s.docs_per_row) * L * (L + 1) / 2;
+}
 
 uint64_t used_device_memory() {
   size_t free = 0, total = 0;
