@@ -31,6 +31,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/arena_plan.hpp"
+
 namespace dflash {
 
 /// Keys visible to one query row: [lo1, hi1) ∪ [lo2, hi2), indices into the K/V array.
@@ -84,6 +86,16 @@ void attention_bwd_cpu(double* dq, double* dk, double* dv, const double* dout, c
                        const double* k, const double* v, const double* o, const double* lse,
                        const AttnRange* ranges, const AttnParams& p);
 
+/// Key-tile width of the CUDA attention kernels.
+inline constexpr int kAttnCudaKeyTile = 32;
+/// Device scratch attention_bwd_cuda takes from its context, in bytes: Δ [NH, Tq] f32 and the
+/// query span of each key tile (2 int32 per tile of kAttnCudaKeyTile keys, at least one tile);
+/// each block rounded to kArenaAlign.
+constexpr uint64_t attention_bwd_cuda_scratch_bytes(const AttnParams& p) {
+  const int64_t tiles = (p.Tk + kAttnCudaKeyTile - 1) / kAttnCudaKeyTile;
+  return arena_round(static_cast<uint64_t>(p.NH * p.Tq) * 4) +
+         arena_round(static_cast<uint64_t>(tiles < 1 ? 1 : tiles) * 2 * 4);
+}
 
 #ifdef DFLASH_HAVE_CUDA
 namespace cuda {
@@ -103,7 +115,7 @@ void attention_fwd_cuda(cuda::CudaContext& ctx, uint16_t* o, float* lse, const u
                         const AttnParams& p);
 /// CUDA backward: dq [Tq,NH,D], dk, dv [Tk,NKV,D] bf16, OVERWRITTEN (each may be null); needs the
 /// forward's o and lse. No atomics: dq per query block, dk/dv per key block, fixed summation
-/// order, bit-reproducible. Scratch Δ [NH,Tq] f32 from ctx's caching allocator.
+/// order, bit-reproducible. Scratch (attention_bwd_cuda_scratch_bytes) from ctx.scratch().
 void attention_bwd_cuda(cuda::CudaContext& ctx, uint16_t* dq, uint16_t* dk, uint16_t* dv,
                         const uint16_t* dout, const uint16_t* q, const uint16_t* k,
                         const uint16_t* v, const uint16_t* o, const float* lse,
