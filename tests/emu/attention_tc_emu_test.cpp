@@ -40,10 +40,11 @@ bool guard_intact(const std::vector<uint16_t>& v, size_t n) {
   return true;
 }
 
-template <int D>
-void run_emulated(const AttnCase& c, uint32_t seed) {
+// The forward with IPW items per warp (both variants are compiled for the GPU), then the backward.
+template <int D, int IPW>
+void run_emulated_ipw(const AttnCase& c, uint32_t seed) {
   SCOPED_TRACE(::testing::Message() << "Tq=" << c.Tq << " Tk=" << c.Tk << " NH=" << c.NH
-                                    << " NKV=" << c.NKV << " D=" << D);
+                                    << " NKV=" << c.NKV << " D=" << D << " items/warp=" << IPW);
   const AttnParams p{c.Tq, c.Tk, c.NH, c.NKV, D, 1.0 / std::sqrt(static_cast<double>(D))};
   const size_t nq = static_cast<size_t>(c.Tq * c.NH * D),
                nk = static_cast<size_t>(c.Tk * c.NKV * D);
@@ -61,9 +62,9 @@ void run_emulated(const AttnCase& c, uint32_t seed) {
 
   Args a = make_args(p, c.ranges.data());
   a.q = q.data(), a.k = k.data(), a.v = v.data(), a.out = o.data(), a.lse_out = lse.data();
-  const emu::Dim3 query_grid{static_cast<unsigned>(query_ctas(a)), static_cast<unsigned>(c.NKV), 1};
-  emu::launch(query_grid, {kThreads, 1, 1}, query_cta_smem<D>(1),
-              [&] { attn_tc_fwd_kernel<D>(a); });
+  const unsigned nkv = static_cast<unsigned>(c.NKV);
+  emu::launch({static_cast<unsigned>(query_ctas(a, IPW)), nkv, 1}, {kThreads, 1, 1},
+              query_cta_smem<D, IPW>(1), [&] { attn_tc_fwd_kernel<D, IPW>(a); });
 
   const auto qf = widen(q, nq), kf = widen(k, nk), vf = widen(v, nk), dof = widen(dout, nq);
   std::vector<float> o_ref(nq), lse_ref(lse.size());
@@ -93,7 +94,8 @@ void run_emulated(const AttnCase& c, uint32_t seed) {
   const int64_t rows = c.Tq * c.NH;
   emu::launch({static_cast<unsigned>((rows * 8 + 255) / 256), 1, 1}, {256, 1, 1}, 0,
               [&] { attn_tc_delta_kernel<D>(delta.data(), a.dout, a.o, a.Tq, a.NH); });
-  emu::launch(query_grid, {kThreads, 1, 1}, query_cta_smem<D>(2), [&] { attn_tc_dq_kernel<D>(a); });
+  emu::launch({static_cast<unsigned>(query_ctas(a, 1)), nkv, 1}, {kThreads, 1, 1},
+              query_cta_smem<D, 1>(2), [&] { attn_tc_dq_kernel<D>(a); });
   const int n_tiles = key_tiles(a);
   emu::launch({1, 1, 1}, {256, 1, 1}, 0, [&] { attn_tc_span_init_kernel(span.data(), n_tiles); });
   emu::launch({1, 1, 1}, {256, 1, 1}, 0,
@@ -104,6 +106,12 @@ void run_emulated(const AttnCase& c, uint32_t seed) {
   EXPECT_LT(rel_error(widen(dk, nk), dk_ref), tol::kAttnBf16);
   EXPECT_LT(rel_error(widen(dv, nk), dv_ref), tol::kAttnBf16);
   EXPECT_TRUE(guard_intact(dq, nq) && guard_intact(dk, nk) && guard_intact(dv, nk));
+}
+
+template <int D>
+void run_emulated(const AttnCase& c, uint32_t seed) {
+  run_emulated_ipw<D, 1>(c, seed);
+  run_emulated_ipw<D, 2>(c, seed);
 }
 
 }  // namespace

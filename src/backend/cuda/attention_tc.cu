@@ -9,8 +9,12 @@ namespace {
 
 using namespace attn_tc;
 
-dim3 query_grid(const Args& a) {
-  return dim3(static_cast<unsigned>(query_ctas(a)), static_cast<unsigned>(a.NKV));
+// Items per warp of the forward kernel (attention_tc.cuh: 2 halves the shared-memory reads and
+// the K/V traffic per query row).
+constexpr int kFwdItemsPerWarp = 2;
+
+dim3 query_grid(const Args& a, int ipw) {
+  return dim3(static_cast<unsigned>(query_ctas(a, ipw)), static_cast<unsigned>(a.NKV));
 }
 
 template <typename Kernel>
@@ -25,7 +29,8 @@ void launch_kernel(Kernel kernel, dim3 grid, int smem, const Args& a, cudaStream
 
 template <int D>
 void fwd_d(const Args& a, cudaStream_t s) {
-  launch_kernel(attn_tc_fwd_kernel<D>, query_grid(a), query_cta_smem<D>(1), a, s);
+  launch_kernel(attn_tc_fwd_kernel<D, kFwdItemsPerWarp>, query_grid(a, kFwdItemsPerWarp),
+                query_cta_smem<D, kFwdItemsPerWarp>(1), a, s);
 }
 
 template <int D>
@@ -33,7 +38,7 @@ void bwd_d(const Args& a, float* delta, int* span, cudaStream_t s) {
   const int64_t rows = static_cast<int64_t>(a.Tq) * a.NH;
   attn_tc_delta_kernel<D><<<grid_for(rows * 8, 256), 256, 0, s>>>(delta, a.dout, a.o, a.Tq, a.NH);
   DFLASH_CUDA_LAUNCH_CHECK();
-  if (a.dq) launch_kernel(attn_tc_dq_kernel<D>, query_grid(a), query_cta_smem<D>(2), a, s);
+  if (a.dq) launch_kernel(attn_tc_dq_kernel<D>, query_grid(a, 1), query_cta_smem<D, 1>(2), a, s);
   if ((a.dk || a.dv) && a.Tk > 0) {
     const int n_tiles = key_tiles(a);
     attn_tc_span_init_kernel<<<grid_for(n_tiles, 256), 256, 0, s>>>(span, n_tiles);

@@ -52,6 +52,7 @@ constexpr int kRows = 16;                 // query rows of one item (one m16 til
 constexpr int kCtaRows = kWarps * kRows;  // item rows of a CTA
 constexpr int kKeys = 64;                 // keys per tile; the dk/dv CTA owns one tile
 constexpr int kNTiles = kKeys / 8;        // n8 score tiles per key tile
+constexpr int kSub = 32;                  // keys per forward score sub-tile
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -114,9 +115,10 @@ inline Args make_args(const AttnParams& p, const AttnRange* ranges) {
   a.scale_log2 = static_cast<float>(p.scale * 1.4426950408889634);
   return a;
 }
-/// CTAs per KV head of the forward and dq kernels (grid: query_ctas × NKV).
-inline int query_ctas(const Args& a) {
-  return (a.n_items + kWarps - 1) / kWarps;
+/// CTAs per KV head of the forward and dq kernels with `ipw` items per warp (grid: query_ctas ×
+/// NKV).
+inline int query_ctas(const Args& a, int ipw) {
+  return (a.n_items + kWarps * ipw - 1) / (kWarps * ipw);
 }
 /// Key tiles of the dk/dv kernel and of the span pre-pass (grid: key_tiles × NKV).
 inline int key_tiles(const Args& a) {
@@ -177,21 +179,23 @@ __device__ TileCursor cta_tiles(const Rng& r, bool mine, int* red) {
 
 // Issues the cp.async copies of keys [kb, kend) of KV head g into the swizzled tiles ks, vs
 // (kKeys rows). Rows past kend, and keys no row of the CTA sees, are zero-filled. `rs` holds the
-// CTA's kCtaRows row ranges.
-template <int D>
+// CTA's R row ranges.
+template <int D, int R>
 __device__ void load_kv_tile(uint16_t* ks, uint16_t* vs, const Args& a, int g, int kb, int kend,
                              const Rng* rs) {
   constexpr int C = D / 8;  // 16-byte chunks per row
   const int lane = threadIdx.x & 31;
   // Common case: one row of the CTA sees the whole tile, so every key of it is needed.
-  const bool covered =
-      __any_sync(0xffffffffu, sees_all(rs[lane], kb, kend) || sees_all(rs[lane + 32], kb, kend));
+  bool one = false;
+#pragma unroll
+  for (int i = 0; i < R / 32; ++i) one = one || sees_all(rs[lane + 32 * i], kb, kend);
+  const bool covered = __any_sync(0xffffffffu, one);
   for (int e = threadIdx.x; e < kKeys * C; e += kThreads) {
     const int j = e / C, c = e % C, key = kb + j;
     bool ok = key < kend;
     if (ok && !covered) {
       ok = false;
-      for (int i = 0; i < kCtaRows && !ok; ++i) ok = sees(rs[i], key);
+      for (int i = 0; i < R && !ok; ++i) ok = sees(rs[i], key);
     }
     const int64_t off = ok ? (static_cast<int64_t>(key) * a.NKV + g) * D + c * 8 : 0;
     cp_async16(reinterpret_cast<char*>(ks) + swz<D>(j, c), a.k + off, ok);
@@ -236,31 +240,40 @@ __device__ __forceinline__ void ldsm_b_kn(uint32_t (&b)[4], const uint16_t* tile
   ldsm_x4_t(b, reinterpret_cast<const char*>(tile) + swz<D>(row, chunk));
 }
 
-// Shared memory of the forward and dq kernels: the CTA's row ranges and its interval reduction
-// (kHead bytes), the item rows (q; dq: q and dout), two stages of K and V tiles.
-constexpr int kHead = kCtaRows * 16 + 128;
-template <int D>
+// Shared memory of the forward and dq kernels (IPW items per warp, R = kCtaRows·IPW rows): the
+// CTA's row ranges and its interval reduction (head_bytes), the item rows (forward: q; dq: q and
+// dout), two stages of K and V tiles.
+template <int IPW>
+constexpr int head_bytes() {
+  return kCtaRows * IPW * 16 + 128;
+}
+template <int D, int IPW>
 constexpr int query_cta_smem(int row_tiles) {
-  return kHead + row_tiles * kCtaRows * D * 2 + 4 * kKeys * D * 2;
+  return head_bytes<IPW>() + row_tiles * kCtaRows * IPW * D * 2 + 4 * kKeys * D * 2;
 }
 
-// The prologue shared by the forward and dq kernels: the CTA's items, row ranges into `rs` (and
-// the caller's row ranges r_lo, r_hi for rows g and g+8 of its warp's tile), the tile cursor.
+// The prologue shared by the forward and dq kernels: the warp's IPW items (CTA items
+// warp·IPW + j), the CTA's row ranges into `rs` (rows of item i of the CTA at 16·i), the tile
+// cursor.
+template <int IPW>
 struct QueryCta {
-  Item it;
+  Item it[IPW];
   int g;
   TileCursor tiles;
 };
-__device__ QueryCta query_cta_begin(const Args& a, Rng* rs, int* red) {
-  QueryCta c;
+template <int IPW>
+__device__ QueryCta<IPW> query_cta_begin(const Args& a, Rng* rs, int* red) {
+  constexpr int R = kCtaRows * IPW;
+  QueryCta<IPW> c;
   c.g = blockIdx.y;
-  const int cta = gridDim.x - 1 - blockIdx.x;  // latest rows (the most keys) first
+  const int first = (gridDim.x - 1 - blockIdx.x) * kWarps * IPW;  // latest rows (most keys) first
   const int warp = threadIdx.x >> 5;
-  c.it = item_at(cta * kWarps + warp, a.n_items, a.rep, c.g);
+#pragma unroll
+  for (int j = 0; j < IPW; ++j) c.it[j] = item_at(first + warp * IPW + j, a.n_items, a.rep, c.g);
   Rng mine = kNoKeys;
-  const bool has_row = threadIdx.x < kCtaRows;
+  const bool has_row = threadIdx.x < R;
   if (has_row) {
-    const Item ri = item_at(cta * kWarps + threadIdx.x / kRows, a.n_items, a.rep, c.g);
+    const Item ri = item_at(first + threadIdx.x / kRows, a.n_items, a.rep, c.g);
     const int t = ri.t0 + threadIdx.x % kRows;
     if (ri.valid && t < a.Tq) mine = clamp_rng(a.ranges[t], a.Tk);
     rs[threadIdx.x] = mine;
@@ -269,48 +282,166 @@ __device__ QueryCta query_cta_begin(const Args& a, Rng* rs, int* red) {
   return c;
 }
 
-// Per-warp facts about one key tile: does any of the warp's 16 rows see a key of it, do all of
-// them see all kKeys keys (then no element needs a mask).
+// Per-warp facts about one key tile over the warp's 16·IPW rows `wrs`: does any row see a key
+// of it, do all of them see all kKeys keys (then no element needs a mask).
 struct TileFacts {
   bool touch, full;
 };
+template <int IPW>
 __device__ __forceinline__ TileFacts tile_facts(const Rng* wrs, int kb, int kend, int lane) {
-  const Rng r = lane < kRows ? wrs[lane] : kNoKeys;
+  constexpr int WR = kRows * IPW;
+  const Rng r = lane < WR ? wrs[lane] : kNoKeys;
   TileFacts f;
-  f.touch = __any_sync(0xffffffffu, lane < kRows && sees_any(r, kb, kend));
-  f.full = kend - kb == kKeys && __all_sync(0xffffffffu, lane >= kRows || sees_all(r, kb, kend));
+  f.touch = __any_sync(0xffffffffu, lane < WR && sees_any(r, kb, kend));
+  f.full = kend - kb == kKeys && __all_sync(0xffffffffu, lane >= WR || sees_all(r, kb, kend));
   return f;
 }
 
 // ---------------------------------------------------------------- forward
 
-template <int D>
+// One forward step over keys [k0, k0 + kSub) (sub-tile h of the stage's K/V tiles kt, vt) for
+// the warp's IPW items: S = Q·Kᵀ (each B fragment feeds every item), the online softmax update of
+// m, l and o in base 2, then O += P·V with P as bf16 A fragments straight from the score
+// registers. Rows gr (e = 0, 1) and gr + 8 (e = 2, 3) of each item; masks only when !full.
+template <int D, int IPW>
+__device__ __forceinline__ void fwd_subtile(float (&o)[IPW][D / 8][4], float (&m)[IPW][2],
+                                            float (&l)[IPW][2], const uint16_t* wq,
+                                            const uint16_t* kt, const uint16_t* vt, const Rng* wrs,
+                                            const uint32_t (&qf)[IPW == 1 ? D / 16 : 1][4],
+                                            float scale_log2, int k0, int kend, int h, bool full,
+                                            int lane) {
+  constexpr int KS = D / 16, DT = D / 8, NT = kSub / 8;
+  const int gr = lane >> 2, tq = lane & 3;
+  float s[IPW][NT][4];
+#pragma unroll
+  for (int j = 0; j < IPW; ++j)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) s[j][nt][0] = s[j][nt][1] = s[j][nt][2] = s[j][nt][3] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+    uint32_t qa[IPW][4];
+#pragma unroll
+    for (int j = 0; j < IPW; ++j) {
+      if constexpr (IPW == 1) {
+        qa[j][0] = qf[ks][0], qa[j][1] = qf[ks][1], qa[j][2] = qf[ks][2], qa[j][3] = qf[ks][3];
+      } else {
+        ldsm_a<D>(qa[j], wq + j * kRows * D, ks, lane);
+      }
+    }
+#pragma unroll
+    for (int p = 0; p < NT / 2; ++p) {
+      uint32_t b[4];
+      ldsm_b_nk<D>(b, kt, h * (NT / 2) + p, ks, lane);
+#pragma unroll
+      for (int j = 0; j < IPW; ++j) {
+        mma_bf16(s[j][2 * p], qa[j], b[0], b[1]);
+        mma_bf16(s[j][2 * p + 1], qa[j], b[2], b[3]);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < IPW; ++j) {
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[j][nt][e] * scale_log2;
+        if (!full) {
+          const int key = k0 + 8 * nt + 2 * tq + (e & 1);
+          if (key >= kend || !sees(wrs[j * kRows + gr + 8 * (e >> 1)], key)) x = -INFINITY;
+        }
+        s[j][nt][e] = x;
+        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      }
+    }
+    float mu[2], alpha[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+      const float mn = fmaxf(m[j][i], mx[i]);
+      mu[i] = mn == -INFINITY ? 0.f : mn;  // a row with nothing visible yet: exp2(-inf) = 0
+      alpha[i] = exp2f(m[j][i] - mu[i]);
+      m[j][i] = mn;
+      l[j][i] *= alpha[i];
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[j][nt][e] = exp2f(s[j][nt][e] - mu[e >> 1]);
+        l[j][e >> 1] += s[j][nt][e];
+      }
+    }
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      o[j][dt][0] *= alpha[0], o[j][dt][1] *= alpha[0];
+      o[j][dt][2] *= alpha[1], o[j][dt][3] *= alpha[1];
+    }
+  }
+#pragma unroll
+  for (int kk = 0; kk < NT / 2; ++kk) {
+    uint32_t pa[IPW][4];
+#pragma unroll
+    for (int j = 0; j < IPW; ++j) {
+      pa[j][0] = pack_bf16(s[j][2 * kk][0], s[j][2 * kk][1]);
+      pa[j][1] = pack_bf16(s[j][2 * kk][2], s[j][2 * kk][3]);
+      pa[j][2] = pack_bf16(s[j][2 * kk + 1][0], s[j][2 * kk + 1][1]);
+      pa[j][3] = pack_bf16(s[j][2 * kk + 1][2], s[j][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int dp = 0; dp < DT / 2; ++dp) {
+      uint32_t b[4];
+      ldsm_b_kn<D>(b, vt, h * (NT / 2) + kk, dp, lane);
+#pragma unroll
+      for (int j = 0; j < IPW; ++j) {
+        mma_bf16(o[j][2 * dp], pa[j], b[0], b[1]);
+        mma_bf16(o[j][2 * dp + 1], pa[j], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// IPW items per warp (1 or 2): with 2, each K/V fragment read from shared memory feeds both
+// items' MMAs and a K/V tile serves 128 rows, at the cost of twice the accumulator registers;
+// with 1, the warp's Q fragments stay in registers.
+template <int D, int IPW>
 __global__ void __launch_bounds__(kThreads) attn_tc_fwd_kernel(const Args a) {
   constexpr int KS = D / 16, DT = D / 8;  // k-steps over D, n8 tiles over D
+  constexpr int R = kCtaRows * IPW, WR = kRows * IPW;
   DFLASH_DYNAMIC_SMEM(smem);
   Rng* rs = reinterpret_cast<Rng*>(smem);
-  int* red = reinterpret_cast<int*>(smem + kCtaRows * 16);
-  uint16_t* qs = reinterpret_cast<uint16_t*>(smem + kHead);
-  uint16_t* kv = qs + kCtaRows * D;  // K stage 0, K stage 1, V stage 0, V stage 1
+  int* red = reinterpret_cast<int*>(smem + R * 16);
+  uint16_t* qs = reinterpret_cast<uint16_t*>(smem + head_bytes<IPW>());
+  uint16_t* kv = qs + R * D;  // K stage 0, K stage 1, V stage 0, V stage 1
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gr = lane >> 2, tq = lane & 3;
-  uint16_t* wq = qs + warp * kRows * D;
+  uint16_t* wq = qs + warp * WR * D;  // item j's 16 rows at wq + 16·j·D
 
-  QueryCta c = query_cta_begin(a, rs, red);
-  load_item_rows<D>(wq, a.q, c.it, a.Tq, a.NH, lane);
+  QueryCta<IPW> c = query_cta_begin<IPW>(a, rs, red);
+#pragma unroll
+  for (int j = 0; j < IPW; ++j)
+    load_item_rows<D>(wq + j * kRows * D, a.q, c.it[j], a.Tq, a.NH, lane);
   if (!c.tiles.done())
-    load_kv_tile<D>(kv, kv + 2 * kKeys * D, a, c.g, c.tiles.kb, c.tiles.kend(), rs);
+    load_kv_tile<D, R>(kv, kv + 2 * kKeys * D, a, c.g, c.tiles.kb, c.tiles.kend(), rs);
   mma::cp_async_commit();
   mma::cp_async_wait<0>();
   __syncthreads();
 
-  uint32_t qf[KS][4];
+  uint32_t qf[IPW == 1 ? KS : 1][4];  // IPW 1: the Q fragments, kept in registers
+  if constexpr (IPW == 1) {
 #pragma unroll
-  for (int ks = 0; ks < KS; ++ks) ldsm_a<D>(qf[ks], wq, ks, lane);
-  const Rng* wrs = rs + warp * kRows;
-  const Rng r_lo = wrs[gr], r_hi = wrs[gr + 8];
-  float o[DT][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    for (int ks = 0; ks < KS; ++ks) ldsm_a<D>(qf[ks], wq, ks, lane);
+  }
+  const Rng* wrs = rs + warp * WR;
+  float o[IPW][DT][4], m[IPW][2], l[IPW][2];
 #pragma unroll
-  for (int dt = 0; dt < DT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+  for (int j = 0; j < IPW; ++j) {
+    m[j][0] = m[j][1] = -INFINITY;
+    l[j][0] = l[j][1] = 0.f;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) o[j][dt][0] = o[j][dt][1] = o[j][dt][2] = o[j][dt][3] = 0.f;
+  }
 
   int stage = 0;
   while (!c.tiles.done()) {
@@ -318,82 +449,21 @@ __global__ void __launch_bounds__(kThreads) attn_tc_fwd_kernel(const Args a) {
     TileCursor nxt = c.tiles;
     nxt.next();
     if (!nxt.done())
-      load_kv_tile<D>(kv + (stage ^ 1) * kKeys * D, kv + (2 + (stage ^ 1)) * kKeys * D, a, c.g,
-                      nxt.kb, nxt.kend(), rs);
+      load_kv_tile<D, R>(kv + (stage ^ 1) * kKeys * D, kv + (2 + (stage ^ 1)) * kKeys * D, a, c.g,
+                         nxt.kb, nxt.kend(), rs);
     mma::cp_async_commit();
     mma::cp_async_wait<1>();
     __syncthreads();
     const uint16_t* kt = kv + stage * kKeys * D;
     const uint16_t* vt = kv + (2 + stage) * kKeys * D;
-    const TileFacts f = tile_facts(wrs, kb, kend, lane);
-    if (c.it.valid && f.touch) {
-      // S = Q·Kᵀ for 16 rows × 64 keys.
-      float s[kNTiles][4];
+    const TileFacts f = tile_facts<IPW>(wrs, kb, kend, lane);
+    if (f.touch) {  // rows of invalid items see nothing
+      // The tile in two halves of kSub keys (fewer score registers); a half past kend is skipped.
 #pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-#pragma unroll
-        for (int p = 0; p < kNTiles / 2; ++p) {
-          uint32_t b[4];
-          ldsm_b_nk<D>(b, kt, p, ks, lane);
-          mma_bf16(s[2 * p], qf[ks], b[0], b[1]);
-          mma_bf16(s[2 * p + 1], qf[ks], b[2], b[3]);
-        }
-      }
-      // Online softmax on rows gr (e = 0, 1) and gr + 8 (e = 2, 3) in base 2.
-      float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = s[nt][e] * a.scale_log2;
-          if (!f.full) {
-            const int key = kb + 8 * nt + 2 * tq + (e & 1);
-            if (key >= kend || !sees(e < 2 ? r_lo : r_hi, key)) x = -INFINITY;
-          }
-          s[nt][e] = x;
-          mx[e >> 1] = fmaxf(mx[e >> 1], x);
-        }
-      }
-      float mu[2], alpha[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-        const float mn = fmaxf(m[i], mx[i]);
-        mu[i] = mn == -INFINITY ? 0.f : mn;  // a row with nothing visible yet: exp2(-inf) = 0
-        alpha[i] = exp2f(m[i] - mu[i]);
-        m[i] = mn;
-        l[i] *= alpha[i];
-      }
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[nt][e] = exp2f(s[nt][e] - mu[e >> 1]);
-          l[e >> 1] += s[nt][e];
-        }
-      }
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt) {
-        o[dt][0] *= alpha[0], o[dt][1] *= alpha[0];
-        o[dt][2] *= alpha[1], o[dt][3] *= alpha[1];
-      }
-      // O += P·V, P as bf16 A fragments straight from the score registers.
-#pragma unroll
-      for (int kk = 0; kk < kNTiles / 2; ++kk) {
-        const uint32_t pa[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]),
-                                pack_bf16(s[2 * kk][2], s[2 * kk][3]),
-                                pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-        for (int dp = 0; dp < DT / 2; ++dp) {
-          uint32_t b[4];
-          ldsm_b_kn<D>(b, vt, kk, dp, lane);
-          mma_bf16(o[2 * dp], pa, b[0], b[1]);
-          mma_bf16(o[2 * dp + 1], pa, b[2], b[3]);
-        }
+      for (int h = 0; h < kKeys / kSub; ++h) {
+        if (h * kSub >= kend - kb) break;  // warp-uniform
+        fwd_subtile<D, IPW>(o, m, l, wq, kt, vt, wrs, qf, a.scale_log2, kb + h * kSub, kend, h,
+                            f.full, lane);
       }
     }
     __syncthreads();  // the stage just read is refilled in the next iteration
@@ -401,26 +471,30 @@ __global__ void __launch_bounds__(kThreads) attn_tc_fwd_kernel(const Args a) {
     c.tiles = nxt;
   }
 
-  if (!c.it.valid) return;
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-  }
+  for (int j = 0; j < IPW; ++j) {
+    if (!c.it[j].valid) continue;  // warp-uniform
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int t = c.it.t0 + gr + 8 * i;
-    if (t >= a.Tq) continue;
-    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-    uint16_t* orow = a.out + (static_cast<int64_t>(t) * a.NH + c.it.h) * D + 2 * tq;
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt) {
-      const uint32_t lo = f32_to_bf16(o[dt][2 * i] * inv), hi = f32_to_bf16(o[dt][2 * i + 1] * inv);
-      *reinterpret_cast<uint32_t*>(orow + 8 * dt) = lo | (hi << 16);
+    for (int i = 0; i < 2; ++i) {
+      l[j][i] += __shfl_xor_sync(0xffffffffu, l[j][i], 1);
+      l[j][i] += __shfl_xor_sync(0xffffffffu, l[j][i], 2);
     }
-    if (a.lse_out && tq == 0)
-      a.lse_out[static_cast<int64_t>(c.it.h) * a.Tq + t] =
-          l[i] > 0.f ? m[i] * kLn2 + logf(l[i]) : -INFINITY;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int t = c.it[j].t0 + gr + 8 * i;
+      if (t >= a.Tq) continue;
+      const float inv = l[j][i] > 0.f ? 1.f / l[j][i] : 0.f;
+      uint16_t* orow = a.out + (static_cast<int64_t>(t) * a.NH + c.it[j].h) * D + 2 * tq;
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt) {
+        const uint32_t lo = f32_to_bf16(o[j][dt][2 * i] * inv);
+        const uint32_t hi = f32_to_bf16(o[j][dt][2 * i + 1] * inv);
+        *reinterpret_cast<uint32_t*>(orow + 8 * dt) = lo | (hi << 16);
+      }
+      if (a.lse_out && tq == 0)
+        a.lse_out[static_cast<int64_t>(c.it[j].h) * a.Tq + t] =
+            l[j][i] > 0.f ? m[j][i] * kLn2 + logf(l[j][i]) : -INFINITY;
+    }
   }
 }
 
@@ -499,18 +573,19 @@ __global__ void __launch_bounds__(kThreads) attn_tc_dq_kernel(const Args a) {
   DFLASH_DYNAMIC_SMEM(smem);
   Rng* rs = reinterpret_cast<Rng*>(smem);
   int* red = reinterpret_cast<int*>(smem + kCtaRows * 16);
-  uint16_t* qs = reinterpret_cast<uint16_t*>(smem + kHead);
+  uint16_t* qs = reinterpret_cast<uint16_t*>(smem + head_bytes<1>());
   uint16_t* dos = qs + kCtaRows * D;
   uint16_t* kv = dos + kCtaRows * D;  // K stage 0, K stage 1, V stage 0, V stage 1
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gr = lane >> 2, tq = lane & 3;
   uint16_t* wq = qs + warp * kRows * D;
   uint16_t* wdo = dos + warp * kRows * D;
 
-  QueryCta c = query_cta_begin(a, rs, red);
-  load_item_rows<D>(wq, a.q, c.it, a.Tq, a.NH, lane);
-  load_item_rows<D>(wdo, a.dout, c.it, a.Tq, a.NH, lane);
+  QueryCta<1> c = query_cta_begin<1>(a, rs, red);
+  const Item it = c.it[0];
+  load_item_rows<D>(wq, a.q, it, a.Tq, a.NH, lane);
+  load_item_rows<D>(wdo, a.dout, it, a.Tq, a.NH, lane);
   if (!c.tiles.done())
-    load_kv_tile<D>(kv, kv + 2 * kKeys * D, a, c.g, c.tiles.kb, c.tiles.kend(), rs);
+    load_kv_tile<D, kCtaRows>(kv, kv + 2 * kKeys * D, a, c.g, c.tiles.kb, c.tiles.kend(), rs);
   mma::cp_async_commit();
 
   const Rng* wrs = rs + warp * kRows;
@@ -519,9 +594,9 @@ __global__ void __launch_bounds__(kThreads) attn_tc_dq_kernel(const Args a) {
   float lse2[2], dl[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int t = c.it.t0 + gr + 8 * i;
-    const bool ok = c.it.valid && t < a.Tq;
-    const int64_t at = static_cast<int64_t>(c.it.h) * a.Tq + t;
+    const int t = it.t0 + gr + 8 * i;
+    const bool ok = it.valid && t < a.Tq;
+    const int64_t at = static_cast<int64_t>(it.h) * a.Tq + t;
     const float lv = ok ? a.lse[at] : -INFINITY;
     lse2[i] = lv == -INFINITY ? INFINITY : lv * kLog2e;
     dl[i] = ok ? a.delta[at] : 0.f;
@@ -536,15 +611,15 @@ __global__ void __launch_bounds__(kThreads) attn_tc_dq_kernel(const Args a) {
     TileCursor nxt = c.tiles;
     nxt.next();
     if (!nxt.done())
-      load_kv_tile<D>(kv + (stage ^ 1) * kKeys * D, kv + (2 + (stage ^ 1)) * kKeys * D, a, c.g,
-                      nxt.kb, nxt.kend(), rs);
+      load_kv_tile<D, kCtaRows>(kv + (stage ^ 1) * kKeys * D, kv + (2 + (stage ^ 1)) * kKeys * D, a,
+                                c.g, nxt.kb, nxt.kend(), rs);
     mma::cp_async_commit();
     mma::cp_async_wait<1>();
     __syncthreads();
     const uint16_t* kt = kv + stage * kKeys * D;
     const uint16_t* vt = kv + (2 + stage) * kKeys * D;
-    const TileFacts f = tile_facts(wrs, kb, kend, lane);
-    if (c.it.valid && f.touch) {
+    const TileFacts f = tile_facts<1>(wrs, kb, kend, lane);
+    if (it.valid && f.touch) {
       // S = Q·Kᵀ and dP = dO·Vᵀ, 16 rows × 64 keys each.
       float s[kNTiles][4], dp[kNTiles][4];
 #pragma unroll
@@ -602,12 +677,12 @@ __global__ void __launch_bounds__(kThreads) attn_tc_dq_kernel(const Args a) {
     c.tiles = nxt;
   }
 
-  if (!c.it.valid) return;
+  if (!it.valid) return;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int t = c.it.t0 + gr + 8 * i;
+    const int t = it.t0 + gr + 8 * i;
     if (t >= a.Tq) continue;
-    uint16_t* row = a.dq + (static_cast<int64_t>(t) * a.NH + c.it.h) * D + 2 * tq;
+    uint16_t* row = a.dq + (static_cast<int64_t>(t) * a.NH + it.h) * D + 2 * tq;
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt) {
       const uint32_t lo = f32_to_bf16(a.scale * acc[dt][2 * i]);
