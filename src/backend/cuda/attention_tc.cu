@@ -45,8 +45,7 @@ void bwd_d(const Args& a, float* delta, int* span, cudaStream_t s) {
     DFLASH_CUDA_LAUNCH_CHECK();
     attn_tc_span_kernel<<<grid_for(a.Tq, 256), 256, 0, s>>>(span, a.ranges, a.Tq, a.Tk);
     DFLASH_CUDA_LAUNCH_CHECK();
-    launch_kernel(attn_tc_dkdv_kernel<D>,
-                  dim3(static_cast<unsigned>(n_tiles), static_cast<unsigned>(a.NKV)),
+    launch_kernel(attn_tc_dkdv_kernel<D>, dim3(static_cast<unsigned>(n_tiles * a.NKV)),
                   dkdv_smem<D>(), a, s);
   }
 }

@@ -120,7 +120,7 @@ inline Args make_args(const AttnParams& p, const AttnRange* ranges) {
 inline int query_ctas(const Args& a, int ipw) {
   return (a.n_items + kWarps * ipw - 1) / (kWarps * ipw);
 }
-/// Key tiles of the dk/dv kernel and of the span pre-pass (grid: key_tiles × NKV).
+/// Key tiles of the dk/dv kernel and of the span pre-pass (dk/dv grid: key_tiles·NKV CTAs).
 inline int key_tiles(const Args& a) {
   return (a.Tk + kKeys - 1) / kKeys;
 }
@@ -752,7 +752,10 @@ __global__ void __launch_bounds__(kThreads) attn_tc_dkdv_kernel(const Args a) {
   uint16_t* vs = ks + kKeys * D;
   char* stages = smem + 2 * kKeys * D * 2;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gr = lane >> 2, tq = lane & 3;
-  const int j0 = blockIdx.x * kKeys, g = blockIdx.y;
+  // 1-D grid, the KV heads of one key tile adjacent: the CTAs in flight together cover few
+  // documents, so the q/dout rows they stream stay in L2.
+  const int tile = blockIdx.x / a.NKV, g = blockIdx.x % a.NKV;
+  const int j0 = tile * kKeys;
   const int kw = j0 + warp * kRows;  // this warp's 16 keys [kw, kw + 16)
   const int kw_end = min(kw + kRows, a.Tk);
 
@@ -763,7 +766,7 @@ __global__ void __launch_bounds__(kThreads) attn_tc_dkdv_kernel(const Args a) {
     cp_async16(reinterpret_cast<char*>(ks) + swz<D>(j, cc), a.k + off, ok);
     cp_async16(reinterpret_cast<char*>(vs) + swz<D>(j, cc), a.v + off, ok);
   }
-  const int q_first = a.span[2 * blockIdx.x], q_last = a.span[2 * blockIdx.x + 1];
+  const int q_first = a.span[2 * tile], q_last = a.span[2 * tile + 1];
   ItemList L{0, 0};
   if (q_first <= q_last) {
     L.tg_lo = q_first / kRows;
@@ -792,32 +795,35 @@ __global__ void __launch_bounds__(kThreads) attn_tc_dkdv_kernel(const Args a) {
     const float* lse2 = reinterpret_cast<const float*>(dos + kCtaRows * D);
     const float* dl = lse2 + kCtaRows;
     const Rng* rs = reinterpret_cast<const Rng*>(dl + kCtaRows);
-    for (int w = 0; w < kWarps; ++w) {  // the chunk's items, one after the other
-      const Rng* irs = rs + w * kRows;
-      const Rng lr = lane < kRows ? irs[lane] : kNoKeys;
-      const bool touch = __any_sync(0xffffffffu, lane < kRows && sees_any(lr, kw, kw_end));
+    // The chunk's items two at a time (32 query rows): 8 independent accumulators per k-step
+    // instead of 4, and each K_w / V_w fragment feeds both items.
+    for (int w = 0; w < kWarps; w += 2) {
+      const Rng lr = rs[w * kRows + lane];  // lane = row of the pair
+      const bool touch = __any_sync(0xffffffffu, sees_any(lr, kw, kw_end));
       if (!touch) continue;
-      const bool full = kw_end - kw == kRows &&
-                        __all_sync(0xffffffffu, lane >= kRows || sees_all(lr, kw, kw_end));
-      const uint16_t* iq = qs + w * kRows * D;
-      const uint16_t* ido = dos + w * kRows * D;
-      // Sᵀ = K_w·Qᵀ and dPᵀ = V_w·dOᵀ: 16 keys × 16 query rows each.
-      float s[2][4] = {}, dp[2][4] = {};
+      const bool full = kw_end - kw == kRows && __all_sync(0xffffffffu, sees_all(lr, kw, kw_end));
+      const uint16_t* pq = qs + w * kRows * D;  // 32 rows: item w, then item w + 1
+      const uint16_t* pdo = dos + w * kRows * D;
+      // Sᵀ = K_w·Qᵀ and dPᵀ = V_w·dOᵀ: 16 keys × 32 query rows each (n-tile nt: rows 8nt..).
+      float s[4][4] = {}, dp[4][4] = {};
 #pragma unroll
       for (int k2 = 0; k2 < KS; ++k2) {
         uint32_t ka[4], va[4], b[4];
         ldsm_a<D>(ka, ks + warp * kRows * D, k2, lane);
         ldsm_a<D>(va, vs + warp * kRows * D, k2, lane);
-        ldsm_b_nk<D>(b, iq, 0, k2, lane);
-        mma_bf16(s[0], ka, b[0], b[1]);
-        mma_bf16(s[1], ka, b[2], b[3]);
-        ldsm_b_nk<D>(b, ido, 0, k2, lane);
-        mma_bf16(dp[0], va, b[0], b[1]);
-        mma_bf16(dp[1], va, b[2], b[3]);
-      }
-      // Pᵀ and dSᵀ; element (key kw + gr + 8·(e/2), query row 8·nt + 2·tq + e%2 of the item).
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
+        for (int j = 0; j < 2; ++j) {
+          ldsm_b_nk<D>(b, pq + j * kRows * D, 0, k2, lane);
+          mma_bf16(s[2 * j], ka, b[0], b[1]);
+          mma_bf16(s[2 * j + 1], ka, b[2], b[3]);
+          ldsm_b_nk<D>(b, pdo + j * kRows * D, 0, k2, lane);
+          mma_bf16(dp[2 * j], va, b[0], b[1]);
+          mma_bf16(dp[2 * j + 1], va, b[2], b[3]);
+        }
+      }
+      // Pᵀ and dSᵀ; element (key kw + gr + 8·(e/2), query row 8·nt + 2·tq + e%2 of the pair).
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int qi = w * kRows + 8 * nt + 2 * tq + (e & 1);
@@ -827,20 +833,27 @@ __global__ void __launch_bounds__(kThreads) attn_tc_dkdv_kernel(const Args a) {
           s[nt][e] = p;
         }
       }
-      const uint32_t pa[4] = {pack_bf16(s[0][0], s[0][1]), pack_bf16(s[0][2], s[0][3]),
-                              pack_bf16(s[1][0], s[1][1]), pack_bf16(s[1][2], s[1][3])};
-      const uint32_t da[4] = {pack_bf16(dp[0][0], dp[0][1]), pack_bf16(dp[0][2], dp[0][3]),
-                              pack_bf16(dp[1][0], dp[1][1]), pack_bf16(dp[1][2], dp[1][3])};
-      // dV += Pᵀ·dO and dK += dSᵀ·Q (k = the item's 16 query rows).
+      // dV += Pᵀ·dO and dK += dSᵀ·Q; k-step j = the 16 query rows of item w + j.
 #pragma unroll
-      for (int d2 = 0; d2 < DT / 2; ++d2) {
-        uint32_t b[4];
-        ldsm_b_kn<D>(b, ido, 0, d2, lane);
-        mma_bf16(dv[2 * d2], pa, b[0], b[1]);
-        mma_bf16(dv[2 * d2 + 1], pa, b[2], b[3]);
-        ldsm_b_kn<D>(b, iq, 0, d2, lane);
-        mma_bf16(dk[2 * d2], da, b[0], b[1]);
-        mma_bf16(dk[2 * d2 + 1], da, b[2], b[3]);
+      for (int j = 0; j < 2; ++j) {
+        const uint32_t pa[4] = {pack_bf16(s[2 * j][0], s[2 * j][1]),
+                                pack_bf16(s[2 * j][2], s[2 * j][3]),
+                                pack_bf16(s[2 * j + 1][0], s[2 * j + 1][1]),
+                                pack_bf16(s[2 * j + 1][2], s[2 * j + 1][3])};
+        const uint32_t da[4] = {pack_bf16(dp[2 * j][0], dp[2 * j][1]),
+                                pack_bf16(dp[2 * j][2], dp[2 * j][3]),
+                                pack_bf16(dp[2 * j + 1][0], dp[2 * j + 1][1]),
+                                pack_bf16(dp[2 * j + 1][2], dp[2 * j + 1][3])};
+#pragma unroll
+        for (int d2 = 0; d2 < DT / 2; ++d2) {
+          uint32_t b[4];
+          ldsm_b_kn<D>(b, pdo + j * kRows * D, 0, d2, lane);
+          mma_bf16(dv[2 * d2], pa, b[0], b[1]);
+          mma_bf16(dv[2 * d2 + 1], pa, b[2], b[3]);
+          ldsm_b_kn<D>(b, pq + j * kRows * D, 0, d2, lane);
+          mma_bf16(dk[2 * d2], da, b[0], b[1]);
+          mma_bf16(dk[2 * d2 + 1], da, b[2], b[3]);
+        }
       }
     }
     __syncthreads();
