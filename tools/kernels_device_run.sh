@@ -4,7 +4,8 @@
 #   2. `dflash bench --preset qwen3-8b` (the reference batch: per-phase and per-kernel figures),
 #   3. train_step_cuda_test and trainer_cuda_test (GPU vs CPU step parity, bit-identical resume and
 #      graphs on/off),
-#   4. while time is left: Nsight Compute on the attention kernels at the reference shapes, then
+#   4. while time is left: Nsight Compute on the attention kernels at the reference shapes (stall
+#      reasons per issued instruction), then
 #      compute-sanitizer memcheck and racecheck on small attention cases.
 # Layout of DIR (default .dev/kernels, carried to the device): bin.tar.xz (dflash and the test
 # binaries, built with -DDFLASH_STATIC_DEPS=ON), libs.tar.xz (the Debian libraries they link),
@@ -60,16 +61,19 @@ run_test train_step_cuda_test 60
 run_test trainer_cuda_test 60
 
 if [ $(($(date +%s) - START)) -lt 120 ]; then
-  log "4. Nsight Compute: the last target prefill, the drafter's forwards, one dq and one dk/dv"
+  log "4. Nsight Compute, with stall reasons: one drafter forward, one dq, one dk/dv"
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  timeout 60 "$NCU" --clock-control none -k regex:'attn_tc_(fwd|dq|dkdv)' --launch-skip 33 \
-    --launch-count 8 --section SpeedOfLight --section Occupancy --section LaunchStats \
-    --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,lts__t_bytes.sum,dram__bytes.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum \
+  timeout 60 "$NCU" --clock-control none -k regex:'attn_tc_(fwd|dq|dkdv)' --launch-skip 38 \
+    --launch-count 3 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+    --section SchedulerStats \
+    --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,lts__t_bytes.sum,dram__bytes.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
     $B/dflash bench --preset qwen3-8b --steps 1 --warmup 0 --graphs off --kernel-reps 1 \
     > "$L/ncu.txt" 2>&1
   echo "ncu rc=$?" >> "$L/summary.txt"
-  grep -E "attn_tc_|Duration|Compute \(SM\) Throughput|Memory Throughput|hmma|lts__t_bytes|dram__bytes|wavefronts|Registers Per|Achieved Occupancy" \
-    "$L/ncu.txt" | head -90 >> "$L/summary.txt"
+  grep -E "attn_tc_|Duration|hmma|lts__t_bytes|dram__bytes|Warp Cycles Per Issued|Issued Warp Per|No Eligible|Active Warps Per|Eligible Warps Per" \
+    "$L/ncu.txt" | head -60 >> "$L/summary.txt"
+  awk '/attn_tc_/ {print} /issue_stalled/ && $NF+0 >= 0.3 {print}' "$L/ncu.txt" | head -60 \
+    >> "$L/summary.txt"
 fi
 
 CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)

@@ -52,6 +52,9 @@ struct AttnParams {
   int64_t NKV = 0;  ///< key/value heads (NH % NKV == 0)
   int64_t D = 0;    ///< head dimension
   double scale = 0; ///< multiplies q·k (usually 1/sqrt(D))
+  /// Per-head sink logits [NH] (f32; host memory for the CPU entry points, device memory for the
+  /// CUDA ones), or null for none. Not scaled by `scale`.
+  const float* sinks = nullptr;
   AttnCudaKernels kernels = AttnCudaKernels::tensor_core;  ///< CUDA only
 };
 

@@ -28,8 +28,8 @@ void run_case_with(const Case& c, uint32_t seed, AttnCudaKernels kernels) {
   SCOPED_TRACE(::testing::Message() << kernels_name(kernels) << " Tq=" << c.Tq << " Tk=" << c.Tk
                                     << " NH=" << c.NH << " NKV=" << c.NKV << " D=" << c.D);
   cuda::CudaContext ctx(0);
-  AttnParams p{c.Tq, c.Tk, c.NH, c.NKV, c.D, 1.0 / std::sqrt(static_cast<double>(c.D)),
-               kernels};
+  AttnParams p{c.Tq, c.Tk, c.NH, c.NKV, c.D, 1.0 / std::sqrt(static_cast<double>(c.D))};
+  p.kernels = kernels;
   const size_t nq = static_cast<size_t>(c.Tq * c.NH * c.D);
   const size_t nk = static_cast<size_t>(c.Tk * c.NKV * c.D);
   auto q = to_bf16(randn(nq, seed)), k = to_bf16(randn(nk, seed + 1)),
@@ -188,4 +188,37 @@ TEST(AttentionCuda, TensorCoresRejectMisalignedArrays) {
   p.kernels = AttnCudaKernels::ffma;
   EXPECT_NO_THROW(attention_fwd_cuda(ctx, o.get(), nullptr, q.get() + 2, q.get(), q.get(), r.get(),
                                      p));
+}
+
+TEST(AttentionCuda, TensorCoreSinksJoinTheSoftmax) {
+  DFLASH_REQUIRE_GPU();
+  // Per-head sink logits (gpt-oss) against the CPU forward without them: a sink adds e^{sink} to
+  // each row's denominator, so o scales by 1 / (1 + e^{sink − lse}) and lse becomes
+  // logaddexp(lse, sink). The backward reads only o and lse and is checked by the other cases.
+  cuda::CudaContext ctx(0);
+  const Case c = attn_causal({40, 1, 90}, 4, 2, 64);
+  const std::vector<float> sinks{0.5f, 3.0f, -2.0f, 1.0f};
+  const size_t nq = static_cast<size_t>(c.Tq * c.NH * c.D);
+  const size_t nk = static_cast<size_t>(c.Tk * c.NKV * c.D);
+  auto q = to_bf16(randn(nq, 70)), k = to_bf16(randn(nk, 71)), v = to_bf16(randn(nk, 72));
+  AttnParams p{c.Tq, c.Tk, c.NH, c.NKV, c.D, 0.125};
+  std::vector<float> o_ref(nq), lse_ref(static_cast<size_t>(c.NH * c.Tq));
+  attention_fwd_cpu(o_ref.data(), lse_ref.data(), from_bf16(q).data(), from_bf16(k).data(),
+                    from_bf16(v).data(), c.ranges.data(), p);
+  for (int64_t t = 0; t < c.Tq; ++t)
+    for (int64_t h = 0; h < c.NH; ++h) {
+      float& l = lse_ref[static_cast<size_t>(h * c.Tq + t)];
+      const float sk = sinks[static_cast<size_t>(h)];
+      const float w = 1.f / (1.f + std::exp(sk - l));
+      for (int64_t d = 0; d < c.D; ++d) o_ref[static_cast<size_t>((t * c.NH + h) * c.D + d)] *= w;
+      l = std::max(l, sk) + std::log1p(std::exp(-std::abs(l - sk)));
+    }
+  DeviceGuarded<uint16_t> dq(q), dk(k), dv(v), o(nq);
+  DeviceGuarded<AttnRange> dr(c.ranges);
+  DeviceGuarded<float> ds(sinks), lse(lse_ref.size());
+  p.sinks = ds.get();
+  attention_fwd_cuda(ctx, o.get(), lse.get(), dq.get(), dk.get(), dv.get(), dr.get(), p);
+  EXPECT_LT(rel_error(from_bf16(o.download()), o_ref), tol::kAttnBf16);
+  EXPECT_LT(rel_error(lse.download(), lse_ref), tol::kLse);
+  EXPECT_TRUE(o.guard_intact() && lse.guard_intact());
 }

@@ -41,8 +41,23 @@ bool guard_intact(const std::vector<uint16_t>& v, size_t n) {
 }
 
 // The forward with IPW items per warp (both variants are compiled for the GPU), then the backward.
+// The forward with per-head sinks from the forward without: a sink adds e^{sink} to each row's
+// softmax denominator, so o scales by 1 / (1 + e^{sink − lse}) and lse becomes
+// logaddexp(lse, sink) (lse = sink, o = 0 for a row that sees nothing).
+void apply_sinks(std::vector<float>& o, std::vector<float>& lse, const std::vector<float>& sinks,
+                 int64_t Tq, int64_t NH, int64_t D) {
+  for (int64_t t = 0; t < Tq; ++t)
+    for (int64_t h = 0; h < NH; ++h) {
+      float& l = lse[static_cast<size_t>(h * Tq + t)];
+      const float sk = sinks[static_cast<size_t>(h)];
+      const float w = std::isinf(l) ? 0.f : 1.f / (1.f + std::exp(sk - l));
+      for (int64_t d = 0; d < D; ++d) o[static_cast<size_t>((t * NH + h) * D + d)] *= w;
+      l = std::isinf(l) ? sk : std::max(l, sk) + std::log1p(std::exp(-std::abs(l - sk)));
+    }
+}
+
 template <int D, int IPW>
-void run_emulated_ipw(const AttnCase& c, uint32_t seed) {
+void run_emulated_ipw(const AttnCase& c, uint32_t seed, const std::vector<float>& sinks = {}) {
   SCOPED_TRACE(::testing::Message() << "Tq=" << c.Tq << " Tk=" << c.Tk << " NH=" << c.NH
                                     << " NKV=" << c.NKV << " D=" << D << " items/warp=" << IPW);
   const AttnParams p{c.Tq, c.Tk, c.NH, c.NKV, D, 1.0 / std::sqrt(static_cast<double>(D))};
@@ -60,7 +75,9 @@ void run_emulated_ipw(const AttnCase& c, uint32_t seed) {
   std::vector<float> lse(static_cast<size_t>(c.NH * c.Tq), NAN),
       delta(static_cast<size_t>(c.NH * c.Tq), NAN);
 
-  Args a = make_args(p, c.ranges.data());
+  AttnParams ps = p;
+  ps.sinks = sinks.empty() ? nullptr : sinks.data();
+  Args a = make_args(ps, c.ranges.data());
   a.q = q.data(), a.k = k.data(), a.v = v.data(), a.out = o.data(), a.lse_out = lse.data();
   const unsigned nkv = static_cast<unsigned>(c.NKV);
   emu::launch({static_cast<unsigned>(query_ctas(a, IPW)), nkv, 1}, {kThreads, 1, 1},
@@ -70,6 +87,7 @@ void run_emulated_ipw(const AttnCase& c, uint32_t seed) {
   std::vector<float> o_ref(nq), lse_ref(lse.size());
   attention_fwd_cpu(o_ref.data(), lse_ref.data(), qf.data(), kf.data(), vf.data(), c.ranges.data(),
                     p);
+  if (!sinks.empty()) apply_sinks(o_ref, lse_ref, sinks, c.Tq, c.NH, D);
   const auto o_emu = widen(o, nq);
   EXPECT_LT(rel_error(o_emu, o_ref), tol::kAttnBf16);
   std::vector<float> lg, lr;
@@ -136,4 +154,11 @@ TEST(AttentionTcEmulated, CausalOddShapes) {
 TEST(AttentionTcEmulated, SecondRangeFirstAndEmptyRows) {
   run_emulated<128>(attn_second_range_first(2, 2, 128), 53);
   run_emulated<64>(attn_empty_rows(), 30);
+}
+
+TEST(AttentionTcEmulated, SinksJoinTheSoftmax) {
+  // gpt-oss's per-head sink logits, one of them far above the scores; rows that see nothing get
+  // o = 0 and lse = sink.
+  run_emulated_ipw<64, 2>(attn_empty_rows(), 60, {0.5f, 4.0f});  // NH 2
+  run_emulated_ipw<64, 2>(attn_causal({40}, 2, 1, 64), 61, {-1.0f, 2.0f});
 }

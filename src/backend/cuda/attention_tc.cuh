@@ -24,6 +24,9 @@
 // to bf16 as MMA inputs (FlashAttention-2, Dao 2023: Algorithm 1 forward with the online softmax,
 // Algorithm 2 backward with D_i = rowsum(dO ∘ O), split into a dq pass and a dk/dv pass).
 // Exponentials in base 2 on scores pre-multiplied by scale·log2(e); lse is stored in natural log.
+// Sinks (AttnParams::sinks): the forward folds head h's sink logit into each row's softmax after
+// the last key tile (a denominator term without a value row), so lse includes it and the
+// backward, which only reads lse, needs no change.
 // Head dimensions 64 and 128; q, k, v, o, dout 16-byte aligned (checked by the entry points).
 #pragma once
 
@@ -97,6 +100,7 @@ struct Args {
   uint16_t *out, *dq, *dk, *dv;
   float* lse_out;
   const float *lse, *delta;
+  const float* sinks;  // [NH] sink logits (natural log) or null (AttnParams::sinks)
   const AttnRange* ranges;
   const int* span;  // [2·ceil(Tk/kKeys)] query-row span of each key tile (dk/dv)
   int Tq, Tk, NH, NKV, rep, n_items;
@@ -107,6 +111,7 @@ struct Args {
 inline Args make_args(const AttnParams& p, const AttnRange* ranges) {
   Args a{};
   a.ranges = ranges;
+  a.sinks = p.sinks;
   a.Tq = static_cast<int>(p.Tq), a.Tk = static_cast<int>(p.Tk);
   a.NH = static_cast<int>(p.NH), a.NKV = static_cast<int>(p.NKV);
   a.rep = a.NH / a.NKV;
@@ -478,6 +483,17 @@ __global__ void __launch_bounds__(kThreads) attn_tc_fwd_kernel(const Args a) {
     for (int i = 0; i < 2; ++i) {
       l[j][i] += __shfl_xor_sync(0xffffffffu, l[j][i], 1);
       l[j][i] += __shfl_xor_sync(0xffffffffu, l[j][i], 2);
+    }
+    if (a.sinks) {  // one more logit in the softmax (base 2 here), without a value row
+      const float sk = a.sinks[c.it[j].h] * kLog2e;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float mn = fmaxf(m[j][i], sk), alpha = exp2f(m[j][i] - mn);
+        l[j][i] = l[j][i] * alpha + exp2f(sk - mn);
+        m[j][i] = mn;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) o[j][dt][2 * i] *= alpha, o[j][dt][2 * i + 1] *= alpha;
+      }
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
