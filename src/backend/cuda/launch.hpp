@@ -94,6 +94,16 @@ void moe_combine(float* y, const float* ys, const float* down_bias, const int32_
                  const float* weights, const int32_t* slot, int64_t T, int64_t K, int64_t H,
                  cudaStream_t s);
 
+// ---- attention_tc.cu (tensor cores; same contracts as attention_fwd / attention_bwd, all bf16
+// arrays 16-byte aligned, D 64 or 128; span_ws sized as for attention_bwd)
+void attention_tc_fwd(uint16_t* o, float* lse, const uint16_t* q, const uint16_t* k,
+                      const uint16_t* v, const AttnRange* ranges, const AttnParams& p,
+                      cudaStream_t s);
+void attention_tc_bwd(uint16_t* dq, uint16_t* dk, uint16_t* dv, const uint16_t* dout,
+                      const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* o,
+                      const float* lse, const AttnRange* ranges, const AttnParams& p,
+                      float* delta_ws, int* span_ws, cudaStream_t s);
+
 // ---- cross_entropy.cu
 /// One chunk of n rows: logits f32 [n, V] → lse, argmax, row_loss [n] (w·loss, 0 when w = 0) and,
 /// when dlogits is not null, dlogits bf16 [n, V] = grad_scale·w·(softmax − onehot).

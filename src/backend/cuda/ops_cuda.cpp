@@ -34,6 +34,7 @@ constexpr DType dt() {
 }
 
 bool aligned4(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 3u) == 0; }
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 }  // namespace
 
@@ -242,6 +243,12 @@ void attention_fwd_cuda(cuda::CudaContext& ctx, uint16_t* o, float* lse, const u
   check_attn("attention_fwd_cuda", p);
   if (p.Tq == 0) return;
   DFLASH_CHECK(o && q && ranges && (p.Tk == 0 || (k && v)), "attention_fwd_cuda: null pointer");
+  if (p.kernels == AttnCudaKernels::tensor_core) {
+    DFLASH_CHECK(aligned16(o) && aligned16(q) && aligned16(k) && aligned16(v),
+                 "attention_fwd_cuda (tensor cores): o, q, k, v must be 16-byte aligned");
+    cuda::launch::attention_tc_fwd(o, lse, q, k, v, ranges, p, ctx.stream());
+    return;
+  }
   DFLASH_CHECK(aligned4(q) && aligned4(k) && aligned4(v),
                "attention_fwd_cuda: q, k, v must be 4-byte aligned");
   cuda::launch::attention_fwd(o, lse, q, k, v, ranges, p, ctx.stream());
@@ -254,15 +261,26 @@ void attention_bwd_cuda(cuda::CudaContext& ctx, uint16_t* dq, uint16_t* dk, uint
   check_attn("attention_bwd_cuda", p);
   DFLASH_CHECK((dout && q && k && v && o && lse && ranges) || p.Tq == 0,
                "attention_bwd_cuda: an input pointer is null");
-  DFLASH_CHECK(aligned4(q) && aligned4(k) && aligned4(v),
-               "attention_bwd_cuda: q, k, v must be 4-byte aligned");
+  const bool tc = p.kernels == AttnCudaKernels::tensor_core;
+  if (tc)
+    DFLASH_CHECK(aligned16(dq) && aligned16(dk) && aligned16(dv) && aligned16(dout) &&
+                     aligned16(q) && aligned16(k) && aligned16(v) && aligned16(o),
+                 "attention_bwd_cuda (tensor cores): dq, dk, dv, dout, q, k, v, o must be "
+                 "16-byte aligned");
+  else
+    DFLASH_CHECK(aligned4(q) && aligned4(k) && aligned4(v),
+                 "attention_bwd_cuda: q, k, v must be 4-byte aligned");
   // Sizes as attention_bwd_cuda_scratch_bytes.
   cuda::DeviceBuffer delta = ctx.scratch(static_cast<size_t>(p.NH * p.Tq) * sizeof(float));
   const int64_t tiles = (p.Tk + cuda::launch::kAttnKeyTile - 1) / cuda::launch::kAttnKeyTile;
   cuda::DeviceBuffer span = ctx.scratch(static_cast<size_t>(std::max<int64_t>(tiles, 1)) * 2 *
                                         sizeof(int));
-  cuda::launch::attention_bwd(dq, dk, dv, dout, q, k, v, o, lse, ranges, p, delta.as<float>(),
-                              span.as<int>(), ctx.stream());
+  if (tc)
+    cuda::launch::attention_tc_bwd(dq, dk, dv, dout, q, k, v, o, lse, ranges, p,
+                                   delta.as<float>(), span.as<int>(), ctx.stream());
+  else
+    cuda::launch::attention_bwd(dq, dk, dv, dout, q, k, v, o, lse, ranges, p, delta.as<float>(),
+                                span.as<int>(), ctx.stream());
 }
 
 // ---------------------------------------------------------------- fused LM-head cross-entropy
