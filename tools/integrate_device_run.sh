@@ -1,6 +1,7 @@
 #!/bin/bash
 # The device run of the integration of scale (issue 12), targets (issue 17) and kernels (issue 13),
-# in one call on one H200: every CUDA test binary, then `dflash bench --preset qwen3-8b` once.
+# in one call on one H200: every CUDA test binary, `dflash bench --preset qwen3-8b` once, then
+# `dflash train` on the CUDA backend for 6 steps against every family's golden checkpoint.
 # Logs under $OUT: summary.txt (one line per test binary, failures, the bench table),
 # logs.tar.xz (every log), bench.json.
 # Staging here (DIR = .dev/integrate of the checkout the device receives; carry it):
@@ -10,7 +11,8 @@
 #   utf8proc, OpenBLAS with gfortran/quadmath, pcre2, zstd, lzma; CUDA comes with the machine).
 # Run from the repository root (its assets/ and tests/fixtures/ are the tests' fixtures; the
 # binaries look for them under the build tree's source path /work/wt/integrate, linked here):
-#   bash DIR/integrate_device_run.sh [DIR]     (TESTS="a_test b_test" BENCH=0 to narrow it)
+#   bash DIR/integrate_device_run.sh [DIR]     (TESTS="a_test b_test", BENCH=0,
+#   FAMILIES=0 narrow it)
 set -u
 D=$(realpath "${1:-.dev/integrate}"); R=${OUT:-/tmp/integrate-result}; L=/tmp/integrate-out
 mkdir -p $R $L /tmp/integrate/bin /tmp/dflash_libs
@@ -39,5 +41,27 @@ if [ "${BENCH:-1}" = 1 ]; then
   timeout 150 $B/dflash bench --preset qwen3-8b --json $L/bench.json > $L/bench.txt 2>&1
   echo "bench exit $?" >> $L/summary.txt; tail -30 $L/bench.txt >> $L/summary.txt
   cp $L/bench.json $R/ 2>/dev/null
+fi
+if [ "${FAMILIES:-1}" = 1 ]; then
+  # `dflash train` on the CUDA backend against every family's golden (as tests/family_train_test
+  # does on the CPU): 6 steps of a 1-layer drafter; the target and drafter share the plan's arena.
+  xz -dc assets/data/train.jsonl.xz | head -200 > /tmp/integrate/train.jsonl
+  for f in qwen2-bias llama3-rope llama-yarn qwen3-moe qwen3-moe-window gpt-oss gpt-oss-mxfp4; do
+    T=/tmp/integrate/fam/$f; rm -rf $T; mkdir -p $T/target
+    for x in tests/fixtures/models/$f/*; do
+      [ "$(basename $x)" = golden.safetensors ] || ln -s "$PWD/$x" $T/target/
+    done
+    cp tests/fixtures/byte-tokenizer/tokenizer.json $T/target/
+    printf '%s\n' "model:" "  target: $T/target" "  drafter_layers: 1" "  intermediate_size: 64" \
+      "  mask_token_id: 300" "data:" "  train_file: /tmp/integrate/train.jsonl" \
+      "  template: chatml" "  max_length: 256" "  token_budget: 256" "  rows_per_step: 2" \
+      "training:" "  max_steps: 6" "  lr: 3.0e-3" "  warmup_ratio: 0.0" "  num_anchors: 4" \
+      "  block_size: 4" "  seed: 5" "  log_interval: 1" "  save_interval: 6" "runtime:" \
+      "  backend: cuda" "output_dir: $T/run" > $T/run.yaml
+    timeout 60 $B/dflash train --config $T/run.yaml > $L/train-$f.log 2>&1; rc=$?
+    echo "train $f rc=$rc loss $(grep -o '"loss":[0-9.e+-]*' $T/run/metrics.jsonl 2>/dev/null \
+      | cut -d: -f2 | tr '\n' ' ')" >> $L/summary.txt
+    [ $rc = 0 ] || tail -5 $L/train-$f.log >> $L/summary.txt
+  done
 fi
 log "done"
