@@ -22,19 +22,23 @@ log() {
   tar -C /tmp -cJf $R/logs.tar.xz integrate-out 2>/dev/null; cp $L/summary.txt $R/
 }
 tar -C /tmp/dflash_libs -xJf $D/libs.tar.xz; tar -C /tmp/integrate/bin -xJf $D/bin.tar.xz
-export LD_LIBRARY_PATH=/tmp/dflash_libs:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}
+CUDA_LIBS=/usr/local/cuda/lib64:/usr/local/cuda/lib
+export LD_LIBRARY_PATH=/tmp/dflash_libs:$CUDA_LIBS:${LD_LIBRARY_PATH:-}
 B=/tmp/integrate/bin; W=/work/wt/integrate
 mkdir -p $W/build /work/wt/shared
 for d in assets tests configs; do [ -e $W/$d ] || ln -s "$PWD/$d" $W/$d; done
 ln -sf $B/dflash $W/build/dflash
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a $L/summary.txt
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
+  | tee -a $L/summary.txt
 TESTS=${TESTS:-$(cd $B && ls *_test)}
 log "CUDA tests: $TESTS"
 for t in $TESTS; do
   s=$(date +%s)
   timeout ${TLIM:-120} $B/$t --gtest_color=no > $L/$t.log 2>&1; rc=$?
-  echo "$t rc=$rc $(($(date +%s) - s)) s $(grep -E '^\[  (PASSED|SKIPPED|FAILED)  \]' $L/$t.log | tr '\n' ' ')" >> $L/summary.txt
-  grep -E "^\[  FAILED  \]|Failure|Expected|Which is|Value of|Actual|error" $L/$t.log | head -30 >> $L/summary.txt
+  verdict=$(grep -E '^\[  (PASSED|SKIPPED|FAILED)  \]' $L/$t.log | tr '\n' ' ')
+  echo "$t rc=$rc $(($(date +%s) - s)) s $verdict" >> $L/summary.txt
+  grep -E "^\[  FAILED  \]|Failure|Expected|Which is|Value of|Actual|error" $L/$t.log \
+    | head -30 >> $L/summary.txt
 done
 log "tests done"
 if [ "${BENCH:-1}" = 1 ]; then
