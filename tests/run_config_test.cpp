@@ -112,6 +112,31 @@ TEST(RunConfig, ResolvedYamlRoundTripsAndResumeDiffsListKeys) {
   EXPECT_EQ(def.model.target, "assets/tiny-qwen3");
 }
 
+TEST(RunConfig, BlockBudgetDefaultsToTheBlocksOfFullLengthDocuments) {
+  // The reference batch: 512 anchors, 8192 tokens per row, conversations of up to 2048 tokens:
+  // four full-length conversations of 512 blocks each.
+  RunConfig ref =
+      RunConfig::from_yaml(kYaml, "run.yaml", {"data.token_budget=8192", "data.max_length=2048"});
+  EXPECT_EQ(ref.block_budget(), 2048);
+  EXPECT_EQ(ref.data.block_budget, 2048);  // resolved, so config.resolved.yaml records it
+  // The tiny reference run (short conversations): 512 · 4096 / 512 = 4096, which cannot bind.
+  RunConfig tiny = RunConfig::from_yaml(kYaml, "run.yaml", {"data.max_length=512"});
+  EXPECT_EQ(tiny.block_budget(), 4096);
+  // Rounded up: 512 · 8192 / 3000 = 1398.1.
+  RunConfig odd =
+      RunConfig::from_yaml(kYaml, "run.yaml", {"data.token_budget=8192", "data.max_length=3000"});
+  EXPECT_EQ(odd.block_budget(), 1399);
+  RunConfig set = RunConfig::from_yaml(kYaml, "run.yaml", {"data.block_budget=1000"});
+  EXPECT_EQ(set.block_budget(), 1000);
+  EXPECT_NE(error_of([&] {
+              RunConfig::from_yaml(kYaml, "run.yaml", {"data.block_budget=100"});
+            }).find("data.block_budget (100) must be at least training.num_anchors (512)"),
+            std::string::npos);
+  // The embedded default keeps its packing (short conversations, 4 anchors each).
+  const RunConfig def = RunConfig::embedded_default("assets");
+  EXPECT_EQ(def.block_budget(), def.data.token_budget);
+}
+
 TEST(RunDir, LockedWhileInUseAndStatusIsAtomic) {
   test::TempDir tmp;
   auto dir = tmp / "run";

@@ -38,6 +38,7 @@ data:
   max_length: 256
   token_budget: 256
   rows_per_step: 2
+  block_budget: 256  # = token_budget: never binds, rows keep several conversations
 training:
   max_steps: {}
   lr: 1.0e-3
@@ -51,8 +52,8 @@ runtime:
   threads: 2
 output_dir: {}
 )",
-                     (test::assets_dir() / "tiny-qwen3").string(),
-                     test::small_corpus().string(), steps, out.string());
+                     (test::assets_dir() / "tiny-qwen3").string(), test::small_corpus().string(),
+                     steps, out.string());
 }
 
 RunConfig config_for(const fs::path& out, int64_t steps,

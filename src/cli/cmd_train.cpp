@@ -39,6 +39,7 @@ struct TrainArgs {
   std::string config, resume;
   std::vector<std::string> overrides;
   bool force = false;
+  bool plan = false;
   int64_t halt_at = 0;
 };
 
@@ -56,6 +57,11 @@ void run_train(const TrainArgs& a) {
     o.config = RunConfig::from_yaml(def.to_yaml(), "(embedded default)", a.overrides);
     spdlog::info("no --config: training the embedded default (tiny Qwen3 target, bundled corpus) "
                  "into {}", o.config.output_dir);
+  }
+  if (a.plan) {
+    const std::string shortfall = print_train_memory_plan(o.config);
+    if (!shortfall.empty()) fail("{}", shortfall);
+    return;
   }
   o.force = a.force;
   o.halt_at_step = a.halt_at;
@@ -122,6 +128,9 @@ void add_train_command(CLI::App& app) {
   sub->add_option("--resume", a->resume, "Continue the run in this directory from its newest "
                                          "complete checkpoint");
   sub->add_flag("--force", a->force, "With --resume: accept model/data-changing config changes");
+  sub->add_flag("--plan", a->plan,
+                "Print the device memory plan of the training step (no weights are read, no GPU "
+                "is needed) and exit: 0 when it fits runtime.device_memory_gib, 1 when not");
   sub->add_option("--halt-at-step", a->halt_at,
                   "Testing: checkpoint and stop after this step, as on SIGTERM");
   sub->add_option("overrides", a->overrides, "section.key=value overrides");

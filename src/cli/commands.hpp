@@ -36,6 +36,10 @@ void add_eval_command(CLI::App& app);
 /// (src/cli/cmd_train.cpp).
 void add_train_command(CLI::App& app);
 
+/// `dflash bench [--preset NAME | --config FILE] [--plan] [--json FILE]`: the training step at
+/// real shapes with random weights, phase by phase, and its hot kernels (src/cli/cmd_bench.cpp).
+void add_bench_command(CLI::App& app);
+
 /// The embedded assets folder (tiny-qwen3 and data): $DFLASH_ASSETS, else <binary>/../assets,
 /// else ./assets. Throws dflash::Error when none exists.
 std::string find_assets_dir();

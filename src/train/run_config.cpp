@@ -106,6 +106,7 @@ const std::vector<Field>& schema() {
     f.push_back(make_field("data", "max_length", D, &DataSection::max_length, true));
     f.push_back(make_field("data", "token_budget", D, &DataSection::token_budget, true));
     f.push_back(make_field("data", "rows_per_step", D, &DataSection::rows_per_step, true));
+    f.push_back(make_field("data", "block_budget", D, &DataSection::block_budget, true));
     f.push_back(make_field("data", "sort_by_length", D, &DataSection::sort_by_length, true));
     f.push_back(make_field("data", "cache_dir", D, &DataSection::cache_dir, false));
     f.push_back(make_field("data", "skip_invalid", D, &DataSection::skip_invalid, true));
@@ -136,6 +137,8 @@ const std::vector<Field>& schema() {
     f.push_back(make_field("runtime", "devices", U, &RuntimeSection::devices, false));
     f.push_back(make_field("runtime", "threads", U, &RuntimeSection::threads, false));
     f.push_back(make_field("runtime", "cuda_graphs", U, &RuntimeSection::cuda_graphs, false));
+    f.push_back(
+        make_field("runtime", "device_memory_gib", U, &RuntimeSection::device_memory_gib, false));
     // output_dir is top-level.
     Field od;
     od.key = "output_dir";
@@ -231,6 +234,7 @@ RunConfig RunConfig::from_yaml(const std::string& text, const std::string& sourc
   apply_node(c, root, source);
   for (const auto& ov : overrides) apply_override(c, ov);
   c.validate();
+  if (!c.data.block_budget) c.data.block_budget = static_cast<int>(c.block_budget());
   return c;
 }
 
@@ -258,6 +262,10 @@ RunConfig RunConfig::embedded_default(const std::string& assets_dir) {
   c.training.block_size = 16;
   c.training.log_interval = 10;
   c.training.save_interval = 0;
+  // Conversations of ~58 tokens with 4 anchors each: a row holds ~18 of them (~70 blocks), far
+  // below any memory concern on the CPU backend, so the block budget is the token budget (never
+  // binds) rather than the default 4 · 1024 / 512 = 8, which would leave 2 conversations per row.
+  c.data.block_budget = c.data.token_budget;
   c.output_dir = "runs/default";
   c.validate();
   return c;
@@ -285,6 +293,12 @@ void RunConfig::validate() const {
   DFLASH_CHECK(data.max_length <= data.token_budget,
                "data.max_length ({}) must not exceed data.token_budget ({}): a conversation must "
                "fit in one row", data.max_length, data.token_budget);
+  if (data.block_budget) {
+    DFLASH_CHECK(*data.block_budget >= training.num_anchors,
+                 "data.block_budget ({}) must be at least training.num_anchors ({}): one document "
+                 "may yield num_anchors blocks",
+                 *data.block_budget, training.num_anchors);
+  }
   DFLASH_CHECK(training.max_steps > 0 || training.epochs > 0,
                "training.epochs or training.max_steps must be > 0");
   non_negative("training.max_steps", static_cast<double>(training.max_steps));
@@ -314,6 +328,7 @@ void RunConfig::validate() const {
   DFLASH_CHECK(!runtime.devices.empty(), "runtime.devices must list at least one device");
   for (int d : runtime.devices) non_negative("runtime.devices[]", d);
   non_negative("runtime.threads", runtime.threads);
+  positive("runtime.device_memory_gib", runtime.device_memory_gib);
   DFLASH_CHECK(!output_dir.empty(), "output_dir must name the run directory");
 }
 
@@ -336,6 +351,12 @@ std::string RunConfig::to_yaml() const {
   out << YAML::Key << "output_dir" << YAML::Value << output_dir;
   out << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
+}
+
+int64_t RunConfig::block_budget() const {
+  if (data.block_budget) return *data.block_budget;
+  const int64_t a = training.num_anchors, t = data.token_budget, m = data.max_length;
+  return (a * t + m - 1) / m;
 }
 
 std::vector<std::string> RunConfig::resume_incompatibilities(const RunConfig& other) const {

@@ -34,6 +34,13 @@ struct DataSection {
   int max_length = 2048;             ///< tokens per conversation (longer ones are truncated)
   int token_budget = 8192;           ///< tokens per packed row
   int rows_per_step = 1;             ///< packed rows per optimizer step
+  /// Training blocks per packed row: the batcher packs a row only while Σ over its documents of
+  /// min(num_anchors, candidate anchors) stays ≤ this, so device memory can be planned for
+  /// rows_per_step·block_budget blocks and no anchor is ever dropped. Unset in a config file:
+  /// ceil(num_anchors·token_budget / max_length), the blocks of a row of full-length documents
+  /// (the reference trainer's batch × anchors); resolved by from_yaml. A value ≥ token_budget
+  /// never binds.
+  std::optional<int> block_budget;
   /// Pack each window's conversations longest first (least padding, but each step then holds
   /// conversations of similar length); false: first-fit in shuffled order (random mixes).
   bool sort_by_length = false;
@@ -71,6 +78,9 @@ struct RuntimeSection {
   /// cuda backend: capture each step shape once as CUDA graphs and replay them (false: enqueue the
   /// step op by op). Results are identical either way; the train log says which path runs.
   bool cuda_graphs = true;
+  /// Device memory the cuda backend may plan for, in GiB (2^30 bytes); 139 = one H200. Training
+  /// refuses to start when its memory plan (train/memory_plan.hpp) needs more.
+  double device_memory_gib = 139.0;
 };
 
 /// The whole configuration of one training run.
@@ -95,6 +105,9 @@ struct RunConfig {
   void validate() const;
   /// YAML text of the resolved configuration (every key, defaults filled in).
   std::string to_yaml() const;
+  /// data.block_budget, or its default when unset (see DataSection::block_budget).
+  int64_t block_budget() const;
+
   /// The keys whose values differ from `other` and would change the model or the data order
   /// (everything except intervals, keep_last, runtime and output paths), as "key: old -> new".
   std::vector<std::string> resume_incompatibilities(const RunConfig& other) const;

@@ -36,6 +36,8 @@ void IntervalMetrics::add_step(const DrafterStepResult& r, int64_t step_tokens,
   t_target += t.target;
   t_drafter += t.drafter;
   t_gpu_drafter += r.drafter_device_s.value_or(0.0);
+  t_gpu_optimizer += r.optimizer_device_s.value_or(0.0);
+  t_host_wait += r.host_wait_s.value_or(0.0);
   t_total += t.total;
 }
 
@@ -55,6 +57,8 @@ json IntervalMetrics::to_json() const {
           {"t_target", t_target},
           {"t_drafter", t_drafter},
           {"t_gpu_drafter", t_gpu_drafter},
+          {"t_gpu_optimizer", t_gpu_optimizer},
+          {"t_host_wait", t_host_wait},
           {"t_total", t_total}};
 }
 
@@ -75,6 +79,8 @@ IntervalMetrics IntervalMetrics::from_json(const json& j) {
     m.t_target = j.at("t_target");
     m.t_drafter = j.at("t_drafter");
     m.t_gpu_drafter = j.value("t_gpu_drafter", 0.0);  // absent in checkpoints before the CUDA step
+    m.t_gpu_optimizer = j.value("t_gpu_optimizer", 0.0);  // absent before the memory plan
+    m.t_host_wait = j.value("t_host_wait", 0.0);
     m.t_total = j.at("t_total");
     return m;
   } catch (const json::exception& e) {
@@ -110,6 +116,12 @@ json interval_record(const IntervalMetrics& iv, int64_t step, int64_t epoch, dou
   };
   // Only backends that time the device report it (a CPU run has no such figure, not 0).
   if (iv.t_gpu_drafter > 0) r["s_drafter_gpu"] = iv.t_gpu_drafter / steps;
+  if (iv.t_gpu_optimizer > 0) r["s_optimizer_gpu"] = iv.t_gpu_optimizer / steps;
+  if (iv.t_gpu_drafter > 0 && iv.t_gpu_optimizer > 0) {
+    // t_target holds the target's device time when the backend measured the drafter's.
+    r["s_device"] = (iv.t_target + iv.t_gpu_drafter + iv.t_gpu_optimizer) / steps;
+  }
+  if (iv.t_host_wait > 0) r["s_host_wait"] = iv.t_host_wait / steps;
   r["rss_bytes"] = rss_bytes();
   return r;
 }

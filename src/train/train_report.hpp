@@ -36,7 +36,9 @@ struct IntervalMetrics {
   int64_t steps = 0;                   ///< steps of the interval, skipped ones included
   int64_t tokens = 0, supervised = 0;  ///< context tokens and loss-mask tokens
   double t_data = 0, t_target = 0, t_drafter = 0, t_total = 0;  ///< Σ StepTimes
-  double t_gpu_drafter = 0;  ///< Σ device time of the drafter step (0: never measured)
+  double t_gpu_drafter = 0;    ///< Σ device time of the drafter step (0: never measured)
+  double t_gpu_optimizer = 0;  ///< Σ device time of the optimizer update (0: never measured)
+  double t_host_wait = 0;      ///< Σ host time blocked on the device (0: never measured)
 
   explicit IntervalMetrics(int K = 0) : obj(K) {}
   /// Adds one step: its result (merged into obj and grad_norm_sum unless skipped), its batch's
@@ -50,8 +52,10 @@ struct IntervalMetrics {
 
 /// The metrics.jsonl record of a finished interval: step, epoch, lr, loss, accuracy, per-slot
 /// accuracy (slots 1..K−1; 0 for a slot never supervised), τ, mean grad norm, skipped steps so far,
-/// tokens/s, supervised tokens/s, seconds per step (total, data, target, drafter, and the drafter's
-/// device time when measured), resident memory.
+/// tokens/s, supervised tokens/s, seconds per step (total, data, target, drafter, and when the
+/// backend measured them: the drafter's and the optimizer's device time, s_device = target +
+/// drafter + optimizer device time, and s_host_wait, the host's time blocked on the device),
+/// resident memory.
 nlohmann::json interval_record(const IntervalMetrics& iv, int64_t step, int64_t epoch, double lr,
                                int64_t skipped_total);
 

@@ -23,6 +23,8 @@
 #include "model/drafter_io.hpp"
 #include "model/target.hpp"
 #include "train/checkpoint.hpp"
+#include "train/memory_plan.hpp"
+#include "train/objective.hpp"
 #include "train/optimizer.hpp"
 #include "train/run_dir.hpp"
 #include "train/train_backend.hpp"
@@ -46,26 +48,14 @@ double seconds_since(Clock::time_point t) {
 
 // ------------------------------------------------------------------------------------------ setup
 
-DrafterConfig drafter_config_of(const RunConfig& cfg, const TargetModel& target,
-                                const Tokenizer& tok) {
-  DrafterSizes sizes;
-  if (cfg.model.intermediate_size) sizes.intermediate_size = *cfg.model.intermediate_size;
-  if (cfg.model.num_attention_heads) sizes.num_heads = *cfg.model.num_attention_heads;
-  if (cfg.model.num_key_value_heads) sizes.num_kv_heads = *cfg.model.num_key_value_heads;
-  if (cfg.model.head_dim) sizes.head_dim = *cfg.model.head_dim;
-  sizes.block_size = cfg.training.block_size;
-  std::optional<std::vector<int>> taps;
-  if (!cfg.model.target_layer_ids.empty()) taps = cfg.model.target_layer_ids;
-  return drafter_config_for_target(target.config(), cfg.model.drafter_layers, sizes,
-                                   cfg.model.mask_token_id, taps, &tok);
-}
-
 TrainBackendOptions backend_options_of(const RunConfig& cfg) {
   TrainBackendOptions o;
   o.backend = cfg.runtime.backend;
   o.devices = cfg.runtime.devices;
   o.cuda_graphs = cfg.runtime.cuda_graphs;
   o.max_context_tokens = static_cast<int64_t>(cfg.data.rows_per_step) * cfg.data.token_budget;
+  o.max_blocks = train_step_capacity(cfg).blocks;
+  o.device_memory_gib = cfg.runtime.device_memory_gib;
   o.adam = {cfg.training.beta1, cfg.training.beta2, cfg.training.adam_eps,
             cfg.training.weight_decay};
   o.clip_grad_norm = cfg.training.clip_grad_norm;
@@ -98,13 +88,35 @@ TokenDataset prepare_data(const RunConfig& cfg, const RunDir& rd, const Tokenize
   return std::move(prep.dataset);
 }
 
-BatcherOptions batcher_options_of(const RunConfig& cfg) {
+// The batcher of the run; with a block budget that can bind, it needs every document's block
+// count (what sample_anchors will take from it).
+Batcher make_batcher(const RunConfig& cfg, TokenDataset data) {
   BatcherOptions bo;
   bo.token_budget = cfg.data.token_budget;
   bo.rows = cfg.data.rows_per_step;
   bo.sort_by_length = cfg.data.sort_by_length;
   bo.seed = cfg.training.seed;
-  return bo;
+  bo.block_budget = cfg.block_budget();
+  if (bo.block_budget < bo.token_budget) {
+    bo.doc_blocks.resize(static_cast<size_t>(data.num_docs()));
+    for (int64_t d = 0; d < data.num_docs(); ++d) {
+      bo.doc_blocks[static_cast<size_t>(d)] =
+          document_blocks(data.doc_loss_mask(d), cfg.training.num_anchors);
+    }
+  }
+  return Batcher(std::move(data), bo);
+}
+
+// The cuda backend's memory plan, logged and checked before anything is allocated on the device
+// (the backend allocates this same plan). Returns whether a plan was made.
+bool check_memory_plan(const RunConfig& cfg, const ModelConfig& target, const DrafterConfig& d,
+                       const DrafterLayout& layout, TrainReport& report) {
+  if (cfg.runtime.backend != "cuda") return false;
+  const TrainMemoryPlan plan = plan_train_memory(cfg, target, d, layout);
+  report.log(plan.table());
+  DFLASH_CHECK(plan.fits(), "{}",
+               plan_shortfall_message(plan, largest_fitting_budget(cfg, target, d, layout)));
+  return true;
 }
 
 // Everything the step loop works with, built in declaration order by the constructor.
@@ -116,6 +128,7 @@ struct Session {
   Tokenizer tok;
   DrafterConfig dcfg;
   DrafterLayout layout;
+  bool planned;          // the device memory plan was logged and fits (cuda backend)
   TrainBackend backend;  // before the data: a backend that cannot start fails before tokenizing
   Batcher batcher;
   int64_t per_epoch;
@@ -132,10 +145,11 @@ struct Session {
         report(rep),
         target(TargetModel::load(c.model.target)),
         tok(Tokenizer::load(c.model.target)),
-        dcfg(drafter_config_of(c, target, tok)),
+        dcfg(drafter_config_for_run(c, target.config(), &tok)),
         layout(dcfg),
+        planned(check_memory_plan(c, target.config(), dcfg, layout, rep)),
         backend(train_backend_create(backend_options_of(c), target, dcfg, layout)),
-        batcher(prepare_data(c, r, tok, rep), batcher_options_of(c)),
+        batcher(make_batcher(c, prepare_data(c, r, tok, rep))),
         per_epoch(batcher.batches_in_epoch(0)),
         total_steps(c.training.max_steps > 0 ? c.training.max_steps
                                              : per_epoch * c.training.epochs),
@@ -308,6 +322,40 @@ TrainResult train_loop(Session& s, const TrainOptions& opts) {
 
 }  // namespace
 
+DrafterConfig drafter_config_for_run(const RunConfig& cfg, const ModelConfig& target,
+                                     const Tokenizer* tok) {
+  DrafterSizes sizes;
+  if (cfg.model.intermediate_size) sizes.intermediate_size = *cfg.model.intermediate_size;
+  if (cfg.model.num_attention_heads) sizes.num_heads = *cfg.model.num_attention_heads;
+  if (cfg.model.num_key_value_heads) sizes.num_kv_heads = *cfg.model.num_key_value_heads;
+  if (cfg.model.head_dim) sizes.head_dim = *cfg.model.head_dim;
+  sizes.block_size = cfg.training.block_size;
+  std::optional<std::vector<int>> taps;
+  if (!cfg.model.target_layer_ids.empty()) taps = cfg.model.target_layer_ids;
+  return drafter_config_for_target(target, cfg.model.drafter_layers, sizes, cfg.model.mask_token_id,
+                                   taps, tok);
+}
+
+std::string print_train_memory_plan(const RunConfig& cfg) {
+  const fs::path target_dir = cfg.model.target;
+  const ModelConfig tcfg = model_config_load(target_dir);
+  std::optional<Tokenizer> tok;
+  if (fs::exists(target_dir / "tokenizer.json")) tok = Tokenizer::load(target_dir);
+  const DrafterConfig dcfg = drafter_config_for_run(cfg, tcfg, tok ? &*tok : nullptr);
+  const DrafterLayout layout(dcfg);
+  const TrainMemoryPlan plan = plan_train_memory(cfg, tcfg, dcfg, layout);
+  fmt::print(
+      "cuda backend, one device: target {} ({} layers, hidden {}), drafter {} layers "
+      "({} parameters), {} row(s) x {} tokens, block budget {} per row, block size {}\n"
+      "{}\n",
+      target_dir.string(), tcfg.num_hidden_layers, tcfg.hidden_size, dcfg.num_layers, layout.total,
+      cfg.data.rows_per_step, cfg.data.token_budget, cfg.block_budget(), dcfg.block_size,
+      plan.table());
+  return plan.fits()
+             ? std::string()
+             : plan_shortfall_message(plan, largest_fitting_budget(cfg, tcfg, dcfg, layout));
+}
+
 void install_train_signal_handlers() {
   std::signal(SIGINT, on_stop_signal);
   std::signal(SIGTERM, on_stop_signal);
@@ -334,6 +382,7 @@ TrainResult train(const TrainOptions& opts) {
   TrainReport report(rd);
   try {
     Session s(cfg, rd, report);
+    if (!s.backend.memory_report.empty()) report.log(s.backend.memory_report);
     restore_or_init(s, opts, resuming ? complete.back().second : fs::path());
     report.status().checkpoint = s.last_ckpt;
     report.log(

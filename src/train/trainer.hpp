@@ -20,9 +20,13 @@
 #include <string>
 #include <vector>
 
+#include "model/config.hpp"
+#include "model/drafter.hpp"
 #include "train/run_config.hpp"
 
 namespace dflash {
+
+class Tokenizer;
 
 /// How `dflash train` was asked to start.
 struct TrainOptions {
@@ -44,6 +48,18 @@ struct TrainResult {
 /// Runs training as configured. Throws dflash::Error on any failure (after recording it in
 /// status.json when the run directory is already open).
 TrainResult train(const TrainOptions& opts);
+
+/// The drafter of a run: `cfg`'s model section over `target` (DESIGN.md §1 defaults for what it
+/// leaves out; drafter_config_for_target). `tok` (may be null) lets the mask id be checked against
+/// the tokenizer. Throws dflash::Error naming the key for an inconsistent model section.
+DrafterConfig drafter_config_for_run(const RunConfig& cfg, const ModelConfig& target,
+                                     const Tokenizer* tok);
+
+/// `dflash train --plan`: prints the device memory plan of `cfg`'s training step on the cuda
+/// backend (reading only the target's config.json and tokenizer, no weights). Returns "" when it
+/// fits runtime.device_memory_gib, else the message naming the shortfall and the largest token
+/// budget that fits.
+std::string print_train_memory_plan(const RunConfig& cfg);
 
 /// Installs SIGINT/SIGTERM handlers that ask a running train() to checkpoint and stop.
 void install_train_signal_handlers();

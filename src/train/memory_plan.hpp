@@ -1,0 +1,99 @@
+// dflash.cpp — the device memory plan of `dflash train` on one GPU (issue: real scale), computed
+// before anything is allocated: one arena holding the target's weights (layers up to the deepest
+// tap), its tap-forward activations, the drafter's state, activations and workspaces, the op
+// scratch pool and the step inputs (model/step_plan.hpp), plus what the CUDA runtime takes beside
+// it (context and library handles, the cuBLASLt workspace). The CUDA backend allocates exactly the
+// arena of this plan and takes every buffer from it by name, so the arena figure is the
+// allocation; the context figure is a measurement (see kCudaContextBytes).
+//
+// Invariants: a pure function of (target config, drafter config, step capacity, options); no
+// device is touched. `fits()` compares the total with runtime.device_memory_gib.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "core/arena_plan.hpp"
+#include "model/config.hpp"
+#include "model/drafter.hpp"
+#include "model/step_plan.hpp"
+#include "train/run_config.hpp"
+
+namespace dflash {
+
+/// Blocks of a staged step are padded to a multiple of this many (CudaTrainBackend), so that
+/// few shapes occur.
+inline constexpr int64_t kBlockRowsMultiple = 64;
+/// Device memory the CUDA context, the cuBLASLt handle and the kernels' modules take beside our
+/// allocations: measured on the H200 (driver 580.159.04, CUDA 13.0) on 2026-12-01 as 560.8 MiB in
+/// use after CudaContext creation, of which 32 MiB are the cuBLASLt workspace below. The train log
+/// prints the value measured at start.
+inline constexpr uint64_t kCudaContextBytes = uint64_t{529} << 20;
+/// cuBLASLt workspace of a CudaContext (its default).
+inline constexpr uint64_t kCublasLtWorkspaceBytes = uint64_t{32} << 20;
+
+/// Largest shapes of a training step.
+struct TrainStepCapacity {
+  int64_t ctx_rows = 0;  ///< T = rows_per_step · token_budget
+  int64_t blocks = 0;    ///< largest number of real blocks in one step
+};
+
+/// Block rows of a packed step with `blocks` blocks: the blocks padded to a multiple of
+/// kBlockRowsMultiple (at least one multiple), times the block size K (the staged NK).
+int64_t padded_block_rows(int64_t blocks, int K);
+
+/// The capacity of `cfg`'s steps: T = rows·token_budget and rows·min(block_budget, token_budget−1)
+/// blocks (a row of n tokens has at most n − 1 candidate anchors).
+TrainStepCapacity train_step_capacity(const RunConfig& cfg);
+
+/// The plan (see the file comment).
+struct TrainMemoryPlan {
+  ArenaPlan arena;
+  int64_t T = 0, NK = 0;      ///< planned context rows and block rows
+  int64_t target_layers = 0;  ///< target layers uploaded (deepest tap + 1)
+  uint64_t context_bytes = kCudaContextBytes;
+  uint64_t cublaslt_bytes = kCublasLtWorkspaceBytes;
+  uint64_t device_bytes = 0;  ///< the budget (runtime.device_memory_gib)
+
+  /// Arena + context + cuBLASLt workspace.
+  uint64_t total_bytes() const { return arena.arena_bytes + context_bytes + cublaslt_bytes; }
+  bool fits() const { return total_bytes() <= device_bytes; }
+  /// The table printed by `--plan` and at the start of training: one row per group (bytes if
+  /// nothing were shared), the arena, the live bytes of each phase, the total and the budget.
+  std::string table() const;
+};
+
+/// Plans a training step of `cap` on one device with `device_memory_gib` GiB. Throws
+/// dflash::Error for capacities ≤ 0.
+TrainMemoryPlan plan_train_memory(const ModelConfig& target, const DrafterConfig& drafter,
+                                  const DrafterLayout& layout, const TrainStepCapacity& cap,
+                                  double device_memory_gib,
+                                  int64_t ce_chunk_rows = kDrafterCeChunkRows);
+
+/// The plan of `cfg` (train_step_capacity, runtime.device_memory_gib).
+TrainMemoryPlan plan_train_memory(const RunConfig& cfg, const ModelConfig& target,
+                                  const DrafterConfig& drafter, const DrafterLayout& layout);
+
+/// What fits when `cfg` does not: the largest token budget B (a multiple of 8, the batcher's shape
+/// divisor) whose plan fits, with the block budget scaled in proportion
+/// (ceil(block_budget·B / token_budget)); 0 when not even B = 8 fits.
+struct FittingBudget {
+  int64_t token_budget = 0;
+  int64_t block_budget = 0;
+};
+FittingBudget largest_fitting_budget(const RunConfig& cfg, const ModelConfig& target,
+                                     const DrafterConfig& drafter, const DrafterLayout& layout);
+/// The same search for any plan: `fits(B, N)` says whether token budget B with block budget N
+/// fits; `token_budget` and `block_budget` are the configured values (which do not fit).
+FittingBudget largest_fitting_budget(int64_t token_budget, int64_t block_budget,
+                                     const std::function<bool(int64_t, int64_t)>& fits);
+
+/// "the training step does not fit the device: it needs X and runtime.device_memory_gib allows Y
+/// (short by Z); the largest token budget that fits is <token_key>=B with <block_key>=N" (or that
+/// none fits).
+std::string plan_shortfall_message(const TrainMemoryPlan& plan, const FittingBudget& fit,
+                                   const std::string& token_key = "data.token_budget",
+                                   const std::string& block_key = "data.block_budget");
+
+}  // namespace dflash
