@@ -5,7 +5,7 @@
 // `dflash train --plan` (exit 0 / 1, the shortfall message), and the plans of the MoE families
 // (the tiny Qwen3-MoE and gpt-oss goldens): their biases, sinks, router and expert weights, window
 // ranges and expert workspace are planned buffers of the sizes TargetCuda takes; the plan of the
-// target forward alone at Qwen2.5-32B: it fits 140 GiB with
+// target forward alone at Qwen2.5-32B (`dflash bench --target-only --plan`): it fits 140 GiB with
 // the weights of the layers up to the deepest tap, biases included.
 #include "train/memory_plan.hpp"
 
@@ -385,4 +385,21 @@ TEST(MemoryPlan, Qwen25_32bTargetForwardFits140GiB) {
             weights + matrices);
   EXPECT_THROW(plan_target_forward_memory(c, {64}, 8192, 140.0), Error);
   EXPECT_THROW(plan_target_forward_memory(c, taps, 0, 140.0), Error);
+}
+
+TEST(MemoryPlan, BenchTargetOnlyPlanCommandExitsZeroWhenItFitsAndOneWithTheShortfall) {
+  const test::RunResult ok =
+      test::run_dflash({"bench", "--preset", "qwen2.5-32b", "--target-only", "--plan"});
+  EXPECT_EQ(ok.exit_code, 0) << ok.out << ok.err;
+  EXPECT_NE(ok.out.find("taps [1, 16, 31, 46, 61]"), std::string::npos) << ok.out;
+  EXPECT_NE(ok.out.find("target forward only, 62 target layers uploaded"), std::string::npos)
+      << ok.out;
+  EXPECT_NE(ok.out.find(": fits"), std::string::npos) << ok.out;
+  EXPECT_EQ(ok.out.find("drafter."), std::string::npos) << ok.out;
+  const test::RunResult no = test::run_dflash(
+      {"bench", "--preset", "qwen2.5-32b", "--target-only", "--plan", "--device-memory-gib", "40"});
+  EXPECT_EQ(no.exit_code, 1) << no.out << no.err;
+  EXPECT_NE(no.err.find("the target forward does not fit the device"), std::string::npos) << no.err;
+  EXPECT_NE(no.err.find("no token budget fits (the target weights alone"), std::string::npos)
+      << no.err;
 }
