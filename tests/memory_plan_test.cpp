@@ -4,7 +4,9 @@
 // against the 64 GiB target, the largest budget that fits a smaller device, and
 // `dflash train --plan` (exit 0 / 1, the shortfall message), and the plans of the MoE families
 // (the tiny Qwen3-MoE and gpt-oss goldens): their biases, sinks, router and expert weights, window
-// ranges and expert workspace are planned buffers of the sizes TargetCuda takes.
+// ranges and expert workspace are planned buffers of the sizes TargetCuda takes; the plan of the
+// target forward alone at Qwen2.5-32B (`dflash bench --target-only --plan`): it fits 140 GiB with
+// the weights of the layers up to the deepest tap, biases included.
 #include "train/memory_plan.hpp"
 
 #include <fmt/format.h>
@@ -339,4 +341,65 @@ TEST(MemoryPlan, Qwen3MoeTargetPlansOnlyTheLayerKindsItRuns) {
   EXPECT_EQ(sparse.arena.try_find("target.act.gu"), nullptr);
   EXPECT_EQ(planned(sparse, "target.act.moe.ys"), 512u * 64 * 4);
   expect_totals_add_up(sparse);
+}
+
+TEST(MemoryPlan, Qwen25_32bTargetForwardFits140GiB) {
+  // `dflash bench --preset qwen2.5-32b --target-only`: the taps of a 5-layer drafter's default
+  // spread over 64 layers, 8192 tokens (4 documents of 2048), on a 140 GiB H200.
+  const ModelPreset& t = model_preset("qwen2.5-32b");
+  const ModelConfig& c = t.config;
+  ASSERT_TRUE(c.attention_bias);
+  ASSERT_FALSE(c.o_proj_bias);
+  ASSERT_FALSE(c.tie_word_embeddings);
+  const std::vector<int> taps = default_target_layer_ids(64, 5);
+  EXPECT_EQ(taps, (std::vector<int>{1, 16, 31, 46, 61}));
+  const TrainMemoryPlan plan = plan_target_forward_memory(c, taps, 8192, 140.0);
+  SCOPED_TRACE(plan.table());
+  EXPECT_TRUE(plan.fits()) << format_bytes(plan.total_bytes());
+  EXPECT_EQ(plan.target_layers, 62);
+  EXPECT_EQ(plan.NK, 0);
+  EXPECT_EQ(plan.arena.phase_names, std::vector<std::string>{"target"});
+  // Weights, counted here from the published sizes (H 5120, I 27648, 40 heads and 8 KV heads of
+  // 128, V 152064): bf16 matrices, f32 q/k/v biases and norms. Every size is a multiple of 256.
+  const uint64_t H = 5120, I = 27648, QD = 40 * 128, KD = 8 * 128, V = 152064;
+  const uint64_t matrices = (QD * H + 2 * KD * H + H * QD + 2 * I * H + H * I) * 2;
+  const uint64_t vectors = (QD + 2 * KD + 2 * H) * 4;
+  const uint64_t weights = 2 * V * H * 2 + 64 * 4 + 62 * (matrices + vectors);
+  EXPECT_EQ(plan.arena.group_bytes(kGroupTargetWeights), weights);
+  EXPECT_NEAR(static_cast<double>(weights) / kGiB, 59.2, 0.05);
+  EXPECT_EQ(planned(plan, "target.layers.61.bq"), QD * 4);
+  EXPECT_EQ(planned(plan, "target.layers.61.bk"), KD * 4);
+  EXPECT_EQ(planned(plan, "target.layers.61.bv"), KD * 4);
+  EXPECT_EQ(plan.arena.try_find("target.layers.61.bo"), nullptr) << "Qwen2's o_proj has no bias";
+  EXPECT_EQ(plan.arena.try_find("target.layers.62.wq"), nullptr) << "past the deepest tap";
+  EXPECT_EQ(plan.arena.try_find("drafter.features"), nullptr) << "no drafter";
+  EXPECT_EQ(planned(plan, kTargetOnlyFeatures), 8192u * 5 * H * 2);
+  EXPECT_EQ(planned(plan, "target.act.gu"), 8192u * 2 * I * 2);
+  EXPECT_EQ(planned(plan, "inputs.pos"), 8192u * 4);
+  // One phase: everything is live at once, so the arena is the sum of the buffers.
+  EXPECT_EQ(plan.arena.arena_bytes, plan.arena.live_peak_bytes);
+  expect_totals_add_up(plan);
+  EXPECT_LT(plan.total_bytes(), 66 * kGiB);
+  // Not every layer: the full 64 would need two more.
+  EXPECT_GT(plan_target_forward_memory(c, {63}, 8192, 140.0).arena.group_bytes(kGroupTargetWeights),
+            weights + matrices);
+  EXPECT_THROW(plan_target_forward_memory(c, {64}, 8192, 140.0), Error);
+  EXPECT_THROW(plan_target_forward_memory(c, taps, 0, 140.0), Error);
+}
+
+TEST(MemoryPlan, BenchTargetOnlyPlanCommandExitsZeroWhenItFitsAndOneWithTheShortfall) {
+  const test::RunResult ok =
+      test::run_dflash({"bench", "--preset", "qwen2.5-32b", "--target-only", "--plan"});
+  EXPECT_EQ(ok.exit_code, 0) << ok.out << ok.err;
+  EXPECT_NE(ok.out.find("taps [1, 16, 31, 46, 61]"), std::string::npos) << ok.out;
+  EXPECT_NE(ok.out.find("target forward only, 62 target layers uploaded"), std::string::npos)
+      << ok.out;
+  EXPECT_NE(ok.out.find(": fits"), std::string::npos) << ok.out;
+  EXPECT_EQ(ok.out.find("drafter."), std::string::npos) << ok.out;
+  const test::RunResult no = test::run_dflash(
+      {"bench", "--preset", "qwen2.5-32b", "--target-only", "--plan", "--device-memory-gib", "40"});
+  EXPECT_EQ(no.exit_code, 1) << no.out << no.err;
+  EXPECT_NE(no.err.find("the target forward does not fit the device"), std::string::npos) << no.err;
+  EXPECT_NE(no.err.find("no token budget fits (the target weights alone"), std::string::npos)
+      << no.err;
 }

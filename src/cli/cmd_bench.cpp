@@ -29,6 +29,15 @@ void run_bench_command(BenchArgs& a) {
   if (a.mask >= 0) a.o.mask_token_id = a.mask;
   const BenchSetup s = bench_setup(a.o);
   const TrainMemoryPlan plan = bench_plan(s, a.o);
+  if (a.plan && a.o.target_only) {
+    fmt::print(
+        "{}: the target forward alone, taps [{}] (a {}-layer drafter's), {} row(s) x {} "
+        "tokens\n{}\n",
+        s.model_name, fmt::join(s.drafter.target_layer_ids, ", "), s.drafter.num_layers, a.o.rows,
+        a.o.token_budget, plan.table());
+    if (!plan.fits()) fail("{}", bench_shortfall_message(s, a.o));
+    return;
+  }
   if (a.plan) {
     fmt::print("{}: drafter {} layers, {} row(s) x {} tokens, {} blocks\n{}\n", s.model_name,
                s.drafter.num_layers, a.o.rows, a.o.token_budget, s.blocks, plan.table());
@@ -76,6 +85,9 @@ void add_bench_command(CLI::App& app) {
   b->add_option("--device-memory-gib", a->o.device_memory_gib, "Device memory for the plan")
       ->capture_default_str();
   b->add_option("--json", a->json, "Also write the figures as JSON to this file (- = stdout)");
+  b->add_flag("--target-only", a->o.target_only,
+              "Time the target's tap forward alone (the drafter's taps; weights up to the deepest "
+              "tap), as tools/hf_target_forward.py times HF's");
   b->add_flag("--plan", a->plan,
               "Print the memory plan of the step and exit (0: fits, 1: does not); no GPU needed");
   b->callback([a] { run_bench_command(*a); });

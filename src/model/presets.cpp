@@ -16,8 +16,11 @@ struct Row {
   const char* config_json;
 };
 
-// Qwen family mask id: the first id past the tokenizer's added tokens (DESIGN.md §1, 151669);
-// Llama 3: a reserved special token (<|reserved_special_token_0|> = 128002).
+// Qwen family mask id: the first id past the tokenizer's added tokens (DESIGN.md §1, 151669; the
+// same for Qwen2.5, whose tokenizer ends earlier, at 151665, and whose embedding has 152064 rows:
+// drafter_config_for_target's default); Llama 3: a reserved special token
+// (<|reserved_special_token_0|> = 128002). Qwen2.5-32B: the Instruct config (rms_norm_eps 1e-6,
+// 32768 positions; the sizes equal the base model's); q/k/v biases come with model_type qwen2.
 const Row kRows[] = {
     {"qwen3-8b", "Qwen/Qwen3-8B", 151669, R"({
       "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096,
@@ -31,6 +34,13 @@ const Row kRows[] = {
       "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
       "max_position_embeddings": 40960, "rope_theta": 1000000, "rms_norm_eps": 1e-6,
       "tie_word_embeddings": false, "torch_dtype": "bfloat16"})"},
+    {"qwen2.5-32b", "Qwen/Qwen2.5-32B-Instruct", 151669, R"({
+      "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 5120,
+      "intermediate_size": 27648, "num_hidden_layers": 64, "num_attention_heads": 40,
+      "num_key_value_heads": 8, "vocab_size": 152064, "max_position_embeddings": 32768,
+      "rope_theta": 1000000, "rms_norm_eps": 1e-6, "tie_word_embeddings": false,
+      "use_sliding_window": false, "sliding_window": 131072, "max_window_layers": 64,
+      "torch_dtype": "bfloat16"})"},
     {"llama3-8b", "meta-llama/Meta-Llama-3-8B-Instruct", 128002, R"({
       "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
       "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,

@@ -78,14 +78,14 @@ uint64_t target_op_scratch_bytes(const ModelConfig& c, int64_t n_layers) {
   return target_layer_mix(c, n_layers).moe ? moe_dispatch_cuda_scratch_bytes(c.num_experts) : 0;
 }
 
-void plan_target_weights(ArenaPlanner& p, const ModelConfig& c, int64_t n_layers) {
+void plan_target_weights(ArenaPlanner& p, const ModelConfig& c, int64_t n_layers, PhaseMask live) {
   DFLASH_CHECK(n_layers >= 0 && n_layers <= c.num_hidden_layers,
                "target plan: {} layers of a target with {}", n_layers, c.num_hidden_layers);
   const uint64_t H = u(c.hidden_size), I = u(c.intermediate_size), D = u(c.head_dim);
   const uint64_t NH = u(c.num_attention_heads);
   const uint64_t QD = NH * D, KD = u(c.num_key_value_heads) * D;
   const uint64_t E = u(c.num_experts), EI = u(c.expert_width);
-  const PhaseMask all = step_all_phases();
+  const PhaseMask all = live;
   const char* g = kGroupTargetWeights;
   p.add("target.embed", g, u(c.vocab_size) * H * kBf, all);
   if (!c.tie_word_embeddings) p.add("target.lm_head", g, u(c.vocab_size) * H * kBf, all);

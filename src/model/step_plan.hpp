@@ -95,7 +95,7 @@ TargetLayerMix target_layer_mix(const ModelConfig& c, int64_t n_layers);
 /// ops take no scratch). Bytes.
 uint64_t target_op_scratch_bytes(const ModelConfig& c, int64_t n_layers);
 
-/// TargetCuda's weights for layers [0, n_layers), all live in every phase:
+/// TargetCuda's weights for layers [0, n_layers), all live in the phases `live`:
 ///   "target.embed", "target.lm_head" (untied only) bf16 [V, H]; "target.inv_freq" f32 [D/2];
 ///   per layer "target.layers.{l}.":
 ///     wq [NH·D, H], wk, wv [NKV·D, H], wo [H, NH·D] bf16; in_norm, post_norm f32 [H];
@@ -108,8 +108,10 @@ uint64_t target_op_scratch_bytes(const ModelConfig& c, int64_t n_layers);
 ///     moe.gu_ptrs, moe.down_ptrs: device arrays of E pointers into them (the grouped GEMM's
 ///     operand lists); moe.gate_bias, moe.up_bias f32 [E·EI] and moe.down_bias [E·H]
 ///     (expert_bias).
-/// Throws dflash::Error for n_layers outside [0, num_hidden_layers].
-void plan_target_weights(ArenaPlanner& p, const ModelConfig& c, int64_t n_layers);
+/// `live`: the phases they are live in (every step phase; a plan of the target forward alone has
+/// only the target phase). Throws dflash::Error for n_layers outside [0, num_hidden_layers].
+void plan_target_weights(ArenaPlanner& p, const ModelConfig& c, int64_t n_layers,
+                         PhaseMask live = step_all_phases());
 /// TargetCuda::forward_taps activations of layers [0, n_layers) for up to `max_tokens` tokens,
 /// phase target only: "target.act.{x (f32 residual stream), hn, q, k, v, o, tap}"; with a dense
 /// layer "target.act.{gu, act}"; with a sliding layer "target.act.win" (the window ranges

@@ -326,11 +326,15 @@ void TargetCuda::random_weights(uint64_t seed) {
   const int64_t E = c.num_experts, EI = c.expert_width;
   const float bound = 0.02f * std::sqrt(3.0f);  // standard deviation 0.02
   uint64_t stream = seed;
+  uint64_t filled = 0;  // bytes filled on the device
   auto matrix = [&](uint16_t* w, int64_t n) {
     fill_uniform_cuda(ctx_, w, n, 0.0f, bound, ++stream);
+    filled += static_cast<uint64_t>(n) * 2;
   };
   auto constant = [&](float* w, int64_t n, float v) {
-    if (w) fill_uniform_cuda(ctx_, w, n, v, 0.0f, ++stream);
+    if (!w) return;  // a tensor the architecture lacks (checked against the plan below)
+    fill_uniform_cuda(ctx_, w, n, v, 0.0f, ++stream);
+    filled += static_cast<uint64_t>(n) * 4;
   };
   matrix(embed_, V * H);
   if (!tied_) matrix(head_, V * H);
@@ -370,6 +374,16 @@ void TargetCuda::random_weights(uint64_t seed) {
   }
   upload_expert_pointers(up);
   up.finish();
+  // Every planned weight byte was written (inv_freq and the expert pointers by the uploader): a
+  // tensor of the plan left out above would keep whatever the arena held.
+  ArenaPlanner plan(step_phase_names());
+  plan_target_weights(plan, c, num_layers());
+  uint64_t planned = 0;
+  for (const PlanBuffer& b : plan.finish().buffers) planned += b.bytes;
+  DFLASH_CHECK(filled + up.bytes() == planned,
+               "TargetCuda: the random weights of {} ({} layers) fill {} bytes of the {} planned "
+               "(a planned tensor has no random fill)",
+               c.source, num_layers(), filled + up.bytes(), planned);
 }
 
 void TargetCuda::moe_forward(const Moe& m, float* x, const uint16_t* hn, int64_t T) {

@@ -50,6 +50,8 @@ class TargetCuda {
   /// The same with random weights of `cfg`'s shapes filled on the device from `seed` (no
   /// checkpoint; for `dflash bench`): matrices, tables and MoE routers uniform with standard
   /// deviation 0.02 (HF's initializer_range), norm weights 1, biases and sinks 0 (ops/fill.hpp).
+  /// Throws dflash::Error, besides the errors above, when the fills do not cover every byte of
+  /// plan_target_weights (a planned tensor without a random fill).
   TargetCuda(cuda::CudaContext& ctx, const ModelConfig& cfg, uint64_t seed, int64_t max_tokens,
              int64_t n_layers = 0, cuda::DeviceArena* arena = nullptr);
 

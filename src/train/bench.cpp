@@ -81,6 +81,10 @@ BenchSetup bench_setup(const BenchOptions& o) {
 }
 
 TrainMemoryPlan bench_plan(const BenchSetup& s, const BenchOptions& o) {
+  if (o.target_only) {
+    return plan_target_forward_memory(s.target, s.drafter.target_layer_ids, o.rows * o.token_budget,
+                                      o.device_memory_gib);
+  }
   return plan_train_memory(s.target, s.drafter, DrafterLayout(s.drafter), s.capacity,
                            o.device_memory_gib);
 }
@@ -90,13 +94,88 @@ std::string bench_shortfall_message(const BenchSetup& s, const BenchOptions& o) 
   const int64_t blocks_per_row = s.blocks / o.rows;
   const FittingBudget fit =
       largest_fitting_budget(o.token_budget, blocks_per_row, [&](int64_t budget, int64_t blocks) {
+        if (o.target_only) {
+          return plan_target_forward_memory(s.target, s.drafter.target_layer_ids, o.rows * budget,
+                                            o.device_memory_gib)
+              .fits();
+        }
         const TrainStepCapacity cap{o.rows * budget, o.rows * blocks};
         return plan_train_memory(s.target, s.drafter, layout, cap, o.device_memory_gib).fits();
       });
-  return plan_shortfall_message(bench_plan(s, o), fit, "--token-budget", "blocks per row");
+  if (!o.target_only) {
+    return plan_shortfall_message(bench_plan(s, o), fit, "--token-budget", "blocks per row");
+  }
+  const TrainMemoryPlan plan = bench_plan(s, o);
+  const uint64_t need = plan.total_bytes(), have = plan.device_bytes;
+  return fmt::format(
+      "the target forward does not fit the device: it needs {} and --device-memory-gib allows {} "
+      "(short by {}); {}",
+      format_bytes(need), format_bytes(have), format_bytes(need - std::min(need, have)),
+      fit.token_budget > 0
+          ? fmt::format("the largest token budget that fits is --token-budget={}", fit.token_budget)
+          : std::string("no token budget fits (the target weights alone are too large)"));
 }
 
+namespace {
+
+double gib(double bytes) {
+  return bytes / 1073741824.0;
+}
+// v rounded to `digits` decimals (NaN stays NaN).
+double rounded(double v, int digits) {
+  const double f = std::pow(10.0, digits);
+  return std::round(v * f) / f;
+}
+
+// The target forward's figures in the form of tools/hf_target_forward.py's lines: rows = documents
+// (each attends only to itself, as HF's batch rows), seq = their length, the median device time
+// with graphs off; peak_gib = device memory in use beside the CUDA context (as torch's
+// max_memory_allocated, which counts only its own allocations).
+nlohmann::json target_forward_json(const BenchReport& r) {
+  const BenchPhase& p = r.phases.front();
+  const double tf = p.flops / (p.ms * 1e-3) / 1e12;
+  return {{"timing", "dflash taps"},
+          {"rows", r.documents},
+          {"seq", r.doc_length},
+          {"runs", r.steps},
+          {"median_ms", jnum(rounded(p.ms, 2))},
+          {"tokens_per_s", jnum(std::round(static_cast<double>(r.tokens_per_step) / p.ms * 1e3))},
+          {"tflops_per_s", jnum(rounded(tf, 1))},
+          {"pct_of_825", jnum(rounded(tf / 825 * 100, 1))},
+          {"graphs_on_median_ms", jnum(rounded(r.device_ms_on, 2))},
+          {"peak_gib", jnum(rounded(gib(r.used_bytes - r.context_bytes), 2))},
+          {"in_use_gib", jnum(rounded(gib(r.used_bytes), 2))},
+          {"plan_gib", jnum(rounded(gib(r.planned_bytes), 2))}};
+}
+
+// The table of `dflash bench --target-only`.
+std::string target_bench_table(const BenchReport& r) {
+  std::string t = r.header + "\n";
+  t += fmt::format("{:<30} {:>10} {:>10} {:>10} {:>9} {:>10}\n", "target forward", "ms", "TFLOP",
+                   "TFLOP/s", "% of 825", "tokens/s");
+  const double flops = r.phases.front().flops;
+  for (auto [name, ms] : {std::pair{"device time, graphs off", r.phases.front().ms},
+                          std::pair{"device time, graphs on", r.device_ms_on},
+                          std::pair{"wall time, graphs off", r.step_ms_off},
+                          std::pair{"wall time, graphs on", r.step_ms_on}}) {
+    const double tf = flops / (ms * 1e-3) / 1e12;
+    t += fmt::format("{:<30} {:>10} {:>10.1f} {:>10} {:>9} {:>10}\n", name, num(ms, "{:.2f}"),
+                     flops / 1e12, num(tf, "{:.0f}"), num(tf / 825 * 100, "{:.1f}"),
+                     num(static_cast<double>(r.tokens_per_step) / (ms * 1e-3), "{:.0f}"));
+  }
+  t += fmt::format(
+      "memory: plan total {} GiB (arena {} GiB); measured in use after the forwards {} GiB, of "
+      "which context and handles {} GiB\n",
+      num(gib(r.planned_bytes), "{:.2f}"), num(gib(r.arena_bytes), "{:.2f}"),
+      num(gib(r.used_bytes), "{:.2f}"), num(gib(r.context_bytes), "{:.2f}"));
+  t += "as tools/hf_target_forward.py prints: " + target_forward_json(r).dump();
+  return t;
+}
+
+}  // namespace
+
 std::string bench_table(const BenchReport& r) {
+  if (r.target_only) return target_bench_table(r);
   std::string t = r.header + "\n";
   t += fmt::format("{:<26} {:>10} {:>10} {:>10} {:>9}\n", "phase (graphs off)", "ms", "TFLOP",
                    "TFLOP/s", "% of 825");
@@ -167,6 +246,8 @@ nlohmann::json bench_json(const BenchReport& r) {
                     {"device_ms", jnum(r.device_ms_on)},
                     {"host_ms", jnum(r.host_ms_on)}};
   j["tokens_per_step"] = r.tokens_per_step;
+  j["target_only"] = r.target_only;
+  if (r.target_only && !r.phases.empty()) j["target_forward"] = target_forward_json(r);
   j["memory"] = {{"plan_total_bytes", jnum(r.planned_bytes)},
                  {"plan_arena_bytes", jnum(r.arena_bytes)},
                  {"measured_in_use_bytes", jnum(r.used_bytes)},
@@ -358,6 +439,99 @@ float elapsed(cudaEvent_t a, cudaEvent_t b) {
   return t;
 }
 
+// `dflash bench --target-only`: the target's tap forward alone, in the plan of that forward
+// (bench_plan), on the inputs of the full bench's first step (same tokens, positions and document
+// ranges). Each forward is timed with device events (median over o.steps after o.warmup) and by
+// the wall clock around enqueue and synchronize, with graphs off and on.
+BenchReport run_target_bench(const BenchOptions& o, const BenchSetup& s,
+                             const TrainMemoryPlan& plan) {
+  BenchReport r;
+  r.target_only = true;
+  cuda::CudaContext ctx(o.device);
+  r.context_bytes = static_cast<double>(used_device_memory());
+  cuda::DeviceArena arena(ctx, plan.arena);
+  TargetCuda target(ctx, s.target, o.seed + 1, plan.T, plan.target_layers, &arena);
+  const std::vector<int>& taps = s.drafter.target_layer_ids;
+  auto* features = arena.get<uint16_t>(
+      kTargetOnlyFeatures, plan.T * static_cast<int64_t>(taps.size()) * s.target.hidden_size);
+  const auto T = static_cast<size_t>(plan.T);
+  Staged tokens(arena, "inputs.tokens", T * 4), tranges(arena, "inputs.target_ranges", T * 16);
+  Staged pos(arena, "inputs.pos", T * 4);
+  const uint64_t pool = arena.planned_bytes("workspace.op_scratch");
+  ctx.allocator().use_pool(arena.get_bytes("workspace.op_scratch", pool), pool);
+  const std::vector<std::string> unused = arena.untaken();
+  DFLASH_CHECK(unused.empty(), "bench: planned buffer '{}' is not used (plan and code disagree)",
+               unused.empty() ? "" : unused.front());
+  HostBatch batch = make_rows(s, o);
+  const StagedStep packed = stage_bench_step(batch, s, o, 0);
+  DFLASH_CHECK(packed.T == plan.T, "bench: {} staged tokens for a plan of {}", packed.T, plan.T);
+  tokens.fill(packed.tokens);
+  tranges.fill(packed.context_ranges);
+  pos.fill(std::vector<int32_t>(packed.pos.begin(), packed.pos.begin() + plan.T));
+  cudaStream_t st = ctx.stream();
+  tokens.upload<int32_t>(st, 0, plan.T);
+  tranges.upload<AttnRange>(st, 0, plan.T);
+  pos.upload<int32_t>(st, 0, plan.T);
+  ctx.synchronize();
+  r.planned_bytes = static_cast<double>(plan.total_bytes());
+  r.arena_bytes = static_cast<double>(plan.arena.arena_bytes);
+  r.tokens_per_step = s.tokens;
+  r.documents = o.rows * s.docs_per_row;
+  r.doc_length = o.doc_length;
+  r.steps = o.steps;
+  r.header = fmt::format(
+      "dflash bench --target-only: {}, random weights; taps [{}] (a {}-layer drafter's): {} of {} "
+      "layers; {} row(s) x {} tokens ({} documents of {} per row); {}",
+      s.model_name, fmt::join(taps, ", "), s.drafter.num_layers, plan.target_layers,
+      s.target.num_hidden_layers, o.rows, o.token_budget, s.docs_per_row, o.doc_length,
+      cuda::device_description(o.device));
+
+  cudaEvent_t ev0 = ctx.new_event(true), ev1 = ctx.new_event(true);
+  cuda::GraphCache<int64_t> graphs;
+  auto enqueue = [&] {
+    target.forward_taps(features, static_cast<int32_t*>(tokens.dev), static_cast<int32_t*>(pos.dev),
+                        static_cast<AttnRange*>(tranges.dev), plan.T, taps);
+  };
+  // Medians of {wall, device} ms per forward.
+  auto measure = [&](bool use_graphs) {
+    std::vector<double> wall, device;
+    for (int i = 0; i < o.warmup + o.steps; ++i) {
+      const auto w0 = Clock::now();
+      DFLASH_CUDA_CHECK(cudaEventRecord(ev0, st));
+      if (use_graphs) {
+        graphs.run(plan.T, st, enqueue);
+      } else {
+        enqueue();
+      }
+      DFLASH_CUDA_CHECK(cudaEventRecord(ev1, st));
+      DFLASH_CUDA_CHECK(cudaEventSynchronize(ev1));
+      if (i < o.warmup) continue;
+      wall.push_back(std::chrono::duration<double, std::milli>(Clock::now() - w0).count());
+      device.push_back(elapsed(ev0, ev1));
+    }
+    return std::pair{median(wall), median(device)};
+  };
+  const double flops =
+      target_forward_flops(s.target, plan.target_layers, plan.T, causal_visible_keys(s, o));
+  r.phases = {{"target forward", NAN, flops, 0}};
+  if (o.graphs_off) {
+    const auto [wall, device] = measure(false);
+    r.phases.front().ms = device;
+    r.step_ms_off = wall;
+    r.device_ms_off = device;
+    r.host_ms_off = wall - device;
+  }
+  if (o.graphs_on) {
+    const auto [wall, device] = measure(true);
+    r.step_ms_on = wall;
+    r.device_ms_on = device;
+    r.host_ms_on = wall - device;
+  }
+  r.used_bytes = static_cast<double>(used_device_memory());
+  ctx.synchronize();
+  return r;
+}
+
 }  // namespace
 
 BenchReport run_bench(const BenchOptions& o) {
@@ -369,6 +543,7 @@ BenchReport run_bench(const BenchOptions& o) {
   const int n_dev = cuda::device_count();
   DFLASH_CHECK(o.device >= 0 && o.device < n_dev, "bench: --device {}: {} CUDA devices visible",
                o.device, n_dev);
+  if (o.target_only) return run_target_bench(o, s, plan);
   cuda::CudaContext ctx(o.device);
   r.context_bytes = static_cast<double>(used_device_memory());
   cuda::DeviceArena arena(ctx, plan.arena);
@@ -389,6 +564,9 @@ BenchReport run_bench(const BenchOptions& o) {
   r.planned_bytes = static_cast<double>(plan.total_bytes());
   r.arena_bytes = static_cast<double>(plan.arena.arena_bytes);
   r.tokens_per_step = s.tokens;
+  r.documents = o.rows * s.docs_per_row;
+  r.doc_length = o.doc_length;
+  r.steps = o.steps;
   r.header = fmt::format(
       "dflash bench: {}, random weights; drafter {} layers, taps [{}], block {}; {} row(s) x {} "
       "tokens ({} documents of {} per row), {} anchors per document: {} blocks ({} block rows); "

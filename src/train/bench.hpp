@@ -10,6 +10,11 @@
 // graphs off and on. Host time is the step's wall time minus its device time: what the host does
 // between device work (packing, staging, waiting for read-backs).
 //
+// With --target-only it times the target's tap forward alone (what a target worker runs), in the
+// plan of that forward alone (plan_target_forward_memory: weights up to the deepest tap of the
+// drafter's taps, activations, the tap features, inputs), so a 32B target fits one H200; its
+// figures are printed as tools/hf_target_forward.py prints the HF forward's.
+//
 // FLOP counts: model/step_plan.hpp (drafter_step_flops, target_forward_flops); rates are against
 // 825 TFLOP/s (cuBLASLt bf16 8192³ on the H200, DESIGN.md §4) and bytes against 4.3 TB/s.
 // Invariants: every figure not measured stays NaN and is printed as "-", never as 0.
@@ -49,6 +54,7 @@ struct BenchOptions {
   int device = 0;
   double device_memory_gib = 139.0;
   bool graphs_off = true, graphs_on = true;  ///< which step modes to time
+  bool target_only = false;  ///< time the target's tap forward alone (no drafter, no kernels)
   uint64_t seed = 0;
 };
 
@@ -63,7 +69,8 @@ struct BenchSetup {
 
 /// Resolves the options into shapes; throws dflash::Error naming the bad option.
 BenchSetup bench_setup(const BenchOptions& o);
-/// The memory plan of the bench step (the training plan of its shapes).
+/// The memory plan of the bench step (the training plan of its shapes; with target_only the plan of
+/// the target forward alone over rows · token_budget tokens, plan_target_forward_memory).
 TrainMemoryPlan bench_plan(const BenchSetup& s, const BenchOptions& o);
 /// "does not fit ...; the largest token budget that fits is --token-budget=B with N blocks per
 /// row" for a bench whose plan does not fit.
@@ -86,6 +93,10 @@ struct BenchKernel {
 /// Everything `dflash bench` measured.
 struct BenchReport {
   std::string header;              ///< model, shapes, device
+  bool target_only = false;        ///< phases hold the target forward alone (graphs off)
+  int64_t documents = 0;           ///< documents per step (each attends only to itself)
+  int64_t doc_length = 0;          ///< tokens per document
+  int steps = 0;                   ///< timed steps (or forwards) per graph mode
   std::vector<BenchPhase> phases;  ///< graphs off
   double host_ms_off = NAN;        ///< median wall − device time per step, graphs off
   double host_pack_ms = NAN;       ///< of which: anchors, block targets, staging (graphs off)

@@ -58,6 +58,29 @@ TrainMemoryPlan plan_train_memory(const ModelConfig& target, const DrafterConfig
   return plan;
 }
 
+TrainMemoryPlan plan_target_forward_memory(const ModelConfig& target, const std::vector<int>& taps,
+                                           int64_t max_tokens, double device_memory_gib) {
+  DFLASH_CHECK(max_tokens > 0, "memory plan: {} tokens per target forward", max_tokens);
+  DFLASH_CHECK(device_memory_gib > 0, "device memory must be > 0 GiB, got {}", device_memory_gib);
+  TrainMemoryPlan plan;
+  plan.T = max_tokens;
+  plan.target_layers = target_layers_needed(target, taps);
+  plan.device_bytes = static_cast<uint64_t>(std::floor(device_memory_gib * 1073741824.0));
+  ArenaPlanner p({step_phase_names()[kPhaseTarget]});
+  const PhaseMask ph = step_phases({kPhaseTarget});
+  plan_target_weights(p, target, plan.target_layers, ph);
+  plan_target_activations(p, target, plan.target_layers, plan.T);
+  const auto T = static_cast<uint64_t>(plan.T), H = static_cast<uint64_t>(target.hidden_size);
+  p.add(kTargetOnlyFeatures, kGroupTapFeatures, T * taps.size() * H * 2, ph);
+  p.add("workspace.op_scratch", kGroupOpScratch,
+        std::max(target_op_scratch_bytes(target, plan.target_layers), kArenaAlign), ph);
+  p.add("inputs.tokens", kGroupInputs, T * 4, ph);
+  p.add("inputs.target_ranges", kGroupInputs, T * sizeof(AttnRange), ph);
+  p.add("inputs.pos", kGroupInputs, T * 4, ph);
+  plan.arena = p.finish();
+  return plan;
+}
+
 TrainMemoryPlan plan_train_memory(const RunConfig& cfg, const ModelConfig& target,
                                   const DrafterConfig& drafter, const DrafterLayout& layout) {
   return plan_train_memory(target, drafter, layout, train_step_capacity(cfg),
@@ -112,7 +135,8 @@ std::string plan_shortfall_message(const TrainMemoryPlan& plan, const FittingBud
 
 std::string TrainMemoryPlan::table() const {
   std::string s =
-      fmt::format("memory plan: {} context rows, {} block rows, {} target layers uploaded\n", T, NK,
+      fmt::format("memory plan: {} context rows, {}, {} target layers uploaded\n", T,
+                  NK > 0 ? fmt::format("{} block rows", NK) : std::string("target forward only"),
                   target_layers);
   for (const std::string& g : arena.groups()) {
     s += fmt::format("  {:<58} {:>12}\n", g, format_bytes(arena.group_bytes(g)));

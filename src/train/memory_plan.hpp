@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "core/arena_plan.hpp"
 #include "model/config.hpp"
@@ -50,7 +51,7 @@ TrainStepCapacity train_step_capacity(const RunConfig& cfg);
 /// The plan (see the file comment).
 struct TrainMemoryPlan {
   ArenaPlan arena;
-  int64_t T = 0, NK = 0;      ///< planned context rows and block rows
+  int64_t T = 0, NK = 0;      ///< planned context rows and block rows (0: target forward alone)
   int64_t target_layers = 0;  ///< target layers uploaded (deepest tap + 1)
   uint64_t context_bytes = kCudaContextBytes;
   uint64_t cublaslt_bytes = kCublasLtWorkspaceBytes;
@@ -70,6 +71,25 @@ TrainMemoryPlan plan_train_memory(const ModelConfig& target, const DrafterConfig
                                   const DrafterLayout& layout, const TrainStepCapacity& cap,
                                   double device_memory_gib,
                                   int64_t ce_chunk_rows = kDrafterCeChunkRows);
+
+/// Name and group of the tap features in a plan of the target forward alone.
+inline constexpr const char* kTargetOnlyFeatures = "taps.features";
+inline constexpr const char* kGroupTapFeatures = "tap features (bf16, the drafter's input)";
+
+/// Plans the target's tap forward alone on one device (what a target worker holds; `dflash bench
+/// --target-only`), for up to `max_tokens` tokens and taps `taps` (layer ids), with
+/// `device_memory_gib` GiB. One phase ("target"); buffers:
+///   the target weights of layers [0, deepest tap] (plan_target_weights: embedding, untied LM
+///   head, inv_freq, per layer projections with their biases, norms, MLP);
+///   its activations (plan_target_activations);
+///   kTargetOnlyFeatures bf16 [max_tokens, n_taps·H] (what forward_taps writes);
+///   "workspace.op_scratch": target_op_scratch_bytes, at least kArenaAlign (a pool is never empty);
+///   "inputs.tokens", "inputs.pos" int32 [max_tokens], "inputs.target_ranges" [max_tokens]
+///   AttnRange.
+/// T = max_tokens, NK = 0, target_layers = deepest tap + 1. Throws dflash::Error for max_tokens
+/// ≤ 0, device_memory_gib ≤ 0, an empty tap list or a tap outside the target's layers.
+TrainMemoryPlan plan_target_forward_memory(const ModelConfig& target, const std::vector<int>& taps,
+                                           int64_t max_tokens, double device_memory_gib);
 
 /// The plan of `cfg` (train_step_capacity, runtime.device_memory_gib).
 TrainMemoryPlan plan_train_memory(const RunConfig& cfg, const ModelConfig& target,
