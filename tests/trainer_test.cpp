@@ -242,3 +242,37 @@ TEST(Trainer, CrashWhileWritingACheckpointLeavesThePreviousOneUsable) {
   ASSERT_EQ(ref.exit_code, 0) << ref.err;
   EXPECT_EQ(master_bytes(dir / "checkpoint-6"), master_bytes(tmp / "ref" / "checkpoint-6"));
 }
+
+TEST(Trainer, DataErrorsNameTheTrainSettingAndSkippedAndTruncatedRecordsAreCounted) {
+  test::TempDir tmp;
+  // The corpus with one bad record (a number where the turns belong) after its first line.
+  const std::string corpus = test::read_file(test::small_corpus());
+  const size_t first = corpus.find('\n') + 1;
+  test::write_file(tmp / "bad.jsonl",
+                   corpus.substr(0, first) + "{\"conversations\": 5}\n" + corpus.substr(first));
+  std::string yaml = yaml_for(tmp / "data", 2);
+  yaml.replace(yaml.find(test::small_corpus().string()), test::small_corpus().string().size(),
+               (tmp / "bad.jsonl").string());
+  test::write_file(tmp / "run.yaml", yaml);
+  auto r = test::run_dflash({"train", "--config", (tmp / "run.yaml").string()});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("bad.jsonl:2"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("data.skip_invalid=true"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("--skip-invalid"), std::string::npos) << r.err;
+
+  r = test::run_dflash({"train", "--config", (tmp / "run.yaml").string(), "data.skip_invalid=true",
+                        "output_dir=" + (tmp / "skip").string()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const json data = read_status(tmp / "skip").at("data");
+  EXPECT_EQ(data.at("records"), 201);
+  EXPECT_EQ(data.at("skipped_invalid"), 1);
+  const auto truncated = data.at("truncated").get<int64_t>();
+  EXPECT_GT(truncated, 0);  // max_length 256
+  EXPECT_GT(data.at("truncated_tokens").get<int64_t>(), truncated);
+  const std::string log = test::read_file(tmp / "skip" / "log.txt");
+  EXPECT_NE(log.find("1 invalid records skipped"), std::string::npos) << log;
+  EXPECT_NE(log.find(fmt::format("{} truncated to max_length 256", truncated)), std::string::npos)
+      << log;
+  auto st = test::run_dflash({"status", (tmp / "skip").string()});
+  EXPECT_NE(st.out.find("1 invalid records skipped"), std::string::npos) << st.out;
+}

@@ -62,6 +62,7 @@ void run_prepare(PrepareArgs a, const CLI::App& cmd) {
   o.chat_template = resolve_chat_template(model, a.template_name, a.enable_thinking);
   o.max_length = a.max_length;
   o.skip_invalid = a.skip_invalid;
+  o.skip_invalid_hint = "pass --skip-invalid or set data.skip_invalid: true in the --config file";
   o.threads = a.threads;
   o.force = a.force;
   o.tokenizer_hash = hash_file(tok_file);

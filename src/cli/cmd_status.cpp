@@ -57,6 +57,13 @@ void run_status(const std::string& dir) {
     fmt::print("tau       {:.3f}\n", num("tau"));
     fmt::print("tokens/s  {:.0f}\n", num("tokens_per_s"));
   }
+  if (st.contains("data")) {
+    const auto& d = st["data"];
+    fmt::print("data      {} conversations; {} invalid records skipped, {} truncated, {} without "
+               "a supervised token\n",
+               d.at("conversations").get<int64_t>(), d.at("skipped_invalid").get<int64_t>(),
+               d.at("truncated").get<int64_t>(), d.at("zero_supervised").get<int64_t>());
+  }
   if (st.contains("checkpoint")) fmt::print("checkpoint {}\n", st["checkpoint"].get<std::string>());
   if (st.contains("error")) fmt::print("error     {}\n", st["error"].get<std::string>());
 }

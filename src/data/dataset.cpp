@@ -598,8 +598,10 @@ Built build(const PrepareOptions& opts) {
       ++st.records;
       if (!o.ok) {
         if (!opts.skip_invalid) {
-          fail("{} [{}] (pass --skip-invalid to skip and count bad records)", o.error,
-               record_error_kind_name(o.kind));
+          fail("{} [{}]{}", o.error, record_error_kind_name(o.kind),
+               opts.skip_invalid_hint.empty()
+                   ? ""
+                   : fmt::format("; to skip and count bad records, {}", opts.skip_invalid_hint));
         }
         ++st.skipped_invalid;
         ++st.invalid_by_kind[std::string(record_error_kind_name(o.kind))];

@@ -132,8 +132,11 @@ struct PrepareOptions {
   std::filesystem::path data;   ///< .jsonl, .jsonl.xz or .jsonl.zst
   std::filesystem::path cache;  ///< cache file to reuse or (re)write
   ChatTemplate chat_template;
-  int64_t max_length = 2048;    ///< tokens per document (longer ones are truncated)
-  bool skip_invalid = false;    ///< count and skip bad records instead of stopping
+  int64_t max_length = 2048;  ///< tokens per document (longer ones are truncated)
+  bool skip_invalid = false;  ///< count and skip bad records instead of stopping
+  /// How the caller's user turns skip_invalid on ("pass --skip-invalid"), quoted in the error of
+  /// a bad record ("...; to skip and count bad records, <hint>"); "" quotes nothing.
+  std::string skip_invalid_hint;
   int threads = 0;              ///< tokenizer threads; 0 = all cores
   bool force = false;           ///< rebuild even when the cache matches
   EncodeFn encode;              ///< the target's tokenizer

@@ -114,6 +114,32 @@ json interval_record(const IntervalMetrics& iv, int64_t step, int64_t epoch, dou
   return r;
 }
 
+// ------------------------------------------------------------------------------------------ data
+
+json data_counts_json(const DatasetStats& st) {
+  return {{"records", st.records},
+          {"conversations", st.conversations},
+          {"tokens", st.tokens},
+          {"supervised_tokens", st.supervised_tokens},
+          {"skipped_invalid", st.skipped_invalid},
+          {"invalid_by_kind", st.invalid_by_kind},
+          {"truncated", st.truncated},
+          {"truncated_tokens", st.truncated_tokens},
+          {"zero_supervised", st.zero_supervised}};
+}
+
+std::string data_counts_line(const DatasetStats& st, int64_t max_length) {
+  std::vector<std::string> kinds;
+  for (const auto& [kind, n] : st.invalid_by_kind) kinds.push_back(fmt::format("{} {}", kind, n));
+  return fmt::format(
+      "data: {} records, {} conversations kept ({} tokens, {} supervised); {} invalid records "
+      "skipped{}; {} truncated to max_length {} ({} tokens cut); {} left out without a "
+      "supervised token",
+      st.records, st.conversations, st.tokens, st.supervised_tokens, st.skipped_invalid,
+      kinds.empty() ? "" : fmt::format(" ({})", fmt::join(kinds, ", ")), st.truncated, max_length,
+      st.truncated_tokens, st.zero_supervised);
+}
+
 // ----------------------------------------------------------------------------------------- status
 
 json TrainStatus::to_json() const {
@@ -122,6 +148,7 @@ json TrainStatus::to_json() const {
   if (total_steps) j["total_steps"] = *total_steps;
   if (eta_s) j["eta_s"] = *eta_s;
   if (!last.is_null()) j["last"] = last;
+  if (!data.is_null()) j["data"] = data;
   if (!checkpoint.empty()) j["checkpoint"] = checkpoint;
   if (!error.empty()) j["error"] = error;
   return j;

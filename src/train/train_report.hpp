@@ -15,6 +15,7 @@
 #include <optional>
 #include <string>
 
+#include "data/dataset.hpp"
 #include "train/objective.hpp"
 #include "train/run_dir.hpp"
 #include "train/train_backend.hpp"
@@ -55,6 +56,14 @@ struct IntervalMetrics {
 nlohmann::json interval_record(const IntervalMetrics& iv, int64_t step, int64_t epoch, double lr,
                                int64_t skipped_total);
 
+/// The training data's counts that status.json reports under "data" (DatasetStats of the token
+/// cache): records read, conversations kept, their tokens and supervised tokens, invalid records
+/// skipped (data.skip_invalid) in total and by kind, documents truncated to data.max_length and
+/// the tokens cut, documents left out for want of a supervised token.
+nlohmann::json data_counts_json(const DatasetStats& st);
+/// The same counts as one log line ("data: ..."); `max_length` is the truncation length.
+std::string data_counts_line(const DatasetStats& st, int64_t max_length);
+
 /// What status.json holds; fields that are not known are left out of the file.
 struct TrainStatus {
   std::string phase;            ///< loading, tokenizing, training, checkpointing, done, ...
@@ -62,6 +71,7 @@ struct TrainStatus {
   std::optional<int64_t> total_steps;
   std::optional<double> eta_s;
   nlohmann::json last;             ///< the last metrics record (null: none yet)
+  nlohmann::json data;             ///< training data counts, data_counts_json (null: not read yet)
   std::string checkpoint;          ///< the newest complete checkpoint ("" none)
   std::string error;               ///< failure message ("" none)
   nlohmann::json to_json() const;  ///< adds "pid"

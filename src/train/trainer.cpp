@@ -84,6 +84,8 @@ TokenDataset prepare_data(const RunConfig& cfg, const RunDir& rd, const Tokenize
   po.chat_template = resolve_chat_template(target_dir, cfg.data.template_name, false);
   po.max_length = cfg.data.max_length;
   po.skip_invalid = cfg.data.skip_invalid;
+  po.skip_invalid_hint =
+      "set data.skip_invalid: true in the config or pass the override data.skip_invalid=true";
   po.threads = cfg.runtime.threads;
   po.encode = [&tok](std::string_view text, std::vector<std::pair<size_t, size_t>>* offsets) {
     return tok.encode(text, offsets);
@@ -95,6 +97,8 @@ TokenDataset prepare_data(const RunConfig& cfg, const RunDir& rd, const Tokenize
   report.log(prep.reused
                  ? fmt::format("data: reusing cache {}", po.cache.string())
                  : fmt::format("data: built cache {} ({})", po.cache.string(), prep.reason));
+  report.log(data_counts_line(prep.dataset.stats(), cfg.data.max_length));
+  report.status().data = data_counts_json(prep.dataset.stats());
   return std::move(prep.dataset);
 }
 
