@@ -12,6 +12,7 @@
 #include "model/config.hpp"
 #include "model/drafter_io.hpp"
 #include "train/run_config.hpp"
+#include "train/train_report.hpp"
 #include "train/trainer.hpp"
 
 namespace dflash::cli {
@@ -61,9 +62,14 @@ void run_train(const TrainArgs& a) {
   o.halt_at_step = a.halt_at;
   install_train_signal_handlers();
   TrainResult r = train(o);
-  fmt::print("{} after {} steps (skipped {}): loss {:.4f}, simulated τ {:.3f}\ncheckpoint {}\n",
-             r.interrupted ? "stopped" : "finished", r.steps_done, r.skipped_steps, r.final_loss,
-             r.final_tau, r.last_checkpoint);
+  const std::string figures =
+      r.last_metrics.is_null()
+          ? fmt::format("no log interval has completed (training.log_interval {})",
+                        o.config.training.log_interval)
+          : record_summary(r.last_metrics);
+  fmt::print("{} after {} steps (skipped {}): {}\ncheckpoint {}\n",
+             r.interrupted ? "stopped" : "finished", r.steps_done, r.skipped_steps, figures,
+             r.last_checkpoint);
 }
 
 void run_init_config(const std::string& target, int layers, const std::string& out) {

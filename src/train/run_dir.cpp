@@ -47,10 +47,10 @@ RunDir::~RunDir() {
 }
 
 void RunDir::append_metrics(const nlohmann::json& record) {
-  std::ofstream f(dir_ / "metrics.jsonl", std::ios::app);
+  std::ofstream f(metrics_path(), std::ios::app);
   f << record.dump() << "\n";
   f.flush();
-  DFLASH_CHECK(f.good(), "cannot append to '{}'", (dir_ / "metrics.jsonl").string());
+  DFLASH_CHECK(f.good(), "cannot append to '{}'", metrics_path().string());
 }
 
 void RunDir::write_status(const nlohmann::json& status) {

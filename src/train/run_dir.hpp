@@ -29,6 +29,8 @@ class RunDir {
   RunDir& operator=(const RunDir&) = delete;
 
   const std::filesystem::path& path() const { return dir_; }
+  /// <dir>/metrics.jsonl.
+  std::filesystem::path metrics_path() const { return dir_ / "metrics.jsonl"; }
   /// Appends one JSON object as a line to metrics.jsonl (flushed).
   void append_metrics(const nlohmann::json& record);
   /// Rewrites status.json atomically.

@@ -188,7 +188,9 @@ void restore_or_init(Session& s, const TrainOptions& opts, const fs::path& check
     }
     s.report.log(fmt::format("resumed from {} (step {})", checkpoint.string(), s.st.step));
     s.last_ckpt = checkpoint.string();
+    s.report.metrics_resume_at(s.st.step);
   } else {
+    s.report.metrics_restart();
     const auto n = static_cast<size_t>(s.layout.total);
     ds.params.resize(n);
     ds.adam_m.assign(n, 0.0f);
@@ -231,8 +233,7 @@ void finish_interval(Session& s, double eta_s, TrainResult& result) {
   const json record =
       interval_record(st.interval, st.step, st.cursor.epoch, s.sched.at(st.step - 1), st.skipped);
   s.report.interval(record, s.total_steps, eta_s);
-  result.final_loss = st.interval.obj.loss();
-  result.final_tau = st.interval.obj.tau();
+  result.last_metrics = record;
   st.interval = IntervalMetrics(s.dcfg.block_size);
 }
 
@@ -276,11 +277,15 @@ TrainResult train_loop(Session& s, const TrainOptions& opts) {
   const auto run_start = Clock::now();
   int64_t steps_this_run = 0;
   TrainResult result;
+  result.last_metrics = s.report.status().last;  // a resumed run's newest kept record
   while (st.step < s.total_steps) {
     StepTimes t;
     const DrafterStepResult r = run_step(s, t);
     ++steps_this_run;
-    bar.set_suffix(fmt::format("loss {:.3f} τ {:.2f}", r.metrics.loss(), r.metrics.tau()));
+    bar.set_suffix(
+        r.skipped() ? std::string(r.skip == StepSkip::non_finite ? "skipped (non-finite)"
+                                                                 : "skipped (no supervised slot)")
+                    : fmt::format("loss {:.3f} τ {:.2f}", r.metrics.loss(), r.metrics.tau()));
     bar.advance(1);
     const bool last = st.step == s.total_steps;
     if (st.step % s.cfg.training.log_interval == 0 || last) {
@@ -339,7 +344,11 @@ TrainResult train(const TrainOptions& opts) {
   try {
     Session s(cfg, rd, report);
     restore_or_init(s, opts, resuming ? complete.back().second : fs::path());
+    report.status().phase = "training";
     report.status().checkpoint = s.last_ckpt;
+    report.status().step = s.st.step;
+    report.status().total_steps = s.total_steps;
+    report.write_status();
     report.log(
         fmt::format("train: target {} ({} layers, hidden {}), drafter {} layers ({} "
                     "parameters), taps [{}], mask id {}, block {}, {} steps ({} "
@@ -348,6 +357,10 @@ TrainResult train(const TrainOptions& opts) {
                     s.target.config().hidden_size, s.dcfg.num_layers, s.layout.total,
                     fmt::join(s.dcfg.target_layer_ids, ","), s.dcfg.mask_token_id,
                     s.dcfg.block_size, s.total_steps, s.per_epoch, s.backend.description));
+    if (s.st.step >= s.total_steps) {
+      report.log(fmt::format("the run finished at step {} of {}: nothing to do", s.st.step,
+                             s.total_steps));
+    }
     TrainResult result = train_loop(s, opts);
     report.status().phase = result.interrupted ? "interrupted" : "done";
     report.status().step = result.steps_done;

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -38,7 +39,10 @@ struct TrainResult {
   int64_t skipped_steps = 0;        ///< non-finite steps skipped
   bool interrupted = false;         ///< stopped by a signal (or halt_at_step) after a checkpoint
   std::string last_checkpoint;      ///< path of the newest complete checkpoint
-  double final_loss = 0, final_tau = 0;  ///< metrics of the last log interval
+  /// The last metrics.jsonl record (train_report.hpp: interval_record), of this process or, after
+  /// a resume, the newest one kept; null when no log interval has completed. It has no loss or τ
+  /// when every step of its interval was skipped.
+  nlohmann::json last_metrics;
 };
 
 /// Runs training as configured. Throws dflash::Error on any failure (after recording it in
