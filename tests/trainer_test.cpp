@@ -1,7 +1,7 @@
 // Tests of `dflash train` (src/train/trainer): exact resume, signals, the run lock, torn
 // checkpoints, resume guards, and `dflash status` on a live run; what a run reports about skipped
-// steps and its data, the status of a finished run resumed, and metrics.jsonl after crashes
-// (issue 18). Runs are tiny (a 200-conversation slice of the corpus,
+// steps and its data, resume from damaged checkpoints, the status of a finished run resumed, and
+// metrics.jsonl after crashes (issue 18). Runs are tiny (a 200-conversation slice of the corpus,
 // 256-token rows, 2 anchors per document) so that each takes seconds.
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -321,6 +321,49 @@ TEST(Trainer, SkippedStepsAreReportedAsSkippedNeverAsZeros) {
   EXPECT_NE(r.out.find("no log interval has completed (training.log_interval 10)"),
             std::string::npos)
       << r.out;
+}
+
+TEST(Trainer, ResumeSkipsDamagedCheckpointsAndContinuesFromTheNewestIntactOne) {
+  test::TempDir tmp;
+  const fs::path dir = tmp / "run";
+  test::write_file(tmp / "run.yaml", yaml_for(dir, 6));
+  auto r = test::run_dflash({"train", "--config", (tmp / "run.yaml").string()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string finished = master_bytes(dir / "checkpoint-6");
+  // The issue's reproduction (checkpoint-6 without its model), and a damaged trainer_state.
+  fs::remove(dir / "checkpoint-6" / "model.safetensors");
+  const fs::path state = dir / "checkpoint-4" / "trainer_state" / "state.json";
+  std::string text = test::read_file(state);
+  text[text.find("\"step\": 4")] = ' ';  // same size, other bytes
+  test::write_file(state, text);
+
+  r = test::run_dflash({"train", "--resume", dir.string()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string log = test::read_file(dir / "log.txt");
+  EXPECT_NE(log.find("skipping checkpoint-6 (" +
+                     (dir / "checkpoint-6" / "model.safetensors").string() + ": missing"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("skipping checkpoint-4 (" + state.string() + ": content differs"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("resumed from " + (dir / "checkpoint-2").string()), std::string::npos) << log;
+  EXPECT_TRUE(fs::exists(dir / "checkpoint-6.rejected"));
+  EXPECT_TRUE(fs::exists(dir / "checkpoint-4.rejected"));
+  // Steps 3..6 again, bit-identical to the first attempt.
+  ASSERT_TRUE(fs::exists(dir / "checkpoint-6" / "model.safetensors"));
+  EXPECT_EQ(master_bytes(dir / "checkpoint-6"), finished);
+  EXPECT_EQ(metrics_steps(dir), steps_1_to(6));
+
+  // When no checkpoint verifies, resume fails and names each one's fault.
+  for (const auto& [step, path] : RunDir::complete_checkpoints(dir)) {
+    fs::resize_file(path / "trainer_state" / "optimizer.safetensors", 100);
+  }
+  r = test::run_dflash({"train", "--resume", dir.string()});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("no checkpoint passes verification"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("optimizer.safetensors: 100 bytes, the marker lists"), std::string::npos)
+      << r.err;
 }
 
 TEST(Trainer, ResumingAFinishedRunKeepsItsStatusAndFigures) {

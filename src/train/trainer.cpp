@@ -315,6 +315,29 @@ TrainResult train_loop(Session& s, const TrainOptions& opts) {
   return result;
 }
 
+// The checkpoint a resume continues from: the newest that verifies. Newer ones that fail are set
+// aside (checkpoint_set_aside), each logged with its reason.
+fs::path resume_checkpoint(const RunDir& rd, TrainReport& report) {
+  ResumePoint rp;
+  try {
+    rp = checkpoint_select(rd.path());
+  } catch (const Error& e) {
+    throw e.with_context("--resume");
+  }
+  for (const CheckpointRejection& r : rp.rejected) {
+    const fs::path aside = checkpoint_set_aside(r.dir);
+    report.log(fmt::format("--resume: skipping {} ({}); moved it to {}", r.dir.filename().string(),
+                           r.reason, aside.string()));
+  }
+  if (rp.check == CheckpointCheck::legacy_marker) {
+    report.log(
+        fmt::format("--resume: {} was written before checkpoints carried file digests; its "
+                    "files are not verified",
+                    rp.dir.string()));
+  }
+  return rp.dir;
+}
+
 }  // namespace
 
 void install_train_signal_handlers() {
@@ -331,19 +354,15 @@ TrainResult train(const TrainOptions& opts) {
   if (cfg.runtime.threads > 0) set_parallel_threads(cfg.runtime.threads);
 
   RunDir rd(cfg.output_dir);
-  const auto complete = RunDir::complete_checkpoints(rd.path());
-  if (resuming) {
-    DFLASH_CHECK(!complete.empty(), "--resume {}: no complete checkpoint to resume from",
-                 rd.path().string());
-  } else {
-    DFLASH_CHECK(complete.empty(),
-                 "run directory '{}' already holds checkpoints: use --resume to continue it, or "
-                 "choose another output_dir", rd.path().string());
-  }
+  DFLASH_CHECK(resuming || RunDir::complete_checkpoints(rd.path()).empty(),
+               "run directory '{}' already holds checkpoints: use --resume to continue it, or "
+               "choose another output_dir",
+               rd.path().string());
   TrainReport report(rd);
   try {
+    const fs::path checkpoint = resuming ? resume_checkpoint(rd, report) : fs::path();
     Session s(cfg, rd, report);
-    restore_or_init(s, opts, resuming ? complete.back().second : fs::path());
+    restore_or_init(s, opts, checkpoint);
     report.status().phase = "training";
     report.status().checkpoint = s.last_ckpt;
     report.status().step = s.st.step;

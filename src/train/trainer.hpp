@@ -12,7 +12,8 @@
 // Invariants: anchors are a pure function of (seed, epoch, batch index, row), so no RNG state needs
 // saving; a checkpoint is written to a temporary folder, fsynced, renamed and only then marked
 // COMPLETE; any error stops the run with a message and a non-zero exit; SIGINT/SIGTERM finish the
-// current step, write a checkpoint and exit 0.
+// current step, write a checkpoint and exit 0; a resume continues from the newest checkpoint whose
+// files match its marker (checkpoint_select), sets newer ones that do not aside and says why.
 #pragma once
 
 #include <cstdint>
