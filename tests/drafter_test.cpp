@@ -255,14 +255,21 @@ TEST(Drafter, VisibilityRuleIsExact) {
     EXPECT_EQ(block(l, 0), block(base, 0));
     EXPECT_NE(block(l, 1), block(base, 1));
   }
-  // Other blocks do not matter: block 1 alone gives the same logits.
+  // Other blocks do not matter: block 1 alone gives the same logits. Its GEMMs have fewer rows,
+  // and BLAS may block (and so round) a product of another shape differently (OpenBLAS's Haswell
+  // and Zen SGEMM kernels do): equal up to f32 rounding, not bit for bit. A leak from another
+  // block would change the logits by far more (the cases above check the same-shape rule exactly).
   {
     auto q = p;
     q.anchors = {{6, 0}};
     q.targets = block_targets(q.tokens, q.mask, q.doc_offsets, q.anchors, 4, 7.0);
     auto l = drafter_block_logits(q.cfg, *q.layout, q.params.data(), q.tables(), q.batch(),
                                   q.features.data(), ws);
-    EXPECT_EQ(block(l, 0), block(base, 1));
+    const std::vector<float> alone = block(l, 0), in_batch = block(base, 1);
+    ASSERT_EQ(alone.size(), in_batch.size());
+    for (size_t i = 0; i < alone.size(); ++i) {
+      EXPECT_NEAR(alone[i], in_batch[i], 1e-5f * (1.0f + std::fabs(in_batch[i]))) << "logit " << i;
+    }
   }
 }
 
