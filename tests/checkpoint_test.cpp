@@ -220,8 +220,8 @@ TEST(Checkpoint, SelectTakesTheNewestThatVerifiesAndListsTheOthersNewestFirst) {
   EXPECT_NE(rp.rejected[1].reason.find("optimizer.safetensors: 10 bytes"), std::string::npos);
 
   // Set aside, a rejected checkpoint no longer counts (nor is pruned) as one.
-  EXPECT_EQ(checkpoint_set_aside(run / "checkpoint-6"), run / "checkpoint-6.rejected");
-  EXPECT_TRUE(fs::exists(run / "checkpoint-6.rejected" / "COMPLETE"));
+  EXPECT_EQ(checkpoint_set_aside(run / "checkpoint-6"), run / "rejected-checkpoint-6");
+  EXPECT_TRUE(fs::exists(run / "rejected-checkpoint-6" / "COMPLETE"));
   EXPECT_EQ(RunDir::complete_checkpoints(run).back().first, 4);
 
   fs::remove(run / "checkpoint-2" / "config.json");

@@ -348,8 +348,8 @@ TEST(Trainer, ResumeSkipsDamagedCheckpointsAndContinuesFromTheNewestIntactOne) {
             std::string::npos)
       << log;
   EXPECT_NE(log.find("resumed from " + (dir / "checkpoint-2").string()), std::string::npos) << log;
-  EXPECT_TRUE(fs::exists(dir / "checkpoint-6.rejected"));
-  EXPECT_TRUE(fs::exists(dir / "checkpoint-4.rejected"));
+  EXPECT_TRUE(fs::exists(dir / "rejected-checkpoint-6"));
+  EXPECT_TRUE(fs::exists(dir / "rejected-checkpoint-4"));
   // Steps 3..6 again, bit-identical to the first attempt.
   ASSERT_TRUE(fs::exists(dir / "checkpoint-6" / "model.safetensors"));
   EXPECT_EQ(master_bytes(dir / "checkpoint-6"), finished);

@@ -157,8 +157,7 @@ ResumePoint checkpoint_select(const fs::path& run_dir) {
 }
 
 fs::path checkpoint_set_aside(const fs::path& dir) {
-  fs::path aside = dir;
-  aside += ".rejected";
+  const fs::path aside = dir.parent_path() / ("rejected-" + dir.filename().string());
   std::error_code ec;
   fs::remove_all(aside, ec);
   DFLASH_CHECK(!ec, "cannot remove '{}': {}", aside.string(), ec.message());

@@ -80,10 +80,11 @@ struct ResumePoint {
 /// none verifies (listing each one's reason).
 ResumePoint checkpoint_select(const std::filesystem::path& run_dir);
 
-/// Moves a checkpoint that failed verification out of the way: renames `dir` to "<dir>.rejected"
-/// (replacing an earlier folder of that name) and fsyncs the run directory, so that it is neither
-/// resumed from nor counted or pruned as a checkpoint, and is kept for inspection. Returns the new
-/// path. Throws dflash::Error naming the folder when the rename fails.
+/// Moves a checkpoint that failed verification out of the way: renames <run>/checkpoint-STEP to
+/// <run>/rejected-checkpoint-STEP (replacing an earlier folder of that name) and fsyncs the run
+/// directory, so that it is neither resumed from nor counted or pruned as a checkpoint (nor
+/// matched by a `checkpoint-*` glob), and is kept for inspection. Returns the new path. Throws
+/// dflash::Error naming the folder when the rename fails.
 std::filesystem::path checkpoint_set_aside(const std::filesystem::path& dir);
 
 /// Reads the trainer state of the complete checkpoint `dir` into `drafter` (sized for `layout`)

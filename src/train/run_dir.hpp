@@ -3,7 +3,7 @@
 //
 // Layout:  <dir>/.lock  config.resolved.yaml  log.txt  metrics.jsonl  status.json
 //          <dir>/checkpoint-<STEP>/{config.json, model.safetensors, trainer_state/..., COMPLETE}
-//          <dir>/checkpoint-<STEP>.rejected/   set aside by a resume (failed verification)
+//          <dir>/rejected-checkpoint-<STEP>/   set aside by a resume (failed verification)
 // Invariants: while a RunDir object lives, it holds an exclusive flock on <dir>/.lock (another
 // process opening the same directory fails at once, naming the holder's pid); status.json is
 // rewritten atomically; only checkpoint folders holding COMPLETE count.
