@@ -1,17 +1,21 @@
-// Tests of src/model/config: the embedded tiny-qwen3 config.json, qwen2/llama/mistral configs as HF
-// writes them (rope in the classic keys and in transformers-5 `rope_parameters`), HF defaults,
-// every error path (missing/ill-typed key, unknown model_type, unsupported rope) and the default
-// DFlash tap layers. Expected values are the numbers written in the JSON, or HF's formulas
+// Tests of src/model/config: the embedded tiny-qwen3 config.json, qwen2/llama/mistral/qwen3_moe/
+// gpt_oss configs as HF writes them (rope in the classic keys and in transformers-5
+// `rope_parameters`), HF defaults, every error path (missing/ill-typed key, unknown model_type,
+// unsupported rope or quantization) and the default DFlash tap layers; the tensors and parameter
+// counts the MoE configs imply (model/weights), against the published totals of Qwen3-30B-A3B
+// and gpt-oss-20b. Expected values are the numbers written in the JSON, or HF's formulas
 // evaluated in the test (yarn attention factor), or Python's round() results.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.hpp"
 #include "model/config.hpp"
+#include "model/weights.hpp"
 #include "util/test_util.hpp"
 
 using namespace dflash;
@@ -348,6 +352,197 @@ TEST(ModelConfig, IllTypedOrOutOfRangeValues) {
   EXPECT_EQ(model_config_from_json(j, "f.json").max_position_embeddings, 4096);
 }
 
+// Qwen3-30B-A3B's config.json (values as published).
+json qwen3_moe_config() {
+  return json::parse(R"({
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+    "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": true, "num_attention_heads": 32, "num_experts": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+    "output_router_logits": false, "rms_norm_eps": 1e-06, "rope_scaling": null,
+    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": null,
+    "tie_word_embeddings": false, "torch_dtype": "bfloat16", "use_cache": true,
+    "use_sliding_window": false, "vocab_size": 151936})");
+}
+
+// gpt-oss-20b's config.json (values as published; layer_types alternate, starting sliding).
+json gpt_oss_config() {
+  json j = json::parse(R"({
+    "architectures": ["GptOssForCausalLM"], "attention_bias": true, "attention_dropout": 0.0,
+    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+    "intermediate_size": 2880, "max_position_embeddings": 131072, "model_type": "gpt_oss",
+    "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+    "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": false,
+    "pad_token_id": 199999,
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn",
+        "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                     "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                     "truncate": false},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+    "swiglu_limit": 7.0, "tie_word_embeddings": false, "use_cache": true,
+    "vocab_size": 201088})");
+  for (int i = 0; i < 24; ++i)
+    j["layer_types"].push_back(i % 2 ? "full_attention" : "sliding_attention");
+  return j;
+}
+
+int64_t total_parameters(const ModelConfig& c) {
+  int64_t n = 0;
+  for (const WeightSpec& s : expected_weights(c)) n += s.parameters();
+  return n;
+}
+
+TEST(ModelConfig, Qwen3MoeExpertsAndPublishedParameterCounts) {
+  const ModelConfig c = model_config_from_json(qwen3_moe_config(), "q3moe.json");
+  EXPECT_EQ(c.arch, Arch::qwen3_moe);
+  EXPECT_TRUE(c.qk_norm);
+  EXPECT_FALSE(c.attention_sinks);
+  EXPECT_EQ(c.num_experts, 128);
+  EXPECT_EQ(c.num_experts_per_tok, 8);
+  EXPECT_EQ(c.expert_width, 768);
+  EXPECT_TRUE(c.norm_topk_prob);
+  EXPECT_EQ(c.routing, MoeRoutingMode::softmax_topk);
+  EXPECT_EQ(c.expert_activation, MoeActivation::swiglu);
+  EXPECT_EQ(c.num_moe_layers(), 48);
+  EXPECT_EQ(c.num_sliding_layers(), 0);
+  // HF's index.json of Qwen3-30B-A3B: 30,532,122,624 parameters; "3.3B activated".
+  EXPECT_EQ(total_parameters(c), 30532122624);
+  EXPECT_EQ(active_parameters(c), 30532122624 - 48LL * 120 * 3 * 768 * 2048);
+  const auto w = expected_weights(c);
+  auto has = [&](const std::string& n) {
+    return std::any_of(w.begin(), w.end(), [&](const WeightSpec& s) { return s.name == n; });
+  };
+  EXPECT_TRUE(has("model.layers.47.mlp.experts.127.down_proj.weight"));
+  EXPECT_TRUE(has("model.layers.0.mlp.gate.weight"));
+  EXPECT_FALSE(has("model.layers.0.mlp.gate_proj.weight"));
+}
+
+TEST(ModelConfig, Qwen3MoeDenseLayersWindowAndKeyForms) {
+  json j = qwen3_moe_config();
+  j["num_hidden_layers"] = 6;
+  j["decoder_sparse_step"] = 2;  // sparse: (l + 1) % 2 == 0 -> 1, 3, 5
+  j["mlp_only_layers"] = {3};
+  j.erase("num_experts");
+  j["num_local_experts"] = 16;  // as transformers 5 writes it
+  j["use_sliding_window"] = true;
+  j.erase("sliding_window");  // Qwen3MoeConfig's default window: 4096, on every layer
+  j.erase("norm_topk_prob");  // default false
+  ModelConfig c = model_config_from_json(j, "q.json");
+  EXPECT_EQ(c.moe_layers, (std::vector<bool>{false, true, false, false, false, true}));
+  EXPECT_EQ(c.num_experts, 16);
+  EXPECT_FALSE(c.norm_topk_prob);
+  EXPECT_EQ(c.sliding_window, 4096);
+  EXPECT_EQ(c.num_sliding_layers(), 6);
+  EXPECT_EQ(active_parameters(c),
+            total_parameters(c) - 2LL * (16 - 8) * 3 * 768 * 2048);  // 2 sparse layers
+
+  j["layer_types"] = json::array();
+  for (int i = 0; i < 6; ++i)
+    j["layer_types"].push_back(i ? "sliding_attention" : "full_attention");
+  expect_config_error(j, {"layer_types", "disagrees"});
+  j.erase("layer_types");
+  j["num_experts"] = 8;
+  expect_config_error(j, {"'num_experts' (8)", "'num_local_experts' (16)", "disagree"});
+  j.erase("num_experts");
+  j.erase("num_local_experts");
+  expect_config_error(j, {"missing required key 'num_experts'"});
+  j["num_experts"] = 4;
+  expect_config_error(j, {"num_experts_per_tok (8) exceeds the number of experts (4)"});
+  j["num_experts"] = 16;
+  j["mlp_only_layers"] = {6};
+  expect_config_error(j, {"mlp_only_layers", "[0, 6)"});
+  j["mlp_only_layers"] = json::array();
+  j.erase("moe_intermediate_size");
+  expect_config_error(j, {"missing required key 'moe_intermediate_size'"});
+  j["moe_intermediate_size"] = 768;
+  j.erase("head_dim");
+  expect_config_error(j, {"missing required key 'head_dim'", "qwen3_moe"});
+}
+
+TEST(ModelConfig, GptOssReleasedConfigAndPublishedParameterCounts) {
+  const ModelConfig c = model_config_from_json(gpt_oss_config(), "goss.json");
+  EXPECT_EQ(c.arch, Arch::gpt_oss);
+  EXPECT_TRUE(c.attention_bias);
+  EXPECT_TRUE(c.o_proj_bias);
+  EXPECT_TRUE(c.attention_sinks);
+  EXPECT_FALSE(c.qk_norm);
+  EXPECT_EQ(c.num_experts, 32);
+  EXPECT_EQ(c.num_experts_per_tok, 4);
+  EXPECT_EQ(c.expert_width, 2880);
+  EXPECT_EQ(c.routing, MoeRoutingMode::topk_softmax);
+  EXPECT_TRUE(c.router_bias && c.expert_bias);
+  EXPECT_EQ(c.expert_activation, MoeActivation::clamped_swiglu);
+  EXPECT_EQ(c.swiglu_limit, 7.0);
+  EXPECT_EQ(c.quantization, "mxfp4");
+  EXPECT_EQ(c.sliding_window, 128);
+  EXPECT_EQ(c.num_sliding_layers(), 12);
+  EXPECT_EQ(c.layer_types[0], LayerType::sliding_attention);
+  EXPECT_EQ(c.rope.type, RopeType::yarn);
+  EXPECT_EQ(c.rope.theta, 150000.0);
+  EXPECT_EQ(c.rope.factor, 32.0);
+  EXPECT_FALSE(c.rope.truncate);
+  EXPECT_NEAR(c.rope.attention_factor, 0.1 * std::log(32.0) + 1.0, 1e-12);
+  // OpenAI's model card: 20.91B parameters, 3.61B active (the card leaves the embedding table
+  // out of the active count; ours keeps it, as Qwen's "3.3B activated" does). Per layer: q/k/v/o
+  // with biases, sinks, a biased router, 32 experts (gate_up, its bias, down, its bias), 2 norms.
+  const int64_t H = 2880, attn = 4096 * H * 2 + 512 * H * 2 + 4096 + 512 * 2 + H + 64;
+  const int64_t expert = H * 2 * H + 2 * H + H * H + H, router = 32 * H + 32;
+  const int64_t embedding = 201088LL * H;
+  EXPECT_EQ(total_parameters(c), 24 * (attn + router + 32 * expert + 2 * H) + 2 * embedding + H);
+  EXPECT_EQ(total_parameters(c), 20914757184);  // "20.91B"
+  EXPECT_EQ(active_parameters(c) - embedding, 3608307264);  // "3.61B"
+  const auto w = expected_weights(c);
+  const auto it = std::find_if(w.begin(), w.end(), [](const WeightSpec& s) {
+    return s.name == "model.layers.3.mlp.experts.gate_up_proj_blocks";
+  });
+  ASSERT_NE(it, w.end());
+  EXPECT_EQ(it->shape, (Shape{32, 5760, 90, 16}));
+  EXPECT_EQ(it->format, WeightFormat::mxfp4_blocks);
+}
+
+TEST(ModelConfig, GptOssClassDefaultsAndQuantizationErrors) {
+  json j = gpt_oss_config();
+  for (const char* k : {"layer_types", "sliding_window", "rope_scaling", "rope_theta", "head_dim",
+                        "attention_bias", "swiglu_limit", "quantization_config"})
+    j.erase(k);
+  const ModelConfig c = model_config_from_json(j, "g.json");
+  EXPECT_EQ(c.head_dim, 64);  // GptOssConfig default, not 2880 / 64
+  EXPECT_EQ(c.sliding_window, 128);
+  EXPECT_EQ(c.layer_types[0], LayerType::sliding_attention);
+  EXPECT_EQ(c.layer_types[1], LayerType::full_attention);
+  EXPECT_EQ(c.rope.type, RopeType::yarn);
+  EXPECT_EQ(c.rope.theta, 150000.0);
+  EXPECT_EQ(c.rope.original_max_position_embeddings, 4096);
+  EXPECT_FALSE(c.rope.truncate);
+  EXPECT_TRUE(c.attention_bias);
+  EXPECT_TRUE(c.quantization.empty());
+  const auto w = expected_weights(c);
+  EXPECT_TRUE(std::any_of(w.begin(), w.end(), [](const WeightSpec& s) {
+    return s.name == "model.layers.0.mlp.experts.gate_up_proj" && s.shape == Shape{32, 2880, 5760};
+  }));
+
+  j["quantization_config"] = {{"quant_method", "gptq"}};
+  expect_config_error(j, {"quant_method 'gptq' is not supported"});
+  json q = qwen2_config();
+  q["quantization_config"] = {{"quant_method", "mxfp4"}};
+  expect_config_error(q, {"quant_method 'mxfp4' is not supported for qwen2"});
+  j["quantization_config"] = {{"quant_method", "mxfp4"}};
+  j["hidden_size"] = 2888;  // not a multiple of 32
+  const ModelConfig bad = model_config_from_json(j, "g.json");
+  try {
+    expected_weights(bad);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("multiples of 32"));
+  }
+}
+
 TEST(ModelConfig, EosTokenIdForms) {
   json j = tiny_config();
   j["eos_token_id"] = {5, 7};
@@ -361,7 +556,7 @@ TEST(ModelConfig, EosTokenIdForms) {
 TEST(ModelConfig, UnknownModelTypeListsTheSupportedOnes) {
   json j = tiny_config();
   j["model_type"] = "gpt2";
-  expect_config_error(j, {"'gpt2'", "qwen3", "qwen2", "llama", "mistral"});
+  expect_config_error(j, {"'gpt2'", "qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "gpt_oss"});
 }
 
 TEST(ModelConfig, LoadErrorsNameTheFile) {

@@ -456,8 +456,16 @@ TEST(DrafterIo, MaskTokenDefaultQwen3Family) {
   t.vocab_size = 151669;
   expect_error([&] { drafter_config_for_target(t, 5, {}, std::nullopt, std::nullopt, &tok); },
                {"never produces"});
-  // The family rule needs a Qwen target: a llama target with this tokenizer gets no default.
+  // Qwen3-MoE (Qwen3-30B-A3B) shares the tokenizer and the reserved id.
   t.vocab_size = 151936;
+  t.arch = Arch::qwen3_moe;
+  EXPECT_EQ(drafter_config_for_target(t, 5, {}, std::nullopt, std::nullopt, &tok).mask_token_id,
+            151669);
+  // The family rule needs a Qwen target: a llama or gpt-oss target with this tokenizer gets no
+  // default.
+  t.arch = Arch::gpt_oss;
+  expect_error([&] { drafter_config_for_target(t, 5, {}, std::nullopt, std::nullopt, &tok); },
+               {"set mask_token_id"});
   t.arch = Arch::llama;
   expect_error([&] { drafter_config_for_target(t, 5, {}, std::nullopt, std::nullopt, &tok); },
                {"set mask_token_id", "[151669, 151936)"});

@@ -79,6 +79,53 @@ TEST(Inspect, TinyQwen3Figures) {
   EXPECT_EQ(field(o, "tensors"), std::to_string(idx["weight_map"].size()));
 }
 
+fs::path fixture(const std::string& name) {
+  return dflash::test::source_dir() / "tests" / "fixtures" / "models" / name;
+}
+
+TEST(Inspect, Qwen3MoeFigures) {
+  auto r = run_dflash({"inspect", fixture("qwen3-moe").string()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string& o = r.out;
+  EXPECT_EQ(field(o, "architecture"), "qwen3_moe [Qwen3MoeForCausalLM]");
+  EXPECT_EQ(field(o, "experts"), "8 (top-2, router softmax_topk, norm_topk_prob yes)");
+  EXPECT_EQ(field(o, "expert intermediate size"), "16");
+  EXPECT_EQ(field(o, "moe layers"), "2 of 3 (dense: 2)");  // mlp_only_layers [2]
+  EXPECT_EQ(field(o, "expert activation"), "swiglu");
+  EXPECT_EQ(field(o, "attention sinks"), "no");
+  EXPECT_EQ(field(o, "quantization"), "none");
+  // Tied 512×64 embedding; per layer q/k/v/o (256, 128, 128, 256 rows of 64), q/k norms and two
+  // norms; layers 0, 1: router 8×64 and 8 experts of 3×16×64; layer 2: dense 3×96×64.
+  const int64_t attn = (256 + 128 + 128) * 64 + 64 * 256 + 2 * 64 + 2 * 64;
+  const int64_t expert = 3 * 16 * 64;
+  const int64_t total = 512 * 64 + 3 * attn + 2 * (8 * 64 + 8 * expert) + 3 * 96 * 64 + 64;
+  EXPECT_EQ(field(o, "parameters"), with_commas(total));
+  EXPECT_EQ(field(o, "active parameters"), with_commas(total - 2 * 6 * expert));
+}
+
+TEST(Inspect, GptOssMxfp4Figures) {
+  auto r = run_dflash({"inspect", fixture("gpt-oss-mxfp4").string()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string& o = r.out;
+  EXPECT_EQ(field(o, "architecture"), "gpt_oss [GptOssForCausalLM]");
+  EXPECT_EQ(field(o, "experts"), "4 (top-2, router topk_softmax, router bias, expert biases)");
+  EXPECT_EQ(field(o, "moe layers"), "2 of 2");
+  EXPECT_EQ(field(o, "expert activation"), "clamped_swiglu (alpha 1.702, limit 7)");
+  EXPECT_EQ(field(o, "attention sinks"), "yes");
+  EXPECT_EQ(field(o, "attention bias"), "q, k, v, o");
+  EXPECT_EQ(field(o, "sliding window"), "8 tokens on 1 of 2 layers");
+  EXPECT_EQ(field(o, "quantization"), "mxfp4 experts (dequantised to bf16 at load)");
+  EXPECT_EQ(field(o, "unexpected tensors"), "none");
+  // Untied 512×64 tables; per layer q/k/v/o (256, 64, 64 rows of 64; o 64×256) with biases, 4
+  // sinks, two norms, a biased 4×64 router and 4 experts (gate_up 128×64 + 128, down 64×64 + 64);
+  // the experts' 2·4·(128 + 64)·64/2 MXFP4 bytes hold two parameters each.
+  const int64_t attn = (256 + 64 + 64) * 64 + 64 * 256 + 256 + 64 + 64 + 64 + 4 + 2 * 64;
+  const int64_t expert = 128 * 64 + 128 + 64 * 64 + 64, router = 4 * 64 + 4;
+  const int64_t total = 2 * 512 * 64 + 2 * (attn + router + 4 * expert) + 64;
+  EXPECT_EQ(field(o, "parameters"), with_commas(total));
+  EXPECT_EQ(field(o, "active parameters"), with_commas(total - 2 * 2 * expert));
+}
+
 TEST(Inspect, ShapeContradictingConfigIsAClearError) {
   TempDir dir;
   copy_tiny(dir.path(), [](json& c) { c["intermediate_size"] = 1000; });

@@ -2,6 +2,7 @@
 // RoPE frequencies against numbers computed independently from HF modeling_rope_utils.py formulas
 // (numpy, float64), error reporting, stray-write guards, visibility (masked keys never read) and
 // determinism across thread counts.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -353,6 +354,73 @@ TEST(AttentionFwd, CausalVarlenMatchesDenseMaskedSoftmax) {
   attention_fwd_cpu(o.data(), lse.data(), q.data(), k.data(), v.data(), ranges.data(), p);
   EXPECT_LT(max_abs_diff(o.data(), dense_attention(q, k, v, ranges, p)), 1e-5);
   EXPECT_TRUE(o.intact() && lse.intact());
+}
+
+// Sinks: one extra logit per head in the softmax denominator (HF GptOssAttention, eager path:
+// cat([scores, sink]) → softmax → drop the sink column).
+TEST(AttentionFwd, SinksJoinTheSoftmaxWithoutValues) {
+  const int64_t T = 9, NH = 4, NKV = 2, D = 64;
+  std::vector<int32_t> offsets = {0, 4, 9};
+  const auto ranges = attention_causal_varlen_ranges(offsets.data(), 2, T);
+  std::mt19937 rng(17);
+  const VecF q = randf(T * NH * D, rng), k = randf(T * NKV * D, rng), v = randf(T * NKV * D, rng);
+  const VecF sinks = {-1.0f, 0.0f, 2.5f, 8.0f};
+  AttnParams p{T, T, NH, NKV, D, 1.0 / 8.0};
+  p.sinks = sinks.data();
+  GuardedBuffer o(T * NH * D), lse(NH * T);
+  attention_fwd_cpu(o.data(), lse.data(), q.data(), k.data(), v.data(), ranges.data(), p);
+  EXPECT_TRUE(o.intact() && lse.intact());
+  double worst = 0;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < NH; ++h) {
+      const int64_t g = h / (NH / NKV);
+      std::vector<double> s;
+      for (int64_t j = ranges[t].lo1; j < ranges[t].hi1; ++j) {
+        double d = 0;
+        for (int64_t e = 0; e < D; ++e)
+          d += double(q[(t * NH + h) * D + e]) * k[(j * NKV + g) * D + e];
+        s.push_back(d / 8.0);
+      }
+      s.push_back(sinks[h]);  // the sink column
+      double m = -INFINITY, sum = 0;
+      for (double x : s) m = std::max(m, x);
+      for (double x : s) sum += std::exp(x - m);
+      EXPECT_NEAR(lse.data()[h * T + t], m + std::log(sum), 1e-5);
+      for (int64_t e = 0; e < D; ++e) {
+        double want = 0;
+        for (int64_t j = ranges[t].lo1; j < ranges[t].hi1; ++j)
+          want += std::exp(s[j - ranges[t].lo1] - m) / sum * v[(j * NKV + g) * D + e];
+        worst = std::max(worst, std::abs(o.data()[(t * NH + h) * D + e] - want));
+      }
+    }
+  EXPECT_LT(worst, 1e-5);
+  // Head 3's sink (8) dominates: its outputs are far smaller than without sinks.
+  p.sinks = nullptr;
+  GuardedBuffer o2(T * NH * D);
+  attention_fwd_cpu(o2.data(), nullptr, q.data(), k.data(), v.data(), ranges.data(), p);
+  const int64_t at = (8 * NH + 3) * D;
+  EXPECT_LT(std::abs(o.data()[at]), 0.1 * std::abs(o2.data()[at]) + 1e-3);
+}
+
+TEST(AttentionWindow, NarrowsTheFirstRangeToTheLastWKeys) {
+  // Documents [0, 5) and [5, 12), window 3: row t sees [max(s, t - 2), t + 1).
+  std::vector<int32_t> offsets = {0, 5, 12};
+  auto r = attention_causal_varlen_ranges(offsets.data(), 2, 12);
+  r[11].lo2 = 20;  // a second range is kept as is
+  r[11].hi2 = 22;
+  std::vector<AttnRange> w(12);
+  attention_window_ranges(w.data(), r.data(), 12, 3);
+  for (int32_t t = 0; t < 12; ++t) {
+    const int32_t s = t < 5 ? 0 : 5;
+    EXPECT_EQ(w[t].lo1, std::max(s, t - 2)) << t;
+    EXPECT_EQ(w[t].hi1, t + 1) << t;
+  }
+  EXPECT_EQ(w[11].lo2, 20);
+  EXPECT_EQ(w[11].hi2, 22);
+  attention_window_ranges(r.data(), r.data(), 12, 1);  // in place; window 1: only itself
+  EXPECT_EQ(r[7].lo1, 7);
+  EXPECT_THAT(error_of([&] { attention_window_ranges(w.data(), r.data(), 12, 0); }),
+              ::testing::HasSubstr("window must be >= 1"));
 }
 
 TEST(AttentionFwd, MaskedKeysAreNeverRead) {

@@ -1,9 +1,11 @@
 // Parity of the target model with HF transformers on the small random checkpoints made by
 // tools/make_model_goldens.py (qwen2 with attention bias, llama with untied head and llama3 RoPE in
-// the classic config keys, llama with yarn RoPE in `rope_parameters` and o/mlp biases): every
-// folder under tests/fixtures/models/ holding config.json and golden.safetensors is checked —
-// every layer's output, the final norm and the logits within 1e-4 relative, and the greedy tokens
-// (plain loop and KV-cache loop) identical.
+// the classic config keys, llama with yarn RoPE in `rope_parameters` and o/mlp biases, Qwen3-MoE
+// with norm_topk_prob and a dense layer, Qwen3-MoE with sparse step 2 and a sliding window,
+// gpt-oss with bf16 experts and with MXFP4 experts): every folder under tests/fixtures/models/
+// holding config.json and golden.safetensors is checked — every layer's output, the final norm
+// and the logits within 1e-4 relative (fp32 on both sides; only summation order differs), and
+// the greedy tokens (plain loop and KV-cache loop) identical.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -59,6 +61,13 @@ TEST(TargetParity, RandomCheckpointsMatchHf) {
                     "`python3 tools/make_model_goldens.py --out tests/fixtures/models` on the "
                     "device (PyTorch + transformers 5) and commit the result";
   }
+  // Every family the CPU target supports has a committed golden; none may go missing silently.
+  for (const char* want : {"qwen2-bias", "llama3-rope", "llama-yarn", "qwen3-moe",
+                           "qwen3-moe-window", "gpt-oss", "gpt-oss-mxfp4"}) {
+    EXPECT_TRUE(std::any_of(folders.begin(), folders.end(),
+                            [&](const auto& d) { return d.filename() == want; }))
+        << "missing fixture tests/fixtures/models/" << want;
+  }
   for (const auto& dir : folders) {
     SCOPED_TRACE(dir.filename().string());
     const TargetModel m = TargetModel::load(dir);
@@ -98,8 +107,12 @@ TEST(TargetParity, RandomCheckpointsMatchHf) {
       EXPECT_EQ(greedy_generate(m, toks, n, {}, false), want) << "plain loop";
     }
     EXPECT_GT(prompts, 0) << "golden.safetensors holds no prompt";
-    std::printf("%s (%s, rope %s): worst relative error %.3g over %d prompts\n",
+    const auto& meta = g.metadata();
+    std::printf("%s (%s, rope %s): worst relative error %.3g over %d prompts (HF %s, router gap "
+                "%s)\n",
                 dir.filename().string().c_str(), m.config().model_type.c_str(),
-                std::string(rope_type_name(m.config().rope.type)).c_str(), worst, prompts);
+                std::string(rope_type_name(m.config().rope.type)).c_str(), worst, prompts,
+                meta.count("transformers") ? meta.at("transformers").c_str() : "?",
+                meta.count("min_router_gap") ? meta.at("min_router_gap").c_str() : "-");
   }
 }

@@ -1,7 +1,10 @@
-// `dflash inspect MODEL_DIR`: reads config.json and the safetensors checkpoint of a HF model folder,
-// checks that the weights match the config (missing tensors or wrong shapes are errors), and prints
-// one "key: value" line per figure on stdout. The keys and their order are stable (tests and scripts
-// grep them); counts use thousands separators.
+// `dflash inspect MODEL_DIR`: reads config.json and the safetensors checkpoint of a HF model
+// folder, checks that the weights match the config (missing tensors or wrong shapes are errors),
+// and prints one "key: value" line per figure on stdout: the architecture, its sizes, attention
+// features (biases, sliding window, sinks), the mixture of experts (experts, top-k, router, expert
+// width, sparse layers, activation, quantization), parameters in the files and active per token.
+// The keys and their order are stable (tests and scripts grep them); counts use thousands
+// separators.
 // With `--prompt TEXT` it also runs the model (CPU, fp32 compute): TEXT is tokenized as raw text
 // (no chat template is applied: pass the rendered prompt), greedy decoding with the KV cache prints
 // the continuation (special tokens included) after a line "continuation:", stopping after an
@@ -49,11 +52,43 @@ void print_line(const std::string& key, const std::string& value) {
   fmt::print("{:<34}{}\n", key + ":", value);
 }
 
+// "128 (top-8, softmax_topk, norm_topk_prob no)" or "none".
+std::string experts_str(const ModelConfig& c) {
+  if (!c.is_moe()) return "none";
+  std::string s = fmt::format("{} (top-{}, router {}", c.num_experts, c.num_experts_per_tok,
+                              moe_routing_name(c.routing));
+  if (c.routing == MoeRoutingMode::softmax_topk)
+    s += fmt::format(", norm_topk_prob {}", c.norm_topk_prob ? "yes" : "no");
+  if (c.router_bias) s += ", router bias";
+  if (c.expert_bias) s += ", expert biases";
+  return s + ")";
+}
+
+// "48 of 48" or "46 of 48 (dense: 0, 47)".
+std::string moe_layers_str(const ModelConfig& c) {
+  if (!c.is_moe()) return "none";
+  std::vector<int64_t> dense;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    if (!c.moe_layers[static_cast<size_t>(l)]) dense.push_back(l);
+  std::string s = fmt::format("{} of {}", c.num_moe_layers(), c.num_hidden_layers);
+  if (!dense.empty()) s += fmt::format(" (dense: {})", fmt::join(dense, ", "));
+  return s;
+}
+
+std::string activation_str(const ModelConfig& c) {
+  if (!c.is_moe()) return "none";
+  if (c.expert_activation == MoeActivation::clamped_swiglu)
+    return fmt::format("clamped_swiglu (alpha {}, limit {})", c.swiglu_alpha, c.swiglu_limit);
+  return std::string(moe_activation_name(c.expert_activation));
+}
+
 void run_inspect(const std::string& dir) {
   const ModelConfig c = model_config_load(dir);
   const SafetensorsCheckpoint ckpt(dir);
   const WeightReport rep = check_weights(c, ckpt);
 
+  // Everything in the files counts (unexpected tensors too); MXFP4 blocks hold 2 parameters per
+  // byte and their scales none.
   int64_t params = 0;
   std::map<std::string, int64_t> bytes_by_dtype;
   for (const std::string& n : ckpt.names()) {
@@ -61,6 +96,8 @@ void run_inspect(const std::string& dir) {
     params += ti.numel();
     bytes_by_dtype[std::string(dtype_name(ti.dtype))] += static_cast<int64_t>(ti.nbytes());
   }
+  for (const WeightSpec& s : expected_weights(c))
+    if (s.format != WeightFormat::float_any) params += s.parameters() - shape_numel(s.shape);
   std::string bytes;
   for (const auto& [dt, b] : bytes_by_dtype) {
     bytes += fmt::format("{}{} {}", bytes.empty() ? "" : ", ", dt, format_thousands(b));
@@ -88,9 +125,19 @@ void run_inspect(const std::string& dir) {
              c.sliding_window > 0 ? fmt::format("{} tokens on {} of {} layers", c.sliding_window,
                                                 c.num_sliding_layers(), c.num_hidden_layers)
                                   : std::string("none"));
+  print_line("attention sinks", c.attention_sinks ? "yes" : "no");
+  print_line("experts", experts_str(c));
+  print_line("expert intermediate size", c.is_moe() ? std::to_string(c.expert_width) : "none");
+  print_line("moe layers", moe_layers_str(c));
+  print_line("expert activation", activation_str(c));
+  print_line("quantization",
+             c.quantization.empty() ? std::string("none")
+                                    : fmt::format("{} experts (dequantised to bf16 at load)",
+                                                  c.quantization));
   print_line("eos token ids",
              c.eos_token_ids.empty() ? std::string("none") : fmt::format("{}", fmt::join(c.eos_token_ids, ", ")));
   print_line("parameters", format_thousands(params));
+  print_line("active parameters", format_thousands(active_parameters(c)));
   print_line("bytes by dtype", bytes);
   print_line("shards", std::to_string(ckpt.num_shards()));
   print_line("tensors", std::to_string(ckpt.size()));

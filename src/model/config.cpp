@@ -1,5 +1,6 @@
 #include "model/config.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -17,6 +18,24 @@ std::string_view arch_name(Arch a) {
     case Arch::qwen3: return "qwen3";
     case Arch::qwen2: return "qwen2";
     case Arch::llama: return "llama";
+    case Arch::qwen3_moe: return "qwen3_moe";
+    case Arch::gpt_oss: return "gpt_oss";
+  }
+  return "?";
+}
+
+std::string_view moe_routing_name(MoeRoutingMode m) {
+  switch (m) {
+    case MoeRoutingMode::softmax_topk: return "softmax_topk";
+    case MoeRoutingMode::topk_softmax: return "topk_softmax";
+  }
+  return "?";
+}
+
+std::string_view moe_activation_name(MoeActivation a) {
+  switch (a) {
+    case MoeActivation::swiglu: return "swiglu";
+    case MoeActivation::clamped_swiglu: return "clamped_swiglu";
   }
   return "?";
 }
@@ -34,6 +53,12 @@ std::string_view rope_type_name(RopeType t) {
 int ModelConfig::num_sliding_layers() const {
   int n = 0;
   for (LayerType t : layer_types) n += t == LayerType::sliding_attention;
+  return n;
+}
+
+int ModelConfig::num_moe_layers() const {
+  int n = 0;
+  for (bool m : moe_layers) n += m;
   return n;
 }
 
@@ -151,16 +176,27 @@ void parse_rope(const json& j, const std::string& source, ModelConfig& c) {
     }
   }
 
+  // GptOssConfig.__post_init__: without rope_parameters, yarn as the released models use it.
+  static const json kGptOssRope = json::parse(
+      R"({"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+          "truncate": false, "original_max_position_embeddings": 4096})");
+  if (!rp && c.arch == Arch::gpt_oss) {
+    rp = &kGptOssRope;
+    key = "rope_parameters (GptOssConfig default)";
+  }
+
   RopeConfig& r = c.rope;
   static const json kEmpty = json::object();
   Reader p{rp ? *rp : kEmpty, source, rp ? key + "." : ""};
+  // HF's class default: 150000 for gpt_oss (GptOssConfig.default_theta), else 10000.
+  const double default_theta = c.arch == Arch::gpt_oss ? 150000.0 : 10000.0;
   if (p.has("rope_theta")) {
     r.theta = p.req_num("rope_theta");
   } else if (top.has("rope_theta")) {
     r.theta = top.req_num("rope_theta");
   } else {
-    r.theta = 10000.0;  // HF's class default for llama, mistral, qwen2 and qwen3
-    spdlog::warn("{}: no rope_theta; using HF's default 10000", source);
+    r.theta = default_theta;
+    spdlog::warn("{}: no rope_theta; using HF's default {}", source, default_theta);
   }
   DFLASH_CHECK(r.theta > 1.0, "{}: rope_theta must be > 1, got {}", source, r.theta);
   r.partial_rotary_factor = p.has("partial_rotary_factor") ? p.req_pos("partial_rotary_factor")
@@ -231,9 +267,30 @@ void parse_layer_types(const json& j, const std::string& source, ModelConfig& c)
     // MistralConfig: sliding_window defaults to 4096 when the key is absent; null disables it.
     if (!j.contains("sliding_window")) window = 4096;
     else window = r.opt_int("sliding_window", 0);
+  } else if (c.arch == Arch::qwen3_moe) {
+    // Qwen3MoeConfig: sliding_window (default 4096) if use_sliding_window else None.
+    if (r.opt_bool("use_sliding_window", false))
+      window = j.contains("sliding_window") ? r.opt_int("sliding_window", 0) : 4096;
+  } else if (c.arch == Arch::gpt_oss) {
+    // GptOssConfig: sliding_window defaults to 128; null disables it.
+    window = j.contains("sliding_window") ? r.opt_int("sliding_window", 0) : 128;
   } else if (c.arch == Arch::qwen2 || c.arch == Arch::qwen3) {
     // Qwen2/Qwen3Config: sliding_window = sliding_window if use_sliding_window else None.
     if (r.opt_bool("use_sliding_window", false)) window = r.opt_int("sliding_window", 0);
+  }
+
+  // What HF derives when config.json has no layer_types (Qwen3MoeModel has no per-layer types:
+  // every layer slides when the window is set).
+  std::vector<LayerType> derived;
+  int64_t first_sliding = n;  // no sliding layer
+  if (window > 0) {
+    if (mistral || c.arch == Arch::qwen3_moe) first_sliding = 0;
+    else if (c.arch == Arch::qwen2 || c.arch == Arch::qwen3)
+      first_sliding = r.opt_int("max_window_layers", 28, 0);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const bool sliding = c.arch == Arch::gpt_oss ? i % 2 == 0 : i >= first_sliding;
+    derived.push_back(sliding ? LayerType::sliding_attention : LayerType::full_attention);
   }
 
   if (const json* lt = r.find("layer_types")) {
@@ -251,16 +308,13 @@ void parse_layer_types(const json& j, const std::string& source, ModelConfig& c)
         fail("{}: layer_types[{}] is '{}' (supported: full_attention, sliding_attention)", source,
              i, s);
     }
+    // HF's Qwen3MoeModel ignores layer_types; a list that says otherwise is a contradiction.
+    DFLASH_CHECK(c.arch != Arch::qwen3_moe || c.layer_types == derived,
+                 "{}: key 'layer_types' disagrees with use_sliding_window/sliding_window, which "
+                 "alone decide the attention of every qwen3_moe layer in HF",
+                 source);
   } else {
-    int64_t first_sliding = n;  // no sliding layer
-    if (window > 0) {
-      if (mistral) first_sliding = 0;
-      else if (c.arch != Arch::llama) first_sliding = r.opt_int("max_window_layers", 28, 0);
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      c.layer_types.push_back(i >= first_sliding ? LayerType::sliding_attention
-                                                 : LayerType::full_attention);
-    }
+    c.layer_types = derived;
   }
   if (c.num_sliding_layers() > 0) {
     DFLASH_CHECK(window > 0,
@@ -270,6 +324,73 @@ void parse_layer_types(const json& j, const std::string& source, ModelConfig& c)
     c.sliding_window = window;
   } else {
     c.sliding_window = 0;
+  }
+}
+
+// `quantization_config`: only gpt_oss's mxfp4 experts are read.
+void parse_quantization(const json& j, const std::string& source, ModelConfig& c) {
+  Reader r{j, source, ""};
+  if (const json* q = r.find("quantization_config")) {
+    DFLASH_CHECK(q->is_object(), "{}: key 'quantization_config' must be an object, got {}", source,
+                 q->dump());
+    Reader qr{*q, source, "quantization_config."};
+    const std::string method = qr.opt_str("quant_method", "");
+    DFLASH_CHECK(c.arch == Arch::gpt_oss && method == "mxfp4",
+                 "{}: quantization_config.quant_method '{}' is not supported for {} (dflash reads "
+                 "bf16/f32/f16 weights, and gpt_oss experts in mxfp4)",
+                 source, method, c.model_type);
+    c.quantization = method;
+  }
+}
+
+// Mixture-of-experts keys of qwen3_moe and gpt_oss (see model_config_from_json).
+void parse_moe(const json& j, const std::string& source, ModelConfig& c) {
+  Reader r{j, source, ""};
+  const int64_t n = c.num_hidden_layers;
+  c.moe_layers.assign(static_cast<size_t>(n), false);
+  if (c.arch != Arch::qwen3_moe && c.arch != Arch::gpt_oss) return;
+  // HF attribute_map: num_experts <-> num_local_experts (transformers 5 writes the latter).
+  const bool has_e = r.has("num_experts"), has_le = r.has("num_local_experts");
+  DFLASH_CHECK(has_e || has_le, "{}: missing required key 'num_experts' (or 'num_local_experts')",
+               source);
+  c.num_experts = has_le ? r.req_int("num_local_experts") : r.req_int("num_experts");
+  if (has_e && has_le)
+    DFLASH_CHECK(r.req_int("num_experts") == c.num_experts,
+                 "{}: keys 'num_experts' ({}) and 'num_local_experts' ({}) disagree", source,
+                 r.req_int("num_experts"), c.num_experts);
+  c.num_experts_per_tok = r.req_int("num_experts_per_tok");
+  DFLASH_CHECK(c.num_experts_per_tok <= c.num_experts,
+               "{}: num_experts_per_tok ({}) exceeds the number of experts ({})", source,
+               c.num_experts_per_tok, c.num_experts);
+  if (c.arch == Arch::qwen3_moe) {
+    c.expert_width = r.req_int("moe_intermediate_size");
+    c.norm_topk_prob = r.opt_bool("norm_topk_prob", false);
+    c.decoder_sparse_step = r.opt_int("decoder_sparse_step", 1);
+    if (const json* m = r.find("mlp_only_layers")) {
+      DFLASH_CHECK(m->is_array(), "{}: key 'mlp_only_layers' must be a list of layer indices, got "
+                   "{}", source, m->dump());
+      for (const json& v : *m) {
+        DFLASH_CHECK(v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() < n,
+                     "{}: key 'mlp_only_layers' holds {}, not a layer index in [0, {})", source,
+                     v.dump(), n);
+        c.mlp_only_layers.push_back(v.get<int64_t>());
+      }
+    }
+    c.routing = MoeRoutingMode::softmax_topk;
+    c.expert_activation = MoeActivation::swiglu;
+    // Qwen3MoeDecoderLayer: sparse unless listed in mlp_only_layers or off the sparse step.
+    for (int64_t l = 0; l < n; ++l) {
+      const bool only = std::find(c.mlp_only_layers.begin(), c.mlp_only_layers.end(), l) !=
+                        c.mlp_only_layers.end();
+      c.moe_layers[static_cast<size_t>(l)] = !only && (l + 1) % c.decoder_sparse_step == 0;
+    }
+  } else {
+    c.expert_width = c.intermediate_size;  // GptOssExperts: config.intermediate_size
+    c.routing = MoeRoutingMode::topk_softmax;
+    c.router_bias = c.expert_bias = true;
+    c.expert_activation = MoeActivation::clamped_swiglu;
+    c.swiglu_limit = r.has("swiglu_limit") ? r.req_pos("swiglu_limit") : 7.0;
+    c.moe_layers.assign(static_cast<size_t>(n), true);
   }
 }
 
@@ -286,9 +407,12 @@ ModelConfig model_config_from_json(const json& j, const std::string& source) {
   if (c.model_type == "qwen3") c.arch = Arch::qwen3;
   else if (c.model_type == "qwen2") c.arch = Arch::qwen2;
   else if (c.model_type == "llama" || c.model_type == "mistral") c.arch = Arch::llama;
+  else if (c.model_type == "qwen3_moe") c.arch = Arch::qwen3_moe;
+  else if (c.model_type == "gpt_oss") c.arch = Arch::gpt_oss;
   else
-    fail("{}: unsupported model_type '{}' (supported: qwen3, qwen2, llama, mistral)", source,
-         c.model_type);
+    fail("{}: unsupported model_type '{}' (supported: qwen3, qwen2, llama, mistral, qwen3_moe, "
+         "gpt_oss)",
+         source, c.model_type);
 
   if (const json* a = r.find("architectures")) {
     DFLASH_CHECK(a->is_array(), "{}: key 'architectures' must be a list, got {}", source,
@@ -315,11 +439,13 @@ ModelConfig model_config_from_json(const json& j, const std::string& source) {
                c.num_attention_heads, c.num_key_value_heads);
   if (r.has("head_dim")) {
     c.head_dim = r.req_int("head_dim");
+  } else if (c.arch == Arch::gpt_oss) {
+    c.head_dim = 64;  // GptOssConfig's class default, not hidden_size / num_attention_heads
   } else {
-    DFLASH_CHECK(c.arch != Arch::qwen3,
-                 "{}: missing required key 'head_dim' (qwen3's HF default is 128, not "
+    DFLASH_CHECK(c.arch != Arch::qwen3 && c.arch != Arch::qwen3_moe,
+                 "{}: missing required key 'head_dim' ({}'s HF default is 128, not "
                  "hidden_size / num_attention_heads; write it explicitly)",
-                 source);
+                 source, c.model_type);
     DFLASH_CHECK(c.hidden_size % c.num_attention_heads == 0,
                  "{}: no 'head_dim' and hidden_size ({}) is not a multiple of num_attention_heads "
                  "({})",
@@ -330,10 +456,13 @@ ModelConfig model_config_from_json(const json& j, const std::string& source) {
                c.head_dim);
 
   c.tie_word_embeddings = r.opt_bool("tie_word_embeddings", false);
-  c.qk_norm = c.arch == Arch::qwen3;
+  c.qk_norm = c.arch == Arch::qwen3 || c.arch == Arch::qwen3_moe;
+  c.attention_sinks = c.arch == Arch::gpt_oss;
   if (c.arch == Arch::qwen2) {
     c.attention_bias = true;  // Qwen2Attention: q/k/v with bias, o_proj without
     c.o_proj_bias = false;
+  } else if (c.arch == Arch::gpt_oss) {
+    c.attention_bias = c.o_proj_bias = r.opt_bool("attention_bias", true);  // GptOssConfig
   } else if (c.model_type == "mistral") {
     c.attention_bias = c.o_proj_bias = false;  // MistralAttention has no biases
   } else {
@@ -359,6 +488,8 @@ ModelConfig model_config_from_json(const json& j, const std::string& source) {
 
   parse_rope(j, source, c);
   parse_layer_types(j, source, c);
+  parse_quantization(j, source, c);
+  parse_moe(j, source, c);
   return c;
 }
 

@@ -1,4 +1,5 @@
-// dflash.cpp — a HF `config.json` as a typed ModelConfig (qwen3, qwen2, llama, mistral).
+// dflash.cpp — a HF `config.json` as a typed ModelConfig (qwen3, qwen2, llama, mistral, qwen3_moe,
+// gpt_oss).
 //
 // Invariants of a returned ModelConfig: every size is positive; num_attention_heads is a multiple of
 // num_key_value_heads; head_dim is even; layer_types has num_hidden_layers entries and a
@@ -6,7 +7,10 @@
 // transformers would use (`modeling_rope_utils.py`, transformers 5: `rope_parameters`, or the
 // classic `rope_theta` + `rope_scaling` keys). Keys HF gives a class default are optional here with
 // that same default (e.g. num_key_value_heads = num_attention_heads); the keys listed as required
-// have no sound default and their absence is an error naming the file and the key.
+// have no sound default and their absence is an error naming the file and the key. Mixture-of-
+// experts configs (qwen3_moe, gpt_oss) have num_experts ≥ num_experts_per_tok ≥ 1, expert_width
+// > 0 and moe_layers with one entry per layer; dense configs have num_experts == 0 and no MoE
+// layer.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -17,14 +21,17 @@
 #include <string_view>
 #include <vector>
 
+#include "ops/moe.hpp"
 #include "ops/rope.hpp"
 
 namespace dflash {
 
 /// Decoder family. `llama` also covers `model_type: "mistral"` (same weights and blocks; Mistral
-/// adds a sliding window).
-enum class Arch { qwen3, qwen2, llama };
-/// "qwen3", "qwen2", "llama".
+/// adds a sliding window). `qwen3_moe` is HF Qwen3MoeForCausalLM (Qwen3 attention, sparse MoE
+/// blocks), `gpt_oss` is HF GptOssForCausalLM (biased attention with sinks, alternating sliding
+/// and full layers, clamped-SwiGLU experts with biases).
+enum class Arch { qwen3, qwen2, llama, qwen3_moe, gpt_oss };
+/// "qwen3", "qwen2", "llama", "qwen3_moe", "gpt_oss".
 std::string_view arch_name(Arch a);
 
 /// The HF name of a RoPE variant (RopeType of ops/rope.hpp): "default", "linear", "llama3", "yarn".
@@ -63,6 +70,10 @@ struct RopeConfig {
 /// Attention kind of one layer (HF `layer_types`).
 enum class LayerType { full_attention, sliding_attention };
 
+/// "softmax_topk", "topk_softmax" / "swiglu", "clamped_swiglu".
+std::string_view moe_routing_name(MoeRoutingMode m);
+std::string_view moe_activation_name(MoeActivation a);
+
 /// The architecture-relevant content of a HF config.json.
 struct ModelConfig {
   Arch arch = Arch::qwen3;
@@ -70,7 +81,7 @@ struct ModelConfig {
   std::vector<std::string> architectures;  ///< `architectures` (may be empty)
   std::string source;          ///< the file it came from, for messages
   int64_t hidden_size = 0;
-  int64_t intermediate_size = 0;
+  int64_t intermediate_size = 0;  ///< width of the dense MLP (gpt_oss: of the experts)
   int64_t num_attention_heads = 0;
   int64_t num_key_value_heads = 0;  ///< default num_attention_heads
   int64_t head_dim = 0;             ///< `head_dim`, else hidden_size / num_attention_heads
@@ -82,7 +93,8 @@ struct ModelConfig {
   bool attention_bias = false;  ///< q/k/v projections have biases (always true for qwen2)
   bool o_proj_bias = false;     ///< o_proj has a bias (attention_bias for llama/qwen3, never qwen2)
   bool mlp_bias = false;        ///< gate/up/down biases (llama `mlp_bias`)
-  bool qk_norm = false;         ///< per-head RMSNorm on q and k (qwen3)
+  bool qk_norm = false;         ///< per-head RMSNorm on q and k (qwen3, qwen3_moe)
+  bool attention_sinks = false;  ///< per-head sink logits `self_attn.sinks` (gpt_oss)
   std::vector<int64_t> eos_token_ids;  ///< `eos_token_id` (int or list; empty when absent/null)
   /// Window of sliding-attention layers in tokens; 0 when no layer slides.
   int64_t sliding_window = 0;
@@ -90,16 +102,46 @@ struct ModelConfig {
   RopeConfig rope;
   std::string dtype;  ///< `dtype` / `torch_dtype` as written ("bfloat16"), may be empty
 
+  // Mixture of experts (qwen3_moe, gpt_oss). Dense configs: num_experts 0, moe_layers all false.
+  int64_t num_experts = 0;          ///< `num_experts` / `num_local_experts` (E)
+  int64_t num_experts_per_tok = 0;  ///< top-k (K)
+  /// Width of one expert's MLP: qwen3_moe `moe_intermediate_size`, gpt_oss `intermediate_size`.
+  int64_t expert_width = 0;
+  bool norm_topk_prob = false;  ///< qwen3_moe: renormalise the top-k probabilities to sum 1
+  int64_t decoder_sparse_step = 1;      ///< qwen3_moe: layer l is sparse when (l+1) % step == 0
+  std::vector<int64_t> mlp_only_layers;  ///< qwen3_moe: layers forced dense
+  std::vector<bool> moe_layers;  ///< one per layer: a sparse MoE block (true) or a dense MLP
+  MoeRoutingMode routing = MoeRoutingMode::softmax_topk;
+  bool router_bias = false;  ///< the router has a bias (gpt_oss)
+  bool expert_bias = false;  ///< experts' gate/up/down have biases (gpt_oss)
+  MoeActivation expert_activation = MoeActivation::swiglu;
+  double swiglu_alpha = 1.702;  ///< clamped_swiglu: GptOssExperts.alpha (a constant in HF)
+  double swiglu_limit = 7.0;    ///< clamped_swiglu: `swiglu_limit` (HF default 7.0)
+  /// `quantization_config.quant_method` when present: "" or "mxfp4" (gpt_oss experts stored as
+  /// `*_blocks`/`*_scales`, dequantised at load). Any other method is an error at parse time.
+  std::string quantization;
+
   /// Number of layers of type sliding_attention.
   int num_sliding_layers() const;
+  /// Number of layers with a sparse MoE block.
+  int num_moe_layers() const;
+  /// True for a mixture-of-experts config (num_experts > 0).
+  bool is_moe() const { return num_experts > 0; }
 };
 
 /// Parses a config.json object. `source` names the file in error messages. Required keys:
 /// `model_type`, `hidden_size`, `intermediate_size`, `num_attention_heads`, `num_hidden_layers`,
-/// `vocab_size`, `rms_norm_eps`, `max_position_embeddings` (and `head_dim` for qwen3, whose HF
-/// default of 128 is not derived from the other sizes). Throws dflash::Error "<source>: ..." naming
-/// the key for a missing/ill-typed/out-of-range key, and listing the supported model types for an
-/// unknown `model_type`.
+/// `vocab_size`, `rms_norm_eps`, `max_position_embeddings` (and `head_dim` for qwen3 and
+/// qwen3_moe, whose HF default of 128 is not derived from the other sizes). MoE keys:
+/// qwen3_moe `num_experts` (or `num_local_experts`, as transformers 5 writes it),
+/// `num_experts_per_tok`, `moe_intermediate_size` are required; `norm_topk_prob` (false),
+/// `decoder_sparse_step` (1), `mlp_only_layers` ([]) have HF's defaults. gpt_oss:
+/// `num_local_experts` and `num_experts_per_tok` required; `head_dim` (64), `sliding_window`
+/// (128), `layer_types` (sliding on even layers), `attention_bias` (true), `rope_parameters`
+/// (yarn, factor 32, original 4096, truncate false, theta 150000) and `swiglu_limit` (7) have
+/// GptOssConfig's defaults. Throws dflash::Error "<source>: ..." naming the key for a
+/// missing/ill-typed/out-of-range key, listing the supported model types for an unknown
+/// `model_type`, and naming an unsupported `quantization_config.quant_method`.
 ModelConfig model_config_from_json(const nlohmann::json& j, const std::string& source);
 
 /// Loads `path`: a config.json file, or a folder holding one. Errors as model_config_from_json.

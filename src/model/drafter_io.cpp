@@ -348,7 +348,8 @@ DrafterConfig drafter_config_for_target(const ModelConfig& target, int num_layer
                  "mask_token_id to an embedding row the tokenizer never produces",
                  t);
     const int32_t tv = tok->vocab_size();
-    const bool qwen_bpe = (target.arch == Arch::qwen3 || target.arch == Arch::qwen2) &&
+    const bool qwen_bpe = (target.arch == Arch::qwen3 || target.arch == Arch::qwen2 ||
+                           target.arch == Arch::qwen3_moe) &&
                           tok->token_to_id("<|endoftext|>") == std::optional<int32_t>(151643);
     if (qwen_bpe && V > kQwenMaskTokenId && tv <= kQwenMaskTokenId) {
       c.mask_token_id = kQwenMaskTokenId;

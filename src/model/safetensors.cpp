@@ -52,7 +52,8 @@ TensorInfo parse_entry(const std::string& name, const json& e, const std::string
                json_type(*dt));
   const std::string dname = dt->get<std::string>();
   DFLASH_CHECK(dtype_from_safetensors_name(dname, &info.dtype),
-               "{}: unknown or unsupported dtype '{}' (dflash reads F32, BF16, F16, I32, I64, BOOL)",
+               "{}: unknown or unsupported dtype '{}' (dflash reads F32, BF16, F16, I32, I64, "
+               "BOOL, U8)",
                where, dname);
 
   auto sh = e.find("shape");

@@ -14,6 +14,7 @@
 #include "ops/attention.hpp"
 #include "ops/embedding.hpp"
 #include "ops/linear.hpp"
+#include "ops/moe.hpp"
 #include "ops/residual.hpp"
 #include "ops/rmsnorm.hpp"
 #include "ops/swiglu.hpp"
@@ -65,6 +66,100 @@ std::vector<float> load_opt_vector(const SafetensorsCheckpoint& ck, const std::s
   return present ? load_vector(ck, name) : std::vector<float>{};
 }
 
+// Qwen3-MoE experts: zero-copy views of the per-expert modules.
+void load_qwen3_moe(TargetMoe& moe, const SafetensorsCheckpoint& ck, const ModelConfig& c,
+                    const std::string& m, bool f32) {
+  moe.router = load_matrix(ck, m + "gate.weight", f32);
+  for (int64_t e = 0; e < c.num_experts; ++e) {
+    const std::string x = m + "experts." + std::to_string(e) + ".";
+    moe.gate.push_back(load_matrix(ck, x + "gate_proj.weight", f32));
+    moe.up.push_back(load_matrix(ck, x + "up_proj.weight", f32));
+    moe.down.push_back(load_matrix(ck, x + "down_proj.weight", f32));
+  }
+}
+
+// dst [rows, cols] = src [cols, rows]ᵀ restricted to every `step`-th source column from `first`:
+// dst[i][j] = src[j][first + step·i] (src row stride src_cols). Element type of both: S.
+template <typename S>
+void transpose_strided(S* dst, const S* src, int64_t rows, int64_t cols, int64_t src_cols,
+                       int64_t first, int64_t step) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) dst[i * cols + j] = src[j * src_cols + first + step * i];
+}
+
+// Every `step`-th row of src [.., cols] from `first`, copied: dst[i] = src[first + step·i].
+template <typename S>
+void rows_strided(S* dst, const S* src, int64_t rows, int64_t cols, int64_t first, int64_t step) {
+  for (int64_t i = 0; i < rows; ++i)
+    std::copy_n(src + (first + step * i) * cols, cols, dst + i * cols);
+}
+
+// gpt-oss experts as [OUT, IN] matrices: gate/up from gate_up_proj [E, H, 2EI] (interleaved
+// columns: gate = even, up = odd) or from MXFP4 [E, 2EI, H] (interleaved rows), down from
+// down_proj [E, EI, H] or MXFP4 [E, H, EI]. Output dtype: bf16 when the source is bf16 or MXFP4
+// (unless f32 weights are asked for), else f32.
+void load_gpt_oss_moe(TargetMoe& moe, const SafetensorsCheckpoint& ck, const ModelConfig& c,
+                      const std::string& m, bool f32) {
+  const int64_t E = c.num_experts, H = c.hidden_size, EI = c.expert_width;
+  moe.router = load_matrix(ck, m + "router.weight", f32);
+  moe.router_bias = load_vector(ck, m + "router.bias");
+  const std::string x = m + "experts.";
+  const bool mxfp4 = c.quantization == "mxfp4";
+  const DType src_dt = mxfp4 ? DType::bf16 : ck.info(x + "gate_up_proj").dtype;
+  const DType dt = src_dt == DType::bf16 && !f32 ? DType::bf16 : DType::f32;
+  auto expert_tensor = [&](int64_t out, int64_t in) { return Tensor::empty({out, in}, dt); };
+  // One expert's source matrix as `dt` elements: [rows, cols] (copy or dequantised).
+  auto source = [&](const std::string& name, int64_t e) -> Tensor {
+    if (mxfp4) {
+      const Tensor blocks = ck.get(name + "_blocks").select(0, e);  // [rows, G, 16]
+      const Tensor scales = ck.get(name + "_scales").select(0, e);  // [rows, G]
+      const int64_t rows = blocks.dim(0), G = blocks.dim(1);
+      Tensor out = Tensor::empty({rows, G * 32}, DType::bf16);
+      mxfp4_dequantize_cpu(out.data<uint16_t>(), blocks.contiguous().data<uint8_t>(),
+                           scales.contiguous().data<uint8_t>(), rows, G);
+      return dt == DType::bf16 ? out : out.to(DType::f32);
+    }
+    const Tensor t = ck.get(name).select(0, e);
+    return t.dtype() == dt ? t.contiguous() : t.to(dt);
+  };
+  auto relayout = [&](Tensor& dst, const Tensor& src, bool transpose, int64_t first, int64_t step) {
+    const int64_t rows = dst.dim(0), cols = dst.dim(1);
+    if (dt == DType::bf16) {
+      if (transpose)
+        transpose_strided(dst.data<uint16_t>(), src.data<uint16_t>(), rows, cols, src.dim(1),
+                          first, step);
+      else
+        rows_strided(dst.data<uint16_t>(), src.data<uint16_t>(), rows, cols, first, step);
+    } else {
+      if (transpose)
+        transpose_strided(dst.data<float>(), src.data<float>(), rows, cols, src.dim(1), first,
+                          step);
+      else
+        rows_strided(dst.data<float>(), src.data<float>(), rows, cols, first, step);
+    }
+  };
+  for (int64_t e = 0; e < E; ++e) {
+    const Tensor gu = source(x + "gate_up_proj", e);  // [H, 2EI], or [2EI, H] when mxfp4
+    Tensor g = expert_tensor(EI, H), u = expert_tensor(EI, H);
+    relayout(g, gu, !mxfp4, 0, 2);
+    relayout(u, gu, !mxfp4, 1, 2);
+    const Tensor dn = source(x + "down_proj", e);  // [EI, H], or [H, EI] when mxfp4
+    Tensor d = expert_tensor(H, EI);
+    relayout(d, dn, !mxfp4, 0, 1);
+    moe.gate.push_back(std::move(g));
+    moe.up.push_back(std::move(u));
+    moe.down.push_back(std::move(d));
+  }
+  const std::vector<float> gub = load_vector(ck, x + "gate_up_proj_bias");  // [E, 2EI]
+  moe.gate_bias.resize(static_cast<size_t>(E * EI));
+  moe.up_bias.resize(static_cast<size_t>(E * EI));
+  for (int64_t i = 0; i < E * EI; ++i) {
+    moe.gate_bias[static_cast<size_t>(i)] = gub[static_cast<size_t>(2 * i)];
+    moe.up_bias[static_cast<size_t>(i)] = gub[static_cast<size_t>(2 * i + 1)];
+  }
+  moe.down_bias = load_vector(ck, x + "down_proj_bias");
+}
+
 }  // namespace
 
 TargetModel TargetModel::load(const std::filesystem::path& dir, const TargetLoadOptions& opts) {
@@ -99,12 +194,20 @@ TargetModel TargetModel::load(const std::filesystem::path& dir, const TargetLoad
     L.bo = load_opt_vector(ck, a + "o_proj.bias", c.o_proj_bias);
     L.q_norm = load_opt_vector(ck, a + "q_norm.weight", c.qk_norm);
     L.k_norm = load_opt_vector(ck, a + "k_norm.weight", c.qk_norm);
-    L.wgate = load_matrix(ck, f + "gate_proj.weight", f32);
-    L.wup = load_matrix(ck, f + "up_proj.weight", f32);
-    L.wdown = load_matrix(ck, f + "down_proj.weight", f32);
-    L.bgate = load_opt_vector(ck, f + "gate_proj.bias", c.mlp_bias);
-    L.bup = load_opt_vector(ck, f + "up_proj.bias", c.mlp_bias);
-    L.bdown = load_opt_vector(ck, f + "down_proj.bias", c.mlp_bias);
+    L.sinks = load_opt_vector(ck, a + "sinks", c.attention_sinks);
+    L.is_moe = c.moe_layers[static_cast<size_t>(l)];
+    if (L.is_moe && c.arch == Arch::qwen3_moe) {
+      load_qwen3_moe(L.moe, ck, c, f, f32);
+    } else if (L.is_moe) {
+      load_gpt_oss_moe(L.moe, ck, c, f, f32);
+    } else {
+      L.wgate = load_matrix(ck, f + "gate_proj.weight", f32);
+      L.wup = load_matrix(ck, f + "up_proj.weight", f32);
+      L.wdown = load_matrix(ck, f + "down_proj.weight", f32);
+      L.bgate = load_opt_vector(ck, f + "gate_proj.bias", c.mlp_bias);
+      L.bup = load_opt_vector(ck, f + "up_proj.bias", c.mlp_bias);
+      L.bdown = load_opt_vector(ck, f + "down_proj.bias", c.mlp_bias);
+    }
     L.input_norm = load_vector(ck, p + "input_layernorm.weight");
     L.post_norm = load_vector(ck, p + "post_attention_layernorm.weight");
     L.sliding = c.layer_types[static_cast<size_t>(l)] == LayerType::sliding_attention;
@@ -147,6 +250,48 @@ void embed(float* y, const Tensor& table, const int32_t* ids, int64_t T, int64_t
 
 void fit(std::vector<float>& v, int64_t n) {
   if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+}
+
+// y[R, 0:OUT] (row stride ldy) = x[R, IN]·W_eᵀ per expert, weights `w` of one dtype.
+void grouped_linear(float* y, int64_t ldy, const float* x, const std::vector<Tensor>& w,
+                    const int32_t* offsets, int64_t R, int64_t IN, int64_t OUT) {
+  const int64_t E = static_cast<int64_t>(w.size());
+  if (w.front().dtype() == DType::bf16) {
+    std::vector<const uint16_t*> p;
+    for (const Tensor& t : w) p.push_back(t.data<uint16_t>());
+    moe_grouped_linear_cpu(y, ldy, x, p.data(), offsets, E, R, IN, OUT);
+  } else {
+    std::vector<const float*> p;
+    for (const Tensor& t : w) p.push_back(t.data<float>());
+    moe_grouped_linear_cpu(y, ldy, x, p.data(), offsets, E, R, IN, OUT);
+  }
+}
+
+const float* opt(const std::vector<float>& v) { return v.empty() ? nullptr : v.data(); }
+
+// x[T, H] += the sparse MoE block of `m` applied to hn [T, H] (ops/moe.hpp pipeline).
+void moe_block(float* x, const float* hn, const TargetMoe& m, const ModelConfig& c, int64_t T) {
+  const int64_t H = c.hidden_size, E = c.num_experts, K = c.num_experts_per_tok;
+  const int64_t EI = c.expert_width, R = T * K;
+  std::vector<float> logits(static_cast<size_t>(T * E)), w(static_cast<size_t>(R));
+  std::vector<int32_t> ids(static_cast<size_t>(R)), perm(ids.size()), slot(ids.size());
+  std::vector<int32_t> row_expert(ids.size()), offsets(static_cast<size_t>(E + 1));
+  linear(logits.data(), hn, m.router, m.router_bias, T, H, E);
+  moe_route_cpu(ids.data(), w.data(), logits.data(), T, E,
+                MoeRouting{c.routing, K, c.norm_topk_prob});
+  moe_dispatch_cpu(perm.data(), slot.data(), offsets.data(), row_expert.data(), ids.data(), T, K,
+                   E);
+  std::vector<float> xs(static_cast<size_t>(R * H)), gu(static_cast<size_t>(R * 2 * EI));
+  moe_gather_cpu(xs.data(), hn, perm.data(), R, K, H);
+  grouped_linear(gu.data(), 2 * EI, xs.data(), m.gate, offsets.data(), R, H, EI);
+  grouped_linear(gu.data() + EI, 2 * EI, xs.data(), m.up, offsets.data(), R, H, EI);
+  const MoeGlu glu{c.expert_activation, static_cast<float>(c.swiglu_alpha),
+                   static_cast<float>(c.swiglu_limit)};
+  std::vector<float> act(static_cast<size_t>(R * EI));
+  moe_glu_cpu(act.data(), gu.data(), gu.data() + EI, 2 * EI, opt(m.gate_bias), opt(m.up_bias),
+              row_expert.data(), R, EI, glu);
+  grouped_linear(xs.data(), H, act.data(), m.down, offsets.data(), R, EI, H);  // ys reuses xs
+  moe_combine_cpu(x, xs.data(), opt(m.down_bias), ids.data(), w.data(), slot.data(), T, K, H);
 }
 
 }  // namespace
@@ -199,11 +344,8 @@ ForwardResult TargetModel::forward(std::span<const int32_t> tokens,
         static_cast<int32_t>(t - rows.full[static_cast<size_t>(t)].lo1);
   if (cfg_.num_sliding_layers() > 0) {
     // HF sliding_window_overlay: key k is visible from query q when q - W < k <= q.
-    rows.sliding = rows.full;
-    for (int64_t t = 0; t < T; ++t) {
-      AttnRange& r = rows.sliding[static_cast<size_t>(t)];
-      r.lo1 = static_cast<int32_t>(std::max<int64_t>(r.lo1, t + 1 - cfg_.sliding_window));
-    }
+    rows.sliding.resize(rows.full.size());
+    attention_window_ranges(rows.sliding.data(), rows.full.data(), T, cfg_.sliding_window);
   }
   return run(tokens.data(), T, rows, nullptr, opts);
 }
@@ -248,11 +390,8 @@ ForwardResult TargetModel::append(TargetKvCache& cache, std::span<const int32_t>
     rows.full[static_cast<size_t>(j)] = AttnRange{0, static_cast<int32_t>(p + 1), 0, 0};
   }
   if (cfg_.num_sliding_layers() > 0) {
-    rows.sliding = rows.full;
-    for (int64_t j = 0; j < K; ++j) {
-      rows.sliding[static_cast<size_t>(j)].lo1 =
-          static_cast<int32_t>(std::max<int64_t>(0, past + j + 1 - cfg_.sliding_window));
-    }
+    rows.sliding.resize(rows.full.size());
+    attention_window_ranges(rows.sliding.data(), rows.full.data(), K, cfg_.sliding_window);
   }
   try {
     ForwardResult r = run(tokens.data(), K, rows, &cache, opts);
@@ -345,17 +484,22 @@ ForwardResult TargetModel::run(const int32_t* tokens, int64_t T, const Rows& row
     rope_fwd_cpu(q.data(), q.data(), rows.pos.data(), inv_freq_.data(), rope_scaling_, T, NH, D);
     rope_fwd_cpu(knew, knew, rows.pos.data(), inv_freq_.data(), rope_scaling_, T, NKV, D);
     const std::vector<AttnRange>& ranges = L.sliding ? rows.sliding : rows.full;
+    ap.sinks = opt(L.sinks);
     attention_fwd_cpu(o.data(), nullptr, q.data(), kall, vall, ranges.data(), ap);
     linear(hn.data(), o.data(), L.wo, L.bo, T, QD, H);
     residual_accumulate_cpu(x.data(), hn.data(), T * H);
 
-    // MLP block (HF *MLP.forward: down(act(gate(x)) * up(x))).
+    // MLP block (HF *MLP.forward: down(act(gate(x)) * up(x))), or the sparse MoE block.
     rmsnorm_fwd_cpu(hn.data(), nullptr, x.data(), L.post_norm.data(), T, H, eps);
-    linear(gate.data(), hn.data(), L.wgate, L.bgate, T, H, I);
-    linear(up.data(), hn.data(), L.wup, L.bup, T, H, I);
-    swiglu_fwd_cpu(gate.data(), gate.data(), up.data(), T, I, I);
-    linear(hn.data(), gate.data(), L.wdown, L.bdown, T, I, H);
-    residual_accumulate_cpu(x.data(), hn.data(), T * H);
+    if (L.is_moe) {
+      moe_block(x.data(), hn.data(), L.moe, c, T);
+    } else {
+      linear(gate.data(), hn.data(), L.wgate, L.bgate, T, H, I);
+      linear(up.data(), hn.data(), L.wup, L.bup, T, H, I);
+      swiglu_fwd_cpu(gate.data(), gate.data(), up.data(), T, I, I);
+      linear(hn.data(), gate.data(), L.wdown, L.bdown, T, I, H);
+      residual_accumulate_cpu(x.data(), hn.data(), T * H);
+    }
 
     for (int64_t i = 0; i < n_taps; ++i) {
       if (opts.tap_layers[static_cast<size_t>(i)] != l) continue;

@@ -1,19 +1,28 @@
-// dflash.cpp — the frozen target LLM (HF LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM)
-// on the CPU backend: full forward over packed documents (taps, final norm, logits) and incremental
-// decoding over a KV cache (prefill, block append, rollback) for speculative verification.
+// dflash.cpp — the frozen target LLM (HF LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM /
+// Qwen3MoeForCausalLM / GptOssForCausalLM) on the CPU backend: full forward over packed documents
+// (taps, final norm, logits) and incremental decoding over a KV cache (prefill, block append,
+// rollback) for speculative verification.
 //
-// Model (HF modeling_llama.py / modeling_qwen2.py / modeling_qwen3.py, `*DecoderLayer.forward`):
+// Model (HF modeling_llama.py / modeling_qwen2.py / modeling_qwen3.py / modeling_qwen3_moe.py /
+// modeling_gpt_oss.py, `*DecoderLayer.forward`):
 //   h = embed_tokens[tokens]
 //   per layer l: a = RMSNorm_in(h); q,k,v = a·Wqᵀ(+bq), a·Wkᵀ(+bk), a·Wvᵀ(+bv)
-//                (Qwen3: q, k per-head RMSNorm q_norm/k_norm); RoPE(q, k) at each token's position;
-//                h += o_proj(softmax(q·kᵀ/sqrt(D))·v)  (causal, GQA); h +=
-//                down(silu(gate(b))·up(b)), b = RMSNorm_post(h)
+//                (Qwen3, Qwen3-MoE: q, k per-head RMSNorm q_norm/k_norm); RoPE(q, k) at each
+//                token's position; h += o_proj(softmax(q·kᵀ/sqrt(D))·v)(+bo)  (causal, GQA;
+//                sliding layers see only the last `sliding_window` keys; gpt-oss adds one sink
+//                logit per head to the softmax, ops/attention.hpp);
+//                b = RMSNorm_post(h); dense layers: h += down(silu(gate(b))·up(b));
+//                MoE layers: h += Σ_k w_k·expert_k(b) over the router's top-k experts (ops/moe.hpp:
+//                Qwen3-MoE softmax → top-k (→ renormalised), SwiGLU experts; gpt-oss biased
+//                router, top-k → softmax, clamped SwiGLU experts with biases)
 //   final = RMSNorm(h); logits = final·lm_headᵀ (lm_head = embed_tokens when tied)
 // Tap `L` is the output of decoder layer L (HF `hidden_states[L+1]`), before the final norm even
-// for the last layer.
+// for the last layer, also for MoE targets (the residual stream after the sparse block).
 //
 // Invariants: weights are kept exactly as stored (bf16 or f32 zero-copy views of the mmap'd
-// checkpoint; other float dtypes are converted to f32 once, at load). All compute is fp32
+// checkpoint; other float dtypes are converted to f32 once, at load), except gpt-oss experts,
+// whose stacked x·W tensors are re-laid out once at load into [OUT, IN] matrices of the stored
+// dtype (MXFP4 experts are dequantised to bf16). All compute is fp32
 // (fp32 accumulate, fp32 norm statistics, fp32 RoPE angles as HF). Packed documents: positions
 // restart at 0 per document and no token attends across documents, so packing changes nothing a
 // document computes. A loaded TargetModel is immutable: forward calls are const and may run
@@ -76,13 +85,27 @@ class TargetKvCache {
   std::vector<std::vector<float>> k_, v_;  // per layer, [capacity, kv_dim] (size ≥ len·kv_dim)
 };
 
+/// Weights of a sparse MoE block (HF Qwen3MoeSparseMoeBlock / GptOssMLP): E experts of width EI.
+/// Expert matrices are [OUT, IN], bf16 or f32, all of one dtype: gate[e], up[e] [EI, H],
+/// down[e] [H, EI] (zero-copy views for Qwen3-MoE, owning tensors for gpt-oss). Biases are f32.
+struct TargetMoe {
+  Tensor router;                   ///< [E, H] as stored
+  std::vector<float> router_bias;  ///< [E] (gpt-oss), empty otherwise
+  std::vector<Tensor> gate, up, down;
+  std::vector<float> gate_bias, up_bias, down_bias;  ///< [E·EI], [E·EI], [E·H] or empty
+};
+
 /// Weights of one decoder layer. Matrices are [OUT, IN] as stored (bf16 or f32); norm weights and
-/// biases are f32 copies (empty when the architecture has none).
+/// biases are f32 copies (empty when the architecture has none). A MoE layer has no dense
+/// wgate/wup/wdown and holds its experts in `moe`.
 struct TargetLayer {
   Tensor wq, wk, wv, wo, wgate, wup, wdown;
   std::vector<float> bq, bk, bv, bo, bgate, bup, bdown;
   std::vector<float> input_norm, post_norm, q_norm, k_norm;
-  bool sliding = false;  ///< HF layer_types[l] == "sliding_attention"
+  std::vector<float> sinks;  ///< [NH] attention sink logits (gpt-oss), empty otherwise
+  bool sliding = false;      ///< HF layer_types[l] == "sliding_attention"
+  bool is_moe = false;       ///< config.moe_layers[l]
+  TargetMoe moe;
 };
 
 /// The target model. Load with TargetModel::load.
@@ -90,7 +113,8 @@ class TargetModel {
  public:
   /// Loads a HF model folder: config.json (model_config_load) and the safetensors checkpoint
   /// (single file or sharded). Every weight is read once from the mmap'd file, kept as a zero-copy
-  /// view when bf16/f32 (or converted to f32 on the fly for other float dtypes). Throws
+  /// view when bf16/f32 (or converted to f32 on the fly for other float dtypes; gpt-oss experts
+  /// are re-laid out, see the file invariants). Throws
   /// dflash::Error naming the folder and key/tensor for a bad config, a missing tensor or a wrong
   /// shape (check_weights), partial_rotary_factor != 1 (not supported by these architectures' HF
   /// attention), or head_dim odd.

@@ -15,6 +15,7 @@
 #include "ops/cast.hpp"
 #include "ops/embedding.hpp"
 #include "ops/linear.hpp"
+#include "ops/moe.hpp"
 #include "ops/rmsnorm.hpp"
 #include "ops/rope.hpp"
 #include "ops/swiglu.hpp"
@@ -52,6 +53,73 @@ cuda::DeviceBuffer upload_f32(cuda::CudaContext& ctx, const std::vector<float>& 
 
 }  // namespace
 
+TargetCuda::Layer TargetCuda::upload_layer(const TargetLayer& L) {
+  const ModelConfig& c = cfg_;
+  auto opt_f32 = [&](const std::vector<float>& v) {
+    return v.empty() ? cuda::DeviceBuffer() : upload_f32(ctx_, v);
+  };
+  Layer d;
+  d.wq = upload_bf16(ctx_, L.wq);
+  d.wk = upload_bf16(ctx_, L.wk);
+  d.wv = upload_bf16(ctx_, L.wv);
+  d.wo = upload_bf16(ctx_, L.wo);
+  d.bq = opt_f32(L.bq);
+  d.bk = opt_f32(L.bk);
+  d.bv = opt_f32(L.bv);
+  d.bo = opt_f32(L.bo);
+  d.in_norm = upload_f32(ctx_, L.input_norm);
+  d.post_norm = upload_f32(ctx_, L.post_norm);
+  d.q_norm = opt_f32(L.q_norm);
+  d.k_norm = opt_f32(L.k_norm);
+  d.sinks = opt_f32(L.sinks);
+  d.sliding = L.sliding;
+  d.is_moe = L.is_moe;
+  if (!L.is_moe) {
+    std::vector<uint16_t> gu = bf16_of(L.wgate);
+    const std::vector<uint16_t> up = bf16_of(L.wup);
+    gu.insert(gu.end(), up.begin(), up.end());
+    d.wgu = upload_bytes(ctx_, gu.data(), gu.size() * sizeof(uint16_t));
+    d.wdown = upload_bf16(ctx_, L.wdown);
+    if (!L.bgate.empty()) {
+      std::vector<float> b = L.bgate;
+      b.insert(b.end(), L.bup.begin(), L.bup.end());
+      d.bgu = upload_f32(ctx_, b);
+    }
+    d.bdown = opt_f32(L.bdown);
+    return d;
+  }
+  // Experts stacked: expert e's [gate; up] rows at e·2·EI·H, its down matrix at e·H·EI.
+  const TargetMoe& m = L.moe;
+  const int64_t E = c.num_experts, EI = c.expert_width, H = c.hidden_size;
+  Moe& g = d.moe;
+  g.router = upload_bf16(ctx_, m.router);
+  g.router_bias = opt_f32(m.router_bias);
+  std::vector<uint16_t> wgu, wdown;
+  wgu.reserve(static_cast<size_t>(E * 2 * EI * H));
+  wdown.reserve(static_cast<size_t>(E * H * EI));
+  for (int64_t e = 0; e < E; ++e) {
+    for (const Tensor* t : {&m.gate[static_cast<size_t>(e)], &m.up[static_cast<size_t>(e)]}) {
+      const std::vector<uint16_t> b = bf16_of(*t);
+      wgu.insert(wgu.end(), b.begin(), b.end());
+    }
+    const std::vector<uint16_t> b = bf16_of(m.down[static_cast<size_t>(e)]);
+    wdown.insert(wdown.end(), b.begin(), b.end());
+  }
+  g.wgu = upload_bytes(ctx_, wgu.data(), wgu.size() * sizeof(uint16_t));
+  g.wdown = upload_bytes(ctx_, wdown.data(), wdown.size() * sizeof(uint16_t));
+  std::vector<const uint16_t*> gp, dp;
+  for (int64_t e = 0; e < E; ++e) {
+    gp.push_back(g.wgu.as<uint16_t>() + e * 2 * EI * H);
+    dp.push_back(g.wdown.as<uint16_t>() + e * H * EI);
+  }
+  g.gu_ptrs = upload_bytes(ctx_, gp.data(), gp.size() * sizeof(gp[0]));
+  g.down_ptrs = upload_bytes(ctx_, dp.data(), dp.size() * sizeof(dp[0]));
+  g.gate_bias = opt_f32(m.gate_bias);
+  g.up_bias = opt_f32(m.up_bias);
+  g.down_bias = opt_f32(m.down_bias);
+  return d;
+}
+
 TargetCuda::TargetCuda(cuda::CudaContext& ctx, const TargetModel& model, int64_t max_tokens)
     : ctx_(ctx),
       cfg_(model.config()),
@@ -60,39 +128,25 @@ TargetCuda::TargetCuda(cuda::CudaContext& ctx, const TargetModel& model, int64_t
       tied_(cfg_.tie_word_embeddings) {
   const ModelConfig& c = cfg_;
   DFLASH_CHECK(max_tokens > 0, "TargetCuda: max_tokens must be > 0 (got {})", max_tokens);
-  DFLASH_CHECK(!c.attention_bias && !c.o_proj_bias,
-               "the CUDA target forward does not support projection biases yet "
-               "(config: attention_bias / model_type {}); use runtime.backend=cpu",
-               c.model_type);
-  DFLASH_CHECK(c.num_sliding_layers() == 0,
-               "the CUDA target forward does not support sliding-window layers yet ({} in "
-               "layer_types); use runtime.backend=cpu", c.num_sliding_layers());
   DFLASH_CHECK(c.head_dim == 64 || c.head_dim == 128,
-               "the CUDA attention supports head_dim 64 or 128 (config head_dim {})", c.head_dim);
+               "the CUDA attention supports head_dim 64 or 128 ({}: head_dim {})", c.source,
+               c.head_dim);
+  if (c.is_moe()) {
+    DFLASH_CHECK(c.hidden_size % 8 == 0 && c.expert_width % 8 == 0,
+                 "the CUDA expert GEMMs need hidden_size ({}) and the expert width ({}) to be "
+                 "multiples of 8 ({})",
+                 c.hidden_size, c.expert_width, c.source);
+    DFLASH_CHECK(c.num_experts <= 1024 && c.num_experts_per_tok <= 32,
+                 "the CUDA router supports up to 1024 experts and top-32 ({}: {} experts, top-{})",
+                 c.source, c.num_experts, c.num_experts_per_tok);
+  }
   const int64_t H = c.hidden_size, I = c.intermediate_size;
   const int64_t QD = c.num_attention_heads * c.head_dim, KD = c.num_key_value_heads * c.head_dim;
   embed_ = upload_bf16(ctx, model.embed_tokens());
   if (!tied_) head_ = upload_bf16(ctx, model.lm_head());
   inv_freq_ = upload_f32(ctx, model.inv_freq());
-  for (const TargetLayer& L : model.layers()) {
-    Layer d;
-    d.wq = upload_bf16(ctx, L.wq);
-    d.wk = upload_bf16(ctx, L.wk);
-    d.wv = upload_bf16(ctx, L.wv);
-    d.wo = upload_bf16(ctx, L.wo);
-    std::vector<uint16_t> gu = bf16_of(L.wgate);
-    const std::vector<uint16_t> up = bf16_of(L.wup);
-    gu.insert(gu.end(), up.begin(), up.end());
-    d.wgu = upload_bytes(ctx, gu.data(), gu.size() * sizeof(uint16_t));
-    d.wdown = upload_bf16(ctx, L.wdown);
-    d.in_norm = upload_f32(ctx, L.input_norm);
-    d.post_norm = upload_f32(ctx, L.post_norm);
-    if (c.qk_norm) {
-      d.q_norm = upload_f32(ctx, L.q_norm);
-      d.k_norm = upload_f32(ctx, L.k_norm);
-    }
-    layers_.push_back(std::move(d));
-  }
+  for (const TargetLayer& L : model.layers()) layers_.push_back(upload_layer(L));
+
   const auto T = static_cast<size_t>(max_tokens);
   x_ = ctx.scratch(T * H * sizeof(float));
   hn_ = ctx.scratch(T * H * 2);
@@ -100,9 +154,53 @@ TargetCuda::TargetCuda(cuda::CudaContext& ctx, const TargetModel& model, int64_t
   k_ = ctx.scratch(T * KD * 2);
   v_ = ctx.scratch(T * KD * 2);
   o_ = ctx.scratch(T * QD * 2);
-  gu_ = ctx.scratch(T * 2 * I * 2);
-  act_ = ctx.scratch(T * I * 2);
+  if (c.num_moe_layers() < c.num_hidden_layers) {  // some layer has a dense MLP
+    gu_ = ctx.scratch(T * 2 * I * 2);
+    act_ = ctx.scratch(T * I * 2);
+  }
   tap_ = ctx.scratch(T * H * 2);
+  if (c.num_sliding_layers() > 0) win_ = ctx.scratch(T * sizeof(AttnRange));
+  if (c.is_moe()) {
+    const auto E = static_cast<size_t>(c.num_experts), EI = static_cast<size_t>(c.expert_width);
+    const size_t R = T * static_cast<size_t>(c.num_experts_per_tok);
+    logits_ = ctx.scratch(T * E * sizeof(float));
+    ids_ = ctx.scratch(R * sizeof(int32_t));
+    weights_ = ctx.scratch(R * sizeof(float));
+    perm_ = ctx.scratch(R * sizeof(int32_t));
+    slot_ = ctx.scratch(R * sizeof(int32_t));
+    rexp_ = ctx.scratch(R * sizeof(int32_t));
+    offsets_ = ctx.scratch((E + 1) * sizeof(int32_t));
+    xs_ = ctx.scratch(R * static_cast<size_t>(H) * 2);
+    egu_ = ctx.scratch(R * 2 * EI * 2);
+    eact_ = ctx.scratch(R * EI * 2);
+    ys_ = ctx.scratch(R * static_cast<size_t>(H) * sizeof(float));
+  }
+}
+
+void TargetCuda::moe_forward(const Moe& m, float* x, const uint16_t* hn, int64_t T) {
+  const ModelConfig& c = cfg_;
+  const int64_t H = c.hidden_size, E = c.num_experts, K = c.num_experts_per_tok;
+  const int64_t EI = c.expert_width, R = T * K;
+  float* logits = logits_.as<float>();
+  int32_t *ids = ids_.as<int32_t>(), *perm = perm_.as<int32_t>(), *slot = slot_.as<int32_t>();
+  int32_t *rexp = rexp_.as<int32_t>(), *offsets = offsets_.as<int32_t>();
+  float* w = weights_.as<float>();
+  uint16_t *xs = xs_.as<uint16_t>(), *gu = egu_.as<uint16_t>(), *act = eact_.as<uint16_t>();
+  float* ys = ys_.as<float>();
+  // Router logits in fp32 from the bf16 normed input (HF: F.linear(x, W, b)).
+  linear_fwd_cuda(ctx_, logits, hn, m.router.as<uint16_t>(), m.router_bias.as<float>(), T, H, E);
+  moe_route_cuda(ctx_, ids, w, logits, T, E, MoeRouting{c.routing, K, c.norm_topk_prob});
+  moe_dispatch_cuda(ctx_, perm, slot, offsets, rexp, ids, T, K, E);
+  moe_gather_cuda(ctx_, xs, hn, perm, R, K, H);
+  const auto* gu_ptrs = m.gu_ptrs.as<const uint16_t*>();
+  moe_grouped_linear_cuda(ctx_, gu, 2 * EI, xs, gu_ptrs, offsets, E, R, H, 2 * EI);
+  const MoeGlu glu{c.expert_activation, static_cast<float>(c.swiglu_alpha),
+                   static_cast<float>(c.swiglu_limit)};
+  moe_glu_cuda(ctx_, act, gu, gu + EI, 2 * EI, m.gate_bias.as<float>(), m.up_bias.as<float>(),
+               rexp, R, EI, glu);
+  const auto* down_ptrs = m.down_ptrs.as<const uint16_t*>();
+  moe_grouped_linear_cuda(ctx_, ys, H, act, down_ptrs, offsets, E, R, EI, H);
+  moe_combine_cuda(ctx_, x, ys, m.down_bias.as<float>(), ids, w, slot, T, K, H);
 }
 
 void TargetCuda::forward_taps(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
@@ -127,14 +225,21 @@ void TargetCuda::forward_taps(uint16_t* taps, const int32_t* tokens, const int32
   uint16_t *act = act_.as<uint16_t>(), *tap = tap_.as<uint16_t>();
   const float* inv_freq = inv_freq_.as<float>();
   AttnParams ap{T, T, NH, NKV, D, 1.0 / std::sqrt(static_cast<double>(D))};
+  // Sliding layers see the last `sliding_window` keys of each causal range (HF
+  // sliding_window_overlay), derived on the device once per forward.
+  const AttnRange* win = nullptr;
+  if (c.num_sliding_layers() > 0) {
+    attention_window_ranges_cuda(ctx_, win_.as<AttnRange>(), ranges, T, c.sliding_window);
+    win = win_.as<AttnRange>();
+  }
 
   embedding_fwd_cuda(ctx_, x, embed(), tokens, T, c.vocab_size, H);
   for (int64_t l = 0; l < n_run; ++l) {
     const Layer& L = layers_[static_cast<size_t>(l)];
     rmsnorm_fwd_cuda(ctx_, hn, static_cast<float*>(nullptr), x, L.in_norm.as<float>(), T, H, eps);
-    linear_fwd_cuda(ctx_, q, hn, L.wq.as<uint16_t>(), T, H, QD);
-    linear_fwd_cuda(ctx_, k, hn, L.wk.as<uint16_t>(), T, H, KD);
-    linear_fwd_cuda(ctx_, v, hn, L.wv.as<uint16_t>(), T, H, KD);
+    linear_fwd_cuda(ctx_, q, hn, L.wq.as<uint16_t>(), L.bq.as<float>(), T, H, QD);
+    linear_fwd_cuda(ctx_, k, hn, L.wk.as<uint16_t>(), L.bk.as<float>(), T, H, KD);
+    linear_fwd_cuda(ctx_, v, hn, L.wv.as<uint16_t>(), L.bv.as<float>(), T, H, KD);
     if (c.qk_norm) {
       rmsnorm_fwd_cuda(ctx_, q, static_cast<float*>(nullptr), q, L.q_norm.as<float>(), T * NH, D,
                        eps);
@@ -143,16 +248,24 @@ void TargetCuda::forward_taps(uint16_t* taps, const int32_t* tokens, const int32
     }
     rope_fwd_cuda(ctx_, q, q, pos, inv_freq, rope_scaling_, T, NH, D);
     rope_fwd_cuda(ctx_, k, k, pos, inv_freq, rope_scaling_, T, NKV, D);
-    attention_fwd_cuda(ctx_, o, nullptr, q, k, v, ranges, ap);
-    // x += o · Woᵀ (the GEMM accumulates into the fp32 residual stream).
+    ap.sinks = L.sinks.as<float>();  // null unless gpt-oss
+    attention_fwd_cuda(ctx_, o, nullptr, q, k, v, L.sliding ? win : ranges, ap);
+    // x += o · Woᵀ (+ bo) (the GEMM accumulates into the fp32 residual stream).
     cuda::gemm_bf16(ctx_, x, DType::f32, H, o, QD, false, L.wo.as<uint16_t>(), QD, true, T, H, QD,
                     1.0f, 1.0f);
+    if (L.bo.data()) bias_add_cuda(ctx_, x, L.bo.as<float>(), T, H);
     rmsnorm_fwd_cuda(ctx_, hn, static_cast<float*>(nullptr), x, L.post_norm.as<float>(), T, H,
                      eps);
-    linear_fwd_cuda(ctx_, gu, hn, L.wgu.as<uint16_t>(), T, H, 2 * I);  // row t: [gate | up]
-    swiglu_fwd_cuda(ctx_, act, gu, gu + I, T, I, 2 * I);
-    cuda::gemm_bf16(ctx_, x, DType::f32, H, act, I, false, L.wdown.as<uint16_t>(), I, true, T, H,
-                    I, 1.0f, 1.0f);
+    if (L.is_moe) {
+      moe_forward(L.moe, x, hn, T);
+    } else {
+      // row t: [gate | up] (+ [bgate | bup])
+      linear_fwd_cuda(ctx_, gu, hn, L.wgu.as<uint16_t>(), L.bgu.as<float>(), T, H, 2 * I);
+      swiglu_fwd_cuda(ctx_, act, gu, gu + I, T, I, 2 * I);
+      cuda::gemm_bf16(ctx_, x, DType::f32, H, act, I, false, L.wdown.as<uint16_t>(), I, true, T,
+                      H, I, 1.0f, 1.0f);
+      if (L.bdown.data()) bias_add_cuda(ctx_, x, L.bdown.as<float>(), T, H);
+    }
     bool converted = false;
     for (int64_t i = 0; i < n_taps; ++i) {
       if (layer_ids[static_cast<size_t>(i)] != l) continue;

@@ -10,6 +10,54 @@
 
 namespace dflash {
 
+int64_t WeightSpec::parameters() const {
+  switch (format) {
+    case WeightFormat::float_any: return shape_numel(shape);
+    case WeightFormat::mxfp4_blocks: return 2 * shape_numel(shape);
+    case WeightFormat::mxfp4_scales: return 0;
+  }
+  return 0;
+}
+
+namespace {
+
+// The sparse MLP of MoE layer `m` ("model.layers.{l}.mlp.").
+void moe_weights(std::vector<WeightSpec>& w, const ModelConfig& c, const std::string& m) {
+  const int64_t H = c.hidden_size, E = c.num_experts, EI = c.expert_width;
+  if (c.arch == Arch::qwen3_moe) {
+    w.push_back({m + "gate.weight", {E, H}});
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string x = fmt::format("{}experts.{}.", m, e);
+      w.push_back({x + "gate_proj.weight", {EI, H}});
+      w.push_back({x + "up_proj.weight", {EI, H}});
+      w.push_back({x + "down_proj.weight", {H, EI}});
+    }
+    return;
+  }
+  DFLASH_ASSERT(c.arch == Arch::gpt_oss);
+  w.push_back({m + "router.weight", {E, H}});
+  w.push_back({m + "router.bias", {E}});
+  const std::string x = m + "experts.";
+  if (c.quantization == "mxfp4") {
+    DFLASH_CHECK(H % 32 == 0 && EI % 32 == 0,
+                 "{}: mxfp4 experts need hidden_size ({}) and intermediate_size ({}) to be "
+                 "multiples of 32",
+                 c.source, H, EI);
+    using F = WeightFormat;
+    w.push_back({x + "gate_up_proj_blocks", {E, 2 * EI, H / 32, 16}, F::mxfp4_blocks});
+    w.push_back({x + "gate_up_proj_scales", {E, 2 * EI, H / 32}, F::mxfp4_scales});
+    w.push_back({x + "down_proj_blocks", {E, H, EI / 32, 16}, F::mxfp4_blocks});
+    w.push_back({x + "down_proj_scales", {E, H, EI / 32}, F::mxfp4_scales});
+  } else {
+    w.push_back({x + "gate_up_proj", {E, H, 2 * EI}});
+    w.push_back({x + "down_proj", {E, EI, H}});
+  }
+  w.push_back({x + "gate_up_proj_bias", {E, 2 * EI}});
+  w.push_back({x + "down_proj_bias", {E, H}});
+}
+
+}  // namespace
+
 std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
   const int64_t H = c.hidden_size, D = c.head_dim, NH = c.num_attention_heads,
                 NKV = c.num_key_value_heads, I = c.intermediate_size, V = c.vocab_size;
@@ -33,13 +81,18 @@ std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
       w.push_back({a + "q_norm.weight", {D}});
       w.push_back({a + "k_norm.weight", {D}});
     }
-    w.push_back({m + "gate_proj.weight", {I, H}});
-    w.push_back({m + "up_proj.weight", {I, H}});
-    w.push_back({m + "down_proj.weight", {H, I}});
-    if (c.mlp_bias) {
-      w.push_back({m + "gate_proj.bias", {I}});
-      w.push_back({m + "up_proj.bias", {I}});
-      w.push_back({m + "down_proj.bias", {H}});
+    if (c.attention_sinks) w.push_back({a + "sinks", {NH}});
+    if (c.moe_layers[static_cast<size_t>(i)]) {
+      moe_weights(w, c, m);
+    } else {
+      w.push_back({m + "gate_proj.weight", {I, H}});
+      w.push_back({m + "up_proj.weight", {I, H}});
+      w.push_back({m + "down_proj.weight", {H, I}});
+      if (c.mlp_bias) {
+        w.push_back({m + "gate_proj.bias", {I}});
+        w.push_back({m + "up_proj.bias", {I}});
+        w.push_back({m + "down_proj.bias", {H}});
+      }
     }
     w.push_back({l + "input_layernorm.weight", {H}});
     w.push_back({l + "post_attention_layernorm.weight", {H}});
@@ -49,13 +102,23 @@ std::vector<WeightSpec> expected_weights(const ModelConfig& c) {
   return w;
 }
 
+int64_t active_parameters(const ModelConfig& c) {
+  int64_t total = 0;
+  for (const WeightSpec& s : expected_weights(c)) total += s.parameters();
+  if (!c.is_moe()) return total;
+  // One expert: gate, up [EI, H] and down [H, EI], plus its biases (gate/up [EI] each, down [H]).
+  const int64_t H = c.hidden_size, EI = c.expert_width;
+  const int64_t per_expert = 3 * H * EI + (c.expert_bias ? 2 * EI + H : 0);
+  return total - c.num_moe_layers() * (c.num_experts - c.num_experts_per_tok) * per_expert;
+}
+
 WeightReport check_weights(const ModelConfig& c, const SafetensorsCheckpoint& ckpt) {
   WeightReport rep;
   std::vector<std::string> problems;
   std::set<std::string> expected;
   for (const WeightSpec& s : expected_weights(c)) {
     expected.insert(s.name);
-    rep.expected_parameters += shape_numel(s.shape);
+    rep.expected_parameters += s.parameters();
     if (!ckpt.contains(s.name)) {
       problems.push_back(fmt::format("missing tensor '{}' (expected {})", s.name, shape_str(s.shape)));
       continue;
@@ -64,9 +127,13 @@ WeightReport check_weights(const ModelConfig& c, const SafetensorsCheckpoint& ck
     if (ti.shape != s.shape) {
       problems.push_back(fmt::format("tensor '{}' has shape {} but config.json implies {}", s.name,
                                      shape_str(ti.shape), shape_str(s.shape)));
-    } else if (!dtype_is_float(ti.dtype)) {
+    } else if (s.format == WeightFormat::float_any && !dtype_is_float(ti.dtype)) {
       problems.push_back(fmt::format("tensor '{}' has dtype {}, expected a float type", s.name,
                                      dtype_name(ti.dtype)));
+    } else if (s.format != WeightFormat::float_any && ti.dtype != DType::u8) {
+      problems.push_back(fmt::format("tensor '{}' has dtype {}, expected u8 (mxfp4 {})", s.name,
+                                     dtype_name(ti.dtype),
+                                     s.format == WeightFormat::mxfp4_blocks ? "blocks" : "scales"));
     }
   }
   for (const std::string& n : ckpt.names()) {

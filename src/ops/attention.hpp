@@ -7,12 +7,19 @@
 //     [s, e) sees [s, t+1) (`attention_causal_varlen_ranges`); nothing crosses documents;
 //   * the DFlash drafter: a block's queries see context keys [doc_start, anchor) plus the keys of
 //     their own block (a second range further down the same K/V array), DESIGN.md §1;
-//   * block verification over a KV cache (one range).
+//   * block verification over a KV cache (one range);
+//   * sliding windows (HF `sliding_window_overlay`: query q sees key k iff q − W < k ≤ q):
+//     attention_window_ranges narrows the first range of each row to its last W keys.
 // Shapes (row-major): q [Tq, NH, D], k and v [Tk, NKV, D], o [Tq, NH, D], lse [NH, Tq],
 // ranges [Tq]. NH must be a multiple of NKV; query head h uses key/value head h / (NH/NKV)
 // (HF `repeat_kv`). Scores are scale·q·k (scale usually 1/sqrt(D)); softmax statistics are kept
 // as the natural-log logsumexp `lse` of the scaled scores, needed by the backward.
 // A row with no visible key gets o = 0 and lse = -inf, and contributes no gradient.
+// Attention sinks (gpt-oss, HF `GptOssAttention.sinks`): with `sinks` [NH] set, head h's softmax
+// runs over its visible scores plus one extra logit sinks[h] that has no value row, so
+// o = Σ_j e^{s_j}·v_j / (Σ_j e^{s_j} + e^{sinks[h]}) and lse includes the sink (a row with no
+// visible key gets o = 0, lse = sinks[h]). The backward formulas below hold unchanged with that
+// lse; no gradient flows to the sinks (they are frozen target weights).
 // Memory never grows with Tq·Tk: each worker keeps one score buffer of at most Tk values.
 // Keys outside a row's ranges are never read (they may hold anything, even NaN).
 // Backward: dq, dk, dv are activation gradients and are OVERWRITTEN. Every sum runs in a fixed
@@ -41,6 +48,9 @@ struct AttnParams {
   int64_t NKV = 0;  ///< key/value heads (NH % NKV == 0)
   int64_t D = 0;    ///< head dimension
   double scale = 0; ///< multiplies q·k (usually 1/sqrt(D))
+  /// Per-head sink logits [NH] (f32; host memory for the CPU entry points, device memory for the
+  /// CUDA ones), or null for none. Not scaled by `scale`.
+  const float* sinks = nullptr;
 };
 
 /// Fills `ranges` [T] for causal attention over packed documents: `doc_offsets` [n_docs+1]
@@ -51,6 +61,12 @@ void attention_causal_varlen_ranges(AttnRange* ranges, const int32_t* doc_offset
 /// Same, returning a vector.
 std::vector<AttnRange> attention_causal_varlen_ranges(const int32_t* doc_offsets, int64_t n_docs,
                                                       int64_t T);
+
+/// Sliding-window visibility: out[t] = in[t] with its first range narrowed to its last `window`
+/// keys, lo1 = max(lo1, hi1 − window) (the second range is kept). For causal rows ({s, t+1}) this
+/// is HF's sliding window: row t sees [max(s, t+1−W), t+1). `out` may alias `in`. Throws
+/// dflash::Error when window < 1.
+void attention_window_ranges(AttnRange* out, const AttnRange* in, int64_t T, int64_t window);
 
 /// o = softmax(scale·q·kᵀ restricted to the row's ranges)·v per head; lse [NH, Tq] (may be null
 /// when no backward follows). Throws dflash::Error on bad sizes or ranges (naming the row).
@@ -73,6 +89,10 @@ void attention_bwd_cpu(double* dq, double* dk, double* dv, const double* dout, c
 namespace cuda {
 class CudaContext;
 }
+
+/// CUDA attention_window_ranges over DEVICE arrays (graph-capturable; out may alias in).
+void attention_window_ranges_cuda(cuda::CudaContext& ctx, AttnRange* out, const AttnRange* in,
+                                  int64_t T, int64_t window);
 
 /// CUDA forward (src/backend/cuda/attention.cu): q, k, v, o bf16 (raw bits), lse f32 [NH, Tq]
 /// (may be null), `ranges` [Tq] a DEVICE array. D must be 64 or 128; q/k/v 4-byte aligned. Ranges

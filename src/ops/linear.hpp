@@ -44,6 +44,15 @@ class CudaContext;
 template <typename Y>
 void linear_fwd_cuda(cuda::CudaContext& ctx, Y* y, const uint16_t* x, const uint16_t* w_bf16,
                      int64_t T, int64_t IN, int64_t OUT);
+/// CUDA y[T,OUT] = x·Wᵀ + bias[OUT]: the GEMM above, then bias_add_cuda (`bias` null: none).
+template <typename Y>
+void linear_fwd_cuda(cuda::CudaContext& ctx, Y* y, const uint16_t* x, const uint16_t* w_bf16,
+                     const float* bias, int64_t T, int64_t IN, int64_t OUT);
+/// CUDA y[t, o] += bias[o] for every row t < T of y [T, OUT] (f32 or bf16 bits; bias f32 [OUT] on
+/// the device): one elementwise pass in fp32 (src/backend/cuda/linear.cu). Projection biases of
+/// Qwen2 and gpt-oss, router biases, o_proj/down biases added to the fp32 residual stream.
+template <typename Y>
+void bias_add_cuda(cuda::CudaContext& ctx, Y* y, const float* bias, int64_t T, int64_t OUT);
 /// CUDA backward: dx[T,IN] = dy·W (overwritten; DX ∈ {float, bf16 bits}; may be null);
 /// dw[OUT,IN] f32 += dyᵀ·x (accumulated by the GEMM's beta = 1; may be null). dy, x, W bf16.
 template <typename DX>

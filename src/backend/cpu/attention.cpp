@@ -45,6 +45,16 @@ std::vector<AttnRange> attention_causal_varlen_ranges(const int32_t* doc_offsets
   return r;
 }
 
+void attention_window_ranges(AttnRange* out, const AttnRange* in, int64_t T, int64_t window) {
+  DFLASH_CHECK(window >= 1 && T >= 0, "attention_window_ranges: window must be >= 1, got {} (T={})",
+               window, T);
+  for (int64_t t = 0; t < T; ++t) {
+    AttnRange r = in[t];
+    r.lo1 = static_cast<int32_t>(std::max<int64_t>(r.lo1, int64_t{r.hi1} - window));
+    out[t] = r;
+  }
+}
+
 namespace {
 
 void check_params(const char* op, const AttnRange* ranges, const AttnParams& p) {
@@ -108,12 +118,15 @@ void fwd_impl(S* o, S* lse, const S* q, const S* k, const S* v, const AttnRange*
             m = std::max(m, sj);
           });
           std::fill(orow, orow + D, S(0));
+          // A sink is one more logit in the softmax, without a value row.
+          const S sink = p.sinks ? static_cast<S>(p.sinks[h]) : -std::numeric_limits<S>::infinity();
           if (n == 0) {
-            if (lse) lse[h * p.Tq + t] = -std::numeric_limits<S>::infinity();
+            if (lse) lse[h * p.Tq + t] = sink;
             continue;
           }
+          m = std::max(m, sink);
           // Pass 2: unnormalised weights, their sum and the weighted sum of values.
-          S sum = 0;
+          S sum = p.sinks ? std::exp(sink - m) : S(0);
           n = 0;
           for_visible(rg, 0, p.Tk, [&](int64_t j) {
             const S e = std::exp(s[static_cast<size_t>(n++)] - m);

@@ -12,6 +12,9 @@
 // owned by one thread and summed in a fixed order (rows ascending, heads ascending) — no atomics,
 // so the results are bit-reproducible.
 // Head dimensions 64 and 128 are instantiated (the entry point rejects others).
+// Sinks (AttnParams::sinks, gpt-oss): the forward folds head h's sink logit into each row's online
+// softmax after the last key tile (one more term of the denominator, no value row), so lse
+// includes it and the backward needs no change.
 #include <cmath>
 
 #include "backend/cuda/common.cuh"
@@ -107,8 +110,9 @@ __device__ int block_intervals(const Range* rs, int n, int* iv) {
 template <int D>
 __global__ void __launch_bounds__(128) attn_fwd_kernel(uint16_t* o, float* lse, const uint16_t* q,
                                                        const uint16_t* k, const uint16_t* v,
-                                                       const AttnRange* ranges, int Tq, int Tk,
-                                                       int NH, int NKV, float scale) {
+                                                       const AttnRange* ranges, const float* sinks,
+                                                       int Tq, int Tk, int NH, int NKV,
+                                                       float scale) {
   constexpr int PER = D / 32;
   __shared__ float qs[kBQ][D];
   __shared__ uint16_t ks[kBK * (D + 2)], vs[kBK * (D + 2)];
@@ -173,6 +177,13 @@ __global__ void __launch_bounds__(128) attn_fwd_kernel(uint16_t* o, float* lse, 
     const int r = warp * kRowsPerWarp + i;
     if (r >= nrows) continue;
     const int t = t0 + r;
+    if (sinks) {  // one more logit in the softmax, without a value row
+      const float sk = sinks[h], mn = fmaxf(m[i], sk), alpha = expf(m[i] - mn);
+      l[i] = l[i] * alpha + expf(sk - mn);
+#pragma unroll
+      for (int c = 0; c < PER; ++c) acc[i][c] *= alpha;
+      m[i] = mn;
+    }
     const float inv = l[i] > 0.f ? 1.0f / l[i] : 0.f;
 #pragma unroll
     for (int c = 0; c < PER; ++c)
@@ -397,9 +408,10 @@ template <int D>
 void fwd_d(uint16_t* o, float* lse, const uint16_t* q, const uint16_t* k, const uint16_t* v,
            const AttnRange* ranges, const AttnParams& p, cudaStream_t s) {
   dim3 grid(static_cast<unsigned>((p.Tq + kBQ - 1) / kBQ), static_cast<unsigned>(p.NH));
-  attn_fwd_kernel<D><<<grid, 128, 0, s>>>(o, lse, q, k, v, ranges, static_cast<int>(p.Tq),
-                                          static_cast<int>(p.Tk), static_cast<int>(p.NH),
-                                          static_cast<int>(p.NKV), static_cast<float>(p.scale));
+  attn_fwd_kernel<D><<<grid, 128, 0, s>>>(o, lse, q, k, v, ranges, p.sinks,
+                                          static_cast<int>(p.Tq), static_cast<int>(p.Tk),
+                                          static_cast<int>(p.NH), static_cast<int>(p.NKV),
+                                          static_cast<float>(p.scale));
   DFLASH_CUDA_LAUNCH_CHECK();
 }
 
@@ -433,9 +445,26 @@ void bwd_d(uint16_t* dq, uint16_t* dk, uint16_t* dv, const uint16_t* dout, const
   }
 }
 
+__global__ void attn_window_kernel(AttnRange* out, const AttnRange* in, int64_t T,
+                                   int64_t window) {
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < T;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    AttnRange r = in[t];
+    r.lo1 = static_cast<int32_t>(max(static_cast<int64_t>(r.lo1), r.hi1 - window));
+    out[t] = r;
+  }
+}
+
 }  // namespace
 
 namespace launch {
+
+void attention_window_ranges(AttnRange* out, const AttnRange* in, int64_t T, int64_t window,
+                             cudaStream_t s) {
+  if (T == 0) return;
+  attn_window_kernel<<<grid_for(T, 256), 256, 0, s>>>(out, in, T, window);
+  DFLASH_CUDA_LAUNCH_CHECK();
+}
 
 void attention_fwd(uint16_t* o, float* lse, const uint16_t* q, const uint16_t* k,
                    const uint16_t* v, const AttnRange* ranges, const AttnParams& p,

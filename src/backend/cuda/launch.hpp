@@ -61,6 +61,35 @@ void attention_bwd(uint16_t* dq, uint16_t* dk, uint16_t* dv, const uint16_t* dou
                    float* delta_ws, int* span_ws, cudaStream_t s);
 /// Key-tile width of the attention kernels (span_ws has 2 ints per tile of this many keys).
 constexpr int kAttnKeyTile = 32;
+/// out[t] = in[t] with lo1 = max(lo1, hi1 − window) (device arrays; out may alias in).
+void attention_window_ranges(AttnRange* out, const AttnRange* in, int64_t T, int64_t window,
+                             cudaStream_t s);
+
+// ---- linear.cu
+/// y[t, o] += bias[o] for t < T, o < OUT; y f32 or bf16 [T, OUT] (row stride OUT), bias f32.
+void bias_add(void* y, DType yt, const float* bias, int64_t T, int64_t OUT, cudaStream_t s);
+
+// ---- moe.cu (semantics: ops/moe.hpp)
+void moe_route(int32_t* ids, float* weights, const float* logits, int64_t T, int64_t E, int64_t K,
+               bool softmax_first, bool norm_topk, cudaStream_t s);
+/// counts_ws: int32 [E] scratch.
+void moe_dispatch(int32_t* perm, int32_t* slot, int32_t* offsets, int32_t* row_expert,
+                  int32_t* counts_ws, const int32_t* ids, int64_t R, int64_t E, cudaStream_t s);
+void moe_gather(uint16_t* xs, const uint16_t* x, const int32_t* perm, int64_t R, int64_t K,
+                int64_t H, cudaStream_t s);
+/// Upper bound of the row tiles of a grouped linear over R rows and E experts (its grid height).
+int64_t moe_grouped_tiles(int64_t R, int64_t E);
+/// y f32 or bf16 (yt), x bf16 [R, IN], w a device array of E device pointers [OUT, IN].
+void moe_grouped_linear(void* y, DType yt, int64_t ldy, const uint16_t* x,
+                        const uint16_t* const* w, const int32_t* offsets, int64_t E, int64_t R,
+                        int64_t IN, int64_t OUT, cudaStream_t s);
+/// gate/up f32 or bf16 (t), y bf16.
+void moe_glu(uint16_t* y, const void* gate, const void* up, DType t, int64_t ld_in,
+             const float* gate_bias, const float* up_bias, const int32_t* row_expert, int64_t R,
+             int64_t I, bool clamped, float alpha, float limit, cudaStream_t s);
+void moe_combine(float* y, const float* ys, const float* down_bias, const int32_t* ids,
+                 const float* weights, const int32_t* slot, int64_t T, int64_t K, int64_t H,
+                 cudaStream_t s);
 
 // ---- cross_entropy.cu
 /// One chunk of n rows: logits f32 [n, V] → lse, argmax, row_loss [n] (w·loss, 0 when w = 0) and,

@@ -171,6 +171,21 @@ void linear_fwd_cuda(cuda::CudaContext& ctx, Y* y, const uint16_t* x, const uint
   cuda::gemm_bf16(ctx, y, dt<Y>(), OUT, x, IN, false, w_bf16, IN, true, T, OUT, IN);
 }
 
+template <typename Y>
+void bias_add_cuda(cuda::CudaContext& ctx, Y* y, const float* bias, int64_t T, int64_t OUT) {
+  DFLASH_CHECK(T >= 0 && OUT > 0, "bias_add_cuda: bad sizes T={} OUT={}", T, OUT);
+  if (T == 0) return;
+  DFLASH_CHECK(y && bias, "bias_add_cuda: null pointer");
+  cuda::launch::bias_add(y, dt<Y>(), bias, T, OUT, ctx.stream());
+}
+
+template <typename Y>
+void linear_fwd_cuda(cuda::CudaContext& ctx, Y* y, const uint16_t* x, const uint16_t* w_bf16,
+                     const float* bias, int64_t T, int64_t IN, int64_t OUT) {
+  linear_fwd_cuda(ctx, y, x, w_bf16, T, IN, OUT);
+  if (bias) bias_add_cuda(ctx, y, bias, T, OUT);
+}
+
 template <typename DX>
 void linear_bwd_cuda(cuda::CudaContext& ctx, DX* dx, float* dw, const uint16_t* dy,
                      const uint16_t* x, const uint16_t* w_bf16, int64_t T, int64_t IN,
@@ -197,6 +212,15 @@ void check_attn(const char* op, const AttnParams& p) {
                p.D);
 }
 }  // namespace
+
+void attention_window_ranges_cuda(cuda::CudaContext& ctx, AttnRange* out, const AttnRange* in,
+                                  int64_t T, int64_t window) {
+  DFLASH_CHECK(T >= 0 && window >= 1,
+               "attention_window_ranges_cuda: window must be >= 1, got {} (T={})", window, T);
+  if (T == 0) return;
+  DFLASH_CHECK(out && in, "attention_window_ranges_cuda: null pointer");
+  cuda::launch::attention_window_ranges(out, in, T, window, ctx.stream());
+}
 
 void attention_fwd_cuda(cuda::CudaContext& ctx, uint16_t* o, float* lse, const uint16_t* q,
                         const uint16_t* k, const uint16_t* v, const AttnRange* ranges,
@@ -338,6 +362,9 @@ DFLASH_INST_YX(bf16_bits, bf16_bits)
                                 int64_t, int64_t, int64_t);                                    \
   template void residual_fwd_cuda(cuda::CudaContext&, T*, const T*, const T*, int64_t);        \
   template void residual_bwd_cuda(cuda::CudaContext&, T*, T*, const T*, int64_t);              \
+  template void linear_fwd_cuda(cuda::CudaContext&, T*, const uint16_t*, const uint16_t*,      \
+                                const float*, int64_t, int64_t, int64_t);                      \
+  template void bias_add_cuda(cuda::CudaContext&, T*, const float*, int64_t, int64_t);         \
   template void linear_fwd_cuda(cuda::CudaContext&, T*, const uint16_t*, const uint16_t*,      \
                                 int64_t, int64_t, int64_t);                                    \
   template void linear_bwd_cuda(cuda::CudaContext&, T*, float*, const uint16_t*,               \
