@@ -4,6 +4,7 @@
 // batch shapes.
 #include <chrono>
 
+#include "cli/cli_util.hpp"
 #include "cli/commands.hpp"
 #include "core/error.hpp"
 #include "core/log.hpp"
@@ -114,19 +115,24 @@ void add_data_command(CLI::App& app) {
                 "Tokens per conversation; longer ones are "
                 "truncated")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(at_least(1));
   p->add_option("--cache", args->cache, "Cache file (default: under ~/.cache/dflash)");
   p->add_flag("--skip-invalid", args->skip_invalid, "Skip and count bad records");
   p->add_flag("--force", args->force, "Rebuild the cache even when it is up to date");
   p->add_option("--threads", args->threads, "Tokenizer threads (0 = all cores)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(0));
   p->add_option("--token-budget", args->token_budget, "Tokens per packed row (for the report)")
-      ->capture_default_str();
-  p->add_option("--rows", args->rows, "Rows per batch (for the report)")->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(1));
+  p->add_option("--rows", args->rows, "Rows per batch (for the report)")
+      ->capture_default_str()
+      ->check(at_least(1));
   p->add_flag("--sort-by-length", args->sort_by_length,
               "Pack conversations longest first inside each window (the report's packing)");
   p->add_option("--shapes", args->num_shapes, "Number of row lengths budget/2^k (for the report)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(1));
   p->callback([args, p] { run_prepare(*args, *p); });
 }
 

@@ -6,6 +6,7 @@
 // target-only output: otherwise the command fails (after writing the report) naming the count.
 #include <fmt/format.h>
 
+#include "cli/cli_util.hpp"
 #include "cli/commands.hpp"
 #include "cli/decode_args.hpp"
 #include "core/error.hpp"
@@ -121,10 +122,12 @@ void add_eval_command(CLI::App& app) {
                   "Prompt records (JSONL, plain/xz/zstd; the first user turn of each is used)")
       ->required();
   sub->add_option("--limit", a->limit, "Use the first N records only (0: all)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(0));
   sub->add_option("--per-source", a->per_source,
                   "Use at most N records of each `source` (file order; 0: no cap), before --limit")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(0));
   sub->add_option("--output", a->output, "Write the JSON report to FILE");
   sub->add_flag("--no-baseline", a->no_baseline,
                 "Skip the target-only decoding (no speedup or lossless figures)");

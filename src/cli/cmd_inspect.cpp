@@ -12,6 +12,7 @@
 
 #include "cli/commands.hpp"
 #include "core/error.hpp"
+#include "cli/cli_util.hpp"
 #include "core/log.hpp"
 #include "data/tokenizer.hpp"
 #include "model/config.hpp"
@@ -141,7 +142,7 @@ void add_inspect_command(CLI::App& app) {
       "Also print the model's greedy continuation of TEXT (raw text: no chat template is "
       "applied, pass the rendered prompt)");
   sub->add_option("--max-new-tokens", *max_new, "Most tokens generated for --prompt")
-      ->check(CLI::PositiveNumber);
+      ->check(at_least(1));
   sub->callback([dir, prompt, has_prompt, max_new] {
     run_inspect(*dir);
     if (*has_prompt) run_prompt(*dir, *prompt, *max_new);

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/cli_util.hpp"
 #include "infer/speculative.hpp"
 #include "model/target.hpp"
 
@@ -43,23 +44,26 @@ inline void add_decode_args(CLI::App* sub, DecodeArgs& a) {
                   "model.safetensors)")
       ->required();
   sub->add_option("--max-new-tokens", a.max_new_tokens, "Most tokens generated per prompt")
-      ->check(CLI::PositiveNumber)
+      ->check(at_least(1))
       ->capture_default_str();
   sub->add_option("--block-size", a.block_size,
                   "Block size at run time, in [2, trained block_size] (0: the trained one)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(0));
   sub->add_option("--temperature", a.temperature,
                   "0: greedy (lossless, compared token for "
                   "token); > 0: speculative sampling")
       ->capture_default_str();
   sub->add_option("--top-k", a.top_k, "Keep the k most likely tokens (0: off)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(0));
   sub->add_option("--top-p", a.top_p, "Nucleus sampling mass in (0, 1] (1: off)")
       ->capture_default_str();
   sub->add_option("--seed", a.seed, "Seed of the sampling RNG")->capture_default_str();
   sub->add_option("--stop-id", a.stop_ids,
                   "Extra stop token id (repeatable); added to generation_config.json's "
-                  "eos_token_id (else config.json's)");
+                  "eos_token_id (else config.json's); an id of the target's vocabulary")
+      ->check(at_least(0));
   sub->add_flag("--no-default-stop", a.no_default_stop,
                 "Do not stop on the model's eos_token_id (only on --stop-id)");
   sub->add_option("--template", a.chat_template,
