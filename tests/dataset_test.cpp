@@ -195,6 +195,25 @@ TEST(Dataset, RebuildsWhenDataTokenizerTemplateOrMaxLengthChange) {
   EXPECT_FALSE(prepare_dataset(f).reused);
 }
 
+TEST(Dataset, CacheFileNameCoversEveryInputOfTheKey) {
+  const auto chatml = ChatTemplate::from_name("chatml");
+  const auto base = cache_path_in("c", "data/x.jsonl", "models/m", chatml, 512);
+  EXPECT_EQ(base.parent_path(), std::filesystem::path("c"));
+  EXPECT_EQ(base.filename().string().rfind("x.jsonl-", 0), 0u) << base;
+  EXPECT_EQ(base.extension(), ".dftok");
+  EXPECT_EQ(cache_path_in("c", "data/x.jsonl", "models/m", chatml, 512), base);  // stable
+  EXPECT_NE(cache_path_in("c", "data/x.jsonl", "models/m", chatml, 256), base);
+  EXPECT_NE(cache_path_in("c", "data/x.jsonl", "models/m", ChatTemplate::from_name("qwen3"), 512),
+            base);
+  EXPECT_NE(cache_path_in("c", "data/x.jsonl", "models/other", chatml, 512), base);
+  EXPECT_NE(cache_path_in("c", "other/x.jsonl", "models/m", chatml, 512), base);
+  // A run's cache: data.cache_dir, else <output_dir>/cache.
+  EXPECT_EQ(run_cache_path("", "runs/r", "data/x.jsonl", "models/m", chatml, 512),
+            cache_path_in("runs/r/cache", "data/x.jsonl", "models/m", chatml, 512));
+  EXPECT_EQ(run_cache_path("shared", "runs/r", "data/x.jsonl", "models/m", chatml, 512),
+            cache_path_in("shared", "data/x.jsonl", "models/m", chatml, 512));
+}
+
 TEST(Dataset, DamagedCacheIsRebuiltAndOpenRefusesIt) {
   TempDir tmp;
   test::write_file(tmp / "d.jsonl", record("a", "Q", "Answer") + "\n");

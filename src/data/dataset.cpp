@@ -389,7 +389,8 @@ uint64_t TokenDataset::fingerprint() const {
 // ------------------------------------------------------------------ cache I/O
 
 std::filesystem::path default_cache_path(const std::filesystem::path& data,
-                                         const std::filesystem::path& model_dir) {
+                                         const std::filesystem::path& model_dir,
+                                         const ChatTemplate& t, int64_t max_length) {
   std::filesystem::path dir;
   if (const char* d = std::getenv("DFLASH_CACHE_DIR"); d && *d) {
     dir = d;
@@ -400,15 +401,28 @@ std::filesystem::path default_cache_path(const std::filesystem::path& data,
   } else {
     fail("no cache folder: set DFLASH_CACHE_DIR or HOME, or pass --cache");
   }
-  return cache_path_in(dir, data, model_dir);
+  return cache_path_in(dir, data, model_dir, t, max_length);
 }
 
 std::filesystem::path cache_path_in(const std::filesystem::path& dir,
                                     const std::filesystem::path& data,
-                                    const std::filesystem::path& model_dir) {
+                                    const std::filesystem::path& model_dir, const ChatTemplate& t,
+                                    int64_t max_length) {
   uint64_t h = hash_bytes(std::filesystem::absolute(data).lexically_normal().string());
   h = hash_bytes("\n" + std::filesystem::absolute(model_dir).lexically_normal().string(), h);
+  h = hash_bytes("\n" + t.fingerprint(), h);
+  h = hash_bytes(fmt::format("\nmax_length={}", max_length), h);
   return dir / fmt::format("{}-{:016x}.dftok", data.filename().string(), h);
+}
+
+std::filesystem::path run_cache_path(const std::string& cache_dir,
+                                     const std::filesystem::path& output_dir,
+                                     const std::filesystem::path& data,
+                                     const std::filesystem::path& model_dir,
+                                     const ChatTemplate& t, int64_t max_length) {
+  const std::filesystem::path dir =
+      cache_dir.empty() ? output_dir / "cache" : std::filesystem::path(cache_dir);
+  return cache_path_in(dir, data, model_dir, t, max_length);
 }
 
 std::optional<CacheKey> read_cache_key(const std::filesystem::path& path) {

@@ -250,12 +250,11 @@ TrainResult train(const TrainOptions& opts) {
 
     PrepareOptions po;
     po.data = cfg.data.train_file;
-    po.cache = cfg.data.cache_dir.empty()
-                   ? rd.path() / "cache" / "train.dftok"
-                   : fs::path(cfg.data.cache_dir) / "train.dftok";
-    fs::create_directories(po.cache.parent_path());
     po.chat_template = resolve_chat_template(target_dir, cfg.data.template_name, false);
     po.max_length = cfg.data.max_length;
+    po.cache = run_cache_path(cfg.data.cache_dir, rd.path(), po.data, target_dir,
+                              po.chat_template, po.max_length);
+    fs::create_directories(po.cache.parent_path());
     po.skip_invalid = cfg.data.skip_invalid;
     po.threads = cfg.runtime.threads;
     po.encode = [&tok](std::string_view text, std::vector<std::pair<size_t, size_t>>* offsets) {
