@@ -17,9 +17,10 @@ using dflash::test::TempDir;
 
 namespace {
 
-const char* const kSpecials[] = {"<|im_start|>", "<|im_end|>"};
+const char* const kSpecials[] = {"<|im_start|>", "<|im_end|>", "<think>", "</think>"};
 
-// Special tokens get ids 0, 1; any other byte b gets 2 + b.
+// Special tokens get ids 0, 1 (ChatML) and 258, 259 (qwen3's think markers); any other byte b
+// gets 2 + b.
 std::vector<int32_t> byte_encode(std::string_view text,
                                  std::vector<std::pair<size_t, size_t>>* off) {
   std::vector<int32_t> ids;
@@ -27,10 +28,10 @@ std::vector<int32_t> byte_encode(std::string_view text,
   size_t i = 0;
   while (i < text.size()) {
     bool special = false;
-    for (int s = 0; s < 2; ++s) {
+    for (int s = 0; s < 4; ++s) {
       std::string_view sp = kSpecials[s];
       if (text.substr(i, sp.size()) == sp) {
-        ids.push_back(s);
+        ids.push_back(s < 2 ? s : 256 + s);
         off->emplace_back(i, i + sp.size());
         i += sp.size();
         special = true;
@@ -193,6 +194,29 @@ TEST(Dataset, RebuildsWhenDataTokenizerTemplateOrMaxLengthChange) {
   auto f = opts;
   f.force = true;
   EXPECT_FALSE(prepare_dataset(f).reused);
+}
+
+TEST(Dataset, TemplateMarkersMustBeTokensOfTheTokenizer) {
+  TempDir tmp;
+  test::write_file(tmp / "d.jsonl", record("a", "Q", "Answer") + "\n");
+  auto opts = options(tmp);
+  opts.tokenizer_file = "tok/tokenizer.json";
+  opts.chat_template = ChatTemplate::from_name("llama3");
+  try {
+    prepare_dataset(opts);
+    ADD_FAILURE() << "llama3 markers accepted by a ChatML tokenizer";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("chat template 'llama3'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("tok/tokenizer.json"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("<|begin_of_text|> (17 tokens)"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("<|eot_id|> (10 tokens)"), std::string::npos) << msg;
+  }
+  EXPECT_FALSE(std::filesystem::exists(opts.cache));
+  // Markers the stand-in tokenizer holds pass (chatml, qwen3).
+  for (const char* name : {"chatml", "qwen3"}) {
+    EXPECT_NO_THROW(check_template_tokens(ChatTemplate::from_name(name), byte_encode, "t")) << name;
+  }
 }
 
 TEST(Dataset, CacheFileNameCoversEveryInputOfTheKey) {

@@ -70,6 +70,7 @@ void run_prepare(PrepareArgs a, const CLI::App& cmd) {
   o.threads = a.threads;
   o.force = a.force;
   o.tokenizer_hash = hash_file(tok_file);
+  o.tokenizer_file = tok_file.string();
   o.encode = [&tok](std::string_view text, std::vector<std::pair<size_t, size_t>>* offsets) {
     return tok.encode(text, offsets);
   };

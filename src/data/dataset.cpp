@@ -668,8 +668,25 @@ Built build(const PrepareOptions& opts) {
 
 }  // namespace
 
+void check_template_tokens(const ChatTemplate& t, const EncodeFn& encode,
+                           const std::string& tokenizer) {
+  std::vector<std::string> missing;
+  for (std::string_view marker : chat_template_markers(t)) {
+    std::vector<std::pair<size_t, size_t>> offsets;
+    const size_t n = encode(marker, &offsets).size();
+    if (n != 1) missing.push_back(fmt::format("{} ({} tokens)", marker, n));
+  }
+  DFLASH_CHECK(missing.empty(),
+               "chat template '{}' writes special tokens that the tokenizer {} does not have: {}; "
+               "they would be tokenized as plain text, which the target never saw. Use the "
+               "target's own template (--template / data.template; chatml, qwen3, llama3)",
+               t.name(), tokenizer.empty() ? std::string("in use") : tokenizer,
+               fmt::join(missing, ", "));
+}
+
 PrepareResult prepare_dataset(const PrepareOptions& opts) {
   DFLASH_CHECK(opts.encode, "prepare_dataset: no tokenizer given");
+  check_template_tokens(opts.chat_template, opts.encode, opts.tokenizer_file);
   DFLASH_CHECK(opts.max_length > 0, "max length must be positive (got {})", opts.max_length);
   DFLASH_CHECK(!opts.cache.empty(), "prepare_dataset: no cache path given");
   DFLASH_CHECK(std::filesystem::exists(opts.data), "{}: no such data file", opts.data.string());

@@ -130,6 +130,13 @@ class TokenDataset {
   std::shared_ptr<const Impl> impl_;
 };
 
+/// Refuses a template whose special tokens the tokenizer lacks: throws dflash::Error naming the
+/// template, `tokenizer` (the tokenizer's file, for the message) and every marker of
+/// chat_template_markers(t) that `encode` does not map to exactly one token, with the number of
+/// tokens it became instead.
+void check_template_tokens(const ChatTemplate& t, const EncodeFn& encode,
+                           const std::string& tokenizer);
+
 /// Options of prepare_dataset().
 struct PrepareOptions {
   std::filesystem::path data;   ///< .jsonl, .jsonl.xz or .jsonl.zst
@@ -141,6 +148,7 @@ struct PrepareOptions {
   bool force = false;           ///< rebuild even when the cache matches
   EncodeFn encode;              ///< the target's tokenizer
   uint64_t tokenizer_hash = 0;  ///< hash_file of the tokenizer's tokenizer.json
+  std::string tokenizer_file;   ///< the tokenizer's file, named in messages
 };
 
 /// Result of prepare_dataset().
@@ -152,8 +160,9 @@ struct PrepareResult {
 
 /// Returns the cached dataset for `opts` when the cache file's key matches, else reads the data
 /// file, validates, renders, tokenizes (in parallel) and writes the cache, then maps it.
-/// Errors: the first bad record (file:line, field) unless skip_invalid; no document with a
-/// supervised token left; I/O errors naming the file.
+/// Errors: a template whose markers the tokenizer lacks (check_template_tokens); the first bad
+/// record (file:line, field) unless skip_invalid; no document with a supervised token left; I/O
+/// errors naming the file.
 PrepareResult prepare_dataset(const PrepareOptions& opts);
 
 /// The cache file of `data` tokenized for the model in `model_dir` with template `t` and

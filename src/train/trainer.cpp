@@ -261,6 +261,7 @@ TrainResult train(const TrainOptions& opts) {
       return tok.encode(text, offsets);
     };
     po.tokenizer_hash = hash_file(target_dir / "tokenizer.json");
+    po.tokenizer_file = (target_dir / "tokenizer.json").string();
     status["phase"] = "tokenizing";
     rd.write_status(status);
     PrepareResult prep = prepare_dataset(po);
