@@ -12,6 +12,7 @@
 
 #include "core/error.hpp"
 #include "model/config.hpp"
+#include "model/target.hpp"
 #include "util/test_util.hpp"
 
 using namespace dflash;
@@ -356,6 +357,26 @@ TEST(ModelConfig, EosTokenIdForms) {
   EXPECT_TRUE(model_config_from_json(j, "e").eos_token_ids.empty());
   j.erase("eos_token_id");
   EXPECT_TRUE(model_config_from_json(j, "e").eos_token_ids.empty());
+  // An id outside the vocabulary could never be generated: the config is wrong.
+  j["eos_token_id"] = {5, j["vocab_size"]};
+  expect_config_error(j, {"'eos_token_id'", "[0, vocab_size = 8192)"});
+  j["eos_token_id"] = -1;
+  expect_config_error(j, {"'eos_token_id'"});
+}
+
+TEST(ModelConfig, GenerationEosIdsMustBeTokensOfTheVocabulary) {
+  test::TempDir dir;
+  const ModelConfig c = model_config_from_json(tiny_config(), "config.json");
+  test::write_file(dir / "generation_config.json", R"({"eos_token_id": [2, 99999]})");
+  try {
+    generation_eos_ids(dir.path(), c);
+    ADD_FAILURE() << "an eos id outside the vocabulary was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("99999, which is not a token"), std::string::npos)
+        << e.what();
+  }
+  test::write_file(dir / "generation_config.json", R"({"eos_token_id": [2, 1]})");
+  EXPECT_EQ(generation_eos_ids(dir.path(), c), (std::vector<int64_t>{2, 1}));
 }
 
 TEST(ModelConfig, UnknownModelTypeListsTheSupportedOnes) {

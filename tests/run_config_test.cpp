@@ -147,6 +147,19 @@ TEST(RunDir, OnlyCompleteCheckpointsCountAndPruneKeepsNewest) {
   EXPECT_EQ(cps.front().first, 20);
 }
 
+TEST(Fs, CheckFileWritableNamesTheFlagAndTheReason) {
+  test::TempDir tmp;
+  EXPECT_EQ(error_of([&] { check_file_writable(tmp / "r.json", "--output"); }), "(no error)");
+  EXPECT_TRUE(std::filesystem::is_empty(tmp.path()));  // the probe file is gone
+  const std::string missing = error_of([&] { check_file_writable(tmp / "no" / "r.json", "--output"); });
+  EXPECT_NE(missing.find("--output '" + (tmp / "no" / "r.json").string() + "' cannot be written"),
+            std::string::npos)
+      << missing;
+  EXPECT_NE(missing.find("No such file or directory"), std::string::npos) << missing;
+  EXPECT_NE(error_of([&] { check_file_writable(tmp.path(), "--output"); }).find("is a folder"),
+            std::string::npos);
+}
+
 TEST(Fs, AtomicWriteReplacesWholeFile) {
   test::TempDir tmp;
   write_file_atomic(tmp / "f.txt", "first");

@@ -34,15 +34,19 @@ std::string hist_str(const nlohmann::json& h) {
 }
 
 void run_eval_command(const EvalArgs& a) {
-  const TargetModel target = TargetModel::load(a.d.target, target_load_options());
+  // Every argument is checked before the target's weights are loaded and a prompt is decoded.
+  if (!a.output.empty()) check_file_writable(a.output, "--output");
+  const ModelConfig target_cfg = model_config_load(a.d.target);
+  const DecodeOptions opts = decode_options_from(a.d, target_cfg);
   const LoadedDrafter drafter = drafter_load(a.d.drafter);
-  const SpeculativeDecoder dec(target, drafter);
-  const DecodeOptions opts = decode_options_from(a.d, target.config());
-  const int K = dec.config_for_block(opts.block_size).block_size;
   const Tokenizer tok = Tokenizer::load(a.d.target);
   const ChatTemplate tmpl = resolve_chat_template(a.d.target, a.d.chat_template);
+  check_decoding_inputs(a.d, target_cfg, drafter.config, tok, &tmpl);
   const std::vector<EvalPrompt> prompts =
       load_eval_prompts(a.prompts, tmpl, tok, a.limit, a.per_source);
+  const TargetModel target = TargetModel::load(a.d.target, target_load_options());
+  const SpeculativeDecoder dec(target, drafter);
+  const int K = dec.config_for_block(opts.block_size).block_size;
   const bool greedy = opts.sampling.greedy(), baseline = !a.no_baseline;
   spdlog::info("eval: {} prompts, block size {}, max {} new tokens, {}", prompts.size(), K,
                opts.max_new_tokens,

@@ -10,7 +10,12 @@
 #include <vector>
 
 #include "cli/cli_util.hpp"
+#include "core/error.hpp"
+#include "data/chat_template.hpp"
+#include "data/dataset.hpp"
+#include "data/tokenizer.hpp"
 #include "infer/speculative.hpp"
+#include "model/drafter_io.hpp"
 #include "model/target.hpp"
 
 namespace dflash::cli {
@@ -72,8 +77,14 @@ inline void add_decode_args(CLI::App* sub, DecodeArgs& a) {
 }
 
 /// The DecodeOptions of the parsed flags; the stop ids are the target's generation eos ids
-/// (generation_eos_ids) unless --no-default-stop, plus --stop-id, without duplicates.
+/// (generation_eos_ids) unless --no-default-stop, plus --stop-id, without duplicates. Throws
+/// dflash::Error for a --stop-id outside the target's vocabulary or invalid sampling flags.
 inline DecodeOptions decode_options_from(const DecodeArgs& a, const ModelConfig& target_cfg) {
+  for (int64_t id : a.stop_ids) {
+    DFLASH_CHECK(id >= 0 && id < target_cfg.vocab_size,
+                 "--stop-id {} is not a token of the target's vocabulary [0, {}) ({})", id,
+                 target_cfg.vocab_size, a.target);
+  }
   DecodeOptions o;
   o.max_new_tokens = a.max_new_tokens;
   o.block_size = a.block_size;
@@ -87,6 +98,29 @@ inline DecodeOptions decode_options_from(const DecodeArgs& a, const ModelConfig&
       o.stop_ids.push_back(id);
   o.sampling.validate();
   return o;
+}
+
+/// The checks of the decoding commands that need the drafter and the tokenizer but not the
+/// target's weights, made before those are loaded: the drafter fits the target's config, --block-size
+/// is in [2, trained block size] (or 0), the drafter's mask id is no token of the tokenizer, and a
+/// chat template (when one is used) finds its special tokens in the tokenizer.
+inline void check_decoding_inputs(const DecodeArgs& a, const ModelConfig& target_cfg,
+                                  const DrafterConfig& drafter, const Tokenizer& tok,
+                                  const ChatTemplate* tmpl) {
+  drafter_check_target(drafter, target_cfg);
+  DFLASH_CHECK(a.block_size == 0 || (a.block_size >= 2 && a.block_size <= drafter.block_size),
+               "block size {} (--block-size) is outside [2, {}] (the drafter was trained with "
+               "block_size {})",
+               a.block_size, drafter.block_size, drafter.block_size);
+  drafter_check_tokenizer(drafter, tok, a.drafter);
+  if (tmpl) {
+    check_template_tokens(
+        *tmpl,
+        [&tok](std::string_view text, std::vector<std::pair<size_t, size_t>>* offsets) {
+          return tok.encode(text, offsets);
+        },
+        (std::filesystem::path(a.target) / "tokenizer.json").string());
+  }
 }
 
 }  // namespace dflash::cli

@@ -343,9 +343,12 @@ ModelConfig model_config_from_json(const json& j, const std::string& source) {
 
   if (const json* e = r.find("eos_token_id")) {
     auto add = [&](const json& v) {
-      DFLASH_CHECK(v.is_number_integer() && v.get<int64_t>() >= 0,
-                   "{}: key 'eos_token_id' must be a token id or a list of them, got {}", source,
-                   e->dump());
+      // An unsigned value above INT64_MAX reads as negative here and is refused.
+      DFLASH_CHECK(v.is_number_integer() && v.get<int64_t>() >= 0 &&
+                       v.get<int64_t>() < c.vocab_size,
+                   "{}: key 'eos_token_id' must be a token id in [0, vocab_size = {}) or a list "
+                   "of them, got {}",
+                   source, c.vocab_size, e->dump());
       c.eos_token_ids.push_back(v.get<int64_t>());
     };
     if (e->is_array()) {
