@@ -13,6 +13,7 @@
 #include "model/config.hpp"
 #include "model/drafter_io.hpp"
 #include "train/run_config.hpp"
+#include "train/run_dir.hpp"
 #include "train/trainer.hpp"
 
 namespace dflash::cli {
@@ -46,6 +47,7 @@ struct TrainArgs {
 void run_train(const TrainArgs& a) {
   TrainOptions o;
   if (!a.resume.empty()) {
+    run_dir_check_resumable(a.resume);
     const fs::path cfg = a.config.empty() ? fs::path(a.resume) / "config.resolved.yaml"
                                           : fs::path(a.config);
     o.config = RunConfig::load(cfg.string(), a.overrides);

@@ -21,6 +21,7 @@
 #include "data/tokenizer.hpp"
 #include "model/drafter.hpp"
 #include "model/drafter_io.hpp"
+#include "model/json_util.hpp"
 #include "model/safetensors.hpp"
 #include "model/target.hpp"
 #include "train/objective.hpp"
@@ -81,24 +82,43 @@ struct IntervalMetrics {
               {"t_total", t_total}};
     return j;
   }
-  static IntervalMetrics from_json(const json& j) {
+  // Reads back to_json(); `src` names the file in errors. K must be `block_size`.
+  static IntervalMetrics from_json(const json& j, const std::string& src, int block_size) {
     IntervalMetrics m;
-    m.obj = ObjectiveMetrics(j.at("K").get<int>());
-    m.obj.loss_weighted_sum = j.at("loss_weighted_sum");
-    m.obj.weight_sum = j.at("weight_sum");
-    m.obj.slot_correct = j.at("slot_correct").get<std::vector<int64_t>>();
-    m.obj.slot_count = j.at("slot_count").get<std::vector<int64_t>>();
-    m.obj.accept_len_sum = j.at("accept_len_sum");
-    m.obj.blocks = j.at("blocks");
-    m.grad_norm_sum = j.at("grad_norm_sum");
-    m.steps = j.at("steps");
-    m.tokens = j.at("tokens");
-    m.supervised = j.at("supervised");
-    m.t_data = j.at("t_data");
-    m.t_target = j.at("t_target");
-    m.t_drafter = j.at("t_drafter");
-    m.t_gpu_drafter = j.value("t_gpu_drafter", 0.0);
-    m.t_total = j.at("t_total");
+    const int K = static_cast<int>(json_int(j, "K", src, block_size, block_size));
+    m.obj = ObjectiveMetrics(K);
+    m.obj.loss_weighted_sum = json_double(j, "loss_weighted_sum", src);
+    m.obj.weight_sum = json_double(j, "weight_sum", src);
+    auto read_counts = [&](const char* key, std::vector<int64_t>& dst) {
+      const json& a = json_member(j, key, src);
+      DFLASH_CHECK(a.is_array() && a.size() == static_cast<size_t>(K),
+                   "{}: key '{}' must be a list of {} counts (one per block slot)", src, key, K);
+      for (size_t k = 0; k < a.size(); ++k) {
+        // An unsigned value above INT64_MAX reads as negative and is refused.
+        DFLASH_CHECK(a[k].is_number_integer() && a[k].get<int64_t>() >= 0,
+                     "{}: key '{}' must hold non-negative integers, got {}", src, key,
+                     a[k].dump());
+        dst[k] = a[k].get<int64_t>();
+      }
+    };
+    read_counts("slot_correct", m.obj.slot_correct);
+    read_counts("slot_count", m.obj.slot_count);
+    for (int k = 0; k < K; ++k) {
+      DFLASH_CHECK(m.obj.slot_correct[k] <= m.obj.slot_count[k],
+                   "{}: slot {} has more correct predictions ({}) than predictions ({})", src, k,
+                   m.obj.slot_correct[k], m.obj.slot_count[k]);
+    }
+    m.obj.accept_len_sum = json_double(j, "accept_len_sum", src);
+    m.obj.blocks = json_int(j, "blocks", src, 0);
+    m.grad_norm_sum = json_double(j, "grad_norm_sum", src);
+    m.steps = json_int(j, "steps", src, 0);
+    m.tokens = json_int(j, "tokens", src, 0);
+    m.supervised = json_int(j, "supervised", src, 0);
+    m.t_data = json_double(j, "t_data", src);
+    m.t_target = json_double(j, "t_target", src);
+    m.t_drafter = json_double(j, "t_drafter", src);
+    m.t_gpu_drafter = j.contains("t_gpu_drafter") ? json_double(j, "t_gpu_drafter", src) : 0.0;
+    m.t_total = json_double(j, "t_total", src);
     return m;
   }
 };
@@ -149,9 +169,36 @@ void write_checkpoint(RunDir& rd, const DrafterConfig& dcfg, const DrafterLayout
   rd.prune_checkpoints(keep_last);
 }
 
-// Reads the trainer state of a complete checkpoint into params/m/v/state.
-void read_checkpoint(const fs::path& dir, const DrafterLayout& layout, std::vector<float>& params,
-                     std::vector<float>& m, std::vector<float>& v, TrainerState& st) {
+// The trainer state of a checkpoint's trainer_state/state.json text (what write_checkpoint wrote);
+// `source` names the file in errors. Every value is checked: counts are in range, the metric
+// accumulators have one entry per block slot of the saved config, which must parse.
+TrainerState parse_trainer_state(std::string_view text, const std::string& source) {
+  const json j = json_parse_strict(text, source);
+  TrainerState st;
+  const std::string format = json_string(j, "format", source);
+  DFLASH_CHECK(format == "dflash-trainer-state-1",
+               "{}: format '{}' is not one this dflash reads (dflash-trainer-state-1)", source,
+               format);
+  st.config_yaml = json_string(j, "config", source);
+  const RunConfig saved = RunConfig::from_yaml(st.config_yaml, source + " (key 'config')");
+  st.step = json_int(j, "step", source, 0);
+  st.skipped = json_int(j, "skipped", source, 0, st.step);
+  st.consecutive_skips = json_int(j, "consecutive_skips", source, 0, st.skipped);
+  try {
+    st.cursor = DataCursor::from_json(json_member(j, "data_cursor", source));
+  } catch (const Error& e) {
+    throw e.with_context(source);
+  }
+  st.interval = IntervalMetrics::from_json(json_member(j, "interval", source),
+                                           source + " (key 'interval')",
+                                           saved.training.block_size);
+  return st;
+}
+
+// Reads the weights and AdamW moments of a complete checkpoint into params/m/v.
+void read_checkpoint_tensors(const fs::path& dir, const DrafterLayout& layout,
+                             std::vector<float>& params, std::vector<float>& m,
+                             std::vector<float>& v) {
   SafetensorsFile f(dir / "trainer_state" / "optimizer.safetensors");
   auto load = [&](const char* name, std::vector<float>& out) {
     Tensor t = f.get_as(name, DType::f32);
@@ -162,19 +209,6 @@ void read_checkpoint(const fs::path& dir, const DrafterLayout& layout, std::vect
   load("master", params);
   load("adam_m", m);
   load("adam_v", v);
-  const fs::path sp = dir / "trainer_state" / "state.json";
-  json j;
-  try {
-    j = json::parse(read_file_text(sp));
-    st.step = j.at("step");
-    st.skipped = j.at("skipped");
-    st.consecutive_skips = j.at("consecutive_skips");
-    st.cursor = DataCursor::from_json(j.at("data_cursor"));
-    st.interval = IntervalMetrics::from_json(j.at("interval"));
-    st.config_yaml = j.at("config");
-  } catch (const json::exception& e) {
-    fail("{}: {}", sp.string(), e.what());
-  }
 }
 
 // Document offsets of row `r` of a batch (row-local, [0, ..., real tokens]).
@@ -189,6 +223,10 @@ std::vector<int32_t> row_doc_offsets(const Batch& b, int64_t r) {
 }
 
 }  // namespace
+
+void trainer_state_check(std::string_view text, const std::string& source) {
+  (void)parse_trainer_state(text, source);
+}
 
 void install_train_signal_handlers() {
   std::signal(SIGINT, on_stop_signal);
@@ -293,15 +331,13 @@ TrainResult train(const TrainOptions& opts) {
     st.interval.obj = ObjectiveMetrics(dcfg.block_size);
     if (resuming) {
       const auto& [cstep, cdir] = complete.back();
-      read_checkpoint(cdir, layout, params, m, v, st);
-      RunConfig saved = RunConfig::from_yaml(st.config_yaml, (cdir / "trainer_state/state.json").string());
-      auto diffs = saved.resume_incompatibilities(cfg);
-      if (!diffs.empty() && !opts.force) {
-        std::string list;
-        for (const auto& d : diffs) list += "\n  " + d;
-        fail("--resume {}: the configuration differs from the checkpoint's in keys that change the "
-             "model or the data order (use --force to resume anyway):{}", rd.path().string(), list);
-      }
+      // The configurations are compared before any tensor is read: a changed drafter size is
+      // reported as the keys that changed, not as a tensor of the wrong size.
+      const fs::path state_file = cdir / "trainer_state" / "state.json";
+      st = parse_trainer_state(read_file_text(state_file), state_file.string());
+      const RunConfig saved = RunConfig::from_yaml(st.config_yaml, state_file.string());
+      const auto diffs = resume_check(saved, cfg, opts.force, rd.path().string());
+      read_checkpoint_tensors(cdir, layout, params, m, v);
       if (diffs.empty()) {
         batcher.restore(st.cursor);
       } else {

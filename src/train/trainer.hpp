@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "train/run_config.hpp"
@@ -42,6 +43,12 @@ struct TrainResult {
 /// Runs training as configured. Throws dflash::Error on any failure (after recording it in
 /// status.json when the run directory is already open).
 TrainResult train(const TrainOptions& opts);
+
+/// Parses and checks the text of a checkpoint's `trainer_state/state.json` (format
+/// dflash-trainer-state-1: step, skip counts, data cursor, the open log interval's metric
+/// accumulators, resolved config) exactly as `--resume` reads it. Throws dflash::Error naming
+/// `source` and the key at fault. The boundary of the trainer_state fuzz harness (tests/fuzz).
+void trainer_state_check(std::string_view text, const std::string& source);
 
 /// Installs SIGINT/SIGTERM handlers that ask a running train() to checkpoint and stop.
 void install_train_signal_handlers();
