@@ -583,6 +583,7 @@ Built build(const PrepareOptions& opts) {
             o.kind = e.kind();
             o.error = e.what();
           } catch (const Error& e) {
+            if (e.internal()) throw;  // a bug, not a bad record
             // Rendering/tokenizing failures (e.g. invalid UTF-8) are bad records too.
             o.kind = RecordErrorKind::invalid_field;
             o.error = fmt::format("{}:{}: {}", file, lines[k].first, e.what());
@@ -713,6 +714,7 @@ PrepareResult prepare_dataset(const PrepareOptions& opts) {
       r.reused = true;
       return r;
     } catch (const Error& e) {
+      if (e.internal()) throw;  // a bug, not a damaged file
       r.reason = fmt::format("the existing cache is damaged ({})", e.what());
     }
   }
