@@ -15,6 +15,7 @@ PKGS=(
   liblzma-dev libzstd-dev   # .jsonl.xz / .jsonl.zst input
   libgtest-dev libgmock-dev libbenchmark-dev  # tests and benchmarks
   python3 python3-venv # reference/differential tests only (never at run time)
+  clang libclang-rt-14-dev  # fuzz harnesses: clang with libFuzzer and its sanitizers (tests only)
 )
 
 missing=()
