@@ -6,6 +6,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -254,6 +256,75 @@ TEST(Dataset, DamagedCacheIsRebuiltAndOpenRefusesIt) {
   r = prepare_dataset(opts);
   EXPECT_FALSE(r.reused);
   EXPECT_EQ(r.dataset.num_docs(), 1);
+}
+
+// A cache file of `opts` with `edit` applied to its header (JSON) and data (the bytes after it).
+std::string edited_cache(const PrepareOptions& opts,
+                         const std::function<void(nlohmann::json&, std::string&)>& edit) {
+  const std::string bytes = test::read_file(opts.cache);
+  uint64_t json_len = 0;
+  std::memcpy(&json_len, bytes.data() + 8, 8);
+  nlohmann::json h = nlohmann::json::parse(bytes.substr(16, json_len));
+  const size_t data_start = (16 + json_len + 63) / 64 * 64;
+  std::string data = bytes.substr(data_start);
+  edit(h, data);
+  std::string js = h.dump();
+  std::string out = bytes.substr(0, 8);
+  const uint64_t n = js.size();
+  out.append(reinterpret_cast<const char*>(&n), 8);
+  out += js;
+  out.resize((out.size() + 63) / 64 * 64, '\0');
+  return out + data;
+}
+
+std::string open_error(const std::filesystem::path& p) {
+  try {
+    TokenDataset::open(p);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(Dataset, OpenRefusesOutOfRangeValuesAndOverflowingSections) {
+  TempDir tmp;
+  test::write_file(tmp / "d.jsonl", record("a", "Q", "Answer") + "\n");
+  auto opts = options(tmp);
+  prepare_dataset(opts);
+  const std::filesystem::path bad = tmp / "bad.dftok";
+  auto section = [](const nlohmann::json& h, const char* name) {
+    return h["sections"][name]["offset"].get<size_t>();
+  };
+  // A loss mask of 7 would weight a slot 7 times (found by the token_cache fuzz harness).
+  test::write_file(bad, edited_cache(opts, [&](nlohmann::json& h, std::string& d) {
+                     d[section(h, "loss_mask") + 3] = 7;
+                   }));
+  EXPECT_NE(open_error(bad).find("token 3 has id"), std::string::npos) << open_error(bad);
+  EXPECT_NE(open_error(bad).find("loss mask 7"), std::string::npos) << open_error(bad);
+  test::write_file(bad, edited_cache(opts, [&](nlohmann::json& h, std::string& d) {
+                     const int32_t neg = -5;
+                     std::memcpy(&d[section(h, "tokens") + 8], &neg, 4);
+                   }));
+  EXPECT_NE(open_error(bad).find("token 2 has id -5"), std::string::npos) << open_error(bad);
+  // Counts and offsets that would overflow the section bounds are refused, not wrapped.
+  test::write_file(bad, edited_cache(opts, [](nlohmann::json& h, std::string&) {
+                     h["n_tokens"] = int64_t{1} << 62;
+                   }));
+  EXPECT_NE(open_error(bad).find("n_tokens"), std::string::npos) << open_error(bad);
+  test::write_file(bad, edited_cache(opts, [](nlohmann::json& h, std::string&) {
+                     h["sections"]["tokens"]["offset"] = -64;
+                   }));
+  EXPECT_NE(open_error(bad).find("offset"), std::string::npos) << open_error(bad);
+  test::write_file(bad, edited_cache(opts, [](nlohmann::json& h, std::string&) {
+                     h["stats"]["hist_count"] = nlohmann::json::array();
+                   }));
+  EXPECT_NE(open_error(bad).find("histogram"), std::string::npos) << open_error(bad);
+  test::write_file(bad, edited_cache(opts, [](nlohmann::json& h, std::string&) {
+                     h["key"]["data_hash"] = "not-hex-at-all!!";
+                   }));
+  EXPECT_NE(open_error(bad).find("16 hex digits"), std::string::npos) << open_error(bad);
+  test::write_file(bad, edited_cache(opts, [](nlohmann::json&, std::string&) {}));
+  EXPECT_EQ(open_error(bad), "(no error)");
 }
 
 TEST(Dataset, TruncationIsCountedNeverDropped) {

@@ -106,7 +106,9 @@ class TokenDataset {
  public:
   TokenDataset() = default;
   /// Memory-maps a cache file; throws dflash::Error naming the file when it is not a complete,
-  /// consistent cache of this format.
+  /// consistent cache of this format: every header value typed and in range, every section inside
+  /// the file, document offsets increasing from 0 to the token count, token ids >= 0 and loss mask
+  /// values 0 or 1 (all tokens are read once to check the last two).
   static TokenDataset open(const std::filesystem::path& path);
   /// An in-memory dataset of `docs` (for tests and small tools); the key's data_hash is a hash of
   /// the contents.
