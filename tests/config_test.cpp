@@ -349,6 +349,20 @@ TEST(ModelConfig, IllTypedOrOutOfRangeValues) {
   EXPECT_EQ(model_config_from_json(j, "f.json").max_position_embeddings, 4096);
 }
 
+TEST(ModelConfig, SizesHaveUpperBounds) {
+  // Far above real models; a corrupt size would overflow parameter counts or allocate per layer.
+  for (const auto& [key, big] : std::vector<std::pair<std::string, int64_t>>{
+           {"hidden_size", (int64_t{1} << 20) + 1},
+           {"num_hidden_layers", int64_t{1} << 40},
+           {"vocab_size", (int64_t{1} << 24) + 1},
+           {"head_dim", int64_t{1} << 22},
+           {"max_position_embeddings", int64_t{1} << 31}}) {
+    json j = tiny_config();
+    j[key] = big;
+    expect_config_error(j, {"'" + key + "'", "must be <="});
+  }
+}
+
 TEST(ModelConfig, EosTokenIdForms) {
   json j = tiny_config();
   j["eos_token_id"] = {5, 7};

@@ -39,6 +39,12 @@ int ModelConfig::num_sliding_layers() const {
 
 namespace {
 
+// Upper bounds of the sizes, far above any real model (widths reach 53,248, depths 126, vocabularies
+// 262,144): they keep every product of sizes (parameter counts, tables) far from overflow.
+constexpr int64_t kMaxWidth = int64_t{1} << 20;   // hidden, intermediate, heads, head_dim
+constexpr int64_t kMaxLayers = int64_t{1} << 16;  // num_hidden_layers
+constexpr int64_t kMaxVocab = int64_t{1} << 24;   // vocab_size (as the tokenizer's token ids)
+
 /// Typed access to one JSON object with errors "<source>: key '<prefix><key>' ...".
 struct Reader {
   const json& j;
@@ -68,12 +74,15 @@ struct Reader {
     fail("{}: key '{}' must be an integer, got a JSON {} ({})", source, name(key), json_type(v),
          v.dump());
   }
-  int64_t req_int(const std::string& key, int64_t min_value = 1) const {
+  int64_t req_int(const std::string& key, int64_t min_value = 1,
+                  int64_t max_value = INT64_MAX) const {
     const json* v = find(key);
     if (!v) missing(key);
     int64_t x = integer(key, *v);
     DFLASH_CHECK(x >= min_value, "{}: key '{}' must be >= {}, got {}", source, name(key),
                  min_value, x);
+    DFLASH_CHECK(x <= max_value, "{}: key '{}' must be <= {}, got {}", source, name(key),
+                 max_value, x);
     return x;
   }
   int64_t opt_int(const std::string& key, int64_t dflt, int64_t min_value = 1) const {
@@ -300,21 +309,23 @@ ModelConfig model_config_from_json(const json& j, const std::string& source) {
     }
   }
 
-  c.hidden_size = r.req_int("hidden_size");
-  c.intermediate_size = r.req_int("intermediate_size");
-  c.num_attention_heads = r.req_int("num_attention_heads");
-  c.num_hidden_layers = r.req_int("num_hidden_layers");
-  c.vocab_size = r.req_int("vocab_size");
-  c.max_position_embeddings = r.req_int("max_position_embeddings");
+  c.hidden_size = r.req_int("hidden_size", 1, kMaxWidth);
+  c.intermediate_size = r.req_int("intermediate_size", 1, kMaxWidth);
+  c.num_attention_heads = r.req_int("num_attention_heads", 1, kMaxWidth);
+  c.num_hidden_layers = r.req_int("num_hidden_layers", 1, kMaxLayers);
+  c.vocab_size = r.req_int("vocab_size", 1, kMaxVocab);
+  c.max_position_embeddings = r.req_int("max_position_embeddings", 1, INT32_MAX);
   c.rms_norm_eps = r.req_num("rms_norm_eps");
   DFLASH_CHECK(c.rms_norm_eps > 0 && c.rms_norm_eps < 1, "{}: key 'rms_norm_eps' must be in (0, 1), got {}",
                source, c.rms_norm_eps);
-  c.num_key_value_heads = r.opt_int("num_key_value_heads", c.num_attention_heads);
+  c.num_key_value_heads =
+      r.has("num_key_value_heads") ? r.req_int("num_key_value_heads", 1, kMaxWidth)
+                                   : c.num_attention_heads;
   DFLASH_CHECK(c.num_attention_heads % c.num_key_value_heads == 0,
                "{}: num_attention_heads ({}) is not a multiple of num_key_value_heads ({})", source,
                c.num_attention_heads, c.num_key_value_heads);
   if (r.has("head_dim")) {
-    c.head_dim = r.req_int("head_dim");
+    c.head_dim = r.req_int("head_dim", 1, kMaxWidth);
   } else {
     DFLASH_CHECK(c.arch != Arch::qwen3,
                  "{}: missing required key 'head_dim' (qwen3's HF default is 128, not "

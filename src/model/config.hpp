@@ -97,9 +97,11 @@ struct ModelConfig {
 /// Parses a config.json object. `source` names the file in error messages. Required keys:
 /// `model_type`, `hidden_size`, `intermediate_size`, `num_attention_heads`, `num_hidden_layers`,
 /// `vocab_size`, `rms_norm_eps`, `max_position_embeddings` (and `head_dim` for qwen3, whose HF
-/// default of 128 is not derived from the other sizes). Throws dflash::Error "<source>: ..." naming
-/// the key for a missing/ill-typed/out-of-range key, and listing the supported model types for an
-/// unknown `model_type`.
+/// default of 128 is not derived from the other sizes). Widths (hidden, intermediate, heads,
+/// head_dim) must be <= 2^20, num_hidden_layers <= 2^16, vocab_size <= 2^24 and
+/// max_position_embeddings < 2^31: far above real models, they keep size products from
+/// overflowing. Throws dflash::Error "<source>: ..." naming the key for a missing/ill-typed/
+/// out-of-range key, and listing the supported model types for an unknown `model_type`.
 ModelConfig model_config_from_json(const nlohmann::json& j, const std::string& source);
 
 /// Loads `path`: a config.json file, or a folder holding one. Errors as model_config_from_json.

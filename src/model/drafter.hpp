@@ -68,6 +68,7 @@ struct ParamInfo {
 struct DrafterLayout {
   std::vector<ParamInfo> params;
   int64_t total = 0;
+  /// Throws dflash::Error when the parameter count of `c` overflows int64 (corrupt sizes).
   explicit DrafterLayout(const DrafterConfig& c);
   /// Index of a parameter by export name; throws dflash::Error listing none if unknown.
   const ParamInfo& find(const std::string& name) const;
