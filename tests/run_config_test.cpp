@@ -66,6 +66,17 @@ TEST(RunConfig, UnknownKeysAndSectionsNameTheLine) {
             std::string::npos);
 }
 
+TEST(RunConfig, KeysThatAreNotWordsNameTheLine) {
+  // A mapping used as a section name (found by the run_config fuzz harness: yaml-cpp's
+  // TypedBadConversion escaped as an internal error).
+  EXPECT_NE(error_of([] { RunConfig::from_yaml("{m1_file: f}: o}\n", "r.yaml"); })
+                .find("r.yaml:1: a section name must be a plain word"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { RunConfig::from_yaml("model:\n  [a, b]: 1\n", "r.yaml"); })
+                .find("r.yaml:2: a key of section 'model' must be a plain word"),
+            std::string::npos);
+}
+
 TEST(RunConfig, TypeAndRangeErrorsNameTheKey) {
   std::string y = kYaml;
   y.replace(y.find("max_steps: 1200"), 15, "max_steps: lots");

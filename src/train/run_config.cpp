@@ -172,8 +172,10 @@ void apply_node(RunConfig& c, const YAML::Node& root, const std::string& src) {
   DFLASH_CHECK(root.IsMap(), "{}: the config must be a mapping of sections", src);
   static const std::set<std::string> sections = {"model", "data", "training", "runtime"};
   for (const auto& kv : root) {
-    const std::string name = kv.first.as<std::string>();
     const int line = kv.first.Mark().line + 1;
+    DFLASH_CHECK(kv.first.IsScalar(), "{}:{}: a section name must be a plain word, got '{}'", src,
+                 line, YAML::Dump(kv.first));
+    const std::string name = kv.first.as<std::string>();
     if (name == "output_dir") {
       find_field("", "output_dir")->set(c, kv.second, src);
       continue;
@@ -183,6 +185,8 @@ void apply_node(RunConfig& c, const YAML::Node& root, const std::string& src) {
     if (kv.second.IsNull()) continue;
     DFLASH_CHECK(kv.second.IsMap(), "{}:{}: section '{}' must be a mapping", src, line, name);
     for (const auto& e : kv.second) {
+      DFLASH_CHECK(e.first.IsScalar(), "{}:{}: a key of section '{}' must be a plain word, got '{}'",
+                   src, e.first.Mark().line + 1, name, YAML::Dump(e.first));
       const std::string key = e.first.as<std::string>();
       const Field* f = find_field(name, key);
       DFLASH_CHECK(f != nullptr, "{}:{}: unknown key '{}.{}' (known keys of '{}': {})", src,
