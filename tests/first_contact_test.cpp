@@ -148,6 +148,23 @@ TEST(FirstContact, ResumeWithAnotherDrafterSizeNamesTheKeysEvenWithForce) {
   }
 }
 
+TEST(FirstContact, ForcedResumeWithAnotherBlockSizeRuns) {
+  // Block size changes no parameter shape, so --force may continue with another one; the open
+  // log interval's per-slot counts of the old block size are dropped, not merged.
+  TempDir tmp;
+  test::write_file(tmp / "run.yaml", run_yaml(tmp / "run", tmp / "cache"));
+  auto r = run_dflash({"train", "--config", (tmp / "run.yaml").string(), "--halt-at-step", "2",
+                       "training.log_interval=3"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  r = run_dflash({"train", "--resume", (tmp / "run").string(), "training.block_size=4"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_TRUE(has(r.err, "training.block_size: 8 -> 4")) << r.err;
+  r = run_dflash({"train", "--resume", (tmp / "run").string(), "training.block_size=4",
+                  "--force"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(has(r.out, "finished after 4 steps")) << r.out;
+}
+
 TEST(FirstContact, InspectDescribesADrafterFolder) {
   TempDir tmp;
   const fs::path d = save_drafter(tmp / "drafter", 8000);

@@ -349,6 +349,11 @@ TrainResult train(const TrainOptions& opts) {
         batcher.restore(c);
         log(fmt::format("--force: resuming despite changed keys; the data order continues at "
                         "epoch {} batch {} of the new plan", c.epoch, c.batch));
+        if (st.interval.obj.K != dcfg.block_size) {
+          // The open log interval counted slots of the old block size: it starts afresh.
+          st.interval = IntervalMetrics();
+          st.interval.obj = ObjectiveMetrics(dcfg.block_size);
+        }
       }
       log(fmt::format("resumed from {} (step {})", cdir.string(), cstep));
     } else {
