@@ -3,15 +3,15 @@
 // every error path (missing/ill-typed key, unknown model_type, unsupported rope) and the default
 // DFlash tap layers. Expected values are the numbers written in the JSON, or HF's formulas
 // evaluated in the test (yarn attention factor), or Python's round() results.
+#include "model/config.hpp"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <nlohmann/json.hpp>
 
-#include <cmath>
-
 #include "core/error.hpp"
-#include "model/config.hpp"
 #include "model/target.hpp"
 #include "util/test_util.hpp"
 

@@ -25,8 +25,12 @@ namespace fs = std::filesystem;
 using test::run_dflash;
 using test::TempDir;
 
-std::string tiny() { return (test::assets_dir() / "tiny-qwen3").string(); }
-std::string eval_prompts() { return (test::assets_dir() / "data" / "eval_prompts.jsonl").string(); }
+std::string tiny() {
+  return (test::assets_dir() / "tiny-qwen3").string();
+}
+std::string eval_prompts() {
+  return (test::assets_dir() / "data" / "eval_prompts.jsonl").string();
+}
 
 bool has(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
@@ -159,8 +163,7 @@ TEST(FirstContact, ForcedResumeWithAnotherBlockSizeRuns) {
   r = run_dflash({"train", "--resume", (tmp / "run").string(), "training.block_size=4"});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_TRUE(has(r.err, "training.block_size: 8 -> 4")) << r.err;
-  r = run_dflash({"train", "--resume", (tmp / "run").string(), "training.block_size=4",
-                  "--force"});
+  r = run_dflash({"train", "--resume", (tmp / "run").string(), "training.block_size=4", "--force"});
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_TRUE(has(r.out, "finished after 4 steps")) << r.out;
 }
@@ -194,8 +197,8 @@ TEST(FirstContact, DataPrepareWithAConfigBuildsTheCacheTrainReuses) {
   EXPECT_TRUE(has(r.out, prepared[0].string())) << r.out;
   r = run_dflash({"train", "--config", (tmp / "a.yaml").string(), "--halt-at-step", "1"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_TRUE(has(test::read_file(tmp / "a" / "log.txt"),
-                  "data: reusing cache " + prepared[0].string()))
+  EXPECT_TRUE(
+      has(test::read_file(tmp / "a" / "log.txt"), "data: reusing cache " + prepared[0].string()))
       << test::read_file(tmp / "a" / "log.txt");
   // Another max length in the same cache folder gets its own file; the first stays as it was.
   const std::string before = test::read_file(prepared[0]);
@@ -210,13 +213,13 @@ TEST(FirstContact, DataPrepareWithAConfigBuildsTheCacheTrainReuses) {
 
 TEST(FirstContact, TemplateWhoseSpecialTokensTheTokenizerLacksIsRefused) {
   TempDir tmp;
-  auto r = run_dflash({"data", "prepare", "--model", tiny(), "--data",
-                       test::small_corpus().string(), "--template", "llama3", "--cache",
-                       (tmp / "c.dftok").string()});
+  auto r =
+      run_dflash({"data", "prepare", "--model", tiny(), "--data", test::small_corpus().string(),
+                  "--template", "llama3", "--cache", (tmp / "c.dftok").string()});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_TRUE(has(r.err, "chat template 'llama3'")) << r.err;
-  for (const char* tok : {"<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                          "<|eot_id|>"}) {
+  for (const char* tok :
+       {"<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"}) {
     EXPECT_TRUE(has(r.err, tok)) << r.err;
   }
   EXPECT_FALSE(fs::exists(tmp / "c.dftok"));
@@ -249,9 +252,9 @@ TEST(FirstContact, InferenceRefusesADrafterWhoseMaskIdIsARealToken) {
 TEST(FirstContact, EvalChecksEveryArgumentBeforeDecoding) {
   TempDir tmp;
   const fs::path d = save_drafter(tmp / "drafter", 8000);
-  const std::vector<std::string> base = {"--log-level", "info", "eval", "--target", tiny(),
-                                         "--drafter", d.string(), "--prompts", eval_prompts(),
-                                         "--max-new-tokens", "4"};
+  const std::vector<std::string> base = {
+      "--log-level", "info",      "eval",         "--target",         tiny(), "--drafter",
+      d.string(),    "--prompts", eval_prompts(), "--max-new-tokens", "4"};
   auto with = [&](std::vector<std::string> extra) {
     std::vector<std::string> args = base;
     args.insert(args.end(), extra.begin(), extra.end());

@@ -69,11 +69,13 @@ TEST(RunConfig, UnknownKeysAndSectionsNameTheLine) {
 TEST(RunConfig, KeysThatAreNotWordsNameTheLine) {
   // A mapping used as a section name (found by the run_config fuzz harness: yaml-cpp's
   // TypedBadConversion escaped as an internal error).
-  EXPECT_NE(error_of([] { RunConfig::from_yaml("{m1_file: f}: o}\n", "r.yaml"); })
-                .find("r.yaml:1: a section name must be a plain word"),
+  EXPECT_NE(error_of([] {
+              RunConfig::from_yaml("{m1_file: f}: o}\n", "r.yaml");
+            }).find("r.yaml:1: a section name must be a plain word"),
             std::string::npos);
-  EXPECT_NE(error_of([] { RunConfig::from_yaml("model:\n  [a, b]: 1\n", "r.yaml"); })
-                .find("r.yaml:2: a key of section 'model' must be a plain word"),
+  EXPECT_NE(error_of([] {
+              RunConfig::from_yaml("model:\n  [a, b]: 1\n", "r.yaml");
+            }).find("r.yaml:2: a key of section 'model' must be a plain word"),
             std::string::npos);
 }
 
@@ -125,8 +127,8 @@ TEST(RunConfig, ResolvedYamlRoundTripsAndResumeDiffsListKeys) {
 
 TEST(RunConfig, ResumeCheckRefusesDrafterShapeChangesEvenForced) {
   const RunConfig saved = RunConfig::from_yaml(kYaml, "run.yaml");
-  const RunConfig more_layers = RunConfig::from_yaml(kYaml, "run.yaml",
-                                                     {"model.drafter_layers=3", "training.lr=1e-4"});
+  const RunConfig more_layers =
+      RunConfig::from_yaml(kYaml, "run.yaml", {"model.drafter_layers=3", "training.lr=1e-4"});
   for (bool force : {false, true}) {
     const std::string msg = error_of([&] { resume_check(saved, more_layers, force, "runs/x"); });
     EXPECT_NE(msg.find("--resume runs/x"), std::string::npos) << msg;
@@ -139,8 +141,8 @@ TEST(RunConfig, ResumeCheckRefusesDrafterShapeChangesEvenForced) {
     EXPECT_EQ(saved.shape_changes(other).size(), 1u) << ov;
   }
   // Other taps with as many of them keep the shapes: refused, but --force may resume.
-  const RunConfig other_taps =
-      RunConfig::from_yaml(kYaml, "run.yaml", {"model.target_layer_ids=[2, 4]", "training.lr=1e-4"});
+  const RunConfig other_taps = RunConfig::from_yaml(
+      kYaml, "run.yaml", {"model.target_layer_ids=[2, 4]", "training.lr=1e-4"});
   EXPECT_TRUE(saved.shape_changes(other_taps).empty());
   const std::string msg = error_of([&] { resume_check(saved, other_taps, false, "runs/x"); });
   EXPECT_NE(msg.find("use --force"), std::string::npos) << msg;
@@ -157,9 +159,9 @@ TEST(RunConfig, ResumeCheckRefusesDrafterShapeChangesEvenForced) {
 TEST(RunDir, ResumableOnlyWhenItIsARunDirectory) {
   test::TempDir tmp;
   std::filesystem::create_directories(tmp / "plain");
-  EXPECT_NE(error_of([&] { run_dir_check_resumable(tmp / "plain"); })
-                .find("not a dflash run directory"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { run_dir_check_resumable(tmp / "plain"); }).find("not a dflash run directory"),
+      std::string::npos);
   EXPECT_NE(error_of([&] { run_dir_check_resumable(tmp / "nope"); }).find("no such directory"),
             std::string::npos);
   test::write_file(tmp / "file", "x");
@@ -222,7 +224,8 @@ TEST(Fs, CheckFileWritableNamesTheFlagAndTheReason) {
   test::TempDir tmp;
   EXPECT_EQ(error_of([&] { check_file_writable(tmp / "r.json", "--output"); }), "(no error)");
   EXPECT_TRUE(std::filesystem::is_empty(tmp.path()));  // the probe file is gone
-  const std::string missing = error_of([&] { check_file_writable(tmp / "no" / "r.json", "--output"); });
+  const std::string missing =
+      error_of([&] { check_file_writable(tmp / "no" / "r.json", "--output"); });
   EXPECT_NE(missing.find("--output '" + (tmp / "no" / "r.json").string() + "' cannot be written"),
             std::string::npos)
       << missing;

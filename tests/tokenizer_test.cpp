@@ -298,8 +298,8 @@ TEST(Tokenizer, TokenIdsMustBeIntegersBelowTheBound) {
   // Tables are sized by the largest id: an id of 2^30 (or a float, or one that does not fit an
   // int32) would have allocated gigabytes or been truncated.
   test::TempDir dir;
-  for (const json& bad : {json(int64_t{1} << 30), json(1e300), json(int64_t{1} << 40), json(-3),
-                          json(5.5)}) {
+  for (const json& bad :
+       {json(int64_t{1} << 30), json(1e300), json(int64_t{1} << 40), json(-3), json(5.5)}) {
     json j = json::parse(tiny_tokenizer_json());
     j["model"]["vocab"]["zz"] = bad;
     test::write_file(dir / "tokenizer.json", j.dump());

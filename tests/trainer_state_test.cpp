@@ -51,8 +51,11 @@ TEST(TrainerState, EachDamageIsRefusedNamingTheKey) {
   expect_refused([](json& j) { j["skipped"] = 5; }, "key 'skipped' must be in [0, 1]");
   expect_refused([](json& j) { j.erase("consecutive_skips"); }, "missing key 'consecutive_skips'");
   expect_refused([](json& j) { j["interval"]["K"] = 1000000000; }, "key 'K' must be in [8, 8]");
-  expect_refused([](json& j) { j["interval"]["slot_count"] = json::array({1, 2}); },
-                 "key 'slot_count' must be a list of 8 counts");
+  expect_refused(
+      [](json& j) {
+        j["interval"]["slot_count"] = json::array({1, 2});
+      },
+      "key 'slot_count' must be a list of 8 counts");
   expect_refused([](json& j) { j["interval"]["slot_correct"][3] = -2; },
                  "key 'slot_correct' must hold non-negative integers");
   expect_refused(

@@ -93,8 +93,9 @@ void run_inspect_drafter(const std::string& dir) {
   drafter_check_weights(dir, c, ckpt);
   const auto [params, bytes] = sizes_of(ckpt);
   print_line("model", dir);
-  print_line("architecture", "DFlash drafter [DFlashDraftModel] (qwen3 layers; uses its target's "
-                             "embedding and LM head)");
+  print_line("architecture",
+             "DFlash drafter [DFlashDraftModel] (qwen3 layers; uses its target's "
+             "embedding and LM head)");
   print_line("drafter layers", std::to_string(c.num_layers));
   print_line("hidden size", std::to_string(c.hidden_size));
   print_line("intermediate size", std::to_string(c.intermediate_size));

@@ -101,9 +101,9 @@ inline DecodeOptions decode_options_from(const DecodeArgs& a, const ModelConfig&
 }
 
 /// The checks of the decoding commands that need the drafter and the tokenizer but not the
-/// target's weights, made before those are loaded: the drafter fits the target's config, --block-size
-/// is in [2, trained block size] (or 0), the drafter's mask id is no token of the tokenizer, and a
-/// chat template (when one is used) finds its special tokens in the tokenizer.
+/// target's weights, made before those are loaded: the drafter fits the target's config,
+/// --block-size is in [2, trained block size] (or 0), the drafter's mask id is no token of the
+/// tokenizer, and a chat template (when one is used) finds its special tokens in the tokenizer.
 inline void check_decoding_inputs(const DecodeArgs& a, const ModelConfig& target_cfg,
                                   const DrafterConfig& drafter, const Tokenizer& tok,
                                   const ChatTemplate* tmpl) {

@@ -48,10 +48,10 @@ template <typename... Args>
   } while (0)
 
 /// Checks an internal invariant (a bug if it fails); the message carries file and line.
-#define DFLASH_ASSERT(cond)                                                                 \
-  do {                                                                                      \
-    if (!(cond))                                                                            \
-      throw ::dflash::Error(fmt::format("internal error at {}:{}: assertion '{}' failed",   \
-                                        __FILE__, __LINE__, #cond),                         \
-                            /*internal=*/true);                                             \
+#define DFLASH_ASSERT(cond)                                                               \
+  do {                                                                                    \
+    if (!(cond))                                                                          \
+      throw ::dflash::Error(fmt::format("internal error at {}:{}: assertion '{}' failed", \
+                                        __FILE__, __LINE__, #cond),                       \
+                            /*internal=*/true);                                           \
   } while (0)

@@ -10,8 +10,8 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
-#include <charconv>
 #include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -181,8 +181,8 @@ DatasetStats DatasetStats::from_json(const nlohmann::json& j) {
   };
   auto strings = [&](const char* key) {
     const nlohmann::json& a = json_member(j, key, src);
-    DFLASH_CHECK(a.is_array() && std::all_of(a.begin(), a.end(),
-                                             [](const auto& x) { return x.is_string(); }),
+    DFLASH_CHECK(a.is_array() &&
+                     std::all_of(a.begin(), a.end(), [](const auto& x) { return x.is_string(); }),
                  "{}: key '{}' must be a list of strings", src, key);
     return a.get<std::vector<std::string>>();
   };
@@ -199,7 +199,8 @@ DatasetStats DatasetStats::from_json(const nlohmann::json& j) {
   s.max_length = count("max_length");
   const nlohmann::json& kinds = json_member(j, "invalid_by_kind", src);
   DFLASH_CHECK(kinds.is_object(), "{}: key 'invalid_by_kind' must be an object", src);
-  for (const auto& [kind, n] : kinds.items()) s.invalid_by_kind[kind] = json_int(kinds, kind, src, 0);
+  for (const auto& [kind, n] : kinds.items())
+    s.invalid_by_kind[kind] = json_int(kinds, kind, src, 0);
   s.invalid_examples = strings("invalid_examples");
   s.zero_supervised_examples = strings("zero_supervised_examples");
   s.hist_upper = counts("hist_upper");
@@ -299,7 +300,8 @@ TokenDataset TokenDataset::open(const std::filesystem::path& path) {
   uint64_t json_len;
   std::memcpy(&json_len, base + 8, 8);
   DFLASH_CHECK(json_len <= map->len - 16, "{}: truncated cache header", p);
-  const nlohmann::json h = json_parse_strict(std::string_view(base + 16, json_len), p + " (header)");
+  const nlohmann::json h =
+      json_parse_strict(std::string_view(base + 16, json_len), p + " (header)");
   auto impl = std::make_shared<Impl>();
   try {
     impl->key = CacheKey::from_json(json_member(h, "key", "cache header"));
@@ -453,8 +455,8 @@ std::filesystem::path cache_path_in(const std::filesystem::path& dir,
 std::filesystem::path run_cache_path(const std::string& cache_dir,
                                      const std::filesystem::path& output_dir,
                                      const std::filesystem::path& data,
-                                     const std::filesystem::path& model_dir,
-                                     const ChatTemplate& t, int64_t max_length) {
+                                     const std::filesystem::path& model_dir, const ChatTemplate& t,
+                                     int64_t max_length) {
   const std::filesystem::path dir =
       cache_dir.empty() ? output_dir / "cache" : std::filesystem::path(cache_dir);
   return cache_path_in(dir, data, model_dir, t, max_length);

@@ -189,8 +189,8 @@ std::filesystem::path default_cache_path(const std::filesystem::path& data,
 std::filesystem::path run_cache_path(const std::string& cache_dir,
                                      const std::filesystem::path& output_dir,
                                      const std::filesystem::path& data,
-                                     const std::filesystem::path& model_dir,
-                                     const ChatTemplate& t, int64_t max_length);
+                                     const std::filesystem::path& model_dir, const ChatTemplate& t,
+                                     int64_t max_length);
 
 /// The key stored in a cache file, or std::nullopt when the file is missing or not a cache.
 std::optional<CacheKey> read_cache_key(const std::filesystem::path& path);

@@ -1010,8 +1010,7 @@ constexpr int64_t kMaxTokenIds = int64_t{1} << 24;
 /// The token id `v` (a JSON integer in [0, kMaxTokenIds)); `what` names it in the error.
 int32_t token_id_of(const json& v, const std::string& where, const std::string& what) {
   DFLASH_CHECK(v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() < kMaxTokenIds,
-               "{}: {} must be a token id in [0, {}), got {}", where, what, kMaxTokenIds,
-               v.dump());
+               "{}: {} must be a token id in [0, {}), got {}", where, what, kMaxTokenIds, v.dump());
   return static_cast<int32_t>(v.get<int64_t>());
 }
 

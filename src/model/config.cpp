@@ -39,8 +39,9 @@ int ModelConfig::num_sliding_layers() const {
 
 namespace {
 
-// Upper bounds of the sizes, far above any real model (widths reach 53,248, depths 126, vocabularies
-// 262,144): they keep every product of sizes (parameter counts, tables) far from overflow.
+// Upper bounds of the sizes, far above any real model (widths reach 53,248, depths 126,
+// vocabularies 262,144): they keep every product of sizes (parameter counts, tables) far from
+// overflow.
 constexpr int64_t kMaxWidth = int64_t{1} << 20;   // hidden, intermediate, heads, head_dim
 constexpr int64_t kMaxLayers = int64_t{1} << 16;  // num_hidden_layers
 constexpr int64_t kMaxVocab = int64_t{1} << 24;   // vocab_size (as the tokenizer's token ids)
@@ -81,8 +82,8 @@ struct Reader {
     int64_t x = integer(key, *v);
     DFLASH_CHECK(x >= min_value, "{}: key '{}' must be >= {}, got {}", source, name(key),
                  min_value, x);
-    DFLASH_CHECK(x <= max_value, "{}: key '{}' must be <= {}, got {}", source, name(key),
-                 max_value, x);
+    DFLASH_CHECK(x <= max_value, "{}: key '{}' must be <= {}, got {}", source, name(key), max_value,
+                 x);
     return x;
   }
   int64_t opt_int(const std::string& key, int64_t dflt, int64_t min_value = 1) const {
@@ -318,9 +319,9 @@ ModelConfig model_config_from_json(const json& j, const std::string& source) {
   c.rms_norm_eps = r.req_num("rms_norm_eps");
   DFLASH_CHECK(c.rms_norm_eps > 0 && c.rms_norm_eps < 1, "{}: key 'rms_norm_eps' must be in (0, 1), got {}",
                source, c.rms_norm_eps);
-  c.num_key_value_heads =
-      r.has("num_key_value_heads") ? r.req_int("num_key_value_heads", 1, kMaxWidth)
-                                   : c.num_attention_heads;
+  c.num_key_value_heads = r.has("num_key_value_heads")
+                              ? r.req_int("num_key_value_heads", 1, kMaxWidth)
+                              : c.num_attention_heads;
   DFLASH_CHECK(c.num_attention_heads % c.num_key_value_heads == 0,
                "{}: num_attention_heads ({}) is not a multiple of num_key_value_heads ({})", source,
                c.num_attention_heads, c.num_key_value_heads);
@@ -355,11 +356,11 @@ ModelConfig model_config_from_json(const json& j, const std::string& source) {
   if (const json* e = r.find("eos_token_id")) {
     auto add = [&](const json& v) {
       // An unsigned value above INT64_MAX reads as negative here and is refused.
-      DFLASH_CHECK(v.is_number_integer() && v.get<int64_t>() >= 0 &&
-                       v.get<int64_t>() < c.vocab_size,
-                   "{}: key 'eos_token_id' must be a token id in [0, vocab_size = {}) or a list "
-                   "of them, got {}",
-                   source, c.vocab_size, e->dump());
+      DFLASH_CHECK(
+          v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() < c.vocab_size,
+          "{}: key 'eos_token_id' must be a token id in [0, vocab_size = {}) or a list "
+          "of them, got {}",
+          source, c.vocab_size, e->dump());
       c.eos_token_ids.push_back(v.get<int64_t>());
     };
     if (e->is_array()) {

@@ -319,11 +319,12 @@ void drafter_check_tokenizer(const DrafterConfig& cfg, const Tokenizer& tok,
     token = fmt::format("token '{}'", tok.id_to_token(cfg.mask_token_id));
   } catch (const Error&) {
   }
-  fail("{}: mask_token_id {} ({}) lies inside the tokenizer's ids [0, {}): the drafter's MASK "
-       "slots would read as a token the target produces. A drafter needs an embedding row the "
-       "tokenizer never produces, in [{}, {}); this one was trained for another tokenizer or its "
-       "config.json was edited",
-       drafter, cfg.mask_token_id, token, tv, tv, cfg.vocab_size);
+  fail(
+      "{}: mask_token_id {} ({}) lies inside the tokenizer's ids [0, {}): the drafter's MASK "
+      "slots would read as a token the target produces. A drafter needs an embedding row the "
+      "tokenizer never produces, in [{}, {}); this one was trained for another tokenizer or its "
+      "config.json was edited",
+      drafter, cfg.mask_token_id, token, tv, tv, cfg.vocab_size);
 }
 
 DrafterConfig drafter_config_for_target(const ModelConfig& target, int num_layers,

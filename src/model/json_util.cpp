@@ -66,8 +66,8 @@ int64_t json_int(const nlohmann::json& j, std::string_view key, const std::strin
   const nlohmann::json& v = json_member(j, key, source);
   DFLASH_CHECK(v.is_number_integer(), "{}: key '{}' must be an integer, got {}", source, key,
                v.dump());
-  const bool too_big = v.is_number_unsigned() &&
-                       v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX);
+  const bool too_big =
+      v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX);
   const int64_t x = too_big ? INT64_MAX : v.get<int64_t>();
   DFLASH_CHECK(!too_big && x >= min_v && x <= max_v, "{}: key '{}' must be in [{}, {}], got {}",
                source, key, min_v, max_v, v.dump());

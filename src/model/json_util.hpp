@@ -4,10 +4,9 @@
 // the last one silently), and every error names the source (file) and the byte offset or key.
 #pragma once
 
-#include <nlohmann/json.hpp>
-
 #include <cstdint>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 

@@ -185,8 +185,9 @@ void apply_node(RunConfig& c, const YAML::Node& root, const std::string& src) {
     if (kv.second.IsNull()) continue;
     DFLASH_CHECK(kv.second.IsMap(), "{}:{}: section '{}' must be a mapping", src, line, name);
     for (const auto& e : kv.second) {
-      DFLASH_CHECK(e.first.IsScalar(), "{}:{}: a key of section '{}' must be a plain word, got '{}'",
-                   src, e.first.Mark().line + 1, name, YAML::Dump(e.first));
+      DFLASH_CHECK(e.first.IsScalar(),
+                   "{}:{}: a key of section '{}' must be a plain word, got '{}'", src,
+                   e.first.Mark().line + 1, name, YAML::Dump(e.first));
       const std::string key = e.first.as<std::string>();
       const Field* f = find_field(name, key);
       DFLASH_CHECK(f != nullptr, "{}:{}: unknown key '{}.{}' (known keys of '{}': {})", src,

@@ -96,8 +96,7 @@ struct IntervalMetrics {
       for (size_t k = 0; k < a.size(); ++k) {
         // An unsigned value above INT64_MAX reads as negative and is refused.
         DFLASH_CHECK(a[k].is_number_integer() && a[k].get<int64_t>() >= 0,
-                     "{}: key '{}' must hold non-negative integers, got {}", src, key,
-                     a[k].dump());
+                     "{}: key '{}' must hold non-negative integers, got {}", src, key, a[k].dump());
         dst[k] = a[k].get<int64_t>();
       }
     };
@@ -190,8 +189,7 @@ TrainerState parse_trainer_state(std::string_view text, const std::string& sourc
     throw e.with_context(source);
   }
   st.interval = IntervalMetrics::from_json(json_member(j, "interval", source),
-                                           source + " (key 'interval')",
-                                           saved.training.block_size);
+                                           source + " (key 'interval')", saved.training.block_size);
   return st;
 }
 
@@ -290,8 +288,8 @@ TrainResult train(const TrainOptions& opts) {
     po.data = cfg.data.train_file;
     po.chat_template = resolve_chat_template(target_dir, cfg.data.template_name, false);
     po.max_length = cfg.data.max_length;
-    po.cache = run_cache_path(cfg.data.cache_dir, rd.path(), po.data, target_dir,
-                              po.chat_template, po.max_length);
+    po.cache = run_cache_path(cfg.data.cache_dir, rd.path(), po.data, target_dir, po.chat_template,
+                              po.max_length);
     fs::create_directories(po.cache.parent_path());
     po.skip_invalid = cfg.data.skip_invalid;
     po.threads = cfg.runtime.threads;

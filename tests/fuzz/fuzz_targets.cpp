@@ -44,7 +44,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
-[[noreturn]] void finding(const std::string& msg) { throw FuzzFailure(msg); }
+[[noreturn]] void finding(const std::string& msg) {
+  throw FuzzFailure(msg);
+}
 
 /// A dflash::Error is a clean rejection unless it reports a broken internal invariant.
 void expect_clean(const Error& e) {
@@ -100,8 +102,8 @@ class MemFile {
     if (::ftruncate(fd, 0) != 0) finding("ftruncate of the memfd failed");
     size_t done = 0;
     while (done < data.size()) {
-      const ssize_t w = ::pwrite(fd, data.data() + done, data.size() - done,
-                                 static_cast<off_t>(done));
+      const ssize_t w =
+          ::pwrite(fd, data.data() + done, data.size() - done, static_cast<off_t>(done));
       if (w <= 0) finding("pwrite to the memfd failed");
       done += static_cast<size_t>(w);
     }
@@ -138,10 +140,9 @@ void check_encoding(const Tokenizer& tok, std::string_view text, const std::vect
 /// NFC of valid UTF-8 (utf8proc; NUL bytes included).
 std::string nfc(std::string_view s) {
   utf8proc_uint8_t* out = nullptr;
-  const utf8proc_ssize_t n =
-      utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()),
-                   static_cast<utf8proc_ssize_t>(s.size()), &out,
-                   static_cast<utf8proc_option_t>(UTF8PROC_STABLE | UTF8PROC_COMPOSE));
+  const utf8proc_ssize_t n = utf8proc_map(
+      reinterpret_cast<const utf8proc_uint8_t*>(s.data()), static_cast<utf8proc_ssize_t>(s.size()),
+      &out, static_cast<utf8proc_option_t>(UTF8PROC_STABLE | UTF8PROC_COMPOSE));
   const std::unique_ptr<utf8proc_uint8_t, decltype(&std::free)> owned(out, &std::free);
   if (n < 0) finding("utf8proc refused valid UTF-8");
   return std::string(reinterpret_cast<const char*>(out), static_cast<size_t>(n));
@@ -169,7 +170,9 @@ std::string xz_file(const fs::path& p) {
   return out;
 }
 
-fs::path source_dir() { return DFLASH_SOURCE_DIR; }
+fs::path source_dir() {
+  return DFLASH_SOURCE_DIR;
+}
 
 fs::path shared_dir() {
   if (const char* e = std::getenv("DFLASH_SHARED_DIR"); e && *e) return e;
@@ -369,13 +372,14 @@ void chat_template(std::span<const uint8_t> data) {
   const std::string text = as_text(data);
   (void)detect_template_family(text);
   const std::string_view stripped = python_strip(text);
-  if (stripped.data() < text.data() || stripped.data() + stripped.size() > text.data() + text.size())
+  if (stripped.data() < text.data() ||
+      stripped.data() + stripped.size() > text.data() + text.size())
     finding("python_strip: result outside its input");
   if (python_strip(stripped) != stripped) finding("python_strip is not idempotent");
 
   guarded([&] {
-    const Conversation conv = parse_conversation(text, "fuzz.jsonl", 1,
-                                                 ParseOptions{.allow_trailing_user = true});
+    const Conversation conv =
+        parse_conversation(text, "fuzz.jsonl", 1, ParseOptions{.allow_trailing_user = true});
     for (const char* name : {"chatml", "qwen3", "llama3"}) {
       for (bool thinking : {false, true}) {
         if (thinking && std::string_view(name) != "qwen3") continue;
@@ -384,7 +388,8 @@ void chat_template(std::span<const uint8_t> data) {
           size_t prev_end = 0;
           for (const ByteSpan& s : r.supervised) {
             if (s.begin >= s.end || s.begin < prev_end || s.end > r.text.size()) {
-              finding(std::string("render_chat(") + name + "): supervised spans not sorted, "
+              finding(std::string("render_chat(") + name +
+                      "): supervised spans not sorted, "
                       "disjoint, non-empty and inside the text");
             }
             prev_end = s.end;
@@ -504,11 +509,16 @@ void trainer_state(std::span<const uint8_t> data) {
 
 const std::vector<NamedTarget>& all_targets() {
   static const std::vector<NamedTarget> targets = {
-      {"safetensors", &safetensors}, {"safetensors_index", &safetensors_index},
-      {"model_config", &model_config}, {"tokenizer_load", &tokenizer_load},
-      {"tokenizer_encode", &tokenizer_encode}, {"chat_template", &chat_template},
-      {"jsonl", &jsonl}, {"run_config", &run_config},
-      {"token_cache", &token_cache}, {"trainer_state", &trainer_state},
+      {"safetensors", &safetensors},
+      {"safetensors_index", &safetensors_index},
+      {"model_config", &model_config},
+      {"tokenizer_load", &tokenizer_load},
+      {"tokenizer_encode", &tokenizer_encode},
+      {"chat_template", &chat_template},
+      {"jsonl", &jsonl},
+      {"run_config", &run_config},
+      {"token_cache", &token_cache},
+      {"trainer_state", &trainer_state},
   };
   return targets;
 }
