@@ -7,6 +7,7 @@
 #   bash scripts/fuzz.sh [SECONDS] [NAME ...]    (no NAME: every harness)
 #   FUZZ_JOBS=N      harnesses run at once (default: the number of cores)
 #   FUZZ_ARGS="..."  extra libFuzzer flags (e.g. "-runs=10000000")
+#   FUZZ_BUILD_DIR   build folder (default build-fuzz)
 #   DFLASH_WERROR    warnings as errors (CI sets it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +15,7 @@ SECS=${1:-60}
 shift || true
 JOBS=${FUZZ_JOBS:-$(nproc)}
 WERROR=${DFLASH_WERROR:-OFF}
-B=build-fuzz
+B=${FUZZ_BUILD_DIR:-build-fuzz}
 
 command -v clang++ >/dev/null || { echo "fuzz: clang++ is missing (bash scripts/setup.sh)"; exit 1; }
 cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_COMPILER=clang \
