@@ -10,6 +10,7 @@
 
 #include "core/error.hpp"
 #include "core/rng.hpp"
+#include "train/run_config.hpp"
 #include "util/test_util.hpp"
 
 using namespace dflash;
@@ -88,7 +89,10 @@ TrainerState some_trainer_state() {
   st.interval.steps = 2;
   st.interval.tokens = 500;
   st.interval.t_total = 1.5;
-  st.config_yaml = "model:\n  target: x\n";
+  // The saved config must parse, and its block size is the interval's K.
+  RunConfig run = RunConfig::embedded_default(test::assets_dir().string());
+  run.training.block_size = 4;
+  st.config_yaml = run.to_yaml();
   return st;
 }
 

@@ -127,5 +127,18 @@ TEST(Error, CheckCarriesMessageAndContext) {
     EXPECT_STREQ(e.what(), "tensor w: expected shape [2], found [3]");
     EXPECT_STREQ(e.with_context("file x.safetensors").what(),
                  "file x.safetensors: tensor w: expected shape [2], found [3]");
+    EXPECT_FALSE(e.internal());  // a bad input
+  }
+}
+
+TEST(Error, AssertFailuresAreInternalThroughContext) {
+  try {
+    const int rows = 3;
+    DFLASH_ASSERT(rows == 4);
+    FAIL() << "no throw";
+  } catch (const Error& e) {
+    EXPECT_TRUE(e.internal());  // a bug: the fuzz harnesses count it as a finding
+    EXPECT_NE(std::string(e.what()).find("assertion 'rows == 4' failed"), std::string::npos);
+    EXPECT_TRUE(e.with_context("reading x").internal());
   }
 }

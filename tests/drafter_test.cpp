@@ -164,6 +164,22 @@ TEST(Drafter, ConfigValidationNamesTheField) {
   EXPECT_THROW(c.validate(), Error);
 }
 
+TEST(Drafter, LayoutOfCorruptSizesIsAnErrorNotAnOverflow) {
+  auto p = make_problem<float>(1, 1, 4, 2, 8, 4, 7.0, {0, 10}, {{2, 0}});
+  DrafterConfig c = p.cfg;
+  c.hidden_size = int64_t{1} << 20;
+  c.num_heads = c.num_kv_heads = int64_t{1} << 20;
+  c.head_dim = int64_t{1} << 20;  // q_proj alone has 2^60 values; a few layers overflow int64
+  c.num_layers = 64;
+  try {
+    DrafterLayout layout(c);
+    FAIL() << "layout of " << layout.total << " parameters";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("parameter count overflows"), std::string::npos)
+        << e.what();
+  }
+}
+
 // Whole drafter + loss against central finite differences in float64 (tiny dims, 2 layers,
 // 3 blocks over 2 documents, GQA 2).
 TEST(Drafter, GradientsMatchFiniteDifferencesInFloat64) {

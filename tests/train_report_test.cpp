@@ -77,7 +77,7 @@ TEST(TrainReport, IntervalFiguresCoverAppliedStepsAndSkipsAreCountedByReason) {
             "loss 1.5000, simulated τ 1.500 (interval ending at step 3); skipped 2 of 3 steps "
             "(no_supervised_slot 1, non_finite 1)");
   // The skip counts survive a checkpoint.
-  const IntervalMetrics back = IntervalMetrics::from_json(iv.to_json());
+  const IntervalMetrics back = IntervalMetrics::from_json(iv.to_json(), "state.json", kK);
   EXPECT_EQ(back.skipped_non_finite, 1);
   EXPECT_EQ(back.skipped_no_supervised, 1);
   EXPECT_EQ(back.to_json(), iv.to_json());

@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fmt/format.h>
 
+#include "cli/cli_util.hpp"
 #include "cli/commands.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
@@ -12,6 +13,7 @@
 #include "model/config.hpp"
 #include "model/drafter_io.hpp"
 #include "train/run_config.hpp"
+#include "train/run_dir.hpp"
 #include "train/train_report.hpp"
 #include "train/trainer.hpp"
 
@@ -46,6 +48,7 @@ struct TrainArgs {
 void run_train(const TrainArgs& a) {
   TrainOptions o;
   if (!a.resume.empty()) {
+    run_dir_check_resumable(a.resume);
     const fs::path cfg = a.config.empty() ? fs::path(a.resume) / "config.resolved.yaml"
                                           : fs::path(a.config);
     o.config = RunConfig::load(cfg.string(), a.overrides);
@@ -129,7 +132,8 @@ void add_train_command(CLI::App& app) {
                                          "complete checkpoint");
   sub->add_flag("--force", a->force, "With --resume: accept model/data-changing config changes");
   sub->add_option("--halt-at-step", a->halt_at,
-                  "Testing: checkpoint and stop after this step, as on SIGTERM");
+                  "Testing: checkpoint and stop after this step, as on SIGTERM")
+      ->check(at_least(0));
   sub->add_option("overrides", a->overrides, "section.key=value overrides");
   sub->callback([a] { run_train(*a); });
 
@@ -139,7 +143,8 @@ void add_train_command(CLI::App& app) {
   auto* ic = app.add_subcommand("init-config",
                                 "Write a commented training config with defaults for a target");
   ic->add_option("--target", *target, "HF target model folder")->required();
-  ic->add_option("--layers", *layers, "Drafter layers (1 for small budgets, 5 for real models)");
+  ic->add_option("--layers", *layers, "Drafter layers (1 for small budgets, 5 for real models)")
+      ->check(at_least(1));
   ic->add_option("--output,-o", *out, "Output file (default: stdout)");
   ic->callback([target, layers, out] { run_init_config(*target, *layers, *out); });
 }

@@ -48,11 +48,16 @@ DrafterLayout::DrafterLayout(const DrafterConfig& c) {
     ParamInfo p;
     p.name = std::move(name);
     p.numel = 1;
-    for (int64_t d : shape) p.numel *= d;
+    bool overflow = false;
+    for (int64_t d : shape) overflow |= __builtin_mul_overflow(p.numel, d, &p.numel);
+    overflow |= __builtin_add_overflow(total, p.numel, &total);
+    DFLASH_CHECK(!overflow,
+                 "drafter parameter count overflows 64 bits at '{}' (hidden_size {}, "
+                 "{} layers): the config's sizes are corrupt",
+                 p.name, H, c.num_layers);
     p.shape = std::move(shape);
-    p.offset = total;
+    p.offset = total - p.numel;
     p.is_norm = norm;
-    total += p.numel;
     params.push_back(std::move(p));
   };
   add("fc.weight", {H, c.n_taps() * H}, false);

@@ -84,6 +84,7 @@ struct DrafterLayout {
   int64_t hidden_norm = 0;                  ///< offset of hidden_norm.weight [H]
   int64_t norm = 0;                         ///< offset of the final norm.weight [H]
   std::vector<DrafterLayerOffsets> layers;  ///< per decoder layer
+  /// Throws dflash::Error when the parameter count of `c` overflows int64 (corrupt sizes).
   explicit DrafterLayout(const DrafterConfig& c);
   /// A parameter by export name; throws dflash::Error naming it if unknown.
   const ParamInfo& find(const std::string& name) const;

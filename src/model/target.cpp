@@ -581,6 +581,10 @@ std::vector<int64_t> generation_eos_ids(const std::filesystem::path& dir, const 
                  "{}: 'eos_token_id' must be an integer or a list of "
                  "integers, got {}",
                  src, v.dump());
+    DFLASH_CHECK(v.get<int64_t>() >= 0 && v.get<int64_t>() < c.vocab_size,
+                 "{}: 'eos_token_id' holds {}, which is not a token of the model's vocabulary "
+                 "[0, {})",
+                 src, v.dump(), c.vocab_size);
     ids.push_back(v.get<int64_t>());
   };
   if (e.is_array()) {

@@ -208,7 +208,8 @@ std::vector<int32_t> greedy_generate(const TargetModel& model, std::span<const i
 
 /// The end-of-sequence ids used for generation from model folder `dir`: `eos_token_id` of
 /// generation_config.json when present (int or list), else config.json's (`c.eos_token_ids`).
-/// Throws dflash::Error naming the file for malformed JSON or a non-integer id.
+/// Throws dflash::Error naming the file for malformed JSON, a non-integer id or an id outside the
+/// vocabulary [0, c.vocab_size).
 std::vector<int64_t> generation_eos_ids(const std::filesystem::path& dir, const ModelConfig& c);
 
 }  // namespace dflash

@@ -8,7 +8,9 @@
 #include "core/error.hpp"
 #include "core/fs.hpp"
 #include "model/drafter_io.hpp"
+#include "model/json_util.hpp"
 #include "model/safetensors.hpp"
+#include "train/run_config.hpp"
 
 namespace dflash {
 
@@ -168,8 +170,34 @@ fs::path checkpoint_set_aside(const fs::path& dir) {
   return aside;
 }
 
-void checkpoint_read(const fs::path& dir, const DrafterLayout& layout, DrafterState& drafter,
-                     TrainerState& st) {
+TrainerState checkpoint_state_parse(std::string_view text, const std::string& source) {
+  const json j = json_parse_strict(text, source);
+  TrainerState st;
+  const std::string format = json_string(j, "format", source);
+  DFLASH_CHECK(format == kStateFormat, "{}: format '{}' is not one this dflash reads ({})", source,
+               format, kStateFormat);
+  st.config_yaml = json_string(j, "config", source);
+  const RunConfig saved = RunConfig::from_yaml(st.config_yaml, source + " (key 'config')");
+  st.step = json_int(j, "step", source, 0);
+  st.skipped = json_int(j, "skipped", source, 0, st.step);
+  st.consecutive_skips = json_int(j, "consecutive_skips", source, 0, st.skipped);
+  try {
+    st.cursor = DataCursor::from_json(json_member(j, "data_cursor", source));
+  } catch (const Error& e) {
+    throw e.with_context(source);
+  }
+  st.interval = IntervalMetrics::from_json(json_member(j, "interval", source),
+                                           source + " (key 'interval')", saved.training.block_size);
+  return st;
+}
+
+TrainerState checkpoint_read_state(const fs::path& dir) {
+  const fs::path sp = dir / "trainer_state" / "state.json";
+  return checkpoint_state_parse(read_file_text(sp), sp.string());
+}
+
+void checkpoint_read_drafter(const fs::path& dir, const DrafterLayout& layout,
+                             const TrainerState& st, DrafterState& drafter) {
   SafetensorsFile f(dir / "trainer_state" / "optimizer.safetensors");
   auto load = [&](const char* name, std::vector<float>& out) {
     Tensor t = f.get_as(name, DType::f32);
@@ -180,23 +208,13 @@ void checkpoint_read(const fs::path& dir, const DrafterLayout& layout, DrafterSt
   load("master", drafter.params);
   load("adam_m", drafter.adam_m);
   load("adam_v", drafter.adam_v);
-  const fs::path sp = dir / "trainer_state" / "state.json";
-  try {
-    const json j = json::parse(read_file_text(sp));
-    st.step = j.at("step");
-    st.skipped = j.at("skipped");
-    st.consecutive_skips = j.at("consecutive_skips");
-    st.cursor = DataCursor::from_json(j.at("data_cursor"));
-    st.interval = IntervalMetrics::from_json(j.at("interval"));
-    st.config_yaml = j.at("config");
-  } catch (const json::exception& e) {
-    fail("{}: {}", sp.string(), e.what());
-  } catch (const Error& e) {
-    throw e.with_context(sp.string());
-  }
-  DFLASH_CHECK(st.skipped >= 0 && st.skipped <= st.step, "{}: {} skipped steps of {}", sp.string(),
-               st.skipped, st.step);
   drafter.updates = st.step - st.skipped;
+}
+
+void checkpoint_read(const fs::path& dir, const DrafterLayout& layout, DrafterState& drafter,
+                     TrainerState& st) {
+  st = checkpoint_read_state(dir);
+  checkpoint_read_drafter(dir, layout, st, drafter);
 }
 
 }  // namespace dflash

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/dtype.hpp"
@@ -87,9 +88,25 @@ ResumePoint checkpoint_select(const std::filesystem::path& run_dir);
 /// dflash::Error naming the folder when the rename fails.
 std::filesystem::path checkpoint_set_aside(const std::filesystem::path& dir);
 
-/// Reads the trainer state of the complete checkpoint `dir` into `drafter` (sized for `layout`)
-/// and `st`. Throws dflash::Error naming the file and the tensor or key that is missing or has
-/// the wrong size.
+/// Parses the text of a checkpoint's trainer_state/state.json (format dflash-trainer-state-1):
+/// step, skip counts (0 <= consecutive_skips <= skipped <= step), data cursor, the open log
+/// interval's accumulators (K = the saved config's block size), resolved config (which must
+/// parse as a run YAML). Strict JSON (no duplicate keys; no float where an integer belongs).
+/// Throws dflash::Error naming `source` and the key at fault. Also the boundary of the
+/// trainer_state fuzz harness (tests/fuzz).
+TrainerState checkpoint_state_parse(std::string_view text, const std::string& source);
+
+/// checkpoint_state_parse of `dir`/trainer_state/state.json; errors name that file.
+TrainerState checkpoint_read_state(const std::filesystem::path& dir);
+
+/// Reads the weights and AdamW moments of checkpoint `dir` into `drafter` (sized for `layout`;
+/// updates = st.step − st.skipped, `st` being the checkpoint's state). Throws dflash::Error naming
+/// the file and the tensor that is missing or has the wrong size.
+void checkpoint_read_drafter(const std::filesystem::path& dir, const DrafterLayout& layout,
+                             const TrainerState& st, DrafterState& drafter);
+
+/// checkpoint_read_state, then checkpoint_read_drafter: the whole trainer state of the complete
+/// checkpoint `dir` into `st` and `drafter`. Errors as those two.
 void checkpoint_read(const std::filesystem::path& dir, const DrafterLayout& layout,
                      DrafterState& drafter, TrainerState& st);
 

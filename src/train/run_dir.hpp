@@ -50,6 +50,11 @@ class RunDir {
   int lock_fd_ = -1;
 };
 
+/// Checks that `dir` can be named by `dflash train --resume`: it exists, is a folder, and is a run
+/// directory (it holds config.resolved.yaml or a checkpoint-N folder). Throws dflash::Error saying
+/// which of these fails, so that a wrong path is not reported as a missing config file.
+void run_dir_check_resumable(const std::filesystem::path& dir);
+
 /// Reads status.json of a run directory (for `dflash status`); throws naming the file.
 nlohmann::json read_status(const std::filesystem::path& dir);
 

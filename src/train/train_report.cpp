@@ -12,6 +12,7 @@
 #include "core/error.hpp"
 #include "core/fs.hpp"
 #include "core/log.hpp"
+#include "model/json_util.hpp"
 
 namespace dflash {
 
@@ -72,35 +73,52 @@ json IntervalMetrics::to_json() const {
           {"t_total", t_total}};
 }
 
-IntervalMetrics IntervalMetrics::from_json(const json& j) {
-  try {
-    IntervalMetrics m(j.at("K").get<int>());
-    m.obj.loss_weighted_sum = j.at("loss_weighted_sum");
-    m.obj.weight_sum = j.at("weight_sum");
-    m.obj.slot_correct = j.at("slot_correct").get<std::vector<int64_t>>();
-    m.obj.slot_count = j.at("slot_count").get<std::vector<int64_t>>();
-    m.obj.accept_len_sum = j.at("accept_len_sum");
-    m.obj.blocks = j.at("blocks");
-    m.grad_norm_sum = j.at("grad_norm_sum");
-    m.steps = j.at("steps");
-    // Absent in checkpoints written before skips were counted per interval; their reports took
-    // every step of the interval as applied, and so does a resume from them.
-    m.skipped_non_finite = j.value("skipped_non_finite", int64_t{0});
-    m.skipped_no_supervised = j.value("skipped_no_supervised", int64_t{0});
-    DFLASH_CHECK(m.skipped_non_finite >= 0 && m.skipped_no_supervised >= 0 && m.applied() >= 0,
-                 "{} + {} skipped steps in an interval of {}", m.skipped_non_finite,
-                 m.skipped_no_supervised, m.steps);
-    m.tokens = j.at("tokens");
-    m.supervised = j.at("supervised");
-    m.t_data = j.at("t_data");
-    m.t_target = j.at("t_target");
-    m.t_drafter = j.at("t_drafter");
-    m.t_gpu_drafter = j.value("t_gpu_drafter", 0.0);  // absent in checkpoints before the CUDA step
-    m.t_total = j.at("t_total");
-    return m;
-  } catch (const json::exception& e) {
-    fail("interval metrics: {}", e.what());
+IntervalMetrics IntervalMetrics::from_json(const json& j, const std::string& src, int block_size) {
+  const int K = static_cast<int>(json_int(j, "K", src, block_size, block_size));
+  IntervalMetrics m(K);
+  m.obj.loss_weighted_sum = json_double(j, "loss_weighted_sum", src);
+  m.obj.weight_sum = json_double(j, "weight_sum", src);
+  // Sized by K (checked above), never by the file.
+  auto read_counts = [&](const char* key, std::vector<int64_t>& dst) {
+    const json& a = json_member(j, key, src);
+    DFLASH_CHECK(a.is_array() && a.size() == static_cast<size_t>(K),
+                 "{}: key '{}' must be a list of {} counts (one per block slot)", src, key, K);
+    for (size_t k = 0; k < a.size(); ++k) {
+      // An unsigned value above INT64_MAX reads as negative and is refused.
+      DFLASH_CHECK(a[k].is_number_integer() && a[k].get<int64_t>() >= 0,
+                   "{}: key '{}' must hold non-negative integers, got {}", src, key, a[k].dump());
+      dst[k] = a[k].get<int64_t>();
+    }
+  };
+  read_counts("slot_correct", m.obj.slot_correct);
+  read_counts("slot_count", m.obj.slot_count);
+  for (int k = 0; k < K; ++k) {
+    DFLASH_CHECK(m.obj.slot_correct[k] <= m.obj.slot_count[k],
+                 "{}: slot {} has more correct predictions ({}) than predictions ({})", src, k,
+                 m.obj.slot_correct[k], m.obj.slot_count[k]);
   }
+  m.obj.accept_len_sum = json_double(j, "accept_len_sum", src);
+  m.obj.blocks = json_int(j, "blocks", src, 0);
+  m.grad_norm_sum = json_double(j, "grad_norm_sum", src);
+  m.steps = json_int(j, "steps", src, 0);
+  // Absent in checkpoints written before skips were counted per interval; their reports took
+  // every step of the interval as applied, and so does a resume from them.
+  m.skipped_non_finite =
+      j.contains("skipped_non_finite") ? json_int(j, "skipped_non_finite", src, 0, m.steps) : 0;
+  m.skipped_no_supervised = j.contains("skipped_no_supervised")
+                                ? json_int(j, "skipped_no_supervised", src, 0, m.steps)
+                                : 0;
+  DFLASH_CHECK(m.applied() >= 0, "{}: {} + {} skipped steps in an interval of {}", src,
+               m.skipped_non_finite, m.skipped_no_supervised, m.steps);
+  m.tokens = json_int(j, "tokens", src, 0);
+  m.supervised = json_int(j, "supervised", src, 0);
+  m.t_data = json_double(j, "t_data", src);
+  m.t_target = json_double(j, "t_target", src);
+  m.t_drafter = json_double(j, "t_drafter", src);
+  // Absent in checkpoints written before the CUDA step.
+  m.t_gpu_drafter = j.contains("t_gpu_drafter") ? json_double(j, "t_gpu_drafter", src) : 0.0;
+  m.t_total = json_double(j, "t_total", src);
+  return m;
 }
 
 json interval_record(const IntervalMetrics& iv, int64_t step, int64_t epoch, double lr,

@@ -53,8 +53,10 @@ struct IntervalMetrics {
   void add_step(const DrafterStepResult& r, int64_t step_tokens, int64_t step_supervised,
                 const StepTimes& t);
   nlohmann::json to_json() const;
-  /// Throws dflash::Error naming the missing or mistyped key.
-  static IntervalMetrics from_json(const nlohmann::json& j);
+  /// Reads back to_json(). `src` names the file in errors; K must be `block_size` (the run's)
+  /// and the per-slot counts have K entries each, correct <= count. Throws dflash::Error naming
+  /// `src` and the missing, mistyped or out-of-range key.
+  static IntervalMetrics from_json(const nlohmann::json& j, const std::string& src, int block_size);
 };
 
 /// The metrics.jsonl record of a finished interval: step, epoch, lr; over the applied steps (left

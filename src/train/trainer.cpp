@@ -78,11 +78,11 @@ TokenDataset prepare_data(const RunConfig& cfg, const RunDir& rd, const Tokenize
   const fs::path target_dir = cfg.model.target;
   PrepareOptions po;
   po.data = cfg.data.train_file;
-  po.cache = cfg.data.cache_dir.empty() ? rd.path() / "cache" / "train.dftok"
-                                        : fs::path(cfg.data.cache_dir) / "train.dftok";
-  fs::create_directories(po.cache.parent_path());
   po.chat_template = resolve_chat_template(target_dir, cfg.data.template_name, false);
   po.max_length = cfg.data.max_length;
+  po.cache = run_cache_path(cfg.data.cache_dir, rd.path(), po.data, target_dir, po.chat_template,
+                            po.max_length);
+  fs::create_directories(po.cache.parent_path());
   po.skip_invalid = cfg.data.skip_invalid;
   po.skip_invalid_hint =
       "set data.skip_invalid: true in the config or pass the override data.skip_invalid=true";
@@ -91,6 +91,7 @@ TokenDataset prepare_data(const RunConfig& cfg, const RunDir& rd, const Tokenize
     return tok.encode(text, offsets);
   };
   po.tokenizer_hash = hash_file(target_dir / "tokenizer.json");
+  po.tokenizer_file = (target_dir / "tokenizer.json").string();
   report.status().phase = "tokenizing";
   report.write_status();
   PrepareResult prep = prepare_dataset(po);
@@ -160,18 +161,13 @@ struct Session {
 void restore_or_init(Session& s, const TrainOptions& opts, const fs::path& checkpoint) {
   DrafterState ds;
   if (!checkpoint.empty()) {
-    checkpoint_read(checkpoint, s.layout, ds, s.st);
+    // The configurations are compared before any tensor is read: a changed drafter size is
+    // reported as the keys that changed, not as a tensor of the wrong size.
+    s.st = checkpoint_read_state(checkpoint);
     const RunConfig saved =
         RunConfig::from_yaml(s.st.config_yaml, (checkpoint / "trainer_state/state.json").string());
-    const auto diffs = saved.resume_incompatibilities(s.cfg);
-    if (!diffs.empty() && !opts.force) {
-      std::string list;
-      for (const auto& d : diffs) list += "\n  " + d;
-      fail(
-          "--resume {}: the configuration differs from the checkpoint's in keys that change the "
-          "model or the data order (use --force to resume anyway):{}",
-          s.rd.path().string(), list);
-    }
+    const auto diffs = resume_check(saved, s.cfg, opts.force, s.rd.path().string());
+    checkpoint_read_drafter(checkpoint, s.layout, s.st, ds);
     if (diffs.empty()) {
       s.batcher.restore(s.st.cursor);
     } else {
@@ -185,6 +181,10 @@ void restore_or_init(Session& s, const TrainOptions& opts, const fs::path& check
           fmt::format("--force: resuming despite changed keys; the data order continues "
                       "at epoch {} batch {} of the new plan",
                       c.epoch, c.batch));
+      if (s.st.interval.obj.K != s.cfg.training.block_size) {
+        // The open log interval counted slots of the old block size: it starts afresh.
+        s.st.interval = IntervalMetrics(s.cfg.training.block_size);
+      }
     }
     s.report.log(fmt::format("resumed from {} (step {})", checkpoint.string(), s.st.step));
     s.last_ckpt = checkpoint.string();
