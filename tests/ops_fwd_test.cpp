@@ -4,6 +4,7 @@
 // determinism across thread counts.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <complex>
 #include <cstring>
@@ -93,6 +94,112 @@ TEST(LinearFwd, MatchesNaiveLoopsWithF32AndBf16Weights) {
                  OUT);
   EXPECT_LT(test::rel_error(dx1, dx2), 1e-6);
   EXPECT_EQ(dw1, dw2);
+}
+
+// The few-rows kernel (T ≤ 16): against the naive sums for every T from 1 to 16, with a tail of
+// IN % 16 = 12 lanes and an odd OUT (a lone weight row at the end of the last block).
+TEST(LinearFwd, FewRowsMatchNaiveLoops) {
+  const int64_t IN = 300, OUT = 1029;
+  std::mt19937 rng(11);
+  VecF x = randf(16 * IN, rng), w = randf(OUT * IN, rng, 0.05f), b = randf(OUT, rng);
+  std::vector<uint16_t> wb(w.size());
+  for (size_t i = 0; i < w.size(); ++i) wb[i] = f32_to_bf16_bits(w[i]);
+  for (int64_t T = 1; T <= 16; ++T) {
+    Vec ref(T * OUT), ref_b(T * OUT);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t o = 0; o < OUT; ++o) {
+        double s = b[o], sb = b[o];
+        for (int64_t i = 0; i < IN; ++i) {
+          s += static_cast<double>(x[t * IN + i]) * w[o * IN + i];
+          sb += static_cast<double>(x[t * IN + i]) * bf16_bits_to_f32(wb[o * IN + i]);
+        }
+        ref[t * OUT + o] = s;
+        ref_b[t * OUT + o] = sb;
+      }
+    GuardedBuffer y(T * OUT), yb(T * OUT);
+    linear_fwd_cpu(y.data(), x.data(), w.data(), b.data(), T, IN, OUT);
+    linear_fwd_cpu(yb.data(), x.data(), wb.data(), b.data(), T, IN, OUT);
+    EXPECT_LT(max_abs_diff(y.data(), ref), 1e-4) << "T=" << T;
+    EXPECT_LT(max_abs_diff(yb.data(), ref_b), 1e-4) << "T=" << T;
+    EXPECT_TRUE(y.intact()) << "T=" << T;
+    EXPECT_TRUE(yb.intact()) << "T=" << T;
+  }
+}
+
+// What lossless speculative decoding leans on: a row's output does not depend on the rows
+// computed with it (a token decoded alone vs inside a 16-row verified block), nor on the thread
+// count; bf16 weights give the bits of their f32 values.
+TEST(LinearFwd, FewRowsAreBitIdenticalAloneInABlockAndOnAnyThreadCount) {
+  const int64_t T = 16, IN = 300, OUT = 1029;
+  std::mt19937 rng(12);
+  VecF x = randf(T * IN, rng), w = randf(OUT * IN, rng, 0.05f);
+  std::vector<uint16_t> wb(w.size());
+  VecF w_rounded(w.size());
+  for (size_t i = 0; i < w.size(); ++i) {
+    wb[i] = f32_to_bf16_bits(w[i]);
+    w_rounded[i] = bf16_bits_to_f32(wb[i]);
+  }
+  VecF block(T * OUT);
+  linear_fwd_cpu(block.data(), x.data(), w.data(), nullptr, T, IN, OUT);
+  for (int64_t t = 0; t < T; ++t) {
+    VecF alone(OUT);
+    linear_fwd_cpu(alone.data(), x.data() + t * IN, w.data(), nullptr, 1, IN, OUT);
+    EXPECT_TRUE(same_bits(alone, VecF(block.begin() + t * OUT, block.begin() + (t + 1) * OUT)))
+        << "row " << t;
+  }
+  for (int64_t rows : {3, 5, 13}) {  // other groupings of the same rows (4-row tiles + leftovers)
+    VecF part(rows * OUT);
+    linear_fwd_cpu(part.data(), x.data() + (T - rows) * IN, w.data(), nullptr, rows, IN, OUT);
+    EXPECT_TRUE(same_bits(part, VecF(block.end() - rows * OUT, block.end()))) << rows << " rows";
+  }
+  for (int threads : {1, 2, 3}) {
+    set_parallel_threads(threads);
+    VecF y(T * OUT), yb(T * OUT), yr(T * OUT);
+    linear_fwd_cpu(y.data(), x.data(), w.data(), nullptr, T, IN, OUT);
+    linear_fwd_cpu(yb.data(), x.data(), wb.data(), nullptr, T, IN, OUT);
+    linear_fwd_cpu(yr.data(), x.data(), w_rounded.data(), nullptr, T, IN, OUT);
+    EXPECT_TRUE(same_bits(y, block)) << threads << " threads";
+    EXPECT_TRUE(same_bits(yb, yr)) << threads << " threads";
+  }
+  set_parallel_threads(0);
+}
+
+// The OpenBLAS path splits each product over the thread pool (one range of rows or columns of C
+// per worker): for every thread count it matches the naive sums, and a repeat gives the same bits.
+TEST(LinearFwd, GemmPathMatchesNaiveLoopsAndRepeatsOnAnyThreadCount) {
+  std::mt19937 rng(13);
+  for (const auto& [T, IN, OUT] : std::vector<std::array<int64_t, 3>>{
+           {17, 300, 1029}, {1000, 129, 300}, {129, 1000, 64}, {300, 384, 2000}}) {
+    VecF x = randf(T * IN, rng), w = randf(OUT * IN, rng, 0.05f), dy = randf(T * OUT, rng);
+    Vec ref(T * OUT), ref_dx(T * IN, 0.0), ref_dw(OUT * IN, 0.5);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t o = 0; o < OUT; ++o) {
+        double s = 0;
+        for (int64_t i = 0; i < IN; ++i) {
+          s += static_cast<double>(x[t * IN + i]) * w[o * IN + i];
+          ref_dx[t * IN + i] += static_cast<double>(dy[t * OUT + o]) * w[o * IN + i];
+          ref_dw[o * IN + i] += static_cast<double>(dy[t * OUT + o]) * x[t * IN + i];
+        }
+        ref[t * OUT + o] = s;
+      }
+    for (int threads : {1, 2, 3}) {
+      set_parallel_threads(threads);
+      std::vector<VecF> runs;
+      for (int rep = 0; rep < 2; ++rep) {
+        VecF y(T * OUT), dx(T * IN), dw(OUT * IN, 0.5f);
+        linear_fwd_cpu(y.data(), x.data(), w.data(), nullptr, T, IN, OUT);
+        linear_bwd_cpu(dx.data(), dw.data(), nullptr, dy.data(), x.data(), w.data(), T, IN, OUT);
+        EXPECT_LT(max_abs_diff(y.data(), ref), 1e-4) << threads << " threads";
+        EXPECT_LT(max_abs_diff(dx.data(), ref_dx), 1e-3) << threads << " threads";
+        EXPECT_LT(max_abs_diff(dw.data(), ref_dw), 1e-3) << threads << " threads";
+        y.insert(y.end(), dx.begin(), dx.end());
+        y.insert(y.end(), dw.begin(), dw.end());
+        runs.push_back(std::move(y));
+      }
+      EXPECT_TRUE(same_bits(runs[0], runs[1])) << T << "x" << IN << "x" << OUT;
+    }
+    set_parallel_threads(0);
+  }
 }
 
 // --------------------------------------------------------------------------------------- embedding
