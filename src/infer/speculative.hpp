@@ -71,6 +71,12 @@ struct SpecState {
   /// The last verify step's proposals d_1..d_{K−1} (before acceptance; for tracing tools).
   std::vector<int32_t> last_proposals;
   bool done = false;
+  // Scratch kept between steps so that a step allocates nothing once warm: the drafter's
+  // workspace, the proposals, the drafter distributions q_k and the target's p (sampling).
+  DrafterWorkspace<float> drafter_ws;
+  std::vector<int32_t> proposals, block;
+  std::vector<std::vector<double>> draft_q;
+  std::vector<double> target_p, sample_scratch;
   explicit SpecState(const ModelConfig& c) : target_cache(c) {}
 };
 

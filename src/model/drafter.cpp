@@ -482,13 +482,11 @@ std::vector<S> drafter_block_logits(const DrafterConfig& cfg, const DrafterLayou
 
 void drafter_cache_append(DrafterCache& cache, const DrafterConfig& cfg,
                           const DrafterLayout& layout, const float* params, const float* features,
-                          int64_t n) {
+                          int64_t n, DrafterWorkspace<float>& ws) {
   DFLASH_CHECK(n >= 0, "drafter_cache_append: negative row count {}", n);
-  const Dims<float> d(cfg);
   cache.k.resize(static_cast<size_t>(cfg.num_layers));
   cache.v.resize(static_cast<size_t>(cfg.num_layers));
   if (n == 0) return;
-  DrafterWorkspace<float> ws;
   rope_table(ws.inv_freq, cfg);
   ws.layers.resize(static_cast<size_t>(cfg.num_layers));
   ws.pos_kv.resize(static_cast<size_t>(n));
@@ -502,12 +500,54 @@ void drafter_cache_append(DrafterCache& cache, const DrafterConfig& cfg,
   cache.len += n;
 }
 
-std::vector<float> drafter_draft_block(const DrafterCache& cache, const DrafterConfig& cfg,
-                                       const DrafterLayout& layout, const float* params,
-                                       const DrafterTables<float>& tables, int32_t anchor_token) {
+namespace {
+
+// Lends the cache's k/v buffers to the workspace layers for one block forward (the context rows
+// become rows [0, len) of each layer's k/v) and hands them back, cut to len rows, on scope exit.
+class CacheLoan {
+ public:
+  CacheLoan(DrafterCache& cache, DrafterWorkspace<float>& ws, int64_t kv_dim)
+      : cache_(cache), ws_(ws), rows_(cache.len * kv_dim) {
+    for (size_t l = 0; l < cache_.k.size(); ++l) swap(l);
+  }
+  ~CacheLoan() {
+    for (size_t l = 0; l < cache_.k.size(); ++l) {
+      ws_.layers[l].k.resize(static_cast<size_t>(rows_));
+      ws_.layers[l].v.resize(static_cast<size_t>(rows_));
+      swap(l);
+    }
+  }
+  CacheLoan(const CacheLoan&) = delete;
+  CacheLoan& operator=(const CacheLoan&) = delete;
+
+ private:
+  void swap(size_t l) {
+    ws_.layers[l].k.swap(cache_.k[l]);
+    ws_.layers[l].v.swap(cache_.v[l]);
+  }
+  DrafterCache& cache_;
+  DrafterWorkspace<float>& ws_;
+  int64_t rows_;
+};
+
+}  // namespace
+
+std::span<const float> drafter_draft_block(DrafterCache& cache, const DrafterConfig& cfg,
+                                           const DrafterLayout& layout, const float* params,
+                                           const DrafterTables<float>& tables,
+                                           int32_t anchor_token, DrafterWorkspace<float>& ws) {
   const Dims<float> d(cfg);
   const int64_t Tc = cache.len, K = d.K;
-  DrafterWorkspace<float> ws;
+  DFLASH_CHECK(static_cast<int64_t>(cache.k.size()) == cfg.num_layers &&
+                   static_cast<int64_t>(cache.v.size()) == cfg.num_layers,
+               "drafter cache holds {} layers, the drafter has {}", cache.k.size(),
+               cfg.num_layers);
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    DFLASH_CHECK(static_cast<int64_t>(cache.k[l].size()) == Tc * d.KD &&
+                     static_cast<int64_t>(cache.v[l].size()) == Tc * d.KD,
+                 "drafter cache layer {} holds {} k and {} v values, expected {}", l,
+                 cache.k[l].size(), cache.v[l].size(), Tc * d.KD);
+  }
   rope_table(ws.inv_freq, cfg);
   ws.layers.resize(static_cast<size_t>(cfg.num_layers));
   ws.pos_kv.resize(static_cast<size_t>(Tc + K));
@@ -521,22 +561,16 @@ std::vector<float> drafter_draft_block(const DrafterCache& cache, const DrafterC
     ws.ranges[j] = AttnRange{0, static_cast<int32_t>(Tc), static_cast<int32_t>(Tc),
                              static_cast<int32_t>(Tc + K)};
   }
-  for (int64_t l = 0; l < cfg.num_layers; ++l) {
-    auto& a = ws.layers[static_cast<size_t>(l)];
-    DFLASH_CHECK(static_cast<int64_t>(cache.k[l].size()) == Tc * d.KD,
-                 "drafter cache layer {} holds {} values, expected {}", l, cache.k[l].size(),
-                 Tc * d.KD);
-    a.k_raw.assign(static_cast<size_t>((Tc + K) * d.KD), 0.0f);
-    a.k.assign(cache.k[l].begin(), cache.k[l].end());
-    a.v.assign(cache.v[l].begin(), cache.v[l].end());
+  {
+    const CacheLoan loan(cache, ws, d.KD);
+    block_forward(cfg, layout, params, tables.embed, ws, Tc, K, ws.ranges.data());
   }
-  block_forward(cfg, layout, params, tables.embed, ws, Tc, K, ws.ranges.data());
   fit(ws.hf, K * d.H);
   rmsnorm_fwd_cpu(ws.hf.data(), nullptr, ws.h.data(), params + layout.params.back().offset, K,
                   d.H, cfg.rms_norm_eps);
-  std::vector<float> logits(static_cast<size_t>(K * d.V));
-  linear_fwd_cpu(logits.data(), ws.hf.data(), tables.lm_head, nullptr, K, d.H, d.V);
-  return logits;
+  fit(ws.logits, K * d.V);
+  linear_fwd_cpu(ws.logits.data(), ws.hf.data(), tables.lm_head, nullptr, K, d.H, d.V);
+  return ws.logits;
 }
 
 #define DFLASH_DRAFTER_INSTANTIATE(S)                                                         \
