@@ -345,6 +345,9 @@ DrafterRowResult drafter_train_row(const DrafterConfig& cfg, const DrafterLayout
   cp.R = R;
   cp.H = d.H;
   cp.V = d.V;
+  // Chunks of about 16 MiB of logits (at least 64 rows): few chunks, so that the LM head is
+  // packed for the GEMMs a few times per row instead of once per 64 rows.
+  cp.chunk_rows = std::max<int64_t>(64, (int64_t(1) << 22) / d.V);
   cp.grad_scale = grad_scale;
   fit(ws.ce_grad, R * d.H);
   fit(ws.lse_out, R);
