@@ -17,8 +17,8 @@
 // (fp32 accumulate, fp32 norm statistics, fp32 RoPE angles as HF). Packed documents: positions
 // restart at 0 per document and no token attends across documents, so packing changes nothing a
 // document computes. A loaded TargetModel is immutable: forward calls are const and may run
-// concurrently from several threads (each call allocates its own scratch); a TargetKvCache belongs
-// to one caller.
+// concurrently from several threads (activations live in per-thread scratch that is kept between
+// calls, so a forward allocates only its outputs); a TargetKvCache belongs to one caller.
 #pragma once
 
 #include <cstdint>
