@@ -41,8 +41,8 @@ void BM_LinearFwd(benchmark::State& state) {
     benchmark::ClobberMemory();
   }
   const double calls = static_cast<double>(state.iterations());
-  state.counters["GFLOP/s"] = benchmark::Counter(2.0 * T * IN * OUT * calls / 1e9,
-                                                 benchmark::Counter::kIsRate);
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(2.0 * T * IN * OUT * calls / 1e9, benchmark::Counter::kIsRate);
   state.counters["GB/s(W)"] = benchmark::Counter(
       static_cast<double>(OUT * IN) * (bf16 ? 2 : 4) * calls / 1e9, benchmark::Counter::kIsRate);
   dflash::set_parallel_threads(0);
@@ -56,9 +56,8 @@ void decode_shapes(benchmark::internal::Benchmark* b) {
       for (int64_t T : {1, 16, 17, 64})
         for (const auto& s : shapes) b->Args({T, s[0], s[1], bf16, threads});
   b->ArgNames({"T", "IN", "OUT", "bf16", "threads"});
-  b->ComputeStatistics("min", [](const std::vector<double>& v) {
-    return *std::min_element(v.begin(), v.end());
-  });
+  b->ComputeStatistics(
+      "min", [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); });
 }
 
 }  // namespace

@@ -51,8 +51,12 @@ DFLASH_INLINE f32x16 load16(const uint16_t* p) {
   return v;
 }
 
-DFLASH_INLINE float scalar(float v) { return v; }
-DFLASH_INLINE float scalar(uint16_t v) { return bf16_bits_to_f32(v); }
+DFLASH_INLINE float scalar(float v) {
+  return v;
+}
+DFLASH_INLINE float scalar(uint16_t v) {
+  return bf16_bits_to_f32(v);
+}
 
 // Adds the tail elements [main, IN) to their lanes, sums the lanes pairwise and returns the dot.
 template <typename W>
@@ -81,7 +85,8 @@ DFLASH_INLINE void tile(float* y, int64_t ldy, const float* x, const W* w, int64
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[r * ldy + c] = finish(acc[r][c], x + r * IN, w + c * IN, main, IN);
+    for (int c = 0; c < C; ++c)
+      y[r * ldy + c] = finish(acc[r][c], x + r * IN, w + c * IN, main, IN);
 }
 
 // Outputs [0, n_out) of y (row stride ldy) from weight rows w[0, n_out), all T rows of x.
@@ -128,8 +133,7 @@ void run(float* y, const float* x, const W* w, int64_t T, int64_t IN, int64_t OU
 
 }  // namespace
 
-void few_rows_linear(float* y, const float* x, const float* w, int64_t T, int64_t IN,
-                     int64_t OUT) {
+void few_rows_linear(float* y, const float* x, const float* w, int64_t T, int64_t IN, int64_t OUT) {
   run(y, x, w, T, IN, OUT, block_f32);
 }
 

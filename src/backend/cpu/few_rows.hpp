@@ -23,8 +23,7 @@ constexpr int64_t kFewRowsMax = 16;
 
 /// y[T, OUT] = x[T, IN]·W[OUT, IN]ᵀ (overwritten), W f32. Parallel over blocks of outputs.
 /// Sizes are checked by the caller (T ≥ 0, IN > 0, OUT > 0).
-void few_rows_linear(float* y, const float* x, const float* w, int64_t T, int64_t IN,
-                     int64_t OUT);
+void few_rows_linear(float* y, const float* x, const float* w, int64_t T, int64_t IN, int64_t OUT);
 /// Same with W as raw bf16 bits (converted to f32 in registers: exact).
 void few_rows_linear(float* y, const float* x, const uint16_t* w_bf16, int64_t T, int64_t IN,
                      int64_t OUT);
