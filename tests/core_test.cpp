@@ -146,7 +146,9 @@ struct ThreadsGuard {
   explicit ThreadsGuard(int n) { set_parallel_threads(n); }
   ~ThreadsGuard() { set_parallel_threads(0); }
 };
-long kernel_tid() { return static_cast<long>(::syscall(SYS_gettid)); }
+long kernel_tid() {
+  return static_cast<long>(::syscall(SYS_gettid));
+}
 }  // namespace
 
 TEST(ParallelFor, EveryIndexOnceInContiguousChunksForAnyThreadCount) {

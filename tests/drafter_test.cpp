@@ -295,8 +295,8 @@ TEST(Drafter, TrainingAndInferenceLayoutsAgree) {
                        dws);
   ASSERT_EQ(cache.len, 12);
   const auto k_cached = cache.k, v_cached = cache.v;
-  auto view = drafter_draft_block(cache, p.cfg, *p.layout, p.params.data(), p.tables(),
-                                  p.tokens[19], dws);
+  auto view =
+      drafter_draft_block(cache, p.cfg, *p.layout, p.params.data(), p.tables(), p.tokens[19], dws);
   std::vector<float> inf(view.begin(), view.end());
   std::vector<float> tb(train.begin() + 6 * 23, train.end());
   EXPECT_LT(test::rel_error(inf, tb), 1e-5);
@@ -305,8 +305,8 @@ TEST(Drafter, TrainingAndInferenceLayoutsAgree) {
   EXPECT_EQ(cache.len, 12);
   EXPECT_EQ(cache.k, k_cached);
   EXPECT_EQ(cache.v, v_cached);
-  view = drafter_draft_block(cache, p.cfg, *p.layout, p.params.data(), p.tables(), p.tokens[19],
-                             dws);
+  view =
+      drafter_draft_block(cache, p.cfg, *p.layout, p.params.data(), p.tables(), p.tokens[19], dws);
   EXPECT_EQ(std::vector<float>(view.begin(), view.end()), inf);
   // Rolling back and re-appending gives the same cache.
   auto k_before = cache.k[1];

@@ -83,7 +83,8 @@ class Pool {
     if (!lock.owns_lock()) return false;
     const int want = parallel_threads();
     if (static_cast<int>(threads_.size()) + 1 != want) restart(want);
-    if (workers > static_cast<int64_t>(threads_.size()) + 1) return run_locked_inline(fn, n, workers);
+    if (workers > static_cast<int64_t>(threads_.size()) + 1)
+      return run_locked_inline(fn, n, workers);
     fn_ = &fn;
     n_ = n;
     workers_ = workers;

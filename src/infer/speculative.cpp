@@ -194,8 +194,7 @@ void SpeculativeDecoder::verify(SpecState& s, const DecodeOptions& opts,
       DFLASH_CHECK(static_cast<int64_t>(q[n].size()) == V,
                    "speculative verify: drafter distribution {} has {} entries, vocab is {}", n,
                    q[n].size(), V);
-      const RejectionOutcome o =
-          speculative_reject(p, q[n], block[n + 1], s.rng, s.sample_scratch);
+      const RejectionOutcome o = speculative_reject(p, q[n], block[n + 1], s.rng, s.sample_scratch);
       if (!o.accepted) {
         bonus = o.token;
         break;

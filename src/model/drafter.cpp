@@ -537,14 +537,13 @@ class CacheLoan {
 
 std::span<const float> drafter_draft_block(DrafterCache& cache, const DrafterConfig& cfg,
                                            const DrafterLayout& layout, const float* params,
-                                           const DrafterTables<float>& tables,
-                                           int32_t anchor_token, DrafterWorkspace<float>& ws) {
+                                           const DrafterTables<float>& tables, int32_t anchor_token,
+                                           DrafterWorkspace<float>& ws) {
   const Dims<float> d(cfg);
   const int64_t Tc = cache.len, K = d.K;
   DFLASH_CHECK(static_cast<int64_t>(cache.k.size()) == cfg.num_layers &&
                    static_cast<int64_t>(cache.v.size()) == cfg.num_layers,
-               "drafter cache holds {} layers, the drafter has {}", cache.k.size(),
-               cfg.num_layers);
+               "drafter cache holds {} layers, the drafter has {}", cache.k.size(), cfg.num_layers);
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     DFLASH_CHECK(static_cast<int64_t>(cache.k[l].size()) == Tc * d.KD &&
                      static_cast<int64_t>(cache.v[l].size()) == Tc * d.KD,

@@ -166,7 +166,7 @@ void drafter_cache_append(DrafterCache& cache, const DrafterConfig& cfg,
 /// error is thrown. Throws dflash::Error when a cache layer does not hold len rows.
 std::span<const float> drafter_draft_block(DrafterCache& cache, const DrafterConfig& cfg,
                                            const DrafterLayout& layout, const float* params,
-                                           const DrafterTables<float>& tables,
-                                           int32_t anchor_token, DrafterWorkspace<float>& ws);
+                                           const DrafterTables<float>& tables, int32_t anchor_token,
+                                           DrafterWorkspace<float>& ws);
 
 }  // namespace dflash

@@ -118,8 +118,7 @@ void bwd_impl(S* dlogits, const S* logits, const S* lse, const int32_t* labels, 
 // w_scaled = 0). exp is evaluated once per logit: softmax(z)_v = exp(z_v − m) / Σ_u exp(z_u − m),
 // m the row maximum.
 template <typename S>
-S row_fused(S* z, int64_t V, int32_t label, S w, S w_scaled, bool grad, int32_t* argmax,
-            S* loss) {
+S row_fused(S* z, int64_t V, int32_t label, S w, S w_scaled, bool grad, int32_t* argmax, S* loss) {
   S m = z[0];
   int64_t am = 0;
   for (int64_t v = 1; v < V; ++v)
@@ -186,9 +185,8 @@ CrossEntropyStats fused_impl(S* d_hidden, S* lse, int32_t* argmax, const S* hidd
           for (int64_t i = i0; i < i1; ++i) {
             const int64_t r = r0 + i;
             const S w = row_weight(weights, r);
-            const S l = row_fused(logits + i * V, V, labels[r], w,
-                                  static_cast<S>(p.grad_scale) * w, grad,
-                                  argmax ? argmax + r : nullptr, row_loss.data() + r);
+            const S l = row_fused(logits + i * V, V, labels[r], w, static_cast<S>(p.grad_scale) * w,
+                                  grad, argmax ? argmax + r : nullptr, row_loss.data() + r);
             if (lse) lse[r] = l;
           }
         },

@@ -120,8 +120,8 @@ void linear_bwd_cpu(float* dx, float* dw, float* db, const float* dy, const floa
         const int64_t n = std::min(rows, OUT - o0);
         convert_rows(tile, w_bf16 + o0 * IN, n * IN);
         // dx (+)= dy[:, o0:o0+n] · tile; tiles are summed in a fixed order.
-        cpu::gemm(false, false, T, IN, n, 1.0f, dy + o0, OUT, tile, IN,
-                  o0 == 0 ? 0.0f : 1.0f, dx, IN);
+        cpu::gemm(false, false, T, IN, n, 1.0f, dy + o0, OUT, tile, IN, o0 == 0 ? 0.0f : 1.0f, dx,
+                  IN);
       }
     }
   }
