@@ -164,17 +164,25 @@ void SpeculativeDecoder::verify(SpecState& s, const DecodeOptions& opts,
   block[0] = s.anchor;
   std::copy(proposals.begin(), proposals.end(), block.begin() + 1);
 
-  // Verify: one target pass over the block (logits and taps of all K rows).
+  // Verify: one target pass over the block (taps and final-norm rows of all K rows). The LM head
+  // runs only on the rows the acceptance rule reads (n + 1 of K), one at a time: its rows have the
+  // bits of an all-rows forward (TargetModel::lm_head_rows).
   const ForwardResult r =
-      target_.append(s.target_cache, block, ForwardOptions{taps_, LogitsRows::all, false});
-  const float* logits = r.logits.data<float>();
+      target_.append(s.target_cache, block, ForwardOptions{taps_, LogitsRows::none, true});
+  const int64_t H = target_.hidden_size();
+  s.target_logits.resize(static_cast<size_t>(V));
+  const float* logits = s.target_logits.data();
+  auto logits_of = [&](int64_t row) {
+    target_.lm_head_rows(s.target_logits.data(), r.final_norm.data<float>() + row * H, 1);
+  };
 
   // Accept the longest agreeing prefix, then the bonus (or resampled) token.
   int64_t n = 0;
   int32_t bonus = 0;
   if (greedy) {
     for (;;) {
-      const int32_t t = argmax_row(logits + n * V, V);
+      logits_of(n);
+      const int32_t t = argmax_row(logits, V);
       if (n + 1 < K && block[n + 1] == t) {
         ++n;
         continue;
@@ -185,8 +193,8 @@ void SpeculativeDecoder::verify(SpecState& s, const DecodeOptions& opts,
   } else {
     std::vector<double>& p = s.target_p;
     for (;;) {
-      sampling_probs(p, std::span<const float>(logits + n * V, static_cast<size_t>(V)),
-                     opts.sampling);
+      logits_of(n);
+      sampling_probs(p, std::span<const float>(logits, static_cast<size_t>(V)), opts.sampling);
       if (n + 1 >= K) {
         bonus = sample_index(p, s.rng);
         break;

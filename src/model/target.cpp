@@ -398,6 +398,11 @@ ForwardResult TargetModel::run(const int32_t* tokens, int64_t T, const Rows& row
   return res;
 }
 
+void TargetModel::lm_head_rows(float* logits, const float* normed, int64_t rows) const {
+  DFLASH_CHECK(rows >= 0, "target lm_head_rows: negative row count {}", rows);
+  if (rows > 0) linear(logits, normed, lm_head_, {}, rows, cfg_.hidden_size, cfg_.vocab_size);
+}
+
 // ------------------------------------------------------------------------------------- generation
 
 std::vector<int32_t> greedy_generate(const TargetModel& model, std::span<const int32_t> prompt,

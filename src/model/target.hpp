@@ -131,6 +131,12 @@ class TargetModel {
   ForwardResult prefill(TargetKvCache& cache, std::span<const int32_t> tokens,
                         const ForwardOptions& opts = {{}, LogitsRows::last, false}) const;
 
+  /// Logits of final-norm rows (ForwardOptions::final_norm output): logits [rows, V] =
+  /// normed [rows, H] · lm_headᵀ. For rows ≤ 16 each row's bits equal those a forward computes
+  /// for it (LogitsRows::all or last), whichever rows are asked together: a decoding loop can
+  /// compute the rows it needs, one at a time. Throws dflash::Error for rows < 0.
+  void lm_head_rows(float* logits, const float* normed, int64_t rows) const;
+
   /// A fresh, empty KV cache for this model.
   TargetKvCache new_cache() const { return TargetKvCache(cfg_); }
 
