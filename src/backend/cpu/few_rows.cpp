@@ -6,68 +6,22 @@
 #include "backend/cpu/few_rows.hpp"
 
 #include <algorithm>
-#include <cstring>
 
-#include "core/dtype.hpp"
+#include "backend/cpu/simd.hpp"
 #include "core/parallel.hpp"
-
-// Builds of the kernel for AVX-512, AVX2+FMA and the baseline, picked at load time (GCC ifunc).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define DFLASH_FEW_ROWS_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define DFLASH_FEW_ROWS_CLONES
-#endif
-#define DFLASH_INLINE inline __attribute__((always_inline))
-// The 64-byte vector type is only passed between always-inlined functions of this file, so the
-// ABI note GCC gives for it (its passing convention differs with and without AVX-512) is moot.
-#pragma GCC diagnostic ignored "-Wpsabi"
 
 namespace dflash::cpu {
 
 namespace {
 
-constexpr int64_t kLanes = 16;
+using simd::f32x16;
+using simd::finish;
+using simd::kLanes;
+using simd::load16;
+
 // Outputs per parallel block, and the least multiply-adds worth handing to another thread.
 constexpr int64_t kOutBlock = 32;
 constexpr int64_t kMinWorkerMacs = int64_t(1) << 16;
-
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-DFLASH_INLINE f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-DFLASH_INLINE f32x16 load16(const uint16_t* p) {
-  u16x16 h;
-  std::memcpy(&h, p, sizeof h);
-  const u32x16 u = __builtin_convertvector(h, u32x16) << 16;  // bf16 bits are the f32 high half
-  f32x16 v;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-}
-
-DFLASH_INLINE float scalar(float v) {
-  return v;
-}
-DFLASH_INLINE float scalar(uint16_t v) {
-  return bf16_bits_to_f32(v);
-}
-
-// Adds the tail elements [main, IN) to their lanes, sums the lanes pairwise and returns the dot.
-template <typename W>
-DFLASH_INLINE float finish(f32x16 acc, const float* x, const W* w, int64_t main, int64_t IN) {
-  float lane[kLanes];
-  std::memcpy(lane, &acc, sizeof lane);
-  for (int64_t i = main; i < IN; ++i) lane[i - main] += x[i] * scalar(w[i]);
-  for (int64_t half = kLanes / 2; half >= 1; half /= 2)
-    for (int64_t l = 0; l < half; ++l) lane[l] += lane[l + half];
-  return lane[0];
-}
 
 // y[r, c] = x[r]·w[c] for R rows of x (stride IN) and C weight rows (stride IN).
 template <int R, int C, typename W>
@@ -106,13 +60,13 @@ DFLASH_INLINE void block(float* y, int64_t ldy, const float* x, const W* w, int6
   }
 }
 
-DFLASH_FEW_ROWS_CLONES void block_f32(float* y, int64_t ldy, const float* x, const float* w,
-                                      int64_t T, int64_t IN, int64_t n_out) {
+DFLASH_CPU_CLONES void block_f32(float* y, int64_t ldy, const float* x, const float* w, int64_t T,
+                                 int64_t IN, int64_t n_out) {
   block(y, ldy, x, w, T, IN, n_out);
 }
 
-DFLASH_FEW_ROWS_CLONES void block_bf16(float* y, int64_t ldy, const float* x, const uint16_t* w,
-                                       int64_t T, int64_t IN, int64_t n_out) {
+DFLASH_CPU_CLONES void block_bf16(float* y, int64_t ldy, const float* x, const uint16_t* w,
+                                  int64_t T, int64_t IN, int64_t n_out) {
   block(y, ldy, x, w, T, IN, n_out);
 }
 

@@ -1,0 +1,76 @@
+// dflash.cpp — 16-lane float vectors for the CPU kernels (internal to src/backend/cpu; include it
+// only from kernel .cpp files).
+//
+// Invariants: a dot product is summed in a fixed order whatever the instruction set: element i
+// goes to lane i mod 16, each lane accumulates in index order, and the 16 lanes are added pairwise
+// (8, 4, 2, 1). Kernels built with DFLASH_CPU_CLONES exist as AVX-512, AVX2+FMA and baseline
+// (SSE2) builds of the same code, one chosen per process from the CPU at load time (GCC
+// target_clones, an ifunc); the build can change rounding (FMA contraction), never the order.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "core/dtype.hpp"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define DFLASH_CPU_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define DFLASH_CPU_CLONES
+#endif
+#define DFLASH_INLINE inline __attribute__((always_inline))
+
+// The 64-byte vector type is only passed between always-inlined functions, so the ABI note GCC
+// gives for it (its passing convention differs with and without AVX-512) is moot.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace dflash::cpu::simd {
+
+constexpr int64_t kLanes = 16;
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+/// 16 floats from `p` (unaligned).
+DFLASH_INLINE f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+/// 16 bf16 values (raw bits) from `p`, widened to f32 (exact: the bits are the f32 high half).
+DFLASH_INLINE f32x16 load16(const uint16_t* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32x16 u = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+DFLASH_INLINE float scalar(float v) { return v; }
+DFLASH_INLINE float scalar(uint16_t v) { return bf16_bits_to_f32(v); }
+
+/// Finishes a lane-ordered dot product: adds a[i]·b[i] for the tail i in [main, n) to lane
+/// i − main (main is a multiple of 16), then sums the lanes pairwise.
+template <typename W>
+DFLASH_INLINE float finish(f32x16 acc, const float* a, const W* b, int64_t main, int64_t n) {
+  float lane[kLanes];
+  std::memcpy(lane, &acc, sizeof lane);
+  for (int64_t i = main; i < n; ++i) lane[i - main] += a[i] * scalar(b[i]);
+  for (int64_t half = kLanes / 2; half >= 1; half /= 2)
+    for (int64_t l = 0; l < half; ++l) lane[l] += lane[l + half];
+  return lane[0];
+}
+
+/// Σ_i a[i]·b[i] over n elements in the lane order of the file comment.
+DFLASH_INLINE float dot(const float* a, const float* b, int64_t n) {
+  const int64_t main = n / kLanes * kLanes;
+  f32x16 acc{};
+  for (int64_t i = 0; i < main; i += kLanes) acc += load16(a + i) * load16(b + i);
+  return finish(acc, a, b, main, n);
+}
+
+}  // namespace dflash::cpu::simd
