@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -176,23 +177,23 @@ TEST(ParallelFor, EveryIndexOnceInContiguousChunksForAnyThreadCount) {
   }
 }
 
-// Chunks run on threads that outlive the call: the same kernel thread ids serve every call
-// (a pool that started threads per call would show fresh ids).
+// Chunks run on threads that outlive the call: over many calls, the chunks run on at most
+// parallel_threads() distinct kernel threads (a pool that started threads per call would show
+// fresh ids every call). Chunks sleep a little so that pool threads wake up and claim some.
 TEST(ParallelFor, ReusesItsThreadsAcrossCalls) {
   ThreadsGuard g(3);
-  auto tids = [] {
-    std::mutex mu;
-    std::set<long> ids;
+  std::mutex mu;
+  std::set<long> ids;
+  for (int call = 0; call < 20; ++call) {
     parallel_for(3, [&](int64_t, int64_t) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
       std::lock_guard lock(mu);
       ids.insert(kernel_tid());
     });
-    return ids;
-  };
-  const std::set<long> first = tids();
-  EXPECT_EQ(first.size(), 3u);
-  EXPECT_TRUE(first.count(kernel_tid()));  // the caller runs chunk 0
-  for (int i = 0; i < 20; ++i) EXPECT_EQ(tids(), first) << "call " << i;
+  }
+  EXPECT_LE(ids.size(), 3u);
+  EXPECT_GE(ids.size(), 2u) << "no pool thread ever ran a chunk";
+  EXPECT_TRUE(ids.count(kernel_tid()));  // the caller runs chunks too
 }
 
 TEST(ParallelFor, RethrowsTheFirstChunksErrorAfterAllChunksRan) {

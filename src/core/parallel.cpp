@@ -1,11 +1,16 @@
 // dflash.cpp — fork-join helper on a persistent worker pool (see parallel.hpp for the invariants).
 //
 // The pool holds parallel_threads() − 1 threads, started on the first parallel call and restarted
-// when the thread count changes. A job is published by bumping `generation_`; every pool thread
-// acknowledges every job (those without a chunk just count down), so no thread can mistake one
-// job's parameters for another's. Waiting threads spin briefly (kSpin: ops of a step follow each
-// other within microseconds), then sleep in std::atomic::wait (a futex on Linux), so an idle
-// process uses no CPU.
+// when the thread count changes. A job's chunks are claimed, not assigned: the caller and the pool
+// threads take the next unclaimed chunk from one atomic word until none is left, so the caller
+// never waits for a thread that has not started (on a loaded machine a sleeping or preempted
+// thread simply gets no chunk) and only waits for chunks already running. Which thread runs a
+// chunk never changes what the chunk computes. The claim word packs (job number, chunk count,
+// next chunk), so a thread that wakes late cannot claim a chunk of a job it did not see
+// published: its compare-and-swap fails once the job number moved on. Job parameters are
+// written before the job is published and stay untouched until all its chunks are done.
+// Waiting threads spin briefly (kSpin: the ops of a step follow each other within microseconds),
+// then sleep in std::atomic::wait (a futex on Linux), so an idle process uses no CPU.
 #include "core/parallel.hpp"
 
 #include <algorithm>
@@ -72,36 +77,37 @@ void run_inline(const std::function<void(int64_t, int64_t)>& fn, int64_t n, int6
   for (int64_t w = 0; w < workers; ++w) run_chunk(fn, n, workers, w);
 }
 
+// The claim word: job number (32 bits) | chunk count (16 bits) | next unclaimed chunk (16 bits).
+constexpr uint64_t claim_word(uint32_t job, uint64_t chunks, uint64_t next) {
+  return uint64_t(job) << 32 | chunks << 16 | next;
+}
+constexpr uint32_t claim_job(uint64_t w) { return static_cast<uint32_t>(w >> 32); }
+constexpr int64_t claim_chunks(uint64_t w) { return static_cast<int64_t>((w >> 16) & 0xffff); }
+constexpr int64_t claim_next(uint64_t w) { return static_cast<int64_t>(w & 0xffff); }
+
 class Pool {
  public:
-  ~Pool() { stop(); }
-
-  // Runs the `workers` chunks of [0, n): chunk 0 on the caller, chunk w on pool thread w − 1.
-  // Returns false (nothing run) when another thread holds the pool.
+  // Runs the `workers` chunks of [0, n) on the caller and the pool threads (whoever claims them
+  // first). Returns false (nothing run) when another thread holds the pool.
   bool try_run(const std::function<void(int64_t, int64_t)>& fn, int64_t n, int64_t workers) {
     std::unique_lock lock(submit_, std::try_to_lock);
     if (!lock.owns_lock()) return false;
     const int want = parallel_threads();
     if (static_cast<int>(threads_.size()) + 1 != want) restart(want);
-    if (workers > static_cast<int64_t>(threads_.size()) + 1)
-      return run_locked_inline(fn, n, workers);
     fn_ = &fn;
     n_ = n;
-    workers_ = workers;
-    for (auto& e : errors_) e = nullptr;
-    pending_.store(static_cast<uint32_t>(threads_.size()), std::memory_order_relaxed);
-    generation_.fetch_add(1, std::memory_order_release);
-    generation_.notify_all();
+    errors_.assign(static_cast<size_t>(workers), nullptr);
+    done_.store(0, std::memory_order_relaxed);
+    const uint32_t job = ++job_;
+    claim_.store(claim_word(job, static_cast<uint64_t>(workers), 0), std::memory_order_release);
+    wake_.fetch_add(1, std::memory_order_release);
+    wake_.notify_all();
     t_inside_job = true;
-    try {
-      run_chunk(fn, n, workers, 0);
-    } catch (...) {
-      errors_[0] = std::current_exception();
-    }
+    run_claimed(job);
     t_inside_job = false;
-    for (uint32_t left = pending_.load(std::memory_order_acquire); left != 0;
-         left = pending_.load(std::memory_order_acquire)) {
-      wait_change(pending_, left);
+    for (uint32_t d = done_.load(std::memory_order_acquire); d != workers;
+         d = done_.load(std::memory_order_acquire)) {
+      wait_change(done_, d);
     }
     fn_ = nullptr;
     for (auto& e : errors_)
@@ -110,53 +116,50 @@ class Pool {
   }
 
  private:
-  bool run_locked_inline(const std::function<void(int64_t, int64_t)>& fn, int64_t n,
-                         int64_t workers) {
-    t_inside_job = true;
-    try {
-      run_inline(fn, n, workers);
-    } catch (...) {
-      t_inside_job = false;
-      throw;
+  // Claims and runs chunks of job `job` until none is left (or the job is over).
+  void run_claimed(uint32_t job) {
+    uint64_t w = claim_.load(std::memory_order_acquire);
+    for (;;) {
+      if (claim_job(w) != job || claim_next(w) >= claim_chunks(w)) return;
+      if (!claim_.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel,
+                                        std::memory_order_acquire)) {
+        continue;  // w now holds the current word
+      }
+      const int64_t chunk = claim_next(w), chunks = claim_chunks(w);
+      try {
+        run_chunk(*fn_, n_, chunks, chunk);
+      } catch (...) {
+        errors_[static_cast<size_t>(chunk)] = std::current_exception();
+      }
+      if (done_.fetch_add(1, std::memory_order_acq_rel) + 1 == chunks) done_.notify_one();
+      w = claim_.load(std::memory_order_acquire);
     }
-    t_inside_job = false;
-    return true;
   }
 
-  // `seen`: the generation before the thread was started (a job published while the thread
+  // `seen`: the wake count before the thread was started (a job published while the thread
   // starts up must not be missed).
-  void worker_loop(int64_t index, uint32_t seen) {
+  void worker_loop(uint32_t seen) {
     t_inside_job = true;
     for (;;) {
-      seen = wait_change(generation_, seen);
+      seen = wait_change(wake_, seen);
       if (stopping_.load(std::memory_order_acquire)) return;
-      if (index < workers_) {
-        try {
-          run_chunk(*fn_, n_, workers_, index);
-        } catch (...) {
-          errors_[static_cast<size_t>(index)] = std::current_exception();
-        }
-      }
-      if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) pending_.notify_one();
+      run_claimed(claim_job(claim_.load(std::memory_order_acquire)));
     }
   }
 
   void restart(int threads) {
     stop();
     stopping_.store(false, std::memory_order_relaxed);
-    errors_.assign(static_cast<size_t>(threads), nullptr);
     threads_.reserve(static_cast<size_t>(threads - 1));
-    const uint32_t seen = generation_.load(std::memory_order_relaxed);
-    for (int64_t i = 1; i < threads; ++i) {
-      threads_.emplace_back([this, i, seen] { worker_loop(i, seen); });
-    }
+    const uint32_t seen = wake_.load(std::memory_order_relaxed);
+    for (int i = 1; i < threads; ++i) threads_.emplace_back([this, seen] { worker_loop(seen); });
   }
 
   void stop() {
     if (threads_.empty()) return;
     stopping_.store(true, std::memory_order_release);
-    generation_.fetch_add(1, std::memory_order_release);
-    generation_.notify_all();
+    wake_.fetch_add(1, std::memory_order_release);
+    wake_.notify_all();
     for (auto& t : threads_) t.join();
     threads_.clear();
   }
@@ -164,12 +167,14 @@ class Pool {
   std::mutex submit_;  // one job at a time
   std::vector<std::thread> threads_;
   std::vector<std::exception_ptr> errors_;  // per chunk
-  std::atomic<uint32_t> generation_{0};     // bumped once per job (and to stop)
-  std::atomic<uint32_t> pending_{0};        // pool threads yet to finish the current job
+  uint32_t job_ = 0;                        // number of the last job published (caller only)
+  std::atomic<uint64_t> claim_{0};          // claim_word(job, chunks, next)
+  std::atomic<uint32_t> wake_{0};           // bumped once per job (and to stop); threads wait on it
+  std::atomic<uint32_t> done_{0};           // chunks of the current job finished
   std::atomic<bool> stopping_{false};
-  // The current job, written before generation_ is bumped (read by workers after they see it).
+  // The current job, written before it is published and untouched until all its chunks are done.
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
-  int64_t n_ = 0, workers_ = 0;
+  int64_t n_ = 0;
 };
 
 Pool& pool() {
