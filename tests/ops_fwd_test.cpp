@@ -12,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include "backend/cpu/simd.hpp"
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "core/parallel.hpp"
@@ -541,6 +542,42 @@ TEST(AttentionBwd, BitIdenticalForAnyThreadCount) {
 }
 
 // ----------------------------------------------------------------------------------- cross-entropy
+
+// The vectorised exp of the CPU kernels (cross-entropy rows): within 2 ulp of std::exp over its
+// range, and the documented values outside it.
+TEST(SimdExp, WithinTwoUlpOfStdExpAndDefinedOutsideItsRange) {
+  using namespace cpu::simd;
+  const int64_t N = 1 << 20;
+  VecF x(N), y(N);
+  for (int64_t i = 0; i < N; ++i) x[i] = -87.3f + 175.6f * static_cast<float>(i) / N;
+  for (int64_t i = 0; i < N; i += kLanes) {
+    const f32x16 e = exp16(load16(x.data() + i));
+    std::memcpy(y.data() + i, &e, sizeof e);
+  }
+  double worst = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    const float ref = std::exp(x[i]);
+    const double ulp = std::nextafter(ref, std::numeric_limits<float>::infinity()) - ref;
+    worst = std::max(worst, std::abs(static_cast<double>(y[i]) - ref) / ulp);
+  }
+  EXPECT_LE(worst, 2.0);
+  const float inf = std::numeric_limits<float>::infinity();
+  float in[kLanes] = {-inf, -100.0f, -87.4f, 0.0f, -0.0f, 1.0f, 89.0f, inf,
+                      std::numeric_limits<float>::quiet_NaN(), -1.0f, 2.0f, -2.0f, 0.5f, -0.5f,
+                      10.0f, -10.0f};
+  float out[kLanes];
+  const f32x16 e = exp16(load16(in));
+  std::memcpy(out, &e, sizeof e);
+  EXPECT_EQ(out[0], 0.0f);
+  EXPECT_EQ(out[1], 0.0f);
+  EXPECT_EQ(out[2], 0.0f);
+  EXPECT_EQ(out[3], 1.0f);
+  EXPECT_EQ(out[4], 1.0f);
+  EXPECT_NEAR(out[5], std::exp(1.0f), 1e-6);
+  EXPECT_TRUE(std::isfinite(out[6]) && out[6] > 2e38f);  // capped at exp(88.376)
+  EXPECT_TRUE(std::isfinite(out[7]) && out[7] > 2e38f);
+  EXPECT_TRUE(std::isnan(out[8]));
+}
 
 TEST(CrossEntropyFwd, MatchesNaiveFormula) {
   const int64_t R = 7, V = 29;

@@ -2,9 +2,11 @@
 // ops/cross_entropy.hpp for the formulas and the gradient contract).
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
+#include "backend/cpu/simd.hpp"
 #include "core/error.hpp"
 #include "core/parallel.hpp"
 #include "ops/cross_entropy.hpp"
@@ -113,10 +115,47 @@ void bwd_impl(S* dlogits, const S* logits, const S* lse, const int32_t* labels, 
       4);
 }
 
+// Σ_v exp(z_v − m) over a row; with `store`, z_v is replaced by exp(z_v − m). float: 16 lanes
+// of simd::exp16 (the tail padded with −inf, whose exp adds 0), lanes summed pairwise; double:
+// std::exp in index order.
+DFLASH_CPU_CLONES float exp_sum_f32(float* z, int64_t V, float m, bool store) {
+  using namespace cpu::simd;
+  f32x16 acc{};
+  int64_t v = 0;
+  for (; v + kLanes <= V; v += kLanes) {
+    const f32x16 e = exp16(load16(z + v) - m);
+    if (store) std::memcpy(z + v, &e, sizeof e);
+    acc += e;
+  }
+  if (v < V) {
+    float tail[kLanes];
+    std::fill(tail, tail + kLanes, -std::numeric_limits<float>::infinity());
+    std::copy(z + v, z + V, tail);
+    const f32x16 e = exp16(load16(tail) - m);
+    if (store) std::memcpy(z + v, &e, sizeof(float) * static_cast<size_t>(V - v));
+    acc += e;
+  }
+  float lane[kLanes];
+  std::memcpy(lane, &acc, sizeof lane);
+  for (int64_t half = kLanes / 2; half >= 1; half /= 2)
+    for (int64_t l = 0; l < half; ++l) lane[l] += lane[l + half];
+  return lane[0];
+}
+float exp_sum(float* z, int64_t V, float m, bool store) { return exp_sum_f32(z, V, m, store); }
+double exp_sum(double* z, int64_t V, double m, bool store) {
+  double sum = 0;
+  for (int64_t v = 0; v < V; ++v) {
+    const double e = std::exp(z[v] - m);
+    if (store) z[v] = e;
+    sum += e;
+  }
+  return sum;
+}
+
 // One row of the fused op, in place: returns lse(z), writes argmax and the row's weighted loss,
 // and, when `grad`, overwrites z with w_scaled·(softmax(z) − onehot(label)) (zeros when
-// w_scaled = 0). exp is evaluated once per logit: softmax(z)_v = exp(z_v − m) / Σ_u exp(z_u − m),
-// m the row maximum.
+// w_scaled = 0). exp is evaluated once per logit (vectorised for float, exp_sum):
+// softmax(z)_v = exp(z_v − m) / Σ_u exp(z_u − m), m the row maximum.
 template <typename S>
 S row_fused(S* z, int64_t V, int32_t label, S w, S w_scaled, bool grad, int32_t* argmax, S* loss) {
   S m = z[0];
@@ -132,11 +171,7 @@ S row_fused(S* z, int64_t V, int32_t label, S w, S w_scaled, bool grad, int32_t*
   S lse = m;  // all -inf (→ -inf) or a +inf logit (→ +inf): no finite softmax
   S sum = 0;
   if (!std::isinf(m)) {
-    if (keep_exp) {
-      for (int64_t v = 0; v < V; ++v) sum += (z[v] = std::exp(z[v] - m));
-    } else {
-      for (int64_t v = 0; v < V; ++v) sum += std::exp(z[v] - m);
-    }
+    sum = exp_sum(z, V, m, keep_exp);
     lse = m + std::log(sum);
   }
   *loss = w == S(0) ? S(0) : w * (lse - z_label);

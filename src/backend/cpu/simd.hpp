@@ -65,6 +65,36 @@ DFLASH_INLINE float finish(f32x16 acc, const float* a, const W* b, int64_t main,
   return lane[0];
 }
 
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+/// exp of 16 floats: Cephes expf (range reduction x = n·ln2 + r with ln2 split in two, a degree-6
+/// polynomial on |r| ≤ ln2/2, scaling by 2^n through the exponent bits); within 2 ulp of
+/// std::exp. x > 88.376 gives exp(88.376) (≈ 2.4e38, finite), x < −87.337 gives 0, −inf gives 0,
+/// NaN stays NaN.
+DFLASH_INLINE f32x16 exp16(f32x16 x) {
+  const i32x16 nan = x != x;
+  const i32x16 under = x < -87.33654475f;
+  x = x > 88.3762626647949f ? f32x16{} + 88.3762626647949f : x;
+  x = x < -87.33654475f ? f32x16{} - 87.33654475f : x;
+  x = nan ? f32x16{} : x;
+  // n = round(x / ln2) via the 1.5·2^23 shift (exact for |x / ln2| < 2^22).
+  const f32x16 fn = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const f32x16 r = x - fn * 0.693359375f - fn * -2.12194440e-4f;
+  const f32x16 r2 = r * r;
+  f32x16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r2 + r + 1.0f;
+  const i32x16 bits = (__builtin_convertvector(fn, i32x16) + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  const f32x16 y = p * scale;
+  const f32x16 zero{};
+  return nan ? f32x16{} + __builtin_nanf("") : (under ? zero : y);
+}
+
 /// Σ_i a[i]·b[i] over n elements in the lane order of the file comment.
 DFLASH_INLINE float dot(const float* a, const float* b, int64_t n) {
   const int64_t main = n / kLanes * kLanes;
