@@ -123,6 +123,8 @@ LayerParams<S> layer_params(S* base, const DrafterLayout& L, int64_t l) {
   const auto& p = L.params;
   const size_t b = 2 + static_cast<size_t>(l) * 11;
   auto at = [&](size_t i) { return base + p[b + i].offset; };
+  // The step treats gate and up as one [2I, H] matrix.
+  DFLASH_ASSERT(p[b + 9].offset == p[b + 8].offset + p[b + 8].numel);
   return {at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7), at(8), at(9), at(10)};
 }
 
@@ -199,17 +201,9 @@ void block_forward(const DrafterConfig& cfg, const DrafterLayout& layout, const 
     fit(a.hn2, NK * d.H);
     rmsnorm_fwd_cpu(a.hn2.data(), nullptr, a.h_mid.data(), P.post_norm, NK, d.H,
                     cfg.rms_norm_eps);
-    fit(a.gate_up, NK * 2 * d.I);  // row t: [gate (I) | up (I)]
-    fit(ws.dbuf, NK * d.I);
-    linear_fwd_cpu(ws.dbuf.data(), a.hn2.data(), P.wg, nullptr, NK, d.H, d.I);
-    for (int64_t t = 0; t < NK; ++t) {
-      std::memcpy(a.gate_up.data() + t * 2 * d.I, ws.dbuf.data() + t * d.I, sizeof(S) * d.I);
-    }
-    linear_fwd_cpu(ws.dbuf.data(), a.hn2.data(), P.wu, nullptr, NK, d.H, d.I);
-    for (int64_t t = 0; t < NK; ++t) {
-      std::memcpy(a.gate_up.data() + t * 2 * d.I + d.I, ws.dbuf.data() + t * d.I,
-                  sizeof(S) * d.I);
-    }
+    // gate and up are adjacent in the layout: one [2I, H] projection gives row t = [gate | up].
+    fit(a.gate_up, NK * 2 * d.I);
+    linear_fwd_cpu(a.gate_up.data(), a.hn2.data(), P.wg, nullptr, NK, d.H, 2 * d.I);
     fit(a.act, NK * d.I);
     swiglu_fwd_cpu(a.act.data(), a.gate_up.data(), a.gate_up.data() + d.I, NK, d.I, 2 * d.I);
     linear_fwd_cpu(ws.dtmp.data(), a.act.data(), P.wd, nullptr, NK, d.I, d.H);
@@ -385,21 +379,11 @@ DrafterRowResult drafter_train_row(const DrafterConfig& cfg, const DrafterLayout
     fit(ws.d_gate_up, NK * 2 * d.I);
     swiglu_bwd_cpu(ws.d_gate_up.data(), ws.d_gate_up.data() + d.I, ws.d_act.data(),
                    a.gate_up.data(), a.gate_up.data() + d.I, NK, d.I, 2 * d.I);
-    // Split [gate | up] gradients into contiguous buffers for the two linears.
-    fit(ws.dbuf, NK * d.I);
+    // The [2I, H] gate|up projection: dhn2 = d[gate|up]·W, d(W_gate|W_up) += d[gate|up]ᵀ·hn2.
     fit(ws.dhn2, NK * d.H);
     fit(ws.dhn, NK * d.H);
-    fit(ws.dq_n, NK * d.I);  // contiguous gate-input copy for the linear backward
-    for (int64_t t = 0; t < NK; ++t) {
-      std::memcpy(ws.dbuf.data() + t * d.I, ws.d_gate_up.data() + t * 2 * d.I, sizeof(S) * d.I);
-      std::memcpy(ws.dq_n.data() + t * d.I, ws.d_gate_up.data() + t * 2 * d.I + d.I,
-                  sizeof(S) * d.I);
-    }
-    linear_bwd_cpu(ws.dhn2.data(), G.wg, nullptr, ws.dbuf.data(), a.hn2.data(), P.wg, NK, d.H,
-                   d.I);
-    linear_bwd_cpu(ws.dhn.data(), G.wu, nullptr, ws.dq_n.data(), a.hn2.data(), P.wu, NK, d.H,
-                   d.I);
-    residual_accumulate_cpu(ws.dhn2.data(), ws.dhn.data(), NK * d.H);
+    linear_bwd_cpu(ws.dhn2.data(), G.wg, nullptr, ws.d_gate_up.data(), a.hn2.data(), P.wg, NK,
+                   d.H, 2 * d.I);
     rmsnorm_bwd_cpu(ws.dtmp.data(), G.post_norm, ws.dhn2.data(), a.h_mid.data(), P.post_norm, NK,
                     d.H, cfg.rms_norm_eps);
     residual_accumulate_cpu(ws.dh.data(), ws.dtmp.data(), NK * d.H);  // dh = d(h_mid)
