@@ -406,6 +406,30 @@ TEST(SwigluFwd, MatchesFormula) {
   for (int64_t i = 0; i < T * I; ++i) ref[i] = g[i] / (1.0 + std::exp(-double(g[i]))) * u[i];
   EXPECT_LT(max_abs_diff(y.data(), ref), 1e-6);
   EXPECT_TRUE(y.intact());
+  // Float forward and backward 16 lanes at a time: whole slices and a tail (I = 37 = 16+16+5),
+  // gate and up interleaved in rows of 2I (the drafter's layout), large |g| included.
+  const int64_t I2 = 37, ld = 2 * I2;
+  VecF gu = randf(T * ld, rng, 4.f), dy = randf(T * I2, rng);
+  gu[3] = 95.f;
+  gu[4] = -95.f;
+  GuardedBuffer y2(T * I2), dgu(T * ld);
+  swiglu_fwd_cpu(y2.data(), gu.data(), gu.data() + I2, T, I2, ld);
+  swiglu_bwd_cpu(dgu.data(), dgu.data() + I2, dy.data(), gu.data(), gu.data() + I2, T, I2, ld);
+  Vec ref_y(T * I2), ref_dg(T * ld);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < I2; ++i) {
+      const double gv = gu[t * ld + i], uv = gu[t * ld + I2 + i], d = dy[t * I2 + i];
+      const double sg = 1.0 / (1.0 + std::exp(-gv));
+      ref_y[t * I2 + i] = gv * sg * uv;
+      ref_dg[t * ld + i] = d * uv * sg * (1.0 + gv * (1.0 - sg));
+      ref_dg[t * ld + I2 + i] = d * gv * sg;
+    }
+  for (int64_t i = 0; i < T * I2; ++i)
+    EXPECT_NEAR(y2.data()[i], ref_y[i], 1e-6 * (1.0 + std::abs(ref_y[i]))) << i;
+  for (int64_t i = 0; i < T * ld; ++i)
+    EXPECT_NEAR(dgu.data()[i], ref_dg[i], 1e-6 * (1.0 + std::abs(ref_dg[i]))) << i;
+  EXPECT_TRUE(y2.intact());
+  EXPECT_TRUE(dgu.intact());
   VecF a = {1, 2}, b = {0.5f, -4}, s(2);
   residual_fwd_cpu(s.data(), a.data(), b.data(), 2);
   EXPECT_EQ(s, (VecF{1.5f, -2}));
