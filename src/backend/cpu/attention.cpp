@@ -116,12 +116,11 @@ DFLASH_INLINE void fwd_rows(S* o, S* lse, const S* q, const S* k, const S* v,
       if (lse) lse[h * p.Tq + t] = -std::numeric_limits<S>::infinity();
       continue;
     }
-    // Pass 2: unnormalised weights, their sum and the weighted sum of values.
-    S sum = 0;
+    // Pass 2: unnormalised weights (exp of all scores at once) and the weighted sum of values.
+    const S sum = cpu::simd::exp_shift_sum(s, n, m);
     n = 0;
     for_visible(rg, 0, p.Tk, [&](int64_t j) {
-      const S e = std::exp(s[n++] - m);
-      sum += e;
+      const S e = s[n++];
       const S* vj = v + (j * NKV + g) * D;
       for (int64_t d = 0; d < D; ++d) orow[d] += e * vj[d];
     });
@@ -131,11 +130,11 @@ DFLASH_INLINE void fwd_rows(S* o, S* lse, const S* q, const S* k, const S* v,
   }
 }
 
-// dq of query rows [r0, r1): keys ascending.
+// dq of query rows [r0, r1): keys ascending; `s` is scratch for p.Tk probabilities.
 template <typename S>
 DFLASH_INLINE void dq_rows(S* dq, const S* dout, const S* q, const S* k, const S* v, const S* lse,
                            const S* delta, const AttnRange* ranges, const AttnParams& p,
-                           int64_t r0, int64_t r1) {
+                           int64_t r0, int64_t r1, S* s) {
   const int64_t NH = p.NH, NKV = p.NKV, D = p.D, rep = NH / NKV;
   const S scale = static_cast<S>(p.scale);
   for (int64_t row = r0; row < r1; ++row) {
@@ -145,10 +144,15 @@ DFLASH_INLINE void dq_rows(S* dq, const S* dout, const S* q, const S* k, const S
     const S l = lse[h * p.Tq + t], dl = delta[row];
     S* dqr = dq + row * D;
     std::fill(dqr, dqr + D, S(0));
+    // p_j = exp(scale·q·k_j − lse) of every visible key at once, then the sum over keys.
+    int64_t n = 0;
+    for_visible(ranges[t], 0, p.Tk,
+                [&](int64_t j) { s[n++] = scale * dot(qr, k + (j * NKV + g) * D, D); });
+    cpu::simd::exp_shift_sum(s, n, l);
+    n = 0;
     for_visible(ranges[t], 0, p.Tk, [&](int64_t j) {
       const S* kj = k + (j * NKV + g) * D;
-      const S pj = std::exp(scale * dot(qr, kj, D) - l);
-      const S ds = pj * (dot(dor, v + (j * NKV + g) * D, D) - dl);
+      const S ds = s[n++] * (dot(dor, v + (j * NKV + g) * D, D) - dl);
       for (int64_t d = 0; d < D; ++d) dqr[d] += scale * ds * kj[d];
     });
   }
@@ -170,20 +174,34 @@ DFLASH_INLINE void dkv_keys(S* dk, S* dv, const S* dout, const S* q, const S* k,
         const S* qr = q + row * D;
         const S* dor = dout + row * D;
         const S l = lse[h * Tq + t], dl = delta[row];
+        // The visible keys in groups of up to 16: p_j of a group at once, then its dk/dv terms
+        // (each key still sums its terms over (h, t) in order).
+        S pk[cpu::simd::kLanes];
+        int64_t js[cpu::simd::kLanes];
+        int64_t n = 0;
+        auto flush = [&] {
+          cpu::simd::exp_shift_sum(pk, n, l);
+          for (int64_t c = 0; c < n; ++c) {
+            const int64_t j = js[c];
+            const S pj = pk[c];
+            if (dv) {
+              S* dvj = dv + (j * NKV + g) * D;
+              for (int64_t d = 0; d < D; ++d) dvj[d] += pj * dor[d];
+            }
+            if (dk) {
+              const S ds = pj * (dot(dor, v + (j * NKV + g) * D, D) - dl);
+              S* dkj = dk + (j * NKV + g) * D;
+              for (int64_t d = 0; d < D; ++d) dkj[d] += scale * ds * qr[d];
+            }
+          }
+          n = 0;
+        };
         for_visible(ranges[t], j0, j1, [&](int64_t j) {
-          const S* kj = k + (j * NKV + g) * D;
-          const S* vj = v + (j * NKV + g) * D;
-          const S pj = std::exp(scale * dot(qr, kj, D) - l);
-          if (dv) {
-            S* dvj = dv + (j * NKV + g) * D;
-            for (int64_t d = 0; d < D; ++d) dvj[d] += pj * dor[d];
-          }
-          if (dk) {
-            const S ds = pj * (dot(dor, vj, D) - dl);
-            S* dkj = dk + (j * NKV + g) * D;
-            for (int64_t d = 0; d < D; ++d) dkj[d] += scale * ds * qr[d];
-          }
+          js[n] = j;
+          pk[n++] = scale * dot(qr, k + (j * NKV + g) * D, D);
+          if (n == cpu::simd::kLanes) flush();
         });
+        if (n > 0) flush();
       }
 }
 
@@ -196,8 +214,8 @@ DFLASH_CPU_CLONES void fwd_rows_f32(float* o, float* lse, const float* q, const 
 DFLASH_CPU_CLONES void dq_rows_f32(float* dq, const float* dout, const float* q, const float* k,
                                    const float* v, const float* lse, const float* delta,
                                    const AttnRange* ranges, const AttnParams& p, int64_t r0,
-                                   int64_t r1) {
-  dq_rows(dq, dout, q, k, v, lse, delta, ranges, p, r0, r1);
+                                   int64_t r1, float* s) {
+  dq_rows(dq, dout, q, k, v, lse, delta, ranges, p, r0, r1, s);
 }
 DFLASH_CPU_CLONES void dkv_keys_f32(float* dk, float* dv, const float* dout, const float* q,
                                     const float* k, const float* v, const float* lse,
@@ -216,13 +234,14 @@ void fwd_rows_any(double* o, double* lse, const double* q, const double* k, cons
 }
 void dq_rows_any(float* dq, const float* dout, const float* q, const float* k, const float* v,
                  const float* lse, const float* delta, const AttnRange* ranges,
-                 const AttnParams& p, int64_t r0, int64_t r1) {
-  dq_rows_f32(dq, dout, q, k, v, lse, delta, ranges, p, r0, r1);
+                 const AttnParams& p, int64_t r0, int64_t r1, float* s) {
+  dq_rows_f32(dq, dout, q, k, v, lse, delta, ranges, p, r0, r1, s);
 }
 void dq_rows_any(double* dq, const double* dout, const double* q, const double* k,
                  const double* v, const double* lse, const double* delta,
-                 const AttnRange* ranges, const AttnParams& p, int64_t r0, int64_t r1) {
-  dq_rows(dq, dout, q, k, v, lse, delta, ranges, p, r0, r1);
+                 const AttnRange* ranges, const AttnParams& p, int64_t r0, int64_t r1,
+                 double* s) {
+  dq_rows(dq, dout, q, k, v, lse, delta, ranges, p, r0, r1, s);
 }
 void dkv_keys_any(float* dk, float* dv, const float* dout, const float* q, const float* k,
                   const float* v, const float* lse, const float* delta, const AttnRange* ranges,
@@ -269,7 +288,8 @@ void bwd_impl(S* dq, S* dk, S* dv, const S* dout, const S* q, const S* k, const 
     parallel_for(
         Tq * NH,
         [&](int64_t r0, int64_t r1) {
-          dq_rows_any(dq, dout, q, k, v, lse, delta.data(), ranges, p, r0, r1);
+          std::vector<S> s(static_cast<size_t>(Tk));
+          dq_rows_any(dq, dout, q, k, v, lse, delta.data(), ranges, p, r0, r1, s.data());
         },
         4);
   }

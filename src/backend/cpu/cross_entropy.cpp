@@ -120,21 +120,14 @@ void bwd_impl(S* dlogits, const S* logits, const S* lse, const int32_t* labels, 
 // std::exp in index order.
 DFLASH_CPU_CLONES float exp_sum_f32(float* z, int64_t V, float m, bool store) {
   using namespace cpu::simd;
+  if (store) return exp_shift_sum(z, V, m);
   f32x16 acc{};
   int64_t v = 0;
-  for (; v + kLanes <= V; v += kLanes) {
-    const f32x16 e = exp16(load16(z + v) - m);
-    if (store) std::memcpy(z + v, &e, sizeof e);
-    acc += e;
-  }
-  if (v < V) {
-    float tail[kLanes];
-    std::fill(tail, tail + kLanes, -std::numeric_limits<float>::infinity());
-    std::copy(z + v, z + V, tail);
-    const f32x16 e = exp16(load16(tail) - m);
-    if (store) std::memcpy(z + v, &e, sizeof(float) * static_cast<size_t>(V - v));
-    acc += e;
-  }
+  for (; v + kLanes <= V; v += kLanes) acc += exp16(load16(z + v) - m);
+  float tail[kLanes];
+  std::fill(tail, tail + kLanes, -std::numeric_limits<float>::infinity());
+  std::copy(z + v, z + V, tail);
+  acc += exp16(load16(tail) - m);
   float lane[kLanes];
   std::memcpy(lane, &acc, sizeof lane);
   for (int64_t half = kLanes / 2; half >= 1; half /= 2)
@@ -143,12 +136,9 @@ DFLASH_CPU_CLONES float exp_sum_f32(float* z, int64_t V, float m, bool store) {
 }
 float exp_sum(float* z, int64_t V, float m, bool store) { return exp_sum_f32(z, V, m, store); }
 double exp_sum(double* z, int64_t V, double m, bool store) {
+  if (store) return cpu::simd::exp_shift_sum(z, V, m);
   double sum = 0;
-  for (int64_t v = 0; v < V; ++v) {
-    const double e = std::exp(z[v] - m);
-    if (store) z[v] = e;
-    sum += e;
-  }
+  for (int64_t v = 0; v < V; ++v) sum += std::exp(z[v] - m);
   return sum;
 }
 

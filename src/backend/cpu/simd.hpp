@@ -95,6 +95,37 @@ DFLASH_INLINE f32x16 exp16(f32x16 x) {
   return nan ? f32x16{} + __builtin_nanf("") : (under ? zero : y);
 }
 
+/// z[i] = exp(z[i] − m) for i < n (in place) and returns Σ_i z[i], summed in the lane order of
+/// the file comment (the tail padded with −inf, whose exp adds 0).
+DFLASH_INLINE float exp_shift_sum(float* z, int64_t n, float m) {
+  f32x16 acc{};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const f32x16 e = exp16(load16(z + i) - m);
+    std::memcpy(z + i, &e, sizeof e);
+    acc += e;
+  }
+  if (i < n) {
+    float tail[kLanes];
+    for (int64_t l = 0; l < kLanes; ++l) tail[l] = i + l < n ? z[i + l] : -__builtin_inff();
+    const f32x16 e = exp16(load16(tail) - m);
+    std::memcpy(z + i, &e, sizeof(float) * static_cast<size_t>(n - i));
+    acc += e;
+  }
+  float lane[kLanes];
+  std::memcpy(lane, &acc, sizeof lane);
+  for (int64_t half = kLanes / 2; half >= 1; half /= 2)
+    for (int64_t l = 0; l < half; ++l) lane[l] += lane[l + half];
+  return lane[0];
+}
+
+/// The double twin (finite-difference tests): std::exp, summed in index order.
+DFLASH_INLINE double exp_shift_sum(double* z, int64_t n, double m) {
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += (z[i] = __builtin_exp(z[i] - m));
+  return sum;
+}
+
 /// Σ_i a[i]·b[i] over n elements in the lane order of the file comment.
 DFLASH_INLINE float dot(const float* a, const float* b, int64_t n) {
   const int64_t main = n / kLanes * kLanes;
