@@ -13,8 +13,10 @@ start=$(date +%s)
 bash scripts/setup.sh
 
 gpu=""
+why_no_gpu="no nvidia-smi"
 if command -v nvidia-smi >/dev/null 2>&1; then
   gpu=$(nvidia-smi -L 2>/dev/null | grep -m1 '^GPU ' || true)
+  why_no_gpu="nvidia-smi lists none"
 fi
 nvcc=""
 if command -v nvcc >/dev/null 2>&1; then
@@ -31,7 +33,7 @@ elif [ -n "$gpu" ]; then
   echo "main: ${gpu%% (UUID*} but no nvcc: CPU-only build, training on the CPU backend"
   gpu=""
 else
-  echo "main: no GPU (nvidia-smi lists none): CPU-only build, training on the CPU backend" \
+  echo "main: no GPU ($why_no_gpu): CPU-only build, training on the CPU backend" \
     "($(nproc) threads)"
 fi
 if [ -n "${OPENBLAS_CORETYPE:-}" ]; then
