@@ -106,7 +106,7 @@ DFLASH_INLINE void fwd_rows(S* o, S* lse, const S* q, const S* k, const S* v,
     // Pass 1: scores and their maximum.
     S m = -std::numeric_limits<S>::infinity();
     int64_t n = 0;
-    for_visible(rg, 0, p.Tk, [&](int64_t j) {
+    for_visible(rg, 0, p.Tk, [&](int64_t j) DFLASH_INLINE_LAMBDA {
       const S sj = scale * dot(qr, k + (j * NKV + g) * D, D);
       s[n++] = sj;
       m = std::max(m, sj);
@@ -119,7 +119,7 @@ DFLASH_INLINE void fwd_rows(S* o, S* lse, const S* q, const S* k, const S* v,
     // Pass 2: unnormalised weights (exp of all scores at once) and the weighted sum of values.
     const S sum = cpu::simd::exp_shift_sum(s, n, m);
     n = 0;
-    for_visible(rg, 0, p.Tk, [&](int64_t j) {
+    for_visible(rg, 0, p.Tk, [&](int64_t j) DFLASH_INLINE_LAMBDA {
       const S e = s[n++];
       const S* vj = v + (j * NKV + g) * D;
       for (int64_t d = 0; d < D; ++d) orow[d] += e * vj[d];
@@ -147,14 +147,36 @@ DFLASH_INLINE void dq_rows(S* dq, const S* dout, const S* q, const S* k, const S
     // p_j = exp(scale·q·k_j − lse) of every visible key at once, then the sum over keys.
     int64_t n = 0;
     for_visible(ranges[t], 0, p.Tk,
-                [&](int64_t j) { s[n++] = scale * dot(qr, k + (j * NKV + g) * D, D); });
+                [&](int64_t j) DFLASH_INLINE_LAMBDA { s[n++] = scale * dot(qr, k + (j * NKV + g) * D, D); });
     cpu::simd::exp_shift_sum(s, n, l);
     n = 0;
-    for_visible(ranges[t], 0, p.Tk, [&](int64_t j) {
+    for_visible(ranges[t], 0, p.Tk, [&](int64_t j) DFLASH_INLINE_LAMBDA {
       const S* kj = k + (j * NKV + g) * D;
       const S ds = s[n++] * (dot(dor, v + (j * NKV + g) * D, D) - dl);
       for (int64_t d = 0; d < D; ++d) dqr[d] += scale * ds * kj[d];
     });
+  }
+}
+
+// The dk/dv terms of one query row (q_r, dO_r, lse l, Δ dl) for a group of n ≤ 16 keys js whose
+// scores scale·q·k_j are in pk (turned into p_j here).
+template <typename S>
+DFLASH_INLINE void dkv_group(S* dk, S* dv, S* pk, const int64_t* js, int64_t n, const S* qr,
+                             const S* dor, const S* v, S l, S dl, S scale, int64_t NKV, int64_t g,
+                             int64_t D) {
+  cpu::simd::exp_shift_sum(pk, n, l);
+  for (int64_t c = 0; c < n; ++c) {
+    const int64_t j = js[c];
+    const S pj = pk[c];
+    if (dv) {
+      S* dvj = dv + (j * NKV + g) * D;
+      for (int64_t d = 0; d < D; ++d) dvj[d] += pj * dor[d];
+    }
+    if (dk) {
+      const S ds = pj * (dot(dor, v + (j * NKV + g) * D, D) - dl);
+      S* dkj = dk + (j * NKV + g) * D;
+      for (int64_t d = 0; d < D; ++d) dkj[d] += scale * ds * qr[d];
+    }
   }
 }
 
@@ -179,29 +201,15 @@ DFLASH_INLINE void dkv_keys(S* dk, S* dv, const S* dout, const S* q, const S* k,
         S pk[cpu::simd::kLanes];
         int64_t js[cpu::simd::kLanes];
         int64_t n = 0;
-        auto flush = [&] {
-          cpu::simd::exp_shift_sum(pk, n, l);
-          for (int64_t c = 0; c < n; ++c) {
-            const int64_t j = js[c];
-            const S pj = pk[c];
-            if (dv) {
-              S* dvj = dv + (j * NKV + g) * D;
-              for (int64_t d = 0; d < D; ++d) dvj[d] += pj * dor[d];
-            }
-            if (dk) {
-              const S ds = pj * (dot(dor, v + (j * NKV + g) * D, D) - dl);
-              S* dkj = dk + (j * NKV + g) * D;
-              for (int64_t d = 0; d < D; ++d) dkj[d] += scale * ds * qr[d];
-            }
-          }
-          n = 0;
-        };
-        for_visible(ranges[t], j0, j1, [&](int64_t j) {
+        for_visible(ranges[t], j0, j1, [&](int64_t j) DFLASH_INLINE_LAMBDA {
           js[n] = j;
           pk[n++] = scale * dot(qr, k + (j * NKV + g) * D, D);
-          if (n == cpu::simd::kLanes) flush();
+          if (n == cpu::simd::kLanes) {
+            dkv_group(dk, dv, pk, js, n, qr, dor, v, l, dl, scale, NKV, g, D);
+            n = 0;
+          }
         });
-        if (n > 0) flush();
+        if (n > 0) dkv_group(dk, dv, pk, js, n, qr, dor, v, l, dl, scale, NKV, g, D);
       }
 }
 

@@ -20,6 +20,9 @@
 #define DFLASH_CPU_CLONES
 #endif
 #define DFLASH_INLINE inline __attribute__((always_inline))
+// On a lambda inside a DFLASH_CPU_CLONES kernel: inlined, so compiled for the clone's
+// instruction set (an out-of-line lambda would be built for the baseline only).
+#define DFLASH_INLINE_LAMBDA __attribute__((always_inline))
 
 // The 64-byte vector type is only passed between always-inlined functions, so the ABI note GCC
 // gives for it (its passing convention differs with and without AVX-512) is moot.
