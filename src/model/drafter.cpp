@@ -382,8 +382,8 @@ DrafterRowResult drafter_train_row(const DrafterConfig& cfg, const DrafterLayout
     // The [2I, H] gate|up projection: dhn2 = d[gate|up]·W, d(W_gate|W_up) += d[gate|up]ᵀ·hn2.
     fit(ws.dhn2, NK * d.H);
     fit(ws.dhn, NK * d.H);
-    linear_bwd_cpu(ws.dhn2.data(), G.wg, nullptr, ws.d_gate_up.data(), a.hn2.data(), P.wg, NK,
-                   d.H, 2 * d.I);
+    linear_bwd_cpu(ws.dhn2.data(), G.wg, nullptr, ws.d_gate_up.data(), a.hn2.data(), P.wg, NK, d.H,
+                   2 * d.I);
     rmsnorm_bwd_cpu(ws.dtmp.data(), G.post_norm, ws.dhn2.data(), a.h_mid.data(), P.post_norm, NK,
                     d.H, cfg.rms_norm_eps);
     residual_accumulate_cpu(ws.dh.data(), ws.dtmp.data(), NK * d.H);  // dh = d(h_mid)

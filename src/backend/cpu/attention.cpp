@@ -133,8 +133,8 @@ DFLASH_INLINE void fwd_rows(S* o, S* lse, const S* q, const S* k, const S* v,
 // dq of query rows [r0, r1): keys ascending; `s` is scratch for p.Tk probabilities.
 template <typename S>
 DFLASH_INLINE void dq_rows(S* dq, const S* dout, const S* q, const S* k, const S* v, const S* lse,
-                           const S* delta, const AttnRange* ranges, const AttnParams& p,
-                           int64_t r0, int64_t r1, S* s) {
+                           const S* delta, const AttnRange* ranges, const AttnParams& p, int64_t r0,
+                           int64_t r1, S* s) {
   const int64_t NH = p.NH, NKV = p.NKV, D = p.D, rep = NH / NKV;
   const S scale = static_cast<S>(p.scale);
   for (int64_t row = r0; row < r1; ++row) {
@@ -146,8 +146,9 @@ DFLASH_INLINE void dq_rows(S* dq, const S* dout, const S* q, const S* k, const S
     std::fill(dqr, dqr + D, S(0));
     // p_j = exp(scale·q·k_j − lse) of every visible key at once, then the sum over keys.
     int64_t n = 0;
-    for_visible(ranges[t], 0, p.Tk,
-                [&](int64_t j) DFLASH_INLINE_LAMBDA { s[n++] = scale * dot(qr, k + (j * NKV + g) * D, D); });
+    for_visible(ranges[t], 0, p.Tk, [&](int64_t j) DFLASH_INLINE_LAMBDA {
+      s[n++] = scale * dot(qr, k + (j * NKV + g) * D, D);
+    });
     cpu::simd::exp_shift_sum(s, n, l);
     n = 0;
     for_visible(ranges[t], 0, p.Tk, [&](int64_t j) DFLASH_INLINE_LAMBDA {
@@ -236,19 +237,17 @@ void fwd_rows_any(float* o, float* lse, const float* q, const float* k, const fl
   fwd_rows_f32(o, lse, q, k, v, ranges, p, r0, r1, s);
 }
 void fwd_rows_any(double* o, double* lse, const double* q, const double* k, const double* v,
-                  const AttnRange* ranges, const AttnParams& p, int64_t r0, int64_t r1,
-                  double* s) {
+                  const AttnRange* ranges, const AttnParams& p, int64_t r0, int64_t r1, double* s) {
   fwd_rows(o, lse, q, k, v, ranges, p, r0, r1, s);
 }
 void dq_rows_any(float* dq, const float* dout, const float* q, const float* k, const float* v,
-                 const float* lse, const float* delta, const AttnRange* ranges,
-                 const AttnParams& p, int64_t r0, int64_t r1, float* s) {
+                 const float* lse, const float* delta, const AttnRange* ranges, const AttnParams& p,
+                 int64_t r0, int64_t r1, float* s) {
   dq_rows_f32(dq, dout, q, k, v, lse, delta, ranges, p, r0, r1, s);
 }
-void dq_rows_any(double* dq, const double* dout, const double* q, const double* k,
-                 const double* v, const double* lse, const double* delta,
-                 const AttnRange* ranges, const AttnParams& p, int64_t r0, int64_t r1,
-                 double* s) {
+void dq_rows_any(double* dq, const double* dout, const double* q, const double* k, const double* v,
+                 const double* lse, const double* delta, const AttnRange* ranges,
+                 const AttnParams& p, int64_t r0, int64_t r1, double* s) {
   dq_rows(dq, dout, q, k, v, lse, delta, ranges, p, r0, r1, s);
 }
 void dkv_keys_any(float* dk, float* dv, const float* dout, const float* q, const float* k,
@@ -257,8 +256,8 @@ void dkv_keys_any(float* dk, float* dv, const float* dout, const float* q, const
   dkv_keys_f32(dk, dv, dout, q, k, v, lse, delta, ranges, p, j0, j1);
 }
 void dkv_keys_any(double* dk, double* dv, const double* dout, const double* q, const double* k,
-                  const double* v, const double* lse, const double* delta,
-                  const AttnRange* ranges, const AttnParams& p, int64_t j0, int64_t j1) {
+                  const double* v, const double* lse, const double* delta, const AttnRange* ranges,
+                  const AttnParams& p, int64_t j0, int64_t j1) {
   dkv_keys(dk, dv, dout, q, k, v, lse, delta, ranges, p, j0, j1);
 }
 
