@@ -32,13 +32,11 @@ struct DecodeArgs {
   bool no_default_stop = false;
 };
 
-/// How the decoding commands load the target: f32 copies of the weights (the CPU forward then
-/// skips the per-call bf16 → f32 conversion of every weight tile, which dominates the cost of the
-/// few-row forwards of decoding; results are identical since the conversion is exact; memory is
-/// that of an f32 checkpoint).
-inline TargetLoadOptions target_load_options() {
-  return TargetLoadOptions{.f32_weights = true};
-}
+/// How the decoding commands load the target: the weights as stored (bf16 views of the
+/// checkpoint). Decoding's forwards of at most 16 rows read bf16 weights directly (the few-rows
+/// kernel of ops/linear.hpp: half the bytes of f32 copies, the same bits, since bf16 → f32 is
+/// exact); the prompt's prefill converts them tile by tile.
+inline TargetLoadOptions target_load_options() { return TargetLoadOptions{}; }
 
 /// Registers the shared flags on `sub`, writing into `a` (which must outlive the app).
 inline void add_decode_args(CLI::App* sub, DecodeArgs& a) {

@@ -26,8 +26,8 @@
 // (fp32 accumulate, fp32 norm statistics, fp32 RoPE angles as HF). Packed documents: positions
 // restart at 0 per document and no token attends across documents, so packing changes nothing a
 // document computes. A loaded TargetModel is immutable: forward calls are const and may run
-// concurrently from several threads (each call allocates its own scratch); a TargetKvCache belongs
-// to one caller.
+// concurrently from several threads (activations live in per-thread scratch that is kept between
+// calls, so a forward allocates only its outputs); a TargetKvCache belongs to one caller.
 #pragma once
 
 #include <cstdint>
@@ -154,6 +154,12 @@ class TargetModel {
   /// Default options give the logits of the last prompt token only.
   ForwardResult prefill(TargetKvCache& cache, std::span<const int32_t> tokens,
                         const ForwardOptions& opts = {{}, LogitsRows::last, false}) const;
+
+  /// Logits of final-norm rows (ForwardOptions::final_norm output): logits [rows, V] =
+  /// normed [rows, H] · lm_headᵀ. For rows ≤ 16 each row's bits equal those a forward computes
+  /// for it (LogitsRows::all or last), whichever rows are asked together: a decoding loop can
+  /// compute the rows it needs, one at a time. Throws dflash::Error for rows < 0.
+  void lm_head_rows(float* logits, const float* normed, int64_t rows) const;
 
   /// A fresh, empty KV cache for this model.
   TargetKvCache new_cache() const { return TargetKvCache(cfg_); }
