@@ -1090,6 +1090,10 @@ Tokenizer Tokenizer::load(const std::filesystem::path& path) {
     t.vocab.reserve(vocab.size());
     for (const auto& [tok, idj] : vocab.items()) {
       const int32_t id = token_id_of(idj, where, "model.vocab['" + tok + "']");
+      // One string per id: ids are decoded (and offsets measured) through it.
+      DFLASH_CHECK(!t.id_used[static_cast<size_t>(id)],
+                   "{}: model.vocab gives id {} to both '{}' and '{}'", where, id,
+                   t.id_str[static_cast<size_t>(id)], tok);
       t.vocab.emplace(tok, id);
       t.id_str[static_cast<size_t>(id)] = tok;
       t.id_used[static_cast<size_t>(id)] = 1;
