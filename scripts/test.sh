@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Installs what the project needs, builds it (with CUDA when nvcc exists), creates the Python
 # virtual environment of the reference tests and runs the whole test suite with ctest.
-# Then builds once more under ASan+UBSan (CPU backend) and runs the C++ tests there.
+# Then builds once more under ASan+UBSan (CPU backend) and runs the C++ tests there, and runs
+# each libFuzzer harness of tests/fuzz for 20 s (scripts/fuzz.sh).
 #   DFLASH_SKIP_SANITIZE=1  skip the sanitizer pass (quicker local runs)
+#   DFLASH_SKIP_FUZZ=1      skip the fuzz step
 #   DFLASH_WERROR=ON        warnings as errors (CI sets it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,4 +32,8 @@ if [ "${DFLASH_SKIP_SANITIZE:-0}" != "1" ]; then
   cmake --build build-asan -j "$JOBS"
   (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
     ctest --output-on-failure -j "$JOBS" -L unit)
+fi
+
+if [ "${DFLASH_SKIP_FUZZ:-0}" != "1" ]; then
+  DFLASH_WERROR="$WERROR" FUZZ_JOBS="$JOBS" bash scripts/fuzz.sh 20
 fi

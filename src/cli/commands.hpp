@@ -7,7 +7,8 @@
 
 namespace dflash::cli {
 
-/// `dflash inspect MODEL_DIR`: architecture, sizes, parameter count, dtypes, shards, default taps.
+/// `dflash inspect MODEL_DIR`: architecture, sizes, parameter count, dtypes, shards, default taps
+/// (a DFlash drafter: its sizes, block size, mask id and taps).
 void add_inspect_command(CLI::App& app);
 
 /// `dflash data prepare --model DIR --data FILE [--template NAME] [--max-length N] ...`: writes

@@ -2,10 +2,12 @@
 #include "data/batcher.hpp"
 
 #include <algorithm>
+#include <charconv>
 #include <numeric>
 
 #include "core/error.hpp"
 #include "core/rng.hpp"
+#include "model/json_util.hpp"
 
 namespace dflash {
 
@@ -29,18 +31,17 @@ nlohmann::json DataCursor::to_json() const {
 }
 
 DataCursor DataCursor::from_json(const nlohmann::json& j) {
+  const std::string src = "data cursor";
   DataCursor c;
-  try {
-    c.seed = j.at("seed").get<uint64_t>();
-    c.epoch = j.at("epoch").get<int64_t>();
-    c.batch = j.at("batch").get<int64_t>();
-    c.dataset = std::stoull(j.at("dataset").get<std::string>(), nullptr, 16);
-    c.config = j.at("config").get<std::string>();
-  } catch (const nlohmann::json::exception& e) {
-    fail("data cursor: {}", e.what());
-  } catch (const std::logic_error& e) {
-    fail("data cursor: bad 'dataset' value: {}", e.what());
-  }
+  c.seed = json_uint(j, "seed", src);
+  c.epoch = json_int(j, "epoch", src, 0);
+  c.batch = json_int(j, "batch", src, 0);
+  const std::string hex = json_string(j, "dataset", src);
+  const char* end = hex.data() + hex.size();
+  const auto [ptr, ec] = std::from_chars(hex.data(), end, c.dataset, 16);
+  DFLASH_CHECK(hex.size() == 16 && ec == std::errc() && ptr == end,
+               "data cursor: key 'dataset' must be 16 hex digits, got '{}'", hex);
+  c.config = json_string(j, "config", src);
   return c;
 }
 

@@ -11,7 +11,9 @@
 // weight_sum are summed in row order in double (deterministic).
 // Gradient contract: dlogits and d_hidden are activation gradients, OVERWRITTEN. The fused variant
 // never forms the whole [R, V] logits: it works on chunks of `chunk_rows` rows (workspace
-// chunk_rows·V floats), and leaves the (frozen) LM head without a gradient.
+// chunk_rows·V floats; the CPU entry keeps it per thread between calls, and turns each chunk's
+// logits into their gradient in place with one exp per logit), and leaves the (frozen) LM head
+// without a gradient.
 #pragma once
 
 #include <cstdint>

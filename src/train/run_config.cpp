@@ -175,8 +175,10 @@ void apply_node(RunConfig& c, const YAML::Node& root, const std::string& src) {
   DFLASH_CHECK(root.IsMap(), "{}: the config must be a mapping of sections", src);
   static const std::set<std::string> sections = {"model", "data", "training", "runtime"};
   for (const auto& kv : root) {
-    const std::string name = kv.first.as<std::string>();
     const int line = kv.first.Mark().line + 1;
+    DFLASH_CHECK(kv.first.IsScalar(), "{}:{}: a section name must be a plain word, got '{}'", src,
+                 line, YAML::Dump(kv.first));
+    const std::string name = kv.first.as<std::string>();
     if (name == "output_dir") {
       find_field("", "output_dir")->set(c, kv.second, src);
       continue;
@@ -186,6 +188,9 @@ void apply_node(RunConfig& c, const YAML::Node& root, const std::string& src) {
     if (kv.second.IsNull()) continue;
     DFLASH_CHECK(kv.second.IsMap(), "{}:{}: section '{}' must be a mapping", src, line, name);
     for (const auto& e : kv.second) {
+      DFLASH_CHECK(e.first.IsScalar(),
+                   "{}:{}: a key of section '{}' must be a plain word, got '{}'", src,
+                   e.first.Mark().line + 1, name, YAML::Dump(e.first));
       const std::string key = e.first.as<std::string>();
       const Field* f = find_field(name, key);
       DFLASH_CHECK(f != nullptr, "{}:{}: unknown key '{}.{}' (known keys of '{}': {})", src,
@@ -357,6 +362,47 @@ int64_t RunConfig::block_budget() const {
   if (data.block_budget) return *data.block_budget;
   const int64_t a = training.num_anchors, t = data.token_budget, m = data.max_length;
   return (a * t + m - 1) / m;
+}
+
+std::vector<std::string> RunConfig::shape_changes(const RunConfig& other) const {
+  static const std::set<std::string> size_keys = {"drafter_layers", "intermediate_size",
+                                                  "num_attention_heads", "num_key_value_heads",
+                                                  "head_dim"};
+  // Taps: an empty list means one per drafter layer (default_target_layer_ids).
+  auto n_taps = [](const RunConfig& c) {
+    return c.model.target_layer_ids.empty() ? static_cast<size_t>(c.model.drafter_layers)
+                                            : c.model.target_layer_ids.size();
+  };
+  std::vector<std::string> diffs;
+  for (const auto& f : schema()) {
+    const bool taps = f.section == "model" && f.key == "target_layer_ids";
+    if (f.section != "model" || (!size_keys.count(f.key) && !taps)) continue;
+    if (taps && n_taps(*this) == n_taps(other)) continue;
+    const std::string a = YAML::Dump(f.get(*this)), b = YAML::Dump(f.get(other));
+    if (a != b) diffs.push_back(f.path() + ": " + a + " -> " + b);
+  }
+  return diffs;
+}
+
+std::vector<std::string> resume_check(const RunConfig& saved, const RunConfig& requested,
+                                      bool force, const std::string& dir) {
+  auto listed = [](const std::vector<std::string>& keys) {
+    std::string list;
+    for (const auto& d : keys) list += "\n  " + d;
+    return list;
+  };
+  const std::vector<std::string> shapes = saved.shape_changes(requested);
+  DFLASH_CHECK(shapes.empty(),
+               "--resume {}: the configuration changes the drafter's parameter shapes, which the "
+               "checkpoint's tensors cannot take (not even with --force); start a new run in "
+               "another output_dir to train another drafter size:{}",
+               dir, listed(shapes));
+  std::vector<std::string> diffs = saved.resume_incompatibilities(requested);
+  DFLASH_CHECK(diffs.empty() || force,
+               "--resume {}: the configuration differs from the checkpoint's in keys that change "
+               "the model or the data order (use --force to resume anyway):{}",
+               dir, listed(diffs));
+  return diffs;
 }
 
 std::vector<std::string> RunConfig::resume_incompatibilities(const RunConfig& other) const {

@@ -111,6 +111,19 @@ struct RunConfig {
   /// The keys whose values differ from `other` and would change the model or the data order
   /// (everything except intervals, keep_last, runtime and output paths), as "key: old -> new".
   std::vector<std::string> resume_incompatibilities(const RunConfig& other) const;
+  /// The keys whose values differ from `other` and change the shapes of the drafter's parameters
+  /// (model.drafter_layers, intermediate_size, num_attention_heads, num_key_value_heads, head_dim,
+  /// and model.target_layer_ids when the number of taps changes), as "key: old -> new".
+  std::vector<std::string> shape_changes(const RunConfig& other) const;
 };
+
+/// The resume-compatibility check of `dflash train --resume DIR`: `saved` is the configuration of
+/// the checkpoint, `requested` the one the run would continue with. Throws dflash::Error naming
+/// `dir` and listing every "key: old -> new" that changes the model or the data order
+/// (resume_incompatibilities), unless `force`; keys that change the drafter's parameter shapes
+/// (shape_changes) are refused even with `force`, since the checkpoint's tensors cannot take
+/// another shape. Returns the differences accepted because of `force` (empty when none).
+std::vector<std::string> resume_check(const RunConfig& saved, const RunConfig& requested,
+                                      bool force, const std::string& dir);
 
 }  // namespace dflash

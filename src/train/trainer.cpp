@@ -68,23 +68,28 @@ TokenDataset prepare_data(const RunConfig& cfg, const RunDir& rd, const Tokenize
   const fs::path target_dir = cfg.model.target;
   PrepareOptions po;
   po.data = cfg.data.train_file;
-  po.cache = cfg.data.cache_dir.empty() ? rd.path() / "cache" / "train.dftok"
-                                        : fs::path(cfg.data.cache_dir) / "train.dftok";
-  fs::create_directories(po.cache.parent_path());
   po.chat_template = resolve_chat_template(target_dir, cfg.data.template_name, false);
   po.max_length = cfg.data.max_length;
+  po.cache = run_cache_path(cfg.data.cache_dir, rd.path(), po.data, target_dir, po.chat_template,
+                            po.max_length);
+  fs::create_directories(po.cache.parent_path());
   po.skip_invalid = cfg.data.skip_invalid;
+  po.skip_invalid_hint =
+      "set data.skip_invalid: true in the config or pass the override data.skip_invalid=true";
   po.threads = cfg.runtime.threads;
   po.encode = [&tok](std::string_view text, std::vector<std::pair<size_t, size_t>>* offsets) {
     return tok.encode(text, offsets);
   };
   po.tokenizer_hash = hash_file(target_dir / "tokenizer.json");
+  po.tokenizer_file = (target_dir / "tokenizer.json").string();
   report.status().phase = "tokenizing";
   report.write_status();
   PrepareResult prep = prepare_dataset(po);
   report.log(prep.reused
                  ? fmt::format("data: reusing cache {}", po.cache.string())
                  : fmt::format("data: built cache {} ({})", po.cache.string(), prep.reason));
+  report.log(data_counts_line(prep.dataset.stats(), cfg.data.max_length));
+  report.status().data = data_counts_json(prep.dataset.stats());
   return std::move(prep.dataset);
 }
 
@@ -170,18 +175,13 @@ struct Session {
 void restore_or_init(Session& s, const TrainOptions& opts, const fs::path& checkpoint) {
   DrafterState ds;
   if (!checkpoint.empty()) {
-    checkpoint_read(checkpoint, s.layout, ds, s.st);
+    // The configurations are compared before any tensor is read: a changed drafter size is
+    // reported as the keys that changed, not as a tensor of the wrong size.
+    s.st = checkpoint_read_state(checkpoint);
     const RunConfig saved =
         RunConfig::from_yaml(s.st.config_yaml, (checkpoint / "trainer_state/state.json").string());
-    const auto diffs = saved.resume_incompatibilities(s.cfg);
-    if (!diffs.empty() && !opts.force) {
-      std::string list;
-      for (const auto& d : diffs) list += "\n  " + d;
-      fail(
-          "--resume {}: the configuration differs from the checkpoint's in keys that change the "
-          "model or the data order (use --force to resume anyway):{}",
-          s.rd.path().string(), list);
-    }
+    const auto diffs = resume_check(saved, s.cfg, opts.force, s.rd.path().string());
+    checkpoint_read_drafter(checkpoint, s.layout, s.st, ds);
     if (diffs.empty()) {
       s.batcher.restore(s.st.cursor);
     } else {
@@ -195,10 +195,16 @@ void restore_or_init(Session& s, const TrainOptions& opts, const fs::path& check
           fmt::format("--force: resuming despite changed keys; the data order continues "
                       "at epoch {} batch {} of the new plan",
                       c.epoch, c.batch));
+      if (s.st.interval.obj.K != s.cfg.training.block_size) {
+        // The open log interval counted slots of the old block size: it starts afresh.
+        s.st.interval = IntervalMetrics(s.cfg.training.block_size);
+      }
     }
     s.report.log(fmt::format("resumed from {} (step {})", checkpoint.string(), s.st.step));
     s.last_ckpt = checkpoint.string();
+    s.report.metrics_resume_at(s.st.step);
   } else {
+    s.report.metrics_restart();
     const auto n = static_cast<size_t>(s.layout.total);
     ds.params.resize(n);
     ds.adam_m.assign(n, 0.0f);
@@ -241,8 +247,7 @@ void finish_interval(Session& s, double eta_s, TrainResult& result) {
   const json record =
       interval_record(st.interval, st.step, st.cursor.epoch, s.sched.at(st.step - 1), st.skipped);
   s.report.interval(record, s.total_steps, eta_s);
-  result.final_loss = st.interval.obj.loss();
-  result.final_tau = st.interval.obj.tau();
+  result.last_metrics = record;
   st.interval = IntervalMetrics(s.dcfg.block_size);
 }
 
@@ -286,11 +291,15 @@ TrainResult train_loop(Session& s, const TrainOptions& opts) {
   const auto run_start = Clock::now();
   int64_t steps_this_run = 0;
   TrainResult result;
+  result.last_metrics = s.report.status().last;  // a resumed run's newest kept record
   while (st.step < s.total_steps) {
     StepTimes t;
     const DrafterStepResult r = run_step(s, t);
     ++steps_this_run;
-    bar.set_suffix(fmt::format("loss {:.3f} τ {:.2f}", r.metrics.loss(), r.metrics.tau()));
+    bar.set_suffix(
+        r.skipped() ? std::string(r.skip == StepSkip::non_finite ? "skipped (non-finite)"
+                                                                 : "skipped (no supervised slot)")
+                    : fmt::format("loss {:.3f} τ {:.2f}", r.metrics.loss(), r.metrics.tau()));
     bar.advance(1);
     const bool last = st.step == s.total_steps;
     if (st.step % s.cfg.training.log_interval == 0 || last) {
@@ -318,6 +327,29 @@ TrainResult train_loop(Session& s, const TrainOptions& opts) {
   result.skipped_steps = st.skipped;
   result.last_checkpoint = s.last_ckpt;
   return result;
+}
+
+// The checkpoint a resume continues from: the newest that verifies. Newer ones that fail are set
+// aside (checkpoint_set_aside), each logged with its reason.
+fs::path resume_checkpoint(const RunDir& rd, TrainReport& report) {
+  ResumePoint rp;
+  try {
+    rp = checkpoint_select(rd.path());
+  } catch (const Error& e) {
+    throw e.with_context("--resume");
+  }
+  for (const CheckpointRejection& r : rp.rejected) {
+    const fs::path aside = checkpoint_set_aside(r.dir);
+    report.log(fmt::format("--resume: skipping {} ({}); moved it to {}", r.dir.filename().string(),
+                           r.reason, aside.string()));
+  }
+  if (rp.check == CheckpointCheck::legacy_marker) {
+    report.log(
+        fmt::format("--resume: {} was written before checkpoints carried file digests; its "
+                    "files are not verified",
+                    rp.dir.string()));
+  }
+  return rp.dir;
 }
 
 }  // namespace
@@ -370,21 +402,21 @@ TrainResult train(const TrainOptions& opts) {
   if (cfg.runtime.threads > 0) set_parallel_threads(cfg.runtime.threads);
 
   RunDir rd(cfg.output_dir);
-  const auto complete = RunDir::complete_checkpoints(rd.path());
-  if (resuming) {
-    DFLASH_CHECK(!complete.empty(), "--resume {}: no complete checkpoint to resume from",
-                 rd.path().string());
-  } else {
-    DFLASH_CHECK(complete.empty(),
-                 "run directory '{}' already holds checkpoints: use --resume to continue it, or "
-                 "choose another output_dir", rd.path().string());
-  }
+  DFLASH_CHECK(resuming || RunDir::complete_checkpoints(rd.path()).empty(),
+               "run directory '{}' already holds checkpoints: use --resume to continue it, or "
+               "choose another output_dir",
+               rd.path().string());
   TrainReport report(rd);
   try {
+    const fs::path checkpoint = resuming ? resume_checkpoint(rd, report) : fs::path();
     Session s(cfg, rd, report);
     if (!s.backend.memory_report.empty()) report.log(s.backend.memory_report);
-    restore_or_init(s, opts, resuming ? complete.back().second : fs::path());
+    restore_or_init(s, opts, checkpoint);
+    report.status().phase = "training";
     report.status().checkpoint = s.last_ckpt;
+    report.status().step = s.st.step;
+    report.status().total_steps = s.total_steps;
+    report.write_status();
     report.log(
         fmt::format("train: target {} ({} layers, hidden {}), drafter {} layers ({} "
                     "parameters), taps [{}], mask id {}, block {}, {} steps ({} "
@@ -393,6 +425,10 @@ TrainResult train(const TrainOptions& opts) {
                     s.target.config().hidden_size, s.dcfg.num_layers, s.layout.total,
                     fmt::join(s.dcfg.target_layer_ids, ","), s.dcfg.mask_token_id,
                     s.dcfg.block_size, s.total_steps, s.per_epoch, s.backend.description));
+    if (s.st.step >= s.total_steps) {
+      report.log(fmt::format("the run finished at step {} of {}: nothing to do", s.st.step,
+                             s.total_steps));
+    }
     TrainResult result = train_loop(s, opts);
     report.status().phase = result.interrupted ? "interrupted" : "done";
     report.status().step = result.steps_done;

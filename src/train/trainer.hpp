@@ -12,10 +12,12 @@
 // Invariants: anchors are a pure function of (seed, epoch, batch index, row), so no RNG state needs
 // saving; a checkpoint is written to a temporary folder, fsynced, renamed and only then marked
 // COMPLETE; any error stops the run with a message and a non-zero exit; SIGINT/SIGTERM finish the
-// current step, write a checkpoint and exit 0.
+// current step, write a checkpoint and exit 0; a resume continues from the newest checkpoint whose
+// files match its marker (checkpoint_select), sets newer ones that do not aside and says why.
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -42,7 +44,10 @@ struct TrainResult {
   int64_t skipped_steps = 0;        ///< non-finite steps skipped
   bool interrupted = false;         ///< stopped by a signal (or halt_at_step) after a checkpoint
   std::string last_checkpoint;      ///< path of the newest complete checkpoint
-  double final_loss = 0, final_tau = 0;  ///< metrics of the last log interval
+  /// The last metrics.jsonl record (train_report.hpp: interval_record), of this process or, after
+  /// a resume, the newest one kept; null when no log interval has completed. It has no loss or τ
+  /// when every step of its interval was skipped.
+  nlohmann::json last_metrics;
 };
 
 /// Runs training as configured. Throws dflash::Error on any failure (after recording it in
