@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Installs what the project needs, builds it (with CUDA when nvcc exists), creates the Python
 # virtual environment of the reference tests and runs the whole test suite with ctest.
-# Then builds once more under ASan+UBSan (CPU backend) and runs the C++ tests there, and under
-# ThreadSanitizer (CPU backend, only the pipeline's tests and what they need).
+# Then builds once more under ASan+UBSan (CPU backend) and runs the C++ tests there, under
+# ThreadSanitizer (CPU backend, only the pipeline's tests and what they need), and runs each
+# libFuzzer harness of tests/fuzz for 20 s (scripts/fuzz.sh).
 #   DFLASH_SKIP_SANITIZE=1  skip the sanitizer passes (quicker local runs)
+#   DFLASH_SKIP_FUZZ=1      skip the fuzz step
 #   DFLASH_WERROR=ON        warnings as errors (CI sets it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,4 +42,8 @@ if [ "${DFLASH_SKIP_SANITIZE:-0}" != "1" ]; then
   cmake --build build-tsan -j "$JOBS" --target dflash pipeline_test pipeline_train_test
   (cd build-tsan && OPENBLAS_NUM_THREADS=1 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
     ctest --output-on-failure --no-tests=error -j "$JOBS" -L pipeline)
+fi
+
+if [ "${DFLASH_SKIP_FUZZ:-0}" != "1" ]; then
+  DFLASH_WERROR="$WERROR" FUZZ_JOBS="$JOBS" bash scripts/fuzz.sh 20
 fi

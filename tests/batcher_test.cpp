@@ -291,3 +291,68 @@ TEST(Batcher, PermutationIsAPermutationAndStable) {
   }
   for (int64_t k = 0; k < 4; ++k) EXPECT_NEAR(where[k], 1000, 150) << k;
 }
+
+TEST(Batcher, BlockBudgetBoundsEveryRowAndKeepsEveryDocument) {
+  auto ds = make_dataset(random_lengths(600, 256, 7));
+  BatcherOptions o;
+  o.token_budget = 256;
+  o.rows = 2;
+  o.num_shapes = 2;
+  o.window_rows = 6;
+  o.block_budget = 40;
+  // A document yields min(16, its length / 3) blocks here (any numbers in [0, budget] will do).
+  for (int64_t d = 0; d < ds.num_docs(); ++d) {
+    o.doc_blocks.push_back(static_cast<int32_t>(std::min<int64_t>(16, ds.doc_length(d) / 3)));
+  }
+  Batcher bt(ds, o);
+  check_epoch(bt, ds, 0);
+  int64_t fullest_blocks = 0;
+  for (int64_t i = 0; i < bt.batches_in_epoch(0); ++i) {
+    const Batch b = bt.batch_at(0, i);
+    for (int64_t r = 0; r < o.rows; ++r) {
+      int64_t blocks = 0;
+      for (int32_t k = b.row_doc_offsets[r]; k < b.row_doc_offsets[r + 1]; ++k) {
+        blocks += o.doc_blocks[static_cast<size_t>(b.docs[static_cast<size_t>(k)].doc)];
+      }
+      EXPECT_LE(blocks, o.block_budget) << "batch " << i << " row " << r;
+      fullest_blocks = std::max(fullest_blocks, blocks);
+    }
+  }
+  EXPECT_GT(fullest_blocks, o.block_budget / 2);  // the budget is used, not avoided
+  // Without the budget the same data packs rows past it (so the bound above did something).
+  BatcherOptions free = o;
+  free.block_budget = 0;
+  Batcher unbounded(ds, free);
+  EXPECT_LT(unbounded.batches_in_epoch(0), bt.batches_in_epoch(0));
+  // The budget is part of the packing configuration a cursor records.
+  Batcher other(ds, free);
+  EXPECT_THROW(other.restore(bt.cursor()), Error);
+}
+
+TEST(Batcher, BlockBudgetAtOrAboveTheTokenBudgetNeverBinds) {
+  auto ds = make_dataset(random_lengths(300, 128, 8));
+  BatcherOptions o;
+  o.token_budget = 128;
+  o.seed = 9;
+  Batcher plain(ds, o);
+  o.block_budget = 128;  // a document of n tokens has at most n - 1 candidate anchors
+  Batcher same(ds, o);   // doc_blocks is not needed then
+  EXPECT_EQ(plain.cursor(), same.cursor());
+  for (int i = 0; i < 20; ++i) ASSERT_TRUE(same_batch(plain.next(), same.next())) << i;
+}
+
+TEST(Batcher, BlockBudgetNeedsValidPerDocumentCounts) {
+  auto ds = make_dataset({10, 20, 30});
+  BatcherOptions o;
+  o.token_budget = 64;
+  o.block_budget = 8;
+  EXPECT_THROW(Batcher(ds, o), Error);  // no counts
+  o.doc_blocks = {1, 2};
+  EXPECT_THROW(Batcher(ds, o), Error);  // too few
+  o.doc_blocks = {1, 9, 2};
+  EXPECT_THROW(Batcher(ds, o), Error);  // one document alone exceeds the budget
+  o.doc_blocks = {1, 8, 2};
+  EXPECT_NO_THROW(Batcher(ds, o));
+  o.block_budget = -1;
+  EXPECT_THROW(Batcher(ds, o), Error);
+}

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -265,4 +266,25 @@ TEST(ChatTemplate, DetectsLlama3AndRefusesAmbiguousTemplates) {
                                     {{"name", "default"}, {"template", llama3}}}}}
                        .dump());
   EXPECT_EQ(resolve_chat_template(tmp.path(), "").family, TemplateFamily::llama3);
+}
+
+TEST(ChatTemplate, MarkersAreTheSpecialTokensEachTemplateWrites) {
+  Conversation conv;
+  conv.messages = {{Role::system, "s"}, {Role::user, "u"}, {Role::assistant, "a"}};
+  for (const char* name : {"chatml", "qwen3", "llama3"}) {
+    const ChatTemplate t = ChatTemplate::from_name(name);
+    const std::vector<std::string_view> markers = chat_template_markers(t);
+    ASSERT_FALSE(markers.empty()) << name;
+    // Every marker appears in a rendering (the generation prompt included) ...
+    const std::string text = render_chat(t, conv, true).text;
+    for (std::string_view m : markers) {
+      EXPECT_NE(text.find(m), std::string::npos) << name << ": " << m << " in " << text;
+    }
+    // ... and the rendering holds no other "<|...|>" marker.
+    for (size_t i = text.find("<|"); i != std::string::npos; i = text.find("<|", i + 1)) {
+      const std::string_view m(text.data() + i, text.find("|>", i) + 2 - i);
+      EXPECT_NE(std::find(markers.begin(), markers.end(), m), markers.end()) << name << ": " << m;
+    }
+  }
+  EXPECT_EQ(chat_template_markers(ChatTemplate::from_name("qwen3")).size(), 4u);  // <think> too
 }

@@ -5,16 +5,17 @@
 // counts the MoE configs imply (model/weights), against the published totals of Qwen3-30B-A3B
 // and gpt-oss-20b. Expected values are the numbers written in the JSON, or HF's formulas
 // evaluated in the test (yarn attention factor), or Python's round() results.
+#include "model/config.hpp"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <cmath>
+#include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
-#include "model/config.hpp"
+#include "model/target.hpp"
 #include "model/weights.hpp"
 #include "util/test_util.hpp"
 
@@ -543,6 +544,25 @@ TEST(ModelConfig, GptOssClassDefaultsAndQuantizationErrors) {
   }
 }
 
+TEST(ModelConfig, SizesHaveUpperBounds) {
+  // Far above real models; a corrupt size would overflow parameter counts or allocate per layer.
+  for (const auto& [key, big] : std::vector<std::pair<std::string, int64_t>>{
+           {"hidden_size", (int64_t{1} << 20) + 1},
+           {"num_hidden_layers", int64_t{1} << 40},
+           {"vocab_size", (int64_t{1} << 24) + 1},
+           {"head_dim", int64_t{1} << 22},
+           {"max_position_embeddings", int64_t{1} << 31}}) {
+    json j = tiny_config();
+    j[key] = big;
+    expect_config_error(j, {"'" + key + "'", "must be <="});
+  }
+  for (const std::string key : {"num_experts", "moe_intermediate_size"}) {
+    json j = qwen3_moe_config();
+    j[key] = (int64_t{1} << 20) + 1;
+    expect_config_error(j, {"'" + key + "'", "must be <="});
+  }
+}
+
 TEST(ModelConfig, EosTokenIdForms) {
   json j = tiny_config();
   j["eos_token_id"] = {5, 7};
@@ -551,6 +571,26 @@ TEST(ModelConfig, EosTokenIdForms) {
   EXPECT_TRUE(model_config_from_json(j, "e").eos_token_ids.empty());
   j.erase("eos_token_id");
   EXPECT_TRUE(model_config_from_json(j, "e").eos_token_ids.empty());
+  // An id outside the vocabulary could never be generated: the config is wrong.
+  j["eos_token_id"] = {5, j["vocab_size"]};
+  expect_config_error(j, {"'eos_token_id'", "[0, vocab_size = 8192)"});
+  j["eos_token_id"] = -1;
+  expect_config_error(j, {"'eos_token_id'"});
+}
+
+TEST(ModelConfig, GenerationEosIdsMustBeTokensOfTheVocabulary) {
+  test::TempDir dir;
+  const ModelConfig c = model_config_from_json(tiny_config(), "config.json");
+  test::write_file(dir / "generation_config.json", R"({"eos_token_id": [2, 99999]})");
+  try {
+    generation_eos_ids(dir.path(), c);
+    ADD_FAILURE() << "an eos id outside the vocabulary was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("99999, which is not a token"), std::string::npos)
+        << e.what();
+  }
+  test::write_file(dir / "generation_config.json", R"({"eos_token_id": [2, 1]})");
+  EXPECT_EQ(generation_eos_ids(dir.path(), c), (std::vector<int64_t>{2, 1}));
 }
 
 TEST(ModelConfig, UnknownModelTypeListsTheSupportedOnes) {

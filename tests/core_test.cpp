@@ -1,15 +1,24 @@
 // Tests of src/core: dtype conversions, tensors and views, errors, the progress bar on a
-// non-terminal.
+// non-terminal, the parallel_for pool.
 #include <gtest/gtest.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <vector>
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "core/log.hpp"
+#include "core/parallel.hpp"
 #include "core/tensor.hpp"
 
 using namespace dflash;
@@ -130,6 +139,7 @@ TEST(Error, CheckCarriesMessageAndContext) {
     EXPECT_STREQ(e.what(), "tensor w: expected shape [2], found [3]");
     EXPECT_STREQ(e.with_context("file x.safetensors").what(),
                  "file x.safetensors: tensor w: expected shape [2], found [3]");
+    EXPECT_FALSE(e.internal());  // a bad input
   }
 }
 
@@ -177,4 +187,123 @@ TEST(ProgressBar, WithoutPlainLinesPrintsOnlyTheFinalLineToANonTerminal) {
   }
   EXPECT_EQ(lines_written(f), 1);
   std::fclose(f);
+}
+
+TEST(Error, AssertFailuresAreInternalThroughContext) {
+  try {
+    const int rows = 3;
+    DFLASH_ASSERT(rows == 4);
+    FAIL() << "no throw";
+  } catch (const Error& e) {
+    EXPECT_TRUE(e.internal());  // a bug: the fuzz harnesses count it as a finding
+    EXPECT_NE(std::string(e.what()).find("assertion 'rows == 4' failed"), std::string::npos);
+    EXPECT_TRUE(e.with_context("reading x").internal());
+  }
+}
+
+// ------------------------------------------------------------------------------------ parallel_for
+
+namespace {
+// Restores the default thread count when a test ends, failed or not.
+struct ThreadsGuard {
+  explicit ThreadsGuard(int n) { set_parallel_threads(n); }
+  ~ThreadsGuard() { set_parallel_threads(0); }
+};
+long kernel_tid() {
+  return static_cast<long>(::syscall(SYS_gettid));
+}
+}  // namespace
+
+TEST(ParallelFor, EveryIndexOnceInContiguousChunksForAnyThreadCount) {
+  for (int threads : {1, 2, 3, 5}) {
+    ThreadsGuard g(threads);
+    for (int64_t n : {1, 2, 7, 64, 1000}) {
+      for (int64_t min_chunk : {1, 3, 100}) {
+        std::vector<std::atomic<int>> hits(static_cast<size_t>(n));
+        std::mutex mu;
+        std::vector<std::pair<int64_t, int64_t>> chunks;
+        parallel_for(
+            n,
+            [&](int64_t b, int64_t e) {
+              for (int64_t i = b; i < e; ++i) hits[static_cast<size_t>(i)]++;
+              std::lock_guard lock(mu);
+              chunks.emplace_back(b, e);
+            },
+            min_chunk);
+        for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hits[static_cast<size_t>(i)], 1) << i;
+        const int64_t workers = std::min<int64_t>(threads, (n + min_chunk - 1) / min_chunk);
+        EXPECT_EQ(static_cast<int64_t>(chunks.size()), workers) << n << " " << min_chunk;
+        for (const auto& [b, e] : chunks) EXPECT_GE(e - b, n / workers);
+      }
+    }
+  }
+}
+
+// Chunks run on threads that outlive the call: over many calls, the chunks run on at most
+// parallel_threads() distinct kernel threads (a pool that started threads per call would show
+// fresh ids every call). Chunks sleep a little so that pool threads wake up and claim some.
+TEST(ParallelFor, ReusesItsThreadsAcrossCalls) {
+  ThreadsGuard g(3);
+  std::mutex mu;
+  std::set<long> ids;
+  for (int call = 0; call < 20; ++call) {
+    parallel_for(3, [&](int64_t, int64_t) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      std::lock_guard lock(mu);
+      ids.insert(kernel_tid());
+    });
+  }
+  EXPECT_LE(ids.size(), 3u);
+  EXPECT_GE(ids.size(), 2u) << "no pool thread ever ran a chunk";
+  EXPECT_TRUE(ids.count(kernel_tid()));  // the caller runs chunks too
+}
+
+TEST(ParallelFor, RethrowsTheFirstChunksErrorAfterAllChunksRan) {
+  ThreadsGuard g(4);
+  std::atomic<int> ran{0};
+  try {
+    parallel_for(4, [&](int64_t b, int64_t) {
+      ++ran;
+      if (b >= 1) fail("chunk {} failed", b);
+    });
+    FAIL() << "no throw";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "chunk 1 failed");
+  }
+  EXPECT_EQ(ran, 4);
+  // The pool still works after an error.
+  std::atomic<int64_t> sum{0};
+  parallel_for(100, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) sum += i;
+  });
+  EXPECT_EQ(sum, 4950);
+}
+
+// A parallel_for inside a chunk, and calls from several threads at once, run their chunks
+// (inline when the pool is busy) and give the same result.
+TEST(ParallelFor, NestedAndConcurrentCallsComplete) {
+  ThreadsGuard g(2);
+  auto nested_sum = [] {
+    std::atomic<int64_t> sum{0};
+    parallel_for(8, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        parallel_for(10, [&](int64_t b2, int64_t e2) {
+          for (int64_t j = b2; j < e2; ++j) sum += i * 10 + j;
+        });
+      }
+    });
+    return sum.load();
+  };
+  EXPECT_EQ(nested_sum(), 79 * 80 / 2);
+  std::vector<int64_t> results(4, -1);
+  std::vector<std::thread> callers;
+  for (size_t c = 0; c < results.size(); ++c) {
+    callers.emplace_back([&, c] {
+      int64_t total = 0;
+      for (int rep = 0; rep < 50; ++rep) total += nested_sum();
+      results[c] = total;
+    });
+  }
+  for (auto& t : callers) t.join();
+  for (int64_t r : results) EXPECT_EQ(r, 50 * (79 * 80 / 2));
 }

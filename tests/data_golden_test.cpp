@@ -141,6 +141,7 @@ TEST(DataGolden, PrepareCommandPrintsFiguresAndReusesTheCache) {
   auto r3 = test::run_dflash(args);
   EXPECT_EQ(r3.exit_code, 1);
   EXPECT_NE(r3.err.find("g.jsonl:4"), std::string::npos) << r3.err;
+  EXPECT_NE(r3.err.find("pass --skip-invalid"), std::string::npos) << r3.err;
   args.push_back("--skip-invalid");
   auto r4 = test::run_dflash(args);
   ASSERT_EQ(r4.exit_code, 0) << r4.err;

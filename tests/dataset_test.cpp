@@ -6,6 +6,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -17,9 +19,10 @@ using dflash::test::TempDir;
 
 namespace {
 
-const char* const kSpecials[] = {"<|im_start|>", "<|im_end|>"};
+const char* const kSpecials[] = {"<|im_start|>", "<|im_end|>", "<think>", "</think>"};
 
-// Special tokens get ids 0, 1; any other byte b gets 2 + b.
+// Special tokens get ids 0, 1 (ChatML) and 258, 259 (qwen3's think markers); any other byte b
+// gets 2 + b.
 std::vector<int32_t> byte_encode(std::string_view text,
                                  std::vector<std::pair<size_t, size_t>>* off) {
   std::vector<int32_t> ids;
@@ -27,10 +30,10 @@ std::vector<int32_t> byte_encode(std::string_view text,
   size_t i = 0;
   while (i < text.size()) {
     bool special = false;
-    for (int s = 0; s < 2; ++s) {
+    for (int s = 0; s < 4; ++s) {
       std::string_view sp = kSpecials[s];
       if (text.substr(i, sp.size()) == sp) {
-        ids.push_back(s);
+        ids.push_back(s < 2 ? s : 256 + s);
         off->emplace_back(i, i + sp.size());
         i += sp.size();
         special = true;
@@ -195,6 +198,48 @@ TEST(Dataset, RebuildsWhenDataTokenizerTemplateOrMaxLengthChange) {
   EXPECT_FALSE(prepare_dataset(f).reused);
 }
 
+TEST(Dataset, TemplateMarkersMustBeTokensOfTheTokenizer) {
+  TempDir tmp;
+  test::write_file(tmp / "d.jsonl", record("a", "Q", "Answer") + "\n");
+  auto opts = options(tmp);
+  opts.tokenizer_file = "tok/tokenizer.json";
+  opts.chat_template = ChatTemplate::from_name("llama3");
+  try {
+    prepare_dataset(opts);
+    ADD_FAILURE() << "llama3 markers accepted by a ChatML tokenizer";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("chat template 'llama3'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("tok/tokenizer.json"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("<|begin_of_text|> (17 tokens)"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("<|eot_id|> (10 tokens)"), std::string::npos) << msg;
+  }
+  EXPECT_FALSE(std::filesystem::exists(opts.cache));
+  // Markers the stand-in tokenizer holds pass (chatml, qwen3).
+  for (const char* name : {"chatml", "qwen3"}) {
+    EXPECT_NO_THROW(check_template_tokens(ChatTemplate::from_name(name), byte_encode, "t")) << name;
+  }
+}
+
+TEST(Dataset, CacheFileNameCoversEveryInputOfTheKey) {
+  const auto chatml = ChatTemplate::from_name("chatml");
+  const auto base = cache_path_in("c", "data/x.jsonl", "models/m", chatml, 512);
+  EXPECT_EQ(base.parent_path(), std::filesystem::path("c"));
+  EXPECT_EQ(base.filename().string().rfind("x.jsonl-", 0), 0u) << base;
+  EXPECT_EQ(base.extension(), ".dftok");
+  EXPECT_EQ(cache_path_in("c", "data/x.jsonl", "models/m", chatml, 512), base);  // stable
+  EXPECT_NE(cache_path_in("c", "data/x.jsonl", "models/m", chatml, 256), base);
+  EXPECT_NE(cache_path_in("c", "data/x.jsonl", "models/m", ChatTemplate::from_name("qwen3"), 512),
+            base);
+  EXPECT_NE(cache_path_in("c", "data/x.jsonl", "models/other", chatml, 512), base);
+  EXPECT_NE(cache_path_in("c", "other/x.jsonl", "models/m", chatml, 512), base);
+  // A run's cache: data.cache_dir, else <output_dir>/cache.
+  EXPECT_EQ(run_cache_path("", "runs/r", "data/x.jsonl", "models/m", chatml, 512),
+            cache_path_in("runs/r/cache", "data/x.jsonl", "models/m", chatml, 512));
+  EXPECT_EQ(run_cache_path("shared", "runs/r", "data/x.jsonl", "models/m", chatml, 512),
+            cache_path_in("shared", "data/x.jsonl", "models/m", chatml, 512));
+}
+
 TEST(Dataset, DamagedCacheIsRebuiltAndOpenRefusesIt) {
   TempDir tmp;
   test::write_file(tmp / "d.jsonl", record("a", "Q", "Answer") + "\n");
@@ -211,6 +256,75 @@ TEST(Dataset, DamagedCacheIsRebuiltAndOpenRefusesIt) {
   r = prepare_dataset(opts);
   EXPECT_FALSE(r.reused);
   EXPECT_EQ(r.dataset.num_docs(), 1);
+}
+
+// A cache file of `opts` with `edit` applied to its header (JSON) and data (the bytes after it).
+std::string edited_cache(const PrepareOptions& opts,
+                         const std::function<void(nlohmann::json&, std::string&)>& edit) {
+  const std::string bytes = test::read_file(opts.cache);
+  uint64_t json_len = 0;
+  std::memcpy(&json_len, bytes.data() + 8, 8);
+  nlohmann::json h = nlohmann::json::parse(bytes.substr(16, json_len));
+  const size_t data_start = (16 + json_len + 63) / 64 * 64;
+  std::string data = bytes.substr(data_start);
+  edit(h, data);
+  std::string js = h.dump();
+  std::string out = bytes.substr(0, 8);
+  const uint64_t n = js.size();
+  out.append(reinterpret_cast<const char*>(&n), 8);
+  out += js;
+  out.resize((out.size() + 63) / 64 * 64, '\0');
+  return out + data;
+}
+
+std::string open_error(const std::filesystem::path& p) {
+  try {
+    TokenDataset::open(p);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(Dataset, OpenRefusesOutOfRangeValuesAndOverflowingSections) {
+  TempDir tmp;
+  test::write_file(tmp / "d.jsonl", record("a", "Q", "Answer") + "\n");
+  auto opts = options(tmp);
+  prepare_dataset(opts);
+  const std::filesystem::path bad = tmp / "bad.dftok";
+  auto section = [](const nlohmann::json& h, const char* name) {
+    return h["sections"][name]["offset"].get<size_t>();
+  };
+  // A loss mask of 7 would weight a slot 7 times (found by the token_cache fuzz harness).
+  test::write_file(bad, edited_cache(opts, [&](nlohmann::json& h, std::string& d) {
+                     d[section(h, "loss_mask") + 3] = 7;
+                   }));
+  EXPECT_NE(open_error(bad).find("token 3 has id"), std::string::npos) << open_error(bad);
+  EXPECT_NE(open_error(bad).find("loss mask 7"), std::string::npos) << open_error(bad);
+  test::write_file(bad, edited_cache(opts, [&](nlohmann::json& h, std::string& d) {
+                     const int32_t neg = -5;
+                     std::memcpy(&d[section(h, "tokens") + 8], &neg, 4);
+                   }));
+  EXPECT_NE(open_error(bad).find("token 2 has id -5"), std::string::npos) << open_error(bad);
+  // Counts and offsets that would overflow the section bounds are refused, not wrapped.
+  test::write_file(bad, edited_cache(opts, [](nlohmann::json& h, std::string&) {
+                     h["n_tokens"] = int64_t{1} << 62;
+                   }));
+  EXPECT_NE(open_error(bad).find("n_tokens"), std::string::npos) << open_error(bad);
+  test::write_file(bad, edited_cache(opts, [](nlohmann::json& h, std::string&) {
+                     h["sections"]["tokens"]["offset"] = -64;
+                   }));
+  EXPECT_NE(open_error(bad).find("offset"), std::string::npos) << open_error(bad);
+  test::write_file(bad, edited_cache(opts, [](nlohmann::json& h, std::string&) {
+                     h["stats"]["hist_count"] = nlohmann::json::array();
+                   }));
+  EXPECT_NE(open_error(bad).find("histogram"), std::string::npos) << open_error(bad);
+  test::write_file(bad, edited_cache(opts, [](nlohmann::json& h, std::string&) {
+                     h["key"]["data_hash"] = "not-hex-at-all!!";
+                   }));
+  EXPECT_NE(open_error(bad).find("16 hex digits"), std::string::npos) << open_error(bad);
+  test::write_file(bad, edited_cache(opts, [](nlohmann::json&, std::string&) {}));
+  EXPECT_EQ(open_error(bad), "(no error)");
 }
 
 TEST(Dataset, TruncationIsCountedNeverDropped) {
@@ -271,13 +385,15 @@ TEST(Dataset, BadRecordsStopTheRunUnlessSkipped) {
                      "\n";
   test::write_file(tmp / "d.jsonl", data);
   auto opts = options(tmp);
+  opts.skip_invalid_hint = "set THE SWITCH";  // the caller's words for turning skipping on
   try {
     prepare_dataset(opts);
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
     std::string msg = e.what();
     EXPECT_NE(msg.find("d.jsonl:2"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("--skip-invalid"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("; to skip and count bad records, set THE SWITCH"), std::string::npos)
+        << msg;
   }
   opts.skip_invalid = true;
   auto r = prepare_dataset(opts);

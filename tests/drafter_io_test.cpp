@@ -436,6 +436,19 @@ TEST(DrafterIo, MaskTokenValidationTinyQwen3) {
   EXPECT_EQ(drafter_config_for_target(t, 2, {}, 100).mask_token_id, 100);
 }
 
+TEST(DrafterIo, InferenceRefusesAMaskIdTheTokenizerProduces) {
+  const ModelConfig t = tiny_target();
+  DrafterConfig c = drafter_config_for_target(t, 1, {}, 8000, std::nullopt, &tiny_tok());
+  EXPECT_NO_THROW(drafter_check_tokenizer(c, tiny_tok(), "d"));
+  c.mask_token_id = 8191;
+  EXPECT_NO_THROW(drafter_check_tokenizer(c, tiny_tok(), "d"));
+  c.mask_token_id = 2;  // <|im_end|>, the tiny model's eos: every MASK slot would read as eos
+  expect_error([&] { drafter_check_tokenizer(c, tiny_tok(), "runs/x/checkpoint-9"); },
+               {"runs/x/checkpoint-9: mask_token_id 2 (token '<|im_end|>')", "[8000, 8192)"});
+  c.mask_token_id = 7999;
+  expect_error([&] { drafter_check_tokenizer(c, tiny_tok(), "d"); }, {"mask_token_id 7999"});
+}
+
 TEST(DrafterIo, MaskTokenDefaultQwen3Family) {
   test::TempDir dir;
   test::write_file(

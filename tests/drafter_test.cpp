@@ -164,6 +164,22 @@ TEST(Drafter, ConfigValidationNamesTheField) {
   EXPECT_THROW(c.validate(), Error);
 }
 
+TEST(Drafter, LayoutOfCorruptSizesIsAnErrorNotAnOverflow) {
+  auto p = make_problem<float>(1, 1, 4, 2, 8, 4, 7.0, {0, 10}, {{2, 0}});
+  DrafterConfig c = p.cfg;
+  c.hidden_size = int64_t{1} << 20;
+  c.num_heads = c.num_kv_heads = int64_t{1} << 20;
+  c.head_dim = int64_t{1} << 20;  // q_proj alone has 2^60 values; a few layers overflow int64
+  c.num_layers = 64;
+  try {
+    DrafterLayout layout(c);
+    FAIL() << "layout of " << layout.total << " parameters";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("parameter count overflows"), std::string::npos)
+        << e.what();
+  }
+}
+
 // Whole drafter + loss against central finite differences in float64 (tiny dims, 2 layers,
 // 3 blocks over 2 documents, GQA 2).
 TEST(Drafter, GradientsMatchFiniteDifferencesInFloat64) {
@@ -321,18 +337,42 @@ TEST(Drafter, TrainingAndInferenceLayoutsAgree) {
                                     p.features.data(), ws);
   // Block 1: anchor 19 in doc [7, 30): context rows 7..18 at positions 0..11.
   DrafterCache cache;
-  drafter_cache_append(cache, p.cfg, *p.layout, p.params.data(), p.features.data() + 7 * 32, 5);
-  drafter_cache_append(cache, p.cfg, *p.layout, p.params.data(), p.features.data() + 12 * 32, 7);
+  DrafterWorkspace<float> dws;
+  drafter_cache_append(cache, p.cfg, *p.layout, p.params.data(), p.features.data() + 7 * 32, 5,
+                       dws);
+  drafter_cache_append(cache, p.cfg, *p.layout, p.params.data(), p.features.data() + 12 * 32, 7,
+                       dws);
   ASSERT_EQ(cache.len, 12);
-  auto inf = drafter_draft_block(cache, p.cfg, *p.layout, p.params.data(), p.tables(), p.tokens[19]);
+  const auto k_cached = cache.k, v_cached = cache.v;
+  auto view =
+      drafter_draft_block(cache, p.cfg, *p.layout, p.params.data(), p.tables(), p.tokens[19], dws);
+  std::vector<float> inf(view.begin(), view.end());
   std::vector<float> tb(train.begin() + 6 * 23, train.end());
   EXPECT_LT(test::rel_error(inf, tb), 1e-5);
+  // The draft borrows the cache's buffers and hands them back unchanged; drafting again with the
+  // same (now warm) workspace gives the same bits.
+  EXPECT_EQ(cache.len, 12);
+  EXPECT_EQ(cache.k, k_cached);
+  EXPECT_EQ(cache.v, v_cached);
+  view =
+      drafter_draft_block(cache, p.cfg, *p.layout, p.params.data(), p.tables(), p.tokens[19], dws);
+  EXPECT_EQ(std::vector<float>(view.begin(), view.end()), inf);
   // Rolling back and re-appending gives the same cache.
   auto k_before = cache.k[1];
   cache.truncate(9);
-  drafter_cache_append(cache, p.cfg, *p.layout, p.params.data(), p.features.data() + 16 * 32, 3);
+  drafter_cache_append(cache, p.cfg, *p.layout, p.params.data(), p.features.data() + 16 * 32, 3,
+                       dws);
   EXPECT_LT(test::rel_error(cache.k[1], k_before), 1e-6);
   EXPECT_THROW(cache.truncate(13), Error);
+  // A cache whose layers disagree with its length is refused by name.
+  cache.k[0].pop_back();
+  std::string msg = "<no error>";
+  try {
+    drafter_draft_block(cache, p.cfg, *p.layout, p.params.data(), p.tables(), p.tokens[19], dws);
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("drafter cache layer 0"), std::string::npos) << msg;
 }
 
 // The public reference trainer's step on tiny-qwen3 (../shared/fixtures/dflash-step.golden.*):

@@ -169,3 +169,15 @@ TEST(Schedule, WarmupThenCosineToFloor) {
   EXPECT_DOUBLE_EQ(clip_scale(0.5, 1.0), 1.0);
   EXPECT_DOUBLE_EQ(clip_scale(5.0, 0.0), 1.0);
 }
+
+TEST(Objective, DocumentBlocksCountWhatSampleAnchorsTakes) {
+  const std::vector<uint8_t> m = {1, 1, 0, 1, 1, 1};  // candidates 0, 3, 4 (5 is the last token)
+  EXPECT_EQ(document_blocks(m, 512), 3);
+  EXPECT_EQ(document_blocks(m, 2), 2);
+  EXPECT_EQ(document_blocks(std::vector<uint8_t>{1}, 4), 0);
+  EXPECT_THROW(document_blocks(m, 0), Error);
+  // The same count as sample_anchors on the document alone.
+  Rng rng(1);
+  const std::vector<int32_t> off = {0, 6};
+  EXPECT_EQ(static_cast<int32_t>(sample_anchors(m, off, 2, rng).size()), document_blocks(m, 2));
+}

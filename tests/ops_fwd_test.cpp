@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <complex>
 #include <cstring>
@@ -12,6 +13,7 @@
 #include <random>
 #include <vector>
 
+#include "backend/cpu/simd.hpp"
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "core/parallel.hpp"
@@ -94,6 +96,112 @@ TEST(LinearFwd, MatchesNaiveLoopsWithF32AndBf16Weights) {
                  OUT);
   EXPECT_LT(test::rel_error(dx1, dx2), 1e-6);
   EXPECT_EQ(dw1, dw2);
+}
+
+// The few-rows kernel (T ≤ 16): against the naive sums for every T from 1 to 16, with a tail of
+// IN % 16 = 12 lanes and an odd OUT (a lone weight row at the end of the last block).
+TEST(LinearFwd, FewRowsMatchNaiveLoops) {
+  const int64_t IN = 300, OUT = 1029;
+  std::mt19937 rng(11);
+  VecF x = randf(16 * IN, rng), w = randf(OUT * IN, rng, 0.05f), b = randf(OUT, rng);
+  std::vector<uint16_t> wb(w.size());
+  for (size_t i = 0; i < w.size(); ++i) wb[i] = f32_to_bf16_bits(w[i]);
+  for (int64_t T = 1; T <= 16; ++T) {
+    Vec ref(T * OUT), ref_b(T * OUT);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t o = 0; o < OUT; ++o) {
+        double s = b[o], sb = b[o];
+        for (int64_t i = 0; i < IN; ++i) {
+          s += static_cast<double>(x[t * IN + i]) * w[o * IN + i];
+          sb += static_cast<double>(x[t * IN + i]) * bf16_bits_to_f32(wb[o * IN + i]);
+        }
+        ref[t * OUT + o] = s;
+        ref_b[t * OUT + o] = sb;
+      }
+    GuardedBuffer y(T * OUT), yb(T * OUT);
+    linear_fwd_cpu(y.data(), x.data(), w.data(), b.data(), T, IN, OUT);
+    linear_fwd_cpu(yb.data(), x.data(), wb.data(), b.data(), T, IN, OUT);
+    EXPECT_LT(max_abs_diff(y.data(), ref), 1e-4) << "T=" << T;
+    EXPECT_LT(max_abs_diff(yb.data(), ref_b), 1e-4) << "T=" << T;
+    EXPECT_TRUE(y.intact()) << "T=" << T;
+    EXPECT_TRUE(yb.intact()) << "T=" << T;
+  }
+}
+
+// What lossless speculative decoding leans on: a row's output does not depend on the rows
+// computed with it (a token decoded alone vs inside a 16-row verified block), nor on the thread
+// count; bf16 weights give the bits of their f32 values.
+TEST(LinearFwd, FewRowsAreBitIdenticalAloneInABlockAndOnAnyThreadCount) {
+  const int64_t T = 16, IN = 300, OUT = 1029;
+  std::mt19937 rng(12);
+  VecF x = randf(T * IN, rng), w = randf(OUT * IN, rng, 0.05f);
+  std::vector<uint16_t> wb(w.size());
+  VecF w_rounded(w.size());
+  for (size_t i = 0; i < w.size(); ++i) {
+    wb[i] = f32_to_bf16_bits(w[i]);
+    w_rounded[i] = bf16_bits_to_f32(wb[i]);
+  }
+  VecF block(T * OUT);
+  linear_fwd_cpu(block.data(), x.data(), w.data(), nullptr, T, IN, OUT);
+  for (int64_t t = 0; t < T; ++t) {
+    VecF alone(OUT);
+    linear_fwd_cpu(alone.data(), x.data() + t * IN, w.data(), nullptr, 1, IN, OUT);
+    EXPECT_TRUE(same_bits(alone, VecF(block.begin() + t * OUT, block.begin() + (t + 1) * OUT)))
+        << "row " << t;
+  }
+  for (int64_t rows : {3, 5, 13}) {  // other groupings of the same rows (4-row tiles + leftovers)
+    VecF part(rows * OUT);
+    linear_fwd_cpu(part.data(), x.data() + (T - rows) * IN, w.data(), nullptr, rows, IN, OUT);
+    EXPECT_TRUE(same_bits(part, VecF(block.end() - rows * OUT, block.end()))) << rows << " rows";
+  }
+  for (int threads : {1, 2, 3}) {
+    set_parallel_threads(threads);
+    VecF y(T * OUT), yb(T * OUT), yr(T * OUT);
+    linear_fwd_cpu(y.data(), x.data(), w.data(), nullptr, T, IN, OUT);
+    linear_fwd_cpu(yb.data(), x.data(), wb.data(), nullptr, T, IN, OUT);
+    linear_fwd_cpu(yr.data(), x.data(), w_rounded.data(), nullptr, T, IN, OUT);
+    EXPECT_TRUE(same_bits(y, block)) << threads << " threads";
+    EXPECT_TRUE(same_bits(yb, yr)) << threads << " threads";
+  }
+  set_parallel_threads(0);
+}
+
+// The OpenBLAS path splits each product over the thread pool (one range of rows or columns of C
+// per worker): for every thread count it matches the naive sums, and a repeat gives the same bits.
+TEST(LinearFwd, GemmPathMatchesNaiveLoopsAndRepeatsOnAnyThreadCount) {
+  std::mt19937 rng(13);
+  for (const auto& [T, IN, OUT] : std::vector<std::array<int64_t, 3>>{
+           {17, 300, 1029}, {1000, 129, 300}, {129, 1000, 64}, {300, 384, 2000}}) {
+    VecF x = randf(T * IN, rng), w = randf(OUT * IN, rng, 0.05f), dy = randf(T * OUT, rng);
+    Vec ref(T * OUT), ref_dx(T * IN, 0.0), ref_dw(OUT * IN, 0.5);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t o = 0; o < OUT; ++o) {
+        double s = 0;
+        for (int64_t i = 0; i < IN; ++i) {
+          s += static_cast<double>(x[t * IN + i]) * w[o * IN + i];
+          ref_dx[t * IN + i] += static_cast<double>(dy[t * OUT + o]) * w[o * IN + i];
+          ref_dw[o * IN + i] += static_cast<double>(dy[t * OUT + o]) * x[t * IN + i];
+        }
+        ref[t * OUT + o] = s;
+      }
+    for (int threads : {1, 2, 3}) {
+      set_parallel_threads(threads);
+      std::vector<VecF> runs;
+      for (int rep = 0; rep < 2; ++rep) {
+        VecF y(T * OUT), dx(T * IN), dw(OUT * IN, 0.5f);
+        linear_fwd_cpu(y.data(), x.data(), w.data(), nullptr, T, IN, OUT);
+        linear_bwd_cpu(dx.data(), dw.data(), nullptr, dy.data(), x.data(), w.data(), T, IN, OUT);
+        EXPECT_LT(max_abs_diff(y.data(), ref), 1e-4) << threads << " threads";
+        EXPECT_LT(max_abs_diff(dx.data(), ref_dx), 1e-3) << threads << " threads";
+        EXPECT_LT(max_abs_diff(dw.data(), ref_dw), 1e-3) << threads << " threads";
+        y.insert(y.end(), dx.begin(), dx.end());
+        y.insert(y.end(), dw.begin(), dw.end());
+        runs.push_back(std::move(y));
+      }
+      EXPECT_TRUE(same_bits(runs[0], runs[1])) << T << "x" << IN << "x" << OUT;
+    }
+    set_parallel_threads(0);
+  }
 }
 
 // --------------------------------------------------------------------------------------- embedding
@@ -299,6 +407,30 @@ TEST(SwigluFwd, MatchesFormula) {
   for (int64_t i = 0; i < T * I; ++i) ref[i] = g[i] / (1.0 + std::exp(-double(g[i]))) * u[i];
   EXPECT_LT(max_abs_diff(y.data(), ref), 1e-6);
   EXPECT_TRUE(y.intact());
+  // Float forward and backward 16 lanes at a time: whole slices and a tail (I = 37 = 16+16+5),
+  // gate and up interleaved in rows of 2I (the drafter's layout), large |g| included.
+  const int64_t I2 = 37, ld = 2 * I2;
+  VecF gu = randf(T * ld, rng, 4.f), dy = randf(T * I2, rng);
+  gu[3] = 95.f;
+  gu[4] = -95.f;
+  GuardedBuffer y2(T * I2), dgu(T * ld);
+  swiglu_fwd_cpu(y2.data(), gu.data(), gu.data() + I2, T, I2, ld);
+  swiglu_bwd_cpu(dgu.data(), dgu.data() + I2, dy.data(), gu.data(), gu.data() + I2, T, I2, ld);
+  Vec ref_y(T * I2), ref_dg(T * ld);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < I2; ++i) {
+      const double gv = gu[t * ld + i], uv = gu[t * ld + I2 + i], d = dy[t * I2 + i];
+      const double sg = 1.0 / (1.0 + std::exp(-gv));
+      ref_y[t * I2 + i] = gv * sg * uv;
+      ref_dg[t * ld + i] = d * uv * sg * (1.0 + gv * (1.0 - sg));
+      ref_dg[t * ld + I2 + i] = d * gv * sg;
+    }
+  for (int64_t i = 0; i < T * I2; ++i)
+    EXPECT_NEAR(y2.data()[i], ref_y[i], 1e-6 * (1.0 + std::abs(ref_y[i]))) << i;
+  for (int64_t i = 0; i < T * ld; ++i)
+    EXPECT_NEAR(dgu.data()[i], ref_dg[i], 1e-6 * (1.0 + std::abs(ref_dg[i]))) << i;
+  EXPECT_TRUE(y2.intact());
+  EXPECT_TRUE(dgu.intact());
   VecF a = {1, 2}, b = {0.5f, -4}, s(2);
   residual_fwd_cpu(s.data(), a.data(), b.data(), 2);
   EXPECT_EQ(s, (VecF{1.5f, -2}));
@@ -502,6 +634,42 @@ TEST(AttentionBwd, BitIdenticalForAnyThreadCount) {
 }
 
 // ----------------------------------------------------------------------------------- cross-entropy
+
+// The vectorised exp of the CPU kernels (cross-entropy rows): within 2 ulp of std::exp over its
+// range, and the documented values outside it.
+TEST(SimdExp, WithinTwoUlpOfStdExpAndDefinedOutsideItsRange) {
+  using namespace cpu::simd;
+  const int64_t N = 1 << 20;
+  VecF x(N), y(N);
+  for (int64_t i = 0; i < N; ++i) x[i] = -87.3f + 175.6f * static_cast<float>(i) / N;
+  for (int64_t i = 0; i < N; i += kLanes) {
+    const f32x16 e = exp16(load16(x.data() + i));
+    std::memcpy(y.data() + i, &e, sizeof e);
+  }
+  double worst = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    const float ref = std::exp(x[i]);
+    const double ulp = std::nextafter(ref, std::numeric_limits<float>::infinity()) - ref;
+    worst = std::max(worst, std::abs(static_cast<double>(y[i]) - ref) / ulp);
+  }
+  EXPECT_LE(worst, 2.0);
+  const float inf = std::numeric_limits<float>::infinity();
+  float in[kLanes] = {-inf, -100.0f, -87.4f, 0.0f, -0.0f, 1.0f, 89.0f, inf,
+                      std::numeric_limits<float>::quiet_NaN(), -1.0f, 2.0f, -2.0f, 0.5f, -0.5f,
+                      10.0f, -10.0f};
+  float out[kLanes];
+  const f32x16 e = exp16(load16(in));
+  std::memcpy(out, &e, sizeof e);
+  EXPECT_EQ(out[0], 0.0f);
+  EXPECT_EQ(out[1], 0.0f);
+  EXPECT_EQ(out[2], 0.0f);
+  EXPECT_EQ(out[3], 1.0f);
+  EXPECT_EQ(out[4], 1.0f);
+  EXPECT_NEAR(out[5], std::exp(1.0f), 1e-6);
+  EXPECT_TRUE(std::isfinite(out[6]) && out[6] > 2e38f);  // capped at exp(88.376)
+  EXPECT_TRUE(std::isfinite(out[7]) && out[7] > 2e38f);
+  EXPECT_TRUE(std::isnan(out[8]));
+}
 
 TEST(CrossEntropyFwd, MatchesNaiveFormula) {
   const int64_t R = 7, V = 29;

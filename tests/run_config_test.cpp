@@ -66,6 +66,19 @@ TEST(RunConfig, UnknownKeysAndSectionsNameTheLine) {
             std::string::npos);
 }
 
+TEST(RunConfig, KeysThatAreNotWordsNameTheLine) {
+  // A mapping used as a section name (found by the run_config fuzz harness: yaml-cpp's
+  // TypedBadConversion escaped as an internal error).
+  EXPECT_NE(error_of([] {
+              RunConfig::from_yaml("{m1_file: f}: o}\n", "r.yaml");
+            }).find("r.yaml:1: a section name must be a plain word"),
+            std::string::npos);
+  EXPECT_NE(error_of([] {
+              RunConfig::from_yaml("model:\n  [a, b]: 1\n", "r.yaml");
+            }).find("r.yaml:2: a key of section 'model' must be a plain word"),
+            std::string::npos);
+}
+
 TEST(RunConfig, TypeAndRangeErrorsNameTheKey) {
   std::string y = kYaml;
   y.replace(y.find("max_steps: 1200"), 15, "max_steps: lots");
@@ -112,6 +125,80 @@ TEST(RunConfig, ResolvedYamlRoundTripsAndResumeDiffsListKeys) {
   EXPECT_EQ(def.model.target, "assets/tiny-qwen3");
 }
 
+TEST(RunConfig, BlockBudgetDefaultsToTheBlocksOfFullLengthDocuments) {
+  // The reference batch: 512 anchors, 8192 tokens per row, conversations of up to 2048 tokens:
+  // four full-length conversations of 512 blocks each.
+  RunConfig ref =
+      RunConfig::from_yaml(kYaml, "run.yaml", {"data.token_budget=8192", "data.max_length=2048"});
+  EXPECT_EQ(ref.block_budget(), 2048);
+  EXPECT_EQ(ref.data.block_budget, 2048);  // resolved, so config.resolved.yaml records it
+  // The tiny reference run (short conversations): 512 · 4096 / 512 = 4096, which cannot bind.
+  RunConfig tiny = RunConfig::from_yaml(kYaml, "run.yaml", {"data.max_length=512"});
+  EXPECT_EQ(tiny.block_budget(), 4096);
+  // Rounded up: 512 · 8192 / 3000 = 1398.1.
+  RunConfig odd =
+      RunConfig::from_yaml(kYaml, "run.yaml", {"data.token_budget=8192", "data.max_length=3000"});
+  EXPECT_EQ(odd.block_budget(), 1399);
+  RunConfig set = RunConfig::from_yaml(kYaml, "run.yaml", {"data.block_budget=1000"});
+  EXPECT_EQ(set.block_budget(), 1000);
+  EXPECT_NE(error_of([&] {
+              RunConfig::from_yaml(kYaml, "run.yaml", {"data.block_budget=100"});
+            }).find("data.block_budget (100) must be at least training.num_anchors (512)"),
+            std::string::npos);
+  // The embedded default keeps its packing (short conversations, 4 anchors each).
+  const RunConfig def = RunConfig::embedded_default("assets");
+  EXPECT_EQ(def.block_budget(), def.data.token_budget);
+}
+
+TEST(RunConfig, ResumeCheckRefusesDrafterShapeChangesEvenForced) {
+  const RunConfig saved = RunConfig::from_yaml(kYaml, "run.yaml");
+  const RunConfig more_layers =
+      RunConfig::from_yaml(kYaml, "run.yaml", {"model.drafter_layers=3", "training.lr=1e-4"});
+  for (bool force : {false, true}) {
+    const std::string msg = error_of([&] { resume_check(saved, more_layers, force, "runs/x"); });
+    EXPECT_NE(msg.find("--resume runs/x"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("model.drafter_layers: 2 -> 3"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("not even with --force"), std::string::npos) << msg;
+  }
+  for (const char* ov : {"model.intermediate_size=64", "model.head_dim=32",
+                         "model.num_key_value_heads=1", "model.target_layer_ids=[1]"}) {
+    const RunConfig other = RunConfig::from_yaml(kYaml, "run.yaml", {ov});
+    EXPECT_EQ(saved.shape_changes(other).size(), 1u) << ov;
+  }
+  // Other taps with as many of them keep the shapes: refused, but --force may resume.
+  const RunConfig other_taps = RunConfig::from_yaml(
+      kYaml, "run.yaml", {"model.target_layer_ids=[2, 4]", "training.lr=1e-4"});
+  EXPECT_TRUE(saved.shape_changes(other_taps).empty());
+  const std::string msg = error_of([&] { resume_check(saved, other_taps, false, "runs/x"); });
+  EXPECT_NE(msg.find("use --force"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("model.target_layer_ids"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("training.lr"), std::string::npos) << msg;
+  EXPECT_EQ(resume_check(saved, other_taps, true, "runs/x").size(), 2u);
+  // Default taps are one per drafter layer: [] for 2 layers is [1, 3]'s shape.
+  const RunConfig default_taps =
+      RunConfig::from_yaml(kYaml, "run.yaml", {"model.target_layer_ids=[]"});
+  EXPECT_TRUE(saved.shape_changes(default_taps).empty());
+  EXPECT_TRUE(resume_check(saved, saved, false, "runs/x").empty());
+}
+
+TEST(RunDir, ResumableOnlyWhenItIsARunDirectory) {
+  test::TempDir tmp;
+  std::filesystem::create_directories(tmp / "plain");
+  EXPECT_NE(
+      error_of([&] { run_dir_check_resumable(tmp / "plain"); }).find("not a dflash run directory"),
+      std::string::npos);
+  EXPECT_NE(error_of([&] { run_dir_check_resumable(tmp / "nope"); }).find("no such directory"),
+            std::string::npos);
+  test::write_file(tmp / "file", "x");
+  EXPECT_NE(error_of([&] { run_dir_check_resumable(tmp / "file"); }).find("not a directory"),
+            std::string::npos);
+  std::filesystem::create_directories(tmp / "run" / "checkpoint-2");
+  EXPECT_EQ(error_of([&] { run_dir_check_resumable(tmp / "run"); }), "(no error)");
+  std::filesystem::create_directories(tmp / "run2");
+  test::write_file(tmp / "run2" / "config.resolved.yaml", "model: {}\n");
+  EXPECT_EQ(error_of([&] { run_dir_check_resumable(tmp / "run2"); }), "(no error)");
+}
+
 TEST(RunDir, LockedWhileInUseAndStatusIsAtomic) {
   test::TempDir tmp;
   auto dir = tmp / "run";
@@ -145,6 +232,31 @@ TEST(RunDir, OnlyCompleteCheckpointsCountAndPruneKeepsNewest) {
   cps = RunDir::complete_checkpoints(tmp.path());
   ASSERT_EQ(cps.size(), 2u);
   EXPECT_EQ(cps.front().first, 20);
+}
+
+TEST(RunDir, CheckpointNamesOutsideInt64AreNoCheckpoints) {
+  test::TempDir tmp;
+  for (const char* name : {"checkpoint-99999999999999999999", "checkpoint-7", "checkpoint--1"}) {
+    std::filesystem::create_directories(tmp / name);
+    test::write_file(tmp / name / "COMPLETE", "");
+  }
+  const auto cps = RunDir::complete_checkpoints(tmp.path());  // threw std::out_of_range once
+  ASSERT_EQ(cps.size(), 1u);
+  EXPECT_EQ(cps[0].first, 7);
+}
+
+TEST(Fs, CheckFileWritableNamesTheFlagAndTheReason) {
+  test::TempDir tmp;
+  EXPECT_EQ(error_of([&] { check_file_writable(tmp / "r.json", "--output"); }), "(no error)");
+  EXPECT_TRUE(std::filesystem::is_empty(tmp.path()));  // the probe file is gone
+  const std::string missing =
+      error_of([&] { check_file_writable(tmp / "no" / "r.json", "--output"); });
+  EXPECT_NE(missing.find("--output '" + (tmp / "no" / "r.json").string() + "' cannot be written"),
+            std::string::npos)
+      << missing;
+  EXPECT_NE(missing.find("No such file or directory"), std::string::npos) << missing;
+  EXPECT_NE(error_of([&] { check_file_writable(tmp.path(), "--output"); }).find("is a folder"),
+            std::string::npos);
 }
 
 TEST(Fs, AtomicWriteReplacesWholeFile) {

@@ -206,6 +206,7 @@ TEST(Target, BlockAppendEqualsSingleSteps) {
   ForwardOptions o;
   o.tap_layers = {1, 3, 5};
   o.logits = LogitsRows::all;
+  o.final_norm = true;
 
   TargetKvCache blk = m.new_cache();
   m.prefill(blk, prompt);
@@ -223,6 +224,14 @@ TEST(Target, BlockAppendEqualsSingleSteps) {
     EXPECT_LT(rel_error(rows(r1.taps, 0, 1), rows(rb.taps, j, j + 1)), 1e-5) << "slot " << j;
     EXPECT_EQ(argmax_row(r1.logits.data<float>(), V),
               argmax_row(rb.logits.data<float>() + j * V, V));
+    // Lossless speculative decoding in the strongest form: a verified block's row has the bits
+    // of the same token decoded alone (forwards of ≤ 16 rows are batch-invariant).
+    EXPECT_EQ(rows(r1.logits, 0, 1), rows(rb.logits, j, j + 1)) << "slot " << j;
+    EXPECT_EQ(rows(r1.taps, 0, 1), rows(rb.taps, j, j + 1)) << "slot " << j;
+    // The LM head on one final-norm row gives the forward's logits of that row.
+    std::vector<float> lazy(V);
+    m.lm_head_rows(lazy.data(), rb.final_norm.data<float>() + j * H, 1);
+    EXPECT_EQ(lazy, rows(rb.logits, j, j + 1)) << "slot " << j;
   }
 
   // The same rows from a full forward over prompt + block.

@@ -294,6 +294,30 @@ TEST(Tokenizer, RejectsUnsupported) {
   EXPECT_THROW(Tokenizer::load(dir / "missing.json"), Error);
 }
 
+TEST(Tokenizer, TokenIdsMustBeIntegersBelowTheBound) {
+  // Tables are sized by the largest id: an id of 2^30 (or a float, or one that does not fit an
+  // int32) would have allocated gigabytes or been truncated.
+  test::TempDir dir;
+  for (const json& bad :
+       {json(int64_t{1} << 30), json(1e300), json(int64_t{1} << 40), json(-3), json(5.5)}) {
+    json j = json::parse(tiny_tokenizer_json());
+    j["model"]["vocab"]["zz"] = bad;
+    test::write_file(dir / "tokenizer.json", j.dump());
+    try {
+      Tokenizer::load(dir.path());
+      ADD_FAILURE() << "id " << bad.dump() << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("model.vocab['zz'] must be a token id in [0, 16777216)"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  json j = json::parse(tiny_tokenizer_json());
+  j["added_tokens"][0]["id"] = "7";
+  test::write_file(dir / "tokenizer.json", j.dump());
+  EXPECT_THROW(Tokenizer::load(dir.path()), Error);
+}
+
 TEST(Tokenizer, TinyModelTokenizerLoads) {
   const Tokenizer t = Tokenizer::load(test::assets_dir() / "tiny-qwen3");
   EXPECT_EQ(t.vocab_size(), 8000);

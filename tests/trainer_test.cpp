@@ -1,6 +1,8 @@
 // Tests of `dflash train` (src/train/trainer): exact resume, signals, the run lock, torn
-// checkpoints, resume guards, and `dflash status` on a live run. Runs are tiny (a 200-conversation
-// slice of the corpus, 256-token rows, 2 anchors per document) so that each takes seconds.
+// checkpoints, resume guards, and `dflash status` on a live run; what a run reports about skipped
+// steps and its data, resume from damaged checkpoints, the status of a finished run resumed, and
+// metrics.jsonl after crashes (issue 18). Runs are tiny (a 200-conversation slice of the corpus,
+// 256-token rows, 2 anchors per document) so that each takes seconds.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -38,6 +40,7 @@ data:
   max_length: 256
   token_budget: 256
   rows_per_step: 2
+  block_budget: 256  # = token_budget: never binds, rows keep several conversations
 training:
   max_steps: {}
   lr: 1.0e-3
@@ -51,8 +54,8 @@ runtime:
   threads: 2
 output_dir: {}
 )",
-                     (test::assets_dir() / "tiny-qwen3").string(),
-                     test::small_corpus().string(), steps, out.string());
+                     (test::assets_dir() / "tiny-qwen3").string(), test::small_corpus().string(),
+                     steps, out.string());
 }
 
 RunConfig config_for(const fs::path& out, int64_t steps,
@@ -73,6 +76,20 @@ std::vector<json> deterministic_metrics(const fs::path& dir) {
     }
     out.push_back(j);
   }
+  return out;
+}
+
+// The steps of metrics.jsonl's records, in file order.
+std::vector<int64_t> metrics_steps(const fs::path& dir) {
+  std::vector<int64_t> out;
+  std::istringstream in(test::read_file(dir / "metrics.jsonl"));
+  for (std::string line; std::getline(in, line);) out.push_back(json::parse(line).at("step"));
+  return out;
+}
+
+std::vector<int64_t> steps_1_to(int64_t n) {
+  std::vector<int64_t> out;
+  for (int64_t i = 1; i <= n; ++i) out.push_back(i);
   return out;
 }
 
@@ -248,4 +265,169 @@ TEST(Trainer, CrashWhileWritingACheckpointLeavesThePreviousOneUsable) {
   auto ref = test::run_dflash({"train", "--config", (tmp / "ref.yaml").string()});
   ASSERT_EQ(ref.exit_code, 0) << ref.err;
   EXPECT_EQ(master_bytes(dir / "checkpoint-6"), master_bytes(tmp / "ref" / "checkpoint-6"));
+}
+
+TEST(Trainer, MetricsHoldEachStepOnceAfterACrashAndResumeOrAFreshStart) {
+  test::TempDir tmp;
+  // Resume: the crash at checkpoint-4 leaves records of steps 3 and 4 past checkpoint-2.
+  const fs::path dir = tmp / "crash";
+  test::write_file(tmp / "run.yaml", yaml_for(dir, 6));
+  pid_t pid = spawn_dflash({"train", "--config", (tmp / "run.yaml").string()}, tmp / "log.txt",
+                           {"DFLASH_TEST_CRASH_IN_CHECKPOINT=4"});
+  ASSERT_EQ(wait_exit(pid), 86) << test::read_file(tmp / "log.txt");
+  EXPECT_EQ(metrics_steps(dir), steps_1_to(4));
+  auto r = test::run_dflash({"train", "--resume", dir.string()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(metrics_steps(dir), steps_1_to(6));
+  EXPECT_NE(test::read_file(dir / "log.txt").find("dropped 2 past it"), std::string::npos);
+
+  // A fresh run into a directory whose first attempt died before any checkpoint.
+  const fs::path fresh = tmp / "fresh";
+  test::write_file(tmp / "fresh.yaml", yaml_for(fresh, 3));
+  pid = spawn_dflash({"train", "--config", (tmp / "fresh.yaml").string()}, tmp / "log2.txt",
+                     {"DFLASH_TEST_CRASH_IN_CHECKPOINT=2"});
+  ASSERT_EQ(wait_exit(pid), 86) << test::read_file(tmp / "log2.txt");
+  ASSERT_TRUE(RunDir::complete_checkpoints(fresh).empty());
+  EXPECT_EQ(metrics_steps(fresh), steps_1_to(2));
+  r = test::run_dflash({"train", "--config", (tmp / "fresh.yaml").string()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(metrics_steps(fresh), steps_1_to(3));
+}
+
+TEST(Trainer, SkippedStepsAreReportedAsSkippedNeverAsZeros) {
+  test::TempDir tmp;
+  const fs::path dir = tmp / "skip";
+  test::write_file(tmp / "run.yaml", yaml_for(dir, 6));
+  // The issue's reproduction: the first update blows the weights up, the next steps are
+  // non-finite, and the run stops after two of them in a row.
+  auto r = test::run_dflash({"train", "--config", (tmp / "run.yaml").string(), "training.lr=1e30",
+                             "training.clip_grad_norm=0", "training.max_consecutive_skips=2"});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("2 steps in a row were skipped"), std::string::npos) << r.err;
+  std::istringstream in(test::read_file(dir / "metrics.jsonl"));
+  int skipped_records = 0;
+  for (std::string line; std::getline(in, line);) {
+    const json m = json::parse(line);
+    if (m.value("interval_skipped", 0) == 0) continue;
+    ++skipped_records;
+    EXPECT_EQ(m.at("interval_skip_reasons").at("non_finite"), 1) << line;
+    for (const char* k : {"loss", "accuracy", "tau", "grad_norm", "slot_accuracy"}) {
+      EXPECT_FALSE(m.contains(k)) << k << " in " << line;
+    }
+  }
+  EXPECT_EQ(skipped_records, 1);  // step 2; step 3's skip stops the run before its record
+  const std::string log = test::read_file(dir / "log.txt");
+  EXPECT_EQ(log.find("loss 0.0000"), std::string::npos) << log;
+  EXPECT_NE(log.find("skipped 1 of 1 steps (non_finite 1): no loss"), std::string::npos) << log;
+
+  // A run that stops before its first log interval says so instead of printing zeros.
+  test::write_file(tmp / "halt.yaml", yaml_for(tmp / "halt", 6));
+  r = test::run_dflash({"train", "--config", (tmp / "halt.yaml").string(), "--halt-at-step", "1",
+                        "training.log_interval=10"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out.find("0.0000"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("no log interval has completed (training.log_interval 10)"),
+            std::string::npos)
+      << r.out;
+}
+
+TEST(Trainer, ResumeSkipsDamagedCheckpointsAndContinuesFromTheNewestIntactOne) {
+  test::TempDir tmp;
+  const fs::path dir = tmp / "run";
+  test::write_file(tmp / "run.yaml", yaml_for(dir, 6));
+  auto r = test::run_dflash({"train", "--config", (tmp / "run.yaml").string()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string finished = master_bytes(dir / "checkpoint-6");
+  // The issue's reproduction (checkpoint-6 without its model), and a damaged trainer_state.
+  fs::remove(dir / "checkpoint-6" / "model.safetensors");
+  const fs::path state = dir / "checkpoint-4" / "trainer_state" / "state.json";
+  std::string text = test::read_file(state);
+  text[text.find("\"step\": 4")] = ' ';  // same size, other bytes
+  test::write_file(state, text);
+
+  r = test::run_dflash({"train", "--resume", dir.string()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string log = test::read_file(dir / "log.txt");
+  EXPECT_NE(log.find("skipping checkpoint-6 (" +
+                     (dir / "checkpoint-6" / "model.safetensors").string() + ": missing"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("skipping checkpoint-4 (" + state.string() + ": content differs"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("resumed from " + (dir / "checkpoint-2").string()), std::string::npos) << log;
+  EXPECT_TRUE(fs::exists(dir / "rejected-checkpoint-6"));
+  EXPECT_TRUE(fs::exists(dir / "rejected-checkpoint-4"));
+  // Steps 3..6 again, bit-identical to the first attempt.
+  ASSERT_TRUE(fs::exists(dir / "checkpoint-6" / "model.safetensors"));
+  EXPECT_EQ(master_bytes(dir / "checkpoint-6"), finished);
+  EXPECT_EQ(metrics_steps(dir), steps_1_to(6));
+
+  // When no checkpoint verifies, resume fails and names each one's fault.
+  for (const auto& [step, path] : RunDir::complete_checkpoints(dir)) {
+    fs::resize_file(path / "trainer_state" / "optimizer.safetensors", 100);
+  }
+  r = test::run_dflash({"train", "--resume", dir.string()});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("no checkpoint passes verification"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("optimizer.safetensors: 100 bytes, the marker lists"), std::string::npos)
+      << r.err;
+}
+
+TEST(Trainer, ResumingAFinishedRunKeepsItsStatusAndFigures) {
+  test::TempDir tmp;
+  const fs::path dir = tmp / "done";
+  test::write_file(tmp / "run.yaml", yaml_for(dir, 2));
+  auto r = test::run_dflash({"train", "--config", (tmp / "run.yaml").string()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const json before = read_status(dir);
+  r = test::run_dflash({"train", "--resume", dir.string()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("finished after 2 steps"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(fmt::format("loss {:.4f}", before["last"]["loss"].get<double>())),
+            std::string::npos)
+      << r.out;
+  const json after = read_status(dir);
+  EXPECT_EQ(after["phase"], "done");
+  EXPECT_EQ(after["step"], 2);
+  EXPECT_EQ(after["total_steps"], 2);
+  EXPECT_EQ(after["last"], before["last"]);
+  auto st = test::run_dflash({"status", dir.string()});
+  ASSERT_EQ(st.exit_code, 0) << st.err;
+  EXPECT_NE(st.out.find("step      2/2\n"), std::string::npos) << st.out;
+  EXPECT_NE(st.out.find("loss "), std::string::npos) << st.out;
+}
+
+TEST(Trainer, DataErrorsNameTheTrainSettingAndSkippedAndTruncatedRecordsAreCounted) {
+  test::TempDir tmp;
+  // The corpus with one bad record (a number where the turns belong) after its first line.
+  const std::string corpus = test::read_file(test::small_corpus());
+  const size_t first = corpus.find('\n') + 1;
+  test::write_file(tmp / "bad.jsonl",
+                   corpus.substr(0, first) + "{\"conversations\": 5}\n" + corpus.substr(first));
+  std::string yaml = yaml_for(tmp / "data", 2);
+  yaml.replace(yaml.find(test::small_corpus().string()), test::small_corpus().string().size(),
+               (tmp / "bad.jsonl").string());
+  test::write_file(tmp / "run.yaml", yaml);
+  auto r = test::run_dflash({"train", "--config", (tmp / "run.yaml").string()});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("bad.jsonl:2"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("data.skip_invalid=true"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("--skip-invalid"), std::string::npos) << r.err;
+
+  r = test::run_dflash({"train", "--config", (tmp / "run.yaml").string(), "data.skip_invalid=true",
+                        "output_dir=" + (tmp / "skip").string()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const json data = read_status(tmp / "skip").at("data");
+  EXPECT_EQ(data.at("records"), 201);
+  EXPECT_EQ(data.at("skipped_invalid"), 1);
+  const auto truncated = data.at("truncated").get<int64_t>();
+  EXPECT_GT(truncated, 0);  // max_length 256
+  EXPECT_GT(data.at("truncated_tokens").get<int64_t>(), truncated);
+  const std::string log = test::read_file(tmp / "skip" / "log.txt");
+  EXPECT_NE(log.find("1 invalid records skipped"), std::string::npos) << log;
+  EXPECT_NE(log.find(fmt::format("{} truncated to max_length 256", truncated)), std::string::npos)
+      << log;
+  auto st = test::run_dflash({"status", (tmp / "skip").string()});
+  EXPECT_NE(st.out.find("1 invalid records skipped"), std::string::npos) << st.out;
 }

@@ -3,7 +3,9 @@
 // tokens, supervised tokens, skipped, truncated, length histogram, and the packing waste of the
 // batch shapes.
 #include <chrono>
+#include <optional>
 
+#include "cli/cli_util.hpp"
 #include "cli/commands.hpp"
 #include "core/error.hpp"
 #include "core/log.hpp"
@@ -30,6 +32,7 @@ struct PrepareArgs {
 
 void run_prepare(PrepareArgs a, const CLI::App& cmd) {
   const auto t0 = std::chrono::steady_clock::now();
+  std::optional<RunConfig> run_config;
   if (!a.config.empty()) {
     // Values from the run config, unless given on the command line.
     RunConfig cfg = RunConfig::load(a.config);
@@ -42,12 +45,7 @@ void run_prepare(PrepareArgs a, const CLI::App& cmd) {
     if (unset("--token-budget")) a.token_budget = cfg.data.token_budget;
     if (unset("--rows")) a.rows = cfg.data.rows_per_step;
     if (unset("--sort-by-length")) a.sort_by_length = cfg.data.sort_by_length;
-    if (unset("--cache")) {
-      std::filesystem::path dir = !cfg.data.cache_dir.empty()
-                                      ? std::filesystem::path(cfg.data.cache_dir)
-                                      : std::filesystem::path(cfg.output_dir) / "cache";
-      a.cache = cache_path_in(dir, a.data, a.model).string();
-    }
+    run_config = std::move(cfg);
   }
   DFLASH_CHECK(!a.model.empty(), "data prepare: give --model (or --config with model.target)");
   DFLASH_CHECK(!a.data.empty(), "data prepare: give --data (or --config with data.train_file)");
@@ -58,13 +56,22 @@ void run_prepare(PrepareArgs a, const CLI::App& cmd) {
   Tokenizer tok = Tokenizer::load(tok_file);
   PrepareOptions o;
   o.data = a.data;
-  o.cache = a.cache.empty() ? default_cache_path(o.data, model) : std::filesystem::path(a.cache);
   o.chat_template = resolve_chat_template(model, a.template_name, a.enable_thinking);
   o.max_length = a.max_length;
+  if (!a.cache.empty()) {
+    o.cache = a.cache;
+  } else if (run_config) {  // the file `dflash train` with this config reads
+    o.cache = run_cache_path(run_config->data.cache_dir, run_config->output_dir, o.data, model,
+                             o.chat_template, o.max_length);
+  } else {
+    o.cache = default_cache_path(o.data, model, o.chat_template, o.max_length);
+  }
   o.skip_invalid = a.skip_invalid;
+  o.skip_invalid_hint = "pass --skip-invalid or set data.skip_invalid: true in the --config file";
   o.threads = a.threads;
   o.force = a.force;
   o.tokenizer_hash = hash_file(tok_file);
+  o.tokenizer_file = tok_file.string();
   o.encode = [&tok](std::string_view text, std::vector<std::pair<size_t, size_t>>* offsets) {
     return tok.encode(text, offsets);
   };
@@ -114,19 +121,26 @@ void add_data_command(CLI::App& app) {
                 "Tokens per conversation; longer ones are "
                 "truncated")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  p->add_option("--cache", args->cache, "Cache file (default: under ~/.cache/dflash)");
+      ->check(at_least(1));
+  p->add_option("--cache", args->cache,
+                "Cache file (default: with --config the file `dflash train` reads, else under "
+                "~/.cache/dflash)");
   p->add_flag("--skip-invalid", args->skip_invalid, "Skip and count bad records");
   p->add_flag("--force", args->force, "Rebuild the cache even when it is up to date");
   p->add_option("--threads", args->threads, "Tokenizer threads (0 = all cores)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(0));
   p->add_option("--token-budget", args->token_budget, "Tokens per packed row (for the report)")
-      ->capture_default_str();
-  p->add_option("--rows", args->rows, "Rows per batch (for the report)")->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(1));
+  p->add_option("--rows", args->rows, "Rows per batch (for the report)")
+      ->capture_default_str()
+      ->check(at_least(1));
   p->add_flag("--sort-by-length", args->sort_by_length,
               "Pack conversations longest first inside each window (the report's packing)");
   p->add_option("--shapes", args->num_shapes, "Number of row lengths budget/2^k (for the report)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(1));
   p->callback([args, p] { run_prepare(*args, *p); });
 }
 

@@ -6,6 +6,7 @@
 // target-only output: otherwise the command fails (after writing the report) naming the count.
 #include <fmt/format.h>
 
+#include "cli/cli_util.hpp"
 #include "cli/commands.hpp"
 #include "cli/decode_args.hpp"
 #include "core/error.hpp"
@@ -33,15 +34,19 @@ std::string hist_str(const nlohmann::json& h) {
 }
 
 void run_eval_command(const EvalArgs& a) {
-  const TargetModel target = TargetModel::load(a.d.target, target_load_options());
+  // Every argument is checked before the target's weights are loaded and a prompt is decoded.
+  if (!a.output.empty()) check_file_writable(a.output, "--output");
+  const ModelConfig target_cfg = model_config_load(a.d.target);
+  const DecodeOptions opts = decode_options_from(a.d, target_cfg);
   const LoadedDrafter drafter = drafter_load(a.d.drafter);
-  const SpeculativeDecoder dec(target, drafter);
-  const DecodeOptions opts = decode_options_from(a.d, target.config());
-  const int K = dec.config_for_block(opts.block_size).block_size;
   const Tokenizer tok = Tokenizer::load(a.d.target);
   const ChatTemplate tmpl = resolve_chat_template(a.d.target, a.d.chat_template);
+  check_decoding_inputs(a.d, target_cfg, drafter.config, tok, &tmpl);
   const std::vector<EvalPrompt> prompts =
       load_eval_prompts(a.prompts, tmpl, tok, a.limit, a.per_source);
+  const TargetModel target = TargetModel::load(a.d.target, target_load_options());
+  const SpeculativeDecoder dec(target, drafter);
+  const int K = dec.config_for_block(opts.block_size).block_size;
   const bool greedy = opts.sampling.greedy(), baseline = !a.no_baseline;
   spdlog::info("eval: {} prompts, block size {}, max {} new tokens, {}", prompts.size(), K,
                opts.max_new_tokens,
@@ -121,10 +126,12 @@ void add_eval_command(CLI::App& app) {
                   "Prompt records (JSONL, plain/xz/zstd; the first user turn of each is used)")
       ->required();
   sub->add_option("--limit", a->limit, "Use the first N records only (0: all)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(0));
   sub->add_option("--per-source", a->per_source,
                   "Use at most N records of each `source` (file order; 0: no cap), before --limit")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(0));
   sub->add_option("--output", a->output, "Write the JSON report to FILE");
   sub->add_flag("--no-baseline", a->no_baseline,
                 "Skip the target-only decoding (no speedup or lossless figures)");

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include <cstdio>
+#include <optional>
 
 #include "cli/commands.hpp"
 #include "cli/decode_args.hpp"
@@ -47,20 +48,24 @@ std::string token_text(const Tokenizer& tok, int32_t id) {
 }
 
 void run_generate(const GenerateArgs& a) {
-  const TargetModel target = TargetModel::load(a.d.target, target_load_options());
+  // Every argument is checked before the target's weights are loaded.
+  const ModelConfig target_cfg = model_config_load(a.d.target);
+  const DecodeOptions opts = decode_options_from(a.d, target_cfg);
   const LoadedDrafter drafter = drafter_load(a.d.drafter);
-  const SpeculativeDecoder dec(target, drafter);
-  const DecodeOptions opts = decode_options_from(a.d, target.config());
   const Tokenizer tok = Tokenizer::load(a.d.target);
+  std::optional<ChatTemplate> tmpl;
+  if (a.chat) tmpl = resolve_chat_template(a.d.target, a.d.chat_template);
+  check_decoding_inputs(a.d, target_cfg, drafter.config, tok, tmpl ? &*tmpl : nullptr);
   std::string text = a.prompt;
-  if (a.chat) {
-    const ChatTemplate tmpl = resolve_chat_template(a.d.target, a.d.chat_template);
+  if (tmpl) {
     Conversation conv;
     conv.messages.push_back(Message{Role::user, a.prompt});
-    text = render_chat(tmpl, conv, /*add_generation_prompt=*/true).text;
+    text = render_chat(*tmpl, conv, /*add_generation_prompt=*/true).text;
   }
   const std::vector<int32_t> ids = tok.encode(text);
   DFLASH_CHECK(!ids.empty(), "--prompt: the prompt is empty (it encodes to no token)");
+  const TargetModel target = TargetModel::load(a.d.target, target_load_options());
+  const SpeculativeDecoder dec(target, drafter);
 
   std::vector<int32_t> out;
   size_t printed = 0;

@@ -9,15 +9,20 @@
 // (no chat template is applied: pass the rendered prompt), greedy decoding with the KV cache prints
 // the continuation (special tokens included) after a line "continuation:", stopping after an
 // end-of-sequence token (generation_config.json, else config.json) or --max-new-tokens.
+// A DFlash drafter folder (`architectures: ["DFlashDraftModel"]`) is described as a drafter: its
+// sizes, block size, mask id and target taps, with its weights checked against its config.
 #include <fmt/format.h>
 
 #include <map>
 
+#include "cli/cli_util.hpp"
 #include "cli/commands.hpp"
 #include "core/error.hpp"
 #include "core/log.hpp"
 #include "data/tokenizer.hpp"
 #include "model/config.hpp"
+#include "model/drafter_io.hpp"
+#include "model/json_util.hpp"
 #include "model/safetensors.hpp"
 #include "model/target.hpp"
 #include "model/weights.hpp"
@@ -82,13 +87,22 @@ std::string activation_str(const ModelConfig& c) {
   return std::string(moe_activation_name(c.expert_activation));
 }
 
-void run_inspect(const std::string& dir) {
-  const ModelConfig c = model_config_load(dir);
-  const SafetensorsCheckpoint ckpt(dir);
-  const WeightReport rep = check_weights(c, ckpt);
+/// True when `dir`'s config.json names DFlashDraftModel in `architectures` (a DFlash drafter, not
+/// a model of its own: it borrows its target's embedding and LM head).
+bool is_drafter_folder(const std::string& dir) {
+  const auto cfg = std::filesystem::path(dir) / "config.json";
+  if (!std::filesystem::is_regular_file(cfg)) return false;
+  const nlohmann::json j = json_load_file(cfg);
+  const auto a = j.is_object() ? j.find("architectures") : j.end();
+  if (a == j.end() || !a->is_array()) return false;
+  for (const auto& name : *a) {
+    if (name.is_string() && name.get<std::string>() == "DFlashDraftModel") return true;
+  }
+  return false;
+}
 
-  // Everything in the files counts (unexpected tensors too); MXFP4 blocks hold 2 parameters per
-  // byte and their scales none.
+/// Byte counts per dtype and the parameter count of every tensor of `ckpt`.
+std::pair<int64_t, std::string> sizes_of(const SafetensorsCheckpoint& ckpt) {
   int64_t params = 0;
   std::map<std::string, int64_t> bytes_by_dtype;
   for (const std::string& n : ckpt.names()) {
@@ -96,12 +110,53 @@ void run_inspect(const std::string& dir) {
     params += ti.numel();
     bytes_by_dtype[std::string(dtype_name(ti.dtype))] += static_cast<int64_t>(ti.nbytes());
   }
-  for (const WeightSpec& s : expected_weights(c))
-    if (s.format != WeightFormat::float_any) params += s.parameters() - shape_numel(s.shape);
   std::string bytes;
   for (const auto& [dt, b] : bytes_by_dtype) {
     bytes += fmt::format("{}{} {}", bytes.empty() ? "" : ", ", dt, format_thousands(b));
   }
+  return {params, bytes};
+}
+
+// A DFlash drafter folder: its config (drafter_config_from_json) and weights
+// (drafter_check_weights), described as such.
+void run_inspect_drafter(const std::string& dir) {
+  const auto cfg_path = std::filesystem::path(dir) / "config.json";
+  const DrafterConfig c = drafter_config_from_json(json_load_file(cfg_path), cfg_path.string());
+  const SafetensorsCheckpoint ckpt(dir);
+  drafter_check_weights(dir, c, ckpt);
+  const auto [params, bytes] = sizes_of(ckpt);
+  print_line("model", dir);
+  print_line("architecture",
+             "DFlash drafter [DFlashDraftModel] (qwen3 layers; uses its target's "
+             "embedding and LM head)");
+  print_line("drafter layers", std::to_string(c.num_layers));
+  print_line("hidden size", std::to_string(c.hidden_size));
+  print_line("intermediate size", std::to_string(c.intermediate_size));
+  print_line("attention heads", std::to_string(c.num_heads));
+  print_line("kv heads", std::to_string(c.num_kv_heads));
+  print_line("head dim", std::to_string(c.head_dim));
+  print_line("vocab size", fmt::format("{} (the target's)", c.vocab_size));
+  print_line("block size", std::to_string(c.block_size));
+  print_line("mask token id", std::to_string(c.mask_token_id));
+  print_line("target layers", std::to_string(c.num_target_layers));
+  print_line("target layer ids", fmt::format("[{}]", fmt::join(c.target_layer_ids, ", ")));
+  print_line("parameters", format_thousands(params));
+  print_line("bytes by dtype", bytes);
+  print_line("shards", std::to_string(ckpt.num_shards()));
+  print_line("tensors", std::to_string(ckpt.size()));
+  print_line("use", "dflash generate/eval --target TARGET_DIR --drafter " + dir);
+}
+
+void run_inspect(const std::string& dir) {
+  const ModelConfig c = model_config_load(dir);
+  const SafetensorsCheckpoint ckpt(dir);
+  const WeightReport rep = check_weights(c, ckpt);
+
+  // Everything in the files counts (unexpected tensors too); MXFP4 blocks hold 2 parameters per
+  // byte and their scales none.
+  auto [params, bytes] = sizes_of(ckpt);
+  for (const WeightSpec& s : expected_weights(c))
+    if (s.format != WeightFormat::float_any) params += s.parameters() - shape_numel(s.shape);
   std::string arch = std::string(arch_name(c.arch));
   if (c.model_type != arch) arch += fmt::format(" (model_type {})", c.model_type);
   if (!c.architectures.empty()) arch += fmt::format(" [{}]", fmt::join(c.architectures, ", "));
@@ -173,7 +228,8 @@ void run_prompt(const std::string& dir, const std::string& prompt, int64_t max_n
 }  // namespace
 
 void add_inspect_command(CLI::App& app) {
-  auto* sub = app.add_subcommand("inspect", "Describe a HF model folder (config.json + safetensors)");
+  auto* sub = app.add_subcommand(
+      "inspect", "Describe a HF model folder or a DFlash drafter (config.json + safetensors)");
   auto dir = std::make_shared<std::string>();
   sub->add_option("model_dir", *dir, "Folder with config.json and safetensors")->required();
   auto prompt = std::make_shared<std::string>();
@@ -188,8 +244,17 @@ void add_inspect_command(CLI::App& app) {
       "Also print the model's greedy continuation of TEXT (raw text: no chat template is "
       "applied, pass the rendered prompt)");
   sub->add_option("--max-new-tokens", *max_new, "Most tokens generated for --prompt")
-      ->check(CLI::PositiveNumber);
+      ->check(at_least(1));
   sub->callback([dir, prompt, has_prompt, max_new] {
+    if (is_drafter_folder(*dir)) {
+      DFLASH_CHECK(!*has_prompt,
+                   "--prompt: {} is a DFlash drafter, which drafts for a target and does not "
+                   "generate on its own; use dflash generate --target TARGET_DIR --drafter {} "
+                   "--prompt TEXT",
+                   *dir, *dir);
+      run_inspect_drafter(*dir);
+      return;
+    }
     run_inspect(*dir);
     if (*has_prompt) run_prompt(*dir, *prompt, *max_new);
   });

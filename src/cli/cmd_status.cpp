@@ -17,6 +17,7 @@
 #include "core/fs.hpp"
 #include "core/log.hpp"
 #include "train/run_dir.hpp"
+#include "train/train_report.hpp"
 
 namespace dflash::cli {
 
@@ -79,15 +80,24 @@ bool run_status(const std::string& dir) {
   fmt::print("state     {}\n", state);
   fmt::print("phase     {}\n", phase);
   if (st.contains("step")) {
-    fmt::print("step      {}/{}\n", st["step"].get<int64_t>(), st.value("total_steps", int64_t{0}));
+    const std::string total =
+        st.contains("total_steps") ? fmt::format("/{}", st["total_steps"].get<int64_t>()) : "";
+    fmt::print("step      {}{}\n", st["step"].get<int64_t>(), total);
   }
   if (st.contains("eta_s")) fmt::print("ETA       {}\n", format_duration(st["eta_s"].get<double>()));
   if (st.contains("last")) {
     const auto& m = st["last"];
-    auto num = [&](const char* k) { return m.contains(k) ? m[k].get<double>() : 0.0; };
-    fmt::print("loss      {:.4f}\n", num("loss"));
-    fmt::print("tau       {:.3f}\n", num("tau"));
-    fmt::print("tokens/s  {:.0f}\n", num("tokens_per_s"));
+    fmt::print("last      {}\n", record_summary(m));
+    if (m.contains("tokens_per_s")) {
+      fmt::print("tokens/s  {:.0f}\n", m["tokens_per_s"].get<double>());
+    }
+  }
+  if (st.contains("data")) {
+    const auto& d = st["data"];
+    fmt::print("data      {} conversations; {} invalid records skipped, {} truncated, {} without "
+               "a supervised token\n",
+               d.at("conversations").get<int64_t>(), d.at("skipped_invalid").get<int64_t>(),
+               d.at("truncated").get<int64_t>(), d.at("zero_supervised").get<int64_t>());
   }
   if (st.contains("checkpoint")) fmt::print("checkpoint {}\n", st["checkpoint"].get<std::string>());
   if (st.contains("error")) fmt::print("error     {}\n", st["error"].get<std::string>());

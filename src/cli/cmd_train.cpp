@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fmt/format.h>
 
+#include "cli/cli_util.hpp"
 #include "cli/commands.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
@@ -12,6 +13,8 @@
 #include "model/config.hpp"
 #include "model/drafter_io.hpp"
 #include "train/run_config.hpp"
+#include "train/run_dir.hpp"
+#include "train/train_report.hpp"
 #include "train/trainer.hpp"
 
 namespace dflash::cli {
@@ -39,12 +42,14 @@ struct TrainArgs {
   std::string config, resume;
   std::vector<std::string> overrides;
   bool force = false;
+  bool plan = false;
   int64_t halt_at = 0;
 };
 
 void run_train(const TrainArgs& a) {
   TrainOptions o;
   if (!a.resume.empty()) {
+    run_dir_check_resumable(a.resume);
     const fs::path cfg = a.config.empty() ? fs::path(a.resume) / "config.resolved.yaml"
                                           : fs::path(a.config);
     o.config = RunConfig::load(cfg.string(), a.overrides);
@@ -57,13 +62,23 @@ void run_train(const TrainArgs& a) {
     spdlog::info("no --config: training the embedded default (tiny Qwen3 target, bundled corpus) "
                  "into {}", o.config.output_dir);
   }
+  if (a.plan) {
+    const std::string shortfall = print_train_memory_plan(o.config);
+    if (!shortfall.empty()) fail("{}", shortfall);
+    return;
+  }
   o.force = a.force;
   o.halt_at_step = a.halt_at;
   install_train_signal_handlers();
   TrainResult r = train(o);
-  fmt::print("{} after {} steps (skipped {}): loss {:.4f}, simulated τ {:.3f}\ncheckpoint {}\n",
-             r.interrupted ? "stopped" : "finished", r.steps_done, r.skipped_steps, r.final_loss,
-             r.final_tau, r.last_checkpoint);
+  const std::string figures =
+      r.last_metrics.is_null()
+          ? fmt::format("no log interval has completed (training.log_interval {})",
+                        o.config.training.log_interval)
+          : record_summary(r.last_metrics);
+  fmt::print("{} after {} steps (skipped {}): {}\ncheckpoint {}\n",
+             r.interrupted ? "stopped" : "finished", r.steps_done, r.skipped_steps, figures,
+             r.last_checkpoint);
 }
 
 void run_init_config(const std::string& target, int layers, const std::string& out) {
@@ -122,8 +137,12 @@ void add_train_command(CLI::App& app) {
   sub->add_option("--resume", a->resume, "Continue the run in this directory from its newest "
                                          "complete checkpoint");
   sub->add_flag("--force", a->force, "With --resume: accept model/data-changing config changes");
+  sub->add_flag("--plan", a->plan,
+                "Print the device memory plan of the training step (no weights are read, no GPU "
+                "is needed) and exit: 0 when it fits runtime.device_memory_gib, 1 when not");
   sub->add_option("--halt-at-step", a->halt_at,
-                  "Testing: checkpoint and stop after this step, as on SIGTERM");
+                  "Testing: checkpoint and stop after this step, as on SIGTERM")
+      ->check(at_least(0));
   sub->add_option("overrides", a->overrides, "section.key=value overrides");
   sub->callback([a] { run_train(*a); });
 
@@ -133,7 +152,8 @@ void add_train_command(CLI::App& app) {
   auto* ic = app.add_subcommand("init-config",
                                 "Write a commented training config with defaults for a target");
   ic->add_option("--target", *target, "HF target model folder")->required();
-  ic->add_option("--layers", *layers, "Drafter layers (1 for small budgets, 5 for real models)");
+  ic->add_option("--layers", *layers, "Drafter layers (1 for small budgets, 5 for real models)")
+      ->check(at_least(1));
   ic->add_option("--output,-o", *out, "Output file (default: stdout)");
   ic->callback([target, layers, out] { run_init_config(*target, *layers, *out); });
 }

@@ -7,7 +7,8 @@
 
 namespace dflash::cli {
 
-/// `dflash inspect MODEL_DIR`: architecture, sizes, parameter count, dtypes, shards, default taps.
+/// `dflash inspect MODEL_DIR`: architecture, sizes, parameter count, dtypes, shards, default taps
+/// (a DFlash drafter: its sizes, block size, mask id and taps).
 void add_inspect_command(CLI::App& app);
 
 /// `dflash data prepare --model DIR --data FILE [--template NAME] [--max-length N] ...`: writes
@@ -35,6 +36,10 @@ void add_eval_command(CLI::App& app);
 /// `dflash train [--config FILE] [overrides]` and `dflash init-config --target DIR`
 /// (src/cli/cmd_train.cpp).
 void add_train_command(CLI::App& app);
+
+/// `dflash bench [--preset NAME | --config FILE] [--plan] [--json FILE]`: the training step at
+/// real shapes with random weights, phase by phase, and its hot kernels (src/cli/cmd_bench.cpp).
+void add_bench_command(CLI::App& app);
 
 /// The embedded assets folder (tiny-qwen3 and data): $DFLASH_ASSETS, else <binary>/../assets,
 /// else ./assets. Throws dflash::Error when none exists.

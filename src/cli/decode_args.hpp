@@ -9,7 +9,13 @@
 #include <string>
 #include <vector>
 
+#include "cli/cli_util.hpp"
+#include "core/error.hpp"
+#include "data/chat_template.hpp"
+#include "data/dataset.hpp"
+#include "data/tokenizer.hpp"
 #include "infer/speculative.hpp"
+#include "model/drafter_io.hpp"
 #include "model/target.hpp"
 
 namespace dflash::cli {
@@ -26,13 +32,11 @@ struct DecodeArgs {
   bool no_default_stop = false;
 };
 
-/// How the decoding commands load the target: f32 copies of the weights (the CPU forward then
-/// skips the per-call bf16 → f32 conversion of every weight tile, which dominates the cost of the
-/// few-row forwards of decoding; results are identical since the conversion is exact; memory is
-/// that of an f32 checkpoint).
-inline TargetLoadOptions target_load_options() {
-  return TargetLoadOptions{.f32_weights = true};
-}
+/// How the decoding commands load the target: the weights as stored (bf16 views of the
+/// checkpoint). Decoding's forwards of at most 16 rows read bf16 weights directly (the few-rows
+/// kernel of ops/linear.hpp: half the bytes of f32 copies, the same bits, since bf16 → f32 is
+/// exact); the prompt's prefill converts them tile by tile.
+inline TargetLoadOptions target_load_options() { return TargetLoadOptions{}; }
 
 /// Registers the shared flags on `sub`, writing into `a` (which must outlive the app).
 inline void add_decode_args(CLI::App* sub, DecodeArgs& a) {
@@ -43,23 +47,26 @@ inline void add_decode_args(CLI::App* sub, DecodeArgs& a) {
                   "model.safetensors)")
       ->required();
   sub->add_option("--max-new-tokens", a.max_new_tokens, "Most tokens generated per prompt")
-      ->check(CLI::PositiveNumber)
+      ->check(at_least(1))
       ->capture_default_str();
   sub->add_option("--block-size", a.block_size,
                   "Block size at run time, in [2, trained block_size] (0: the trained one)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(0));
   sub->add_option("--temperature", a.temperature,
                   "0: greedy (lossless, compared token for "
                   "token); > 0: speculative sampling")
       ->capture_default_str();
   sub->add_option("--top-k", a.top_k, "Keep the k most likely tokens (0: off)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(0));
   sub->add_option("--top-p", a.top_p, "Nucleus sampling mass in (0, 1] (1: off)")
       ->capture_default_str();
   sub->add_option("--seed", a.seed, "Seed of the sampling RNG")->capture_default_str();
   sub->add_option("--stop-id", a.stop_ids,
                   "Extra stop token id (repeatable); added to generation_config.json's "
-                  "eos_token_id (else config.json's)");
+                  "eos_token_id (else config.json's); an id of the target's vocabulary")
+      ->check(at_least(0));
   sub->add_flag("--no-default-stop", a.no_default_stop,
                 "Do not stop on the model's eos_token_id (only on --stop-id)");
   sub->add_option("--template", a.chat_template,
@@ -68,8 +75,14 @@ inline void add_decode_args(CLI::App* sub, DecodeArgs& a) {
 }
 
 /// The DecodeOptions of the parsed flags; the stop ids are the target's generation eos ids
-/// (generation_eos_ids) unless --no-default-stop, plus --stop-id, without duplicates.
+/// (generation_eos_ids) unless --no-default-stop, plus --stop-id, without duplicates. Throws
+/// dflash::Error for a --stop-id outside the target's vocabulary or invalid sampling flags.
 inline DecodeOptions decode_options_from(const DecodeArgs& a, const ModelConfig& target_cfg) {
+  for (int64_t id : a.stop_ids) {
+    DFLASH_CHECK(id >= 0 && id < target_cfg.vocab_size,
+                 "--stop-id {} is not a token of the target's vocabulary [0, {}) ({})", id,
+                 target_cfg.vocab_size, a.target);
+  }
   DecodeOptions o;
   o.max_new_tokens = a.max_new_tokens;
   o.block_size = a.block_size;
@@ -83,6 +96,29 @@ inline DecodeOptions decode_options_from(const DecodeArgs& a, const ModelConfig&
       o.stop_ids.push_back(id);
   o.sampling.validate();
   return o;
+}
+
+/// The checks of the decoding commands that need the drafter and the tokenizer but not the
+/// target's weights, made before those are loaded: the drafter fits the target's config,
+/// --block-size is in [2, trained block size] (or 0), the drafter's mask id is no token of the
+/// tokenizer, and a chat template (when one is used) finds its special tokens in the tokenizer.
+inline void check_decoding_inputs(const DecodeArgs& a, const ModelConfig& target_cfg,
+                                  const DrafterConfig& drafter, const Tokenizer& tok,
+                                  const ChatTemplate* tmpl) {
+  drafter_check_target(drafter, target_cfg);
+  DFLASH_CHECK(a.block_size == 0 || (a.block_size >= 2 && a.block_size <= drafter.block_size),
+               "block size {} (--block-size) is outside [2, {}] (the drafter was trained with "
+               "block_size {})",
+               a.block_size, drafter.block_size, drafter.block_size);
+  drafter_check_tokenizer(drafter, tok, a.drafter);
+  if (tmpl) {
+    check_template_tokens(
+        *tmpl,
+        [&tok](std::string_view text, std::vector<std::pair<size_t, size_t>>* offsets) {
+          return tok.encode(text, offsets);
+        },
+        (std::filesystem::path(a.target) / "tokenizer.json").string());
+  }
 }
 
 }  // namespace dflash::cli

@@ -6,6 +6,7 @@
 #include <exception>
 
 #include "backend/cpu/blas_core.hpp"
+#include "cli/cli_util.hpp"
 #include "cli/commands.hpp"
 #include "core/error.hpp"
 #include "core/log.hpp"
@@ -34,10 +35,16 @@ int main(int argc, char** argv) {
   dflash::cli::add_train_command(app);
   dflash::cli::add_generate_command(app);
   dflash::cli::add_eval_command(app);
+  dflash::cli::add_bench_command(app);
 
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
+    if (const auto msg = dflash::cli::unknown_command_message(app)) {
+      std::fprintf(stderr, "dflash: error: %s\nRun with --help for more information.\n",
+                   msg->c_str());
+      return static_cast<int>(CLI::ExitCodes::ExtrasError);
+    }
     return app.exit(e);
   } catch (const dflash::Error& e) {
     std::fflush(stdout);

@@ -18,9 +18,19 @@ namespace dflash {
 /// "file X: <message>").
 class Error : public std::runtime_error {
  public:
-  explicit Error(const std::string& msg) : std::runtime_error(msg) {}
-  /// Returns a new error whose message is "<ctx>: <this message>".
-  [[nodiscard]] Error with_context(const std::string& ctx) const { return Error(ctx + ": " + what()); }
+  /// `internal`: the error reports a broken internal invariant (DFLASH_ASSERT), a bug, not a bad
+  /// input.
+  explicit Error(const std::string& msg, bool internal = false)
+      : std::runtime_error(msg), internal_(internal) {}
+  /// Returns a new error whose message is "<ctx>: <this message>" (internal() is kept).
+  [[nodiscard]] Error with_context(const std::string& ctx) const {
+    return Error(ctx + ": " + what(), internal_);
+  }
+  /// True when thrown by DFLASH_ASSERT (the fuzz harnesses count it as a finding).
+  bool internal() const { return internal_; }
+
+ private:
+  bool internal_ = false;
 };
 
 /// Throws dflash::Error with a fmt-formatted message.
@@ -38,8 +48,10 @@ template <typename... Args>
   } while (0)
 
 /// Checks an internal invariant (a bug if it fails); the message carries file and line.
-#define DFLASH_ASSERT(cond)                                                                   \
-  do {                                                                                        \
-    if (!(cond))                                                                              \
-      ::dflash::fail("internal error at {}:{}: assertion '{}' failed", __FILE__, __LINE__, #cond); \
+#define DFLASH_ASSERT(cond)                                                               \
+  do {                                                                                    \
+    if (!(cond))                                                                          \
+      throw ::dflash::Error(fmt::format("internal error at {}:{}: assertion '{}' failed", \
+                                        __FILE__, __LINE__, #cond),                       \
+                            /*internal=*/true);                                           \
   } while (0)

@@ -57,6 +57,22 @@ void write_file_atomic(const std::filesystem::path& path, std::string_view bytes
   fsync_path(dir);
 }
 
+void check_file_writable(const std::filesystem::path& path, std::string_view what) {
+  std::error_code ec;
+  DFLASH_CHECK(!std::filesystem::is_directory(path, ec), "{} '{}' is a folder, not a file", what,
+               path.string());
+  const std::filesystem::path dir = path.has_parent_path() ? path.parent_path() : ".";
+  std::string name = path.filename().string();
+  name.insert(0, 1, '.');
+  name.append(".probe-XXXXXX");
+  std::string probe = (dir / name).string();
+  const int fd = ::mkstemp(probe.data());
+  DFLASH_CHECK(fd >= 0, "{} '{}' cannot be written: {} (folder '{}')", what, path.string(),
+               std::strerror(errno), dir.string());
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
+
 std::string read_file_text(const std::filesystem::path& path) {
   std::ifstream f(path, std::ios::binary);
   DFLASH_CHECK(f.good(), "cannot read '{}'", path.string());

@@ -2,10 +2,12 @@
 #include "data/batcher.hpp"
 
 #include <algorithm>
+#include <charconv>
 #include <numeric>
 
 #include "core/error.hpp"
 #include "core/rng.hpp"
+#include "model/json_util.hpp"
 
 namespace dflash {
 
@@ -29,18 +31,17 @@ nlohmann::json DataCursor::to_json() const {
 }
 
 DataCursor DataCursor::from_json(const nlohmann::json& j) {
+  const std::string src = "data cursor";
   DataCursor c;
-  try {
-    c.seed = j.at("seed").get<uint64_t>();
-    c.epoch = j.at("epoch").get<int64_t>();
-    c.batch = j.at("batch").get<int64_t>();
-    c.dataset = std::stoull(j.at("dataset").get<std::string>(), nullptr, 16);
-    c.config = j.at("config").get<std::string>();
-  } catch (const nlohmann::json::exception& e) {
-    fail("data cursor: {}", e.what());
-  } catch (const std::logic_error& e) {
-    fail("data cursor: bad 'dataset' value: {}", e.what());
-  }
+  c.seed = json_uint(j, "seed", src);
+  c.epoch = json_int(j, "epoch", src, 0);
+  c.batch = json_int(j, "batch", src, 0);
+  const std::string hex = json_string(j, "dataset", src);
+  const char* end = hex.data() + hex.size();
+  const auto [ptr, ec] = std::from_chars(hex.data(), end, c.dataset, 16);
+  DFLASH_CHECK(hex.size() == 16 && ec == std::errc() && ptr == end,
+               "data cursor: key 'dataset' must be 16 hex digits, got '{}'", hex);
+  c.config = json_string(j, "config", src);
   return c;
 }
 
@@ -57,6 +58,19 @@ Batcher::Batcher(TokenDataset data, BatcherOptions opts) : data_(std::move(data)
                "token budget {} must be divisible by {} for {} shapes (budget/2^k)",
                opts_.token_budget, div, opts_.num_shapes);
   DFLASH_CHECK(data_.num_docs() > 0, "the dataset has no documents");
+  DFLASH_CHECK(opts_.block_budget >= 0, "block budget must be >= 0 (got {})", opts_.block_budget);
+  if (block_budget_binds()) {
+    DFLASH_CHECK(static_cast<int64_t>(opts_.doc_blocks.size()) == data_.num_docs(),
+                 "block budget {}: {} per-document block counts for {} documents",
+                 opts_.block_budget, opts_.doc_blocks.size(), data_.num_docs());
+    for (int64_t i = 0; i < data_.num_docs(); ++i) {
+      const int32_t b = opts_.doc_blocks[static_cast<size_t>(i)];
+      DFLASH_CHECK(b >= 0 && b <= opts_.block_budget,
+                   "document {} (line {}) yields {} training blocks, outside [0, block budget "
+                   "{}]: raise the block budget to at least the anchors per document",
+                   i, data_.doc_source_line(i), b, opts_.block_budget);
+    }
+  }
   for (int k = 0; k < opts_.num_shapes; ++k) shapes_.push_back(opts_.token_budget >> k);
   for (int64_t i = 0; i < data_.num_docs(); ++i) {
     DFLASH_CHECK(data_.doc_length(i) <= opts_.token_budget,
@@ -66,10 +80,17 @@ Batcher::Batcher(TokenDataset data, BatcherOptions opts) : data_(std::move(data)
   }
 }
 
+bool Batcher::block_budget_binds() const {
+  return opts_.block_budget > 0 && opts_.block_budget < opts_.token_budget;
+}
+
 std::string Batcher::config_string() const {
-  return fmt::format("budget={};rows={};shapes={};window={};pad={};sort={}", opts_.token_budget,
-                     opts_.rows, opts_.num_shapes, opts_.window_rows, opts_.pad_token,
-                     opts_.sort_by_length ? 1 : 0);
+  std::string s = fmt::format("budget={};rows={};shapes={};window={};pad={};sort={}",
+                              opts_.token_budget, opts_.rows, opts_.num_shapes, opts_.window_rows,
+                              opts_.pad_token, opts_.sort_by_length ? 1 : 0);
+  // Only a budget that can bind changes the plan (so cursors of earlier runs stay valid).
+  if (block_budget_binds()) s += fmt::format(";blocks={}", opts_.block_budget);
+  return s;
 }
 
 void Batcher::plan_epoch(int64_t epoch) {
@@ -98,13 +119,19 @@ void Batcher::plan_epoch(int64_t epoch) {
       });
     }
     const size_t first_row = rows.size();
+    const bool bound = block_budget_binds();
     for (int64_t d : win) {
       const int64_t len = data_.doc_length(d);
+      const int64_t blocks = bound ? opts_.doc_blocks[static_cast<size_t>(d)] : 0;
+      auto fits = [&](const Row& row) {
+        return row.used + len <= budget && (!bound || row.blocks + blocks <= opts_.block_budget);
+      };
       size_t r = first_row;
-      while (r < rows.size() && rows[r].used + len > budget) ++r;
+      while (r < rows.size() && !fits(rows[r])) ++r;
       if (r == rows.size()) rows.emplace_back();
       rows[r].docs.push_back(d);
       rows[r].used += len;
+      rows[r].blocks += blocks;
     }
   }
   // Group rows of similar fill into batches (so that short rows share the small shapes).

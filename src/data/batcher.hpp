@@ -15,6 +15,12 @@
 //   libraries), then first-fit-decreasing packing inside windows of
 //   `window_rows` rows' worth of tokens (first-fit in shuffled order by default, first-fit
 //   decreasing with sort_by_length), rows grouped by fill, batch order shuffled.
+// - With a block budget B (0 < B < token budget), a row also holds at most B training blocks:
+//   Σ over its documents of doc_blocks[d] ≤ B, where doc_blocks[d] is the number of blocks the
+//   objective will draw from document d (min(anchors per document, candidate anchors); the caller
+//   computes it). A step therefore never has more blocks than rows·B, and no anchor is dropped to
+//   meet that bound. A budget B ≥ the token budget can never bind (a document of n tokens has at
+//   most n − 1 candidates) and is treated as no budget.
 // - A DataCursor (seed, epoch, next batch) restored into a Batcher over the same dataset and
 //   options makes it produce exactly the batches it would have produced.
 #pragma once
@@ -42,6 +48,11 @@ struct BatcherOptions {
   bool sort_by_length = false;
   uint64_t seed = 0;
   int32_t pad_token = 0;
+  /// Training blocks per row (see the file invariants); 0 = no bound. Needs `doc_blocks`.
+  int64_t block_budget = 0;
+  /// Blocks each document yields ([num_docs] entries, each in [0, block_budget]); read only when
+  /// the block budget binds.
+  std::vector<int32_t> doc_blocks;
 };
 
 /// Where a document sits in a batch.
@@ -121,7 +132,8 @@ class Batcher {
  private:
   struct Row {
     std::vector<int64_t> docs;
-    int64_t used = 0;
+    int64_t used = 0;    // tokens
+    int64_t blocks = 0;  // training blocks (Σ doc_blocks)
   };
   struct PlannedBatch {
     int64_t length = 0;
@@ -129,6 +141,8 @@ class Batcher {
   };
   void plan_epoch(int64_t epoch);
   std::string config_string() const;
+  // True when the block budget can bind (0 < budget < token budget).
+  bool block_budget_binds() const;
 
   TokenDataset data_;
   BatcherOptions opts_;

@@ -217,6 +217,18 @@ std::string ChatTemplate::fingerprint() const {
                      kRendererVersion);
 }
 
+std::vector<std::string_view> chat_template_markers(const ChatTemplate& t) {
+  switch (t.family) {
+    case TemplateFamily::chatml:
+      return {"<|im_start|>", "<|im_end|>"};
+    case TemplateFamily::qwen3:
+      return {"<|im_start|>", "<|im_end|>", "<think>", "</think>"};
+    case TemplateFamily::llama3:
+      return {"<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"};
+  }
+  return {};
+}
+
 RenderedChat render_chat(const ChatTemplate& t, const Conversation& conv,
                          bool add_generation_prompt) {
   DFLASH_CHECK(!conv.messages.empty(), "render_chat: conversation '{}' has no messages", conv.id);

@@ -47,6 +47,12 @@ struct ChatTemplate {
   std::string fingerprint() const;
 };
 
+/// The special-token markers template `t` writes, each of which the target's tokenizer must hold
+/// as one added token (else the markers would be tokenized as plain text, which the target never
+/// saw): chatml `<|im_start|>`, `<|im_end|>`; qwen3 those and `<think>`, `</think>`; llama3
+/// `<|begin_of_text|>`, `<|start_header_id|>`, `<|end_header_id|>`, `<|eot_id|>`.
+std::vector<std::string_view> chat_template_markers(const ChatTemplate& t);
+
 /// A byte range [begin, end) of a rendered text.
 struct ByteSpan {
   size_t begin = 0;

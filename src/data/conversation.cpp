@@ -96,7 +96,7 @@ Conversation parse_conversation(std::string_view line, std::string_view file, in
   json j;
   try {
     j = json::parse(line);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // a syntax error, or a number too large (out_of_range)
     reject(RecordErrorKind::invalid_json, where, "invalid JSON: {}", e.what());
   }
   if (!j.is_object()) {

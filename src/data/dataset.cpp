@@ -11,6 +11,7 @@
 #include <atomic>
 #include <bit>
 #include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -21,6 +22,7 @@
 #include "core/log.hpp"
 #include "data/conversation.hpp"
 #include "data/jsonl.hpp"
+#include "model/json_util.hpp"
 
 namespace dflash {
 
@@ -42,9 +44,12 @@ std::string hex64(uint64_t h) {
 }
 
 uint64_t parse_hex64(const nlohmann::json& j, const char* key) {
-  const std::string s = j.at(key).get<std::string>();
-  DFLASH_CHECK(s.size() == 16, "'{}' must be 16 hex digits", key);
-  return std::stoull(s, nullptr, 16);
+  const std::string s = json_string(j, key, "cache key");
+  uint64_t v = 0;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v, 16);
+  DFLASH_CHECK(s.size() == 16 && ec == std::errc() && end == s.data() + s.size(),
+               "cache key: '{}' must be 16 hex digits, got '{}'", key, s);
+  return v;
 }
 
 }  // namespace
@@ -131,13 +136,14 @@ nlohmann::json CacheKey::to_json() const {
 }
 
 CacheKey CacheKey::from_json(const nlohmann::json& j) {
+  const std::string src = "cache key";
   CacheKey k;
-  k.data_file = j.at("data_file").get<std::string>();
+  k.data_file = json_string(j, "data_file", src);
   k.data_hash = parse_hex64(j, "data_hash");
   k.tokenizer_hash = parse_hex64(j, "tokenizer_hash");
-  k.template_fingerprint = j.at("template").get<std::string>();
-  k.max_length = j.at("max_length").get<int64_t>();
-  k.format = j.at("format").get<int>();
+  k.template_fingerprint = json_string(j, "template", src);
+  k.max_length = json_int(j, "max_length", src, 1);
+  k.format = static_cast<int>(json_int(j, "format", src, 0, INT32_MAX));
   return k;
 }
 
@@ -160,22 +166,48 @@ nlohmann::json DatasetStats::to_json() const {
 }
 
 DatasetStats DatasetStats::from_json(const nlohmann::json& j) {
+  const std::string src = "cache stats";
+  auto count = [&](const char* key) { return json_int(j, key, src, 0); };
+  auto counts = [&](const char* key) {
+    const nlohmann::json& a = json_member(j, key, src);
+    DFLASH_CHECK(a.is_array(), "{}: key '{}' must be a list of counts", src, key);
+    std::vector<int64_t> v;
+    for (const auto& x : a) {
+      DFLASH_CHECK(x.is_number_integer() && x.get<int64_t>() >= 0,
+                   "{}: key '{}' must hold non-negative integers, got {}", src, key, x.dump());
+      v.push_back(x.get<int64_t>());
+    }
+    return v;
+  };
+  auto strings = [&](const char* key) {
+    const nlohmann::json& a = json_member(j, key, src);
+    DFLASH_CHECK(a.is_array() &&
+                     std::all_of(a.begin(), a.end(), [](const auto& x) { return x.is_string(); }),
+                 "{}: key '{}' must be a list of strings", src, key);
+    return a.get<std::vector<std::string>>();
+  };
   DatasetStats s;
-  s.records = j.at("records").get<int64_t>();
-  s.conversations = j.at("conversations").get<int64_t>();
-  s.skipped_invalid = j.at("skipped_invalid").get<int64_t>();
-  s.zero_supervised = j.at("zero_supervised").get<int64_t>();
-  s.truncated = j.at("truncated").get<int64_t>();
-  s.truncated_tokens = j.at("truncated_tokens").get<int64_t>();
-  s.tokens = j.at("tokens").get<int64_t>();
-  s.supervised_tokens = j.at("supervised_tokens").get<int64_t>();
-  s.min_length = j.at("min_length").get<int64_t>();
-  s.max_length = j.at("max_length").get<int64_t>();
-  s.invalid_by_kind = j.at("invalid_by_kind").get<std::map<std::string, int64_t>>();
-  s.invalid_examples = j.at("invalid_examples").get<std::vector<std::string>>();
-  s.zero_supervised_examples = j.at("zero_supervised_examples").get<std::vector<std::string>>();
-  s.hist_upper = j.at("hist_upper").get<std::vector<int64_t>>();
-  s.hist_count = j.at("hist_count").get<std::vector<int64_t>>();
+  s.records = count("records");
+  s.conversations = count("conversations");
+  s.skipped_invalid = count("skipped_invalid");
+  s.zero_supervised = count("zero_supervised");
+  s.truncated = count("truncated");
+  s.truncated_tokens = count("truncated_tokens");
+  s.tokens = count("tokens");
+  s.supervised_tokens = count("supervised_tokens");
+  s.min_length = count("min_length");
+  s.max_length = count("max_length");
+  const nlohmann::json& kinds = json_member(j, "invalid_by_kind", src);
+  DFLASH_CHECK(kinds.is_object(), "{}: key 'invalid_by_kind' must be an object", src);
+  for (const auto& [kind, n] : kinds.items())
+    s.invalid_by_kind[kind] = json_int(kinds, kind, src, 0);
+  s.invalid_examples = strings("invalid_examples");
+  s.zero_supervised_examples = strings("zero_supervised_examples");
+  s.hist_upper = counts("hist_upper");
+  s.hist_count = counts("hist_count");
+  DFLASH_CHECK(s.hist_upper.size() == s.hist_count.size(),
+               "{}: the length histogram has {} bounds but {} counts", src, s.hist_upper.size(),
+               s.hist_count.size());
   return s;
 }
 
@@ -268,29 +300,27 @@ TokenDataset TokenDataset::open(const std::filesystem::path& path) {
   uint64_t json_len;
   std::memcpy(&json_len, base + 8, 8);
   DFLASH_CHECK(json_len <= map->len - 16, "{}: truncated cache header", p);
-  nlohmann::json h;
-  try {
-    h = nlohmann::json::parse(std::string_view(base + 16, json_len));
-  } catch (const nlohmann::json::exception& e) {
-    fail("{}: corrupt cache header: {}", p, e.what());
-  }
+  const nlohmann::json h =
+      json_parse_strict(std::string_view(base + 16, json_len), p + " (header)");
   auto impl = std::make_shared<Impl>();
   try {
-    impl->key = CacheKey::from_json(h.at("key"));
-    impl->stats = DatasetStats::from_json(h.at("stats"));
-    impl->n_docs = h.at("n_docs").get<int64_t>();
-    impl->n_tokens = h.at("n_tokens").get<int64_t>();
+    impl->key = CacheKey::from_json(json_member(h, "key", "cache header"));
+    impl->stats = DatasetStats::from_json(json_member(h, "stats", "cache header"));
     DFLASH_CHECK(impl->key.format == kFormat, "cache format {} (this build reads {})",
                  impl->key.format, kFormat);
-    DFLASH_CHECK(impl->n_docs >= 0 && impl->n_tokens >= 0, "negative counts");
+    // Counts no larger than the file could hold, so that no size below overflows.
+    const auto max_count = static_cast<int64_t>(map->len);
+    impl->n_docs = json_int(h, "n_docs", "cache header", 0, max_count);
+    impl->n_tokens = json_int(h, "n_tokens", "cache header", 0, max_count);
     const size_t data_start = align_up(16 + json_len);
-    const auto& sec = h.at("sections");
+    const nlohmann::json& sec = json_member(h, "sections", "cache header");
     auto section = [&](const char* name, size_t elem, int64_t count) -> const char* {
-      size_t off = sec.at(name).at("offset").get<size_t>();
-      size_t bytes = sec.at(name).at("bytes").get<size_t>();
-      DFLASH_CHECK(bytes == elem * static_cast<size_t>(count), "section '{}' has {} bytes, want {}",
-                   name, bytes, elem * static_cast<size_t>(count));
-      DFLASH_CHECK(off % kAlign == 0 && data_start + off + bytes <= map->len,
+      const nlohmann::json& e = json_member(sec, name, "cache sections");
+      const uint64_t off = json_uint(e, "offset", name), bytes = json_uint(e, "bytes", name);
+      const uint64_t want = elem * static_cast<uint64_t>(count);
+      DFLASH_CHECK(bytes == want, "section '{}' has {} bytes, want {}", name, bytes, want);
+      DFLASH_CHECK(off % kAlign == 0 && data_start <= map->len && off <= map->len - data_start &&
+                       bytes <= map->len - data_start - off,
                    "section '{}' lies outside the file (truncated cache?)", name);
       return base + data_start + off;
     };
@@ -308,6 +338,13 @@ TokenDataset TokenDataset::open(const std::filesystem::path& path) {
   for (int64_t i = 0; i < impl->n_docs; ++i) {
     DFLASH_CHECK(impl->offsets[i] < impl->offsets[i + 1],
                  "{}: corrupt cache (document {} is empty or offsets decrease)", p, i);
+  }
+  // Token ids index embedding rows and mask values weight the loss: both are checked once here
+  // (the vocabulary bound is the trainer's, which knows the target).
+  for (int64_t t = 0; t < impl->n_tokens; ++t) {
+    DFLASH_CHECK(impl->tokens[t] >= 0 && impl->mask[t] <= 1,
+                 "{}: corrupt cache (token {} has id {} and loss mask {})", p, t, impl->tokens[t],
+                 impl->mask[t]);
   }
   impl->keepalive = map;
   TokenDataset d;
@@ -389,7 +426,8 @@ uint64_t TokenDataset::fingerprint() const {
 // ------------------------------------------------------------------ cache I/O
 
 std::filesystem::path default_cache_path(const std::filesystem::path& data,
-                                         const std::filesystem::path& model_dir) {
+                                         const std::filesystem::path& model_dir,
+                                         const ChatTemplate& t, int64_t max_length) {
   std::filesystem::path dir;
   if (const char* d = std::getenv("DFLASH_CACHE_DIR"); d && *d) {
     dir = d;
@@ -400,15 +438,28 @@ std::filesystem::path default_cache_path(const std::filesystem::path& data,
   } else {
     fail("no cache folder: set DFLASH_CACHE_DIR or HOME, or pass --cache");
   }
-  return cache_path_in(dir, data, model_dir);
+  return cache_path_in(dir, data, model_dir, t, max_length);
 }
 
 std::filesystem::path cache_path_in(const std::filesystem::path& dir,
                                     const std::filesystem::path& data,
-                                    const std::filesystem::path& model_dir) {
+                                    const std::filesystem::path& model_dir, const ChatTemplate& t,
+                                    int64_t max_length) {
   uint64_t h = hash_bytes(std::filesystem::absolute(data).lexically_normal().string());
   h = hash_bytes("\n" + std::filesystem::absolute(model_dir).lexically_normal().string(), h);
+  h = hash_bytes("\n" + t.fingerprint(), h);
+  h = hash_bytes(fmt::format("\nmax_length={}", max_length), h);
   return dir / fmt::format("{}-{:016x}.dftok", data.filename().string(), h);
+}
+
+std::filesystem::path run_cache_path(const std::string& cache_dir,
+                                     const std::filesystem::path& output_dir,
+                                     const std::filesystem::path& data,
+                                     const std::filesystem::path& model_dir, const ChatTemplate& t,
+                                     int64_t max_length) {
+  const std::filesystem::path dir =
+      cache_dir.empty() ? output_dir / "cache" : std::filesystem::path(cache_dir);
+  return cache_path_in(dir, data, model_dir, t, max_length);
 }
 
 std::optional<CacheKey> read_cache_key(const std::filesystem::path& path) {
@@ -569,6 +620,7 @@ Built build(const PrepareOptions& opts) {
             o.kind = e.kind();
             o.error = e.what();
           } catch (const Error& e) {
+            if (e.internal()) throw;  // a bug, not a bad record
             // Rendering/tokenizing failures (e.g. invalid UTF-8) are bad records too.
             o.kind = RecordErrorKind::invalid_field;
             o.error = fmt::format("{}:{}: {}", file, lines[k].first, e.what());
@@ -598,8 +650,10 @@ Built build(const PrepareOptions& opts) {
       ++st.records;
       if (!o.ok) {
         if (!opts.skip_invalid) {
-          fail("{} [{}] (pass --skip-invalid to skip and count bad records)", o.error,
-               record_error_kind_name(o.kind));
+          fail("{} [{}]{}", o.error, record_error_kind_name(o.kind),
+               opts.skip_invalid_hint.empty()
+                   ? ""
+                   : fmt::format("; to skip and count bad records, {}", opts.skip_invalid_hint));
         }
         ++st.skipped_invalid;
         ++st.invalid_by_kind[std::string(record_error_kind_name(o.kind))];
@@ -654,8 +708,25 @@ Built build(const PrepareOptions& opts) {
 
 }  // namespace
 
+void check_template_tokens(const ChatTemplate& t, const EncodeFn& encode,
+                           const std::string& tokenizer) {
+  std::vector<std::string> missing;
+  for (std::string_view marker : chat_template_markers(t)) {
+    std::vector<std::pair<size_t, size_t>> offsets;
+    const size_t n = encode(marker, &offsets).size();
+    if (n != 1) missing.push_back(fmt::format("{} ({} tokens)", marker, n));
+  }
+  DFLASH_CHECK(missing.empty(),
+               "chat template '{}' writes special tokens that the tokenizer {} does not have: {}; "
+               "they would be tokenized as plain text, which the target never saw. Use the "
+               "target's own template (--template / data.template; chatml, qwen3, llama3)",
+               t.name(), tokenizer.empty() ? std::string("in use") : tokenizer,
+               fmt::join(missing, ", "));
+}
+
 PrepareResult prepare_dataset(const PrepareOptions& opts) {
   DFLASH_CHECK(opts.encode, "prepare_dataset: no tokenizer given");
+  check_template_tokens(opts.chat_template, opts.encode, opts.tokenizer_file);
   DFLASH_CHECK(opts.max_length > 0, "max length must be positive (got {})", opts.max_length);
   DFLASH_CHECK(!opts.cache.empty(), "prepare_dataset: no cache path given");
   DFLASH_CHECK(std::filesystem::exists(opts.data), "{}: no such data file", opts.data.string());
@@ -682,6 +753,7 @@ PrepareResult prepare_dataset(const PrepareOptions& opts) {
       r.reused = true;
       return r;
     } catch (const Error& e) {
+      if (e.internal()) throw;  // a bug, not a damaged file
       r.reason = fmt::format("the existing cache is damaged ({})", e.what());
     }
   }

@@ -12,6 +12,9 @@
 //   tokenizer.json, template fingerprint, max length, cache format) equals the requested one;
 //   otherwise it is rebuilt and the reason is logged. Files are written to a temporary name,
 //   fsynced and renamed, so a cache is either complete or absent.
+// - A cache file's name is a function of the data file, the model folder, the template and the max
+//   length (cache_path_in), the same for `dflash data prepare` and `dflash train`: the two share
+//   one cache, and runs with other settings sharing a folder never overwrite each other's file.
 // Cache layout (little-endian): "DFTOKv1\0", u64 n = JSON header length, n bytes of JSON (key,
 // stats, counts, section offsets relative to the data start), zero padding to a multiple of 64,
 // then the 64-byte aligned sections: tokens i32[n_tokens], loss_mask u8[n_tokens],
@@ -103,7 +106,9 @@ class TokenDataset {
  public:
   TokenDataset() = default;
   /// Memory-maps a cache file; throws dflash::Error naming the file when it is not a complete,
-  /// consistent cache of this format.
+  /// consistent cache of this format: every header value typed and in range, every section inside
+  /// the file, document offsets increasing from 0 to the token count, token ids >= 0 and loss mask
+  /// values 0 or 1 (all tokens are read once to check the last two).
   static TokenDataset open(const std::filesystem::path& path);
   /// An in-memory dataset of `docs` (for tests and small tools); the key's data_hash is a hash of
   /// the contents.
@@ -127,17 +132,28 @@ class TokenDataset {
   std::shared_ptr<const Impl> impl_;
 };
 
+/// Refuses a template whose special tokens the tokenizer lacks: throws dflash::Error naming the
+/// template, `tokenizer` (the tokenizer's file, for the message) and every marker of
+/// chat_template_markers(t) that `encode` does not map to exactly one token, with the number of
+/// tokens it became instead.
+void check_template_tokens(const ChatTemplate& t, const EncodeFn& encode,
+                           const std::string& tokenizer);
+
 /// Options of prepare_dataset().
 struct PrepareOptions {
   std::filesystem::path data;   ///< .jsonl, .jsonl.xz or .jsonl.zst
   std::filesystem::path cache;  ///< cache file to reuse or (re)write
   ChatTemplate chat_template;
-  int64_t max_length = 2048;    ///< tokens per document (longer ones are truncated)
-  bool skip_invalid = false;    ///< count and skip bad records instead of stopping
+  int64_t max_length = 2048;  ///< tokens per document (longer ones are truncated)
+  bool skip_invalid = false;  ///< count and skip bad records instead of stopping
+  /// How the caller's user turns skip_invalid on ("pass --skip-invalid"), quoted in the error of
+  /// a bad record ("...; to skip and count bad records, <hint>"); "" quotes nothing.
+  std::string skip_invalid_hint;
   int threads = 0;              ///< tokenizer threads; 0 = all cores
   bool force = false;           ///< rebuild even when the cache matches
   EncodeFn encode;              ///< the target's tokenizer
   uint64_t tokenizer_hash = 0;  ///< hash_file of the tokenizer's tokenizer.json
+  std::string tokenizer_file;   ///< the tokenizer's file, named in messages
 };
 
 /// Result of prepare_dataset().
@@ -149,20 +165,35 @@ struct PrepareResult {
 
 /// Returns the cached dataset for `opts` when the cache file's key matches, else reads the data
 /// file, validates, renders, tokenizes (in parallel) and writes the cache, then maps it.
-/// Errors: the first bad record (file:line, field) unless skip_invalid; no document with a
-/// supervised token left; I/O errors naming the file.
+/// Errors: a template whose markers the tokenizer lacks (check_template_tokens); the first bad
+/// record (file:line, field) unless skip_invalid; no document with a supervised token left; I/O
+/// errors naming the file.
 PrepareResult prepare_dataset(const PrepareOptions& opts);
 
-/// Default cache file for `data` tokenized for the model in `model_dir`:
-/// `$DFLASH_CACHE_DIR`, else `$XDG_CACHE_HOME/dflash`, else `$HOME/.cache/dflash`, then
-/// `<data file name>-<hash of both absolute paths>.dftok`. Throws when none of the variables is
-/// set.
-std::filesystem::path default_cache_path(const std::filesystem::path& data,
-                                         const std::filesystem::path& model_dir);
-/// The cache file for `data` and `model_dir` inside folder `dir` (same file name as above).
+/// The cache file of `data` tokenized for the model in `model_dir` with template `t` and
+/// `max_length`, inside folder `dir`: `<data file name>-<16 hex digits>.dftok`, the digits a
+/// 64-bit FNV-1a hash of the absolute data path, the absolute model folder, the template
+/// fingerprint and the max length. `dflash data prepare` and `dflash train` name their caches with
+/// it (through run_cache_path when a run config is given), so a prepared cache is the file training
+/// reuses, and runs with other settings that share a folder get files of their own. A file whose
+/// contents no longer match (the data or tokenizer changed) is rebuilt in place (CacheKey).
 std::filesystem::path cache_path_in(const std::filesystem::path& dir,
                                     const std::filesystem::path& data,
-                                    const std::filesystem::path& model_dir);
+                                    const std::filesystem::path& model_dir, const ChatTemplate& t,
+                                    int64_t max_length);
+/// cache_path_in in the user's cache folder: `$DFLASH_CACHE_DIR`, else `$XDG_CACHE_HOME/dflash`,
+/// else `$HOME/.cache/dflash`. Throws dflash::Error when none of the variables is set.
+std::filesystem::path default_cache_path(const std::filesystem::path& data,
+                                         const std::filesystem::path& model_dir,
+                                         const ChatTemplate& t, int64_t max_length);
+/// The token cache of a training run (the one cache key of `dflash train` and
+/// `dflash data prepare --config`): cache_path_in of folder `cache_dir` (the run config's
+/// `data.cache_dir`) when not empty, else of `<output_dir>/cache`.
+std::filesystem::path run_cache_path(const std::string& cache_dir,
+                                     const std::filesystem::path& output_dir,
+                                     const std::filesystem::path& data,
+                                     const std::filesystem::path& model_dir, const ChatTemplate& t,
+                                     int64_t max_length);
 
 /// The key stored in a cache file, or std::nullopt when the file is missing or not a cache.
 std::optional<CacheKey> read_cache_key(const std::filesystem::path& path);

@@ -1001,6 +1001,21 @@ Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
 Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 Tokenizer::~Tokenizer() = default;
 
+namespace {
+
+/// Token ids must lie below this: far above any real vocabulary (the largest hold about 262k
+/// tokens), low enough that the tables indexed by id (sized by the largest id) stay small.
+constexpr int64_t kMaxTokenIds = int64_t{1} << 24;
+
+/// The token id `v` (a JSON integer in [0, kMaxTokenIds)); `what` names it in the error.
+int32_t token_id_of(const json& v, const std::string& where, const std::string& what) {
+  DFLASH_CHECK(v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() < kMaxTokenIds,
+               "{}: {} must be a token id in [0, {}), got {}", where, what, kMaxTokenIds, v.dump());
+  return static_cast<int32_t>(v.get<int64_t>());
+}
+
+}  // namespace
+
 Tokenizer Tokenizer::load(const std::filesystem::path& path) {
   std::filesystem::path file = path;
   if (std::filesystem::is_directory(file)) file /= "tokenizer.json";
@@ -1030,7 +1045,9 @@ Tokenizer Tokenizer::load(const std::filesystem::path& path) {
     const json& vocab = m.at("vocab");
     DFLASH_CHECK(vocab.is_object(), "{}: model.vocab must be an object", where);
     int32_t max_id = -1;
-    for (const auto& [tok, idj] : vocab.items()) max_id = std::max(max_id, idj.get<int32_t>());
+    for (const auto& [tok, idj] : vocab.items()) {
+      max_id = std::max(max_id, token_id_of(idj, where, "model.vocab['" + tok + "']"));
+    }
     const json& added_j = j.value("added_tokens", json::array());
     // Ids of added tokens as HF AddedVocabulary::add_tokens assigns them while deserializing (in
     // file order): a content already known keeps its id; a new one gets the model's vocabulary
@@ -1046,13 +1063,13 @@ Tokenizer Tokenizer::load(const std::filesystem::path& path) {
         if (auto it = assigned.find(content); it != assigned.end()) {
           id = it->second;
         } else if (vocab.contains(content)) {
-          id = vocab.at(content).get<int32_t>();
+          id = token_id_of(vocab.at(content), where, "model.vocab['" + content + "']");
         } else {
           id = max_assigned < 0                                  ? model_size
                : (max_assigned >= model_size || model_size == 0) ? max_assigned + 1
                                                                  : model_size;
         }
-        const int32_t file_id = a.at("id").get<int32_t>();
+        const int32_t file_id = token_id_of(a.at("id"), where, "added_tokens[].id");
         if (id != file_id)
           spdlog::warn(
               "{}: added token '{}' has id {} in the file but HF tokenizers assigns {}; "
@@ -1072,8 +1089,11 @@ Tokenizer Tokenizer::load(const std::filesystem::path& path) {
     t.id_used.assign(static_cast<size_t>(t.n_ids), 0);
     t.vocab.reserve(vocab.size());
     for (const auto& [tok, idj] : vocab.items()) {
-      const int32_t id = idj.get<int32_t>();
-      DFLASH_CHECK(id >= 0, "{}: model.vocab['{}'] has negative id {}", where, tok, id);
+      const int32_t id = token_id_of(idj, where, "model.vocab['" + tok + "']");
+      // One string per id: ids are decoded (and offsets measured) through it.
+      DFLASH_CHECK(!t.id_used[static_cast<size_t>(id)],
+                   "{}: model.vocab gives id {} to both '{}' and '{}'", where, id,
+                   t.id_str[static_cast<size_t>(id)], tok);
       t.vocab.emplace(tok, id);
       t.id_str[static_cast<size_t>(id)] = tok;
       t.id_used[static_cast<size_t>(id)] = 1;

@@ -102,11 +102,10 @@ SpecState SpeculativeDecoder::start(std::span<const int32_t> prompt, const Decod
   const ForwardResult r =
       target_.prefill(s.target_cache, prompt, ForwardOptions{taps_, LogitsRows::last, false});
   drafter_cache_append(s.drafter_cache, drafter_.config, drafter_.layout, drafter_.params.data(),
-                       r.taps.data<float>(), static_cast<int64_t>(prompt.size()));
-  std::vector<double> scratch;
+                       r.taps.data<float>(), static_cast<int64_t>(prompt.size()), s.drafter_ws);
   const int64_t V = target_.vocab_size();
   s.anchor = sample_token(std::span<const float>(r.logits.data<float>(), static_cast<size_t>(V)),
-                          opts.sampling, s.rng, scratch);
+                          opts.sampling, s.rng, s.sample_scratch);
   s.result.prefill_seconds = seconds_since(t0);
   emit(s, std::span<const int32_t>(&s.anchor, 1), opts, on_tokens);
   return s;
@@ -124,22 +123,23 @@ void SpeculativeDecoder::step(SpecState& s, const DecodeOptions& opts,
                s.drafter_cache.len, L);
 
   // Draft: one drafter pass over [anchor, MASK × (K−1)] at positions L..L+K−1.
-  const std::vector<float> dlogits = drafter_draft_block(s.drafter_cache, cfg, drafter_.layout,
-                                                         drafter_.params.data(), tables_, s.anchor);
+  const std::span<const float> dlogits =
+      drafter_draft_block(s.drafter_cache, cfg, drafter_.layout, drafter_.params.data(), tables_,
+                          s.anchor, s.drafter_ws);
   const bool greedy = opts.sampling.greedy();
-  std::vector<int32_t> proposals(static_cast<size_t>(K - 1));
-  std::vector<std::vector<double>> q(greedy ? 0 : static_cast<size_t>(K - 1));
+  s.proposals.resize(static_cast<size_t>(K - 1));
+  s.draft_q.resize(greedy ? 0 : static_cast<size_t>(K - 1));  // inner vectors keep capacity
   for (int64_t k = 1; k < K; ++k) {
     const std::span<const float> row(dlogits.data() + k * V, static_cast<size_t>(V));
     if (greedy) {
-      proposals[k - 1] = argmax_row(row.data(), V);
+      s.proposals[k - 1] = argmax_row(row.data(), V);
     } else {
-      sampling_probs(q[k - 1], row, opts.sampling);
-      proposals[k - 1] = sample_index(q[k - 1], s.rng);
+      sampling_probs(s.draft_q[k - 1], row, opts.sampling);
+      s.proposals[k - 1] = sample_index(s.draft_q[k - 1], s.rng);
     }
   }
   s.result.decode_seconds += seconds_since(t0);
-  verify(s, opts, proposals, q, on_tokens);
+  verify(s, opts, s.proposals, s.draft_q, on_tokens);
 }
 
 void SpeculativeDecoder::verify(SpecState& s, const DecodeOptions& opts,
@@ -159,21 +159,30 @@ void SpeculativeDecoder::verify(SpecState& s, const DecodeOptions& opts,
                proposals.size(), q.size(),
                greedy ? "greedy needs none" : "sampling needs one each");
   s.last_proposals.assign(proposals.begin(), proposals.end());
-  std::vector<int32_t> block(static_cast<size_t>(K));
+  std::vector<int32_t>& block = s.block;
+  block.resize(static_cast<size_t>(K));
   block[0] = s.anchor;
   std::copy(proposals.begin(), proposals.end(), block.begin() + 1);
 
-  // Verify: one target pass over the block (logits and taps of all K rows).
+  // Verify: one target pass over the block (taps and final-norm rows of all K rows). The LM head
+  // runs only on the rows the acceptance rule reads (n + 1 of K), one at a time: its rows have the
+  // bits of an all-rows forward (TargetModel::lm_head_rows).
   const ForwardResult r =
-      target_.append(s.target_cache, block, ForwardOptions{taps_, LogitsRows::all, false});
-  const float* logits = r.logits.data<float>();
+      target_.append(s.target_cache, block, ForwardOptions{taps_, LogitsRows::none, true});
+  const int64_t H = target_.hidden_size();
+  s.target_logits.resize(static_cast<size_t>(V));
+  const float* logits = s.target_logits.data();
+  auto logits_of = [&](int64_t row) {
+    target_.lm_head_rows(s.target_logits.data(), r.final_norm.data<float>() + row * H, 1);
+  };
 
   // Accept the longest agreeing prefix, then the bonus (or resampled) token.
   int64_t n = 0;
   int32_t bonus = 0;
   if (greedy) {
     for (;;) {
-      const int32_t t = argmax_row(logits + n * V, V);
+      logits_of(n);
+      const int32_t t = argmax_row(logits, V);
       if (n + 1 < K && block[n + 1] == t) {
         ++n;
         continue;
@@ -182,10 +191,10 @@ void SpeculativeDecoder::verify(SpecState& s, const DecodeOptions& opts,
       break;
     }
   } else {
-    std::vector<double> p, scratch;
+    std::vector<double>& p = s.target_p;
     for (;;) {
-      sampling_probs(p, std::span<const float>(logits + n * V, static_cast<size_t>(V)),
-                     opts.sampling);
+      logits_of(n);
+      sampling_probs(p, std::span<const float>(logits, static_cast<size_t>(V)), opts.sampling);
       if (n + 1 >= K) {
         bonus = sample_index(p, s.rng);
         break;
@@ -193,7 +202,7 @@ void SpeculativeDecoder::verify(SpecState& s, const DecodeOptions& opts,
       DFLASH_CHECK(static_cast<int64_t>(q[n].size()) == V,
                    "speculative verify: drafter distribution {} has {} entries, vocab is {}", n,
                    q[n].size(), V);
-      const RejectionOutcome o = speculative_reject(p, q[n], block[n + 1], s.rng, scratch);
+      const RejectionOutcome o = speculative_reject(p, q[n], block[n + 1], s.rng, s.sample_scratch);
       if (!o.accepted) {
         bonus = o.token;
         break;
@@ -205,7 +214,7 @@ void SpeculativeDecoder::verify(SpecState& s, const DecodeOptions& opts,
   // Roll back: keep anchor + n accepted drafts in both caches; the bonus is the next anchor.
   s.target_cache.truncate(L + 1 + n);
   drafter_cache_append(s.drafter_cache, drafter_.config, drafter_.layout, drafter_.params.data(),
-                       r.taps.data<float>(), n + 1);
+                       r.taps.data<float>(), n + 1, s.drafter_ws);
   s.result.accept_lengths.push_back(static_cast<int>(n + 1));
   std::vector<int32_t> out(block.begin() + 1, block.begin() + 1 + n);
   out.push_back(bonus);

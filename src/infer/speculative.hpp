@@ -6,8 +6,9 @@
 //          at position L, in neither cache yet.
 //   draft:  drafter block [anchor, MASK × (K−1)] at positions L..L+K−1 over its cache → proposals
 //           d_1..d_{K−1} (greedy: argmax; sampling: drawn from the processed drafter rows q_k).
-//   verify: target append [anchor, d_1..d_{K−1}] at positions L..L+K−1 → logits p_0..p_{K−1} and
-//           taps of the K rows, in one pass.
+//   verify: target append [anchor, d_1..d_{K−1}] at positions L..L+K−1 → taps and final-norm
+//           rows of the K rows, in one pass; logits p_k computed from those rows only for the
+//           k the acceptance rule reads (0..n).
 //   accept: greedy: the longest prefix with d_k == argmax p_{k−1}; the bonus token is
 //           argmax p_n after the n accepted. Sampling: the rejection rule (infer/sampling.hpp) on
 //           d_1, d_2, … in order; the first rejection's resampled token (or, when all K−1 are
@@ -71,6 +72,14 @@ struct SpecState {
   /// The last verify step's proposals d_1..d_{K−1} (before acceptance; for tracing tools).
   std::vector<int32_t> last_proposals;
   bool done = false;
+  // Scratch kept between steps so that a step allocates little once warm: the drafter's
+  // workspace, the proposals, the drafter distributions q_k, one row of target logits and the
+  // target's p (sampling).
+  DrafterWorkspace<float> drafter_ws;
+  std::vector<int32_t> proposals, block;
+  std::vector<std::vector<double>> draft_q;
+  std::vector<float> target_logits;
+  std::vector<double> target_p, sample_scratch;
   explicit SpecState(const ModelConfig& c) : target_cache(c) {}
 };
 

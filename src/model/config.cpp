@@ -64,6 +64,13 @@ int ModelConfig::num_moe_layers() const {
 
 namespace {
 
+// Upper bounds of the sizes, far above any real model (widths reach 53,248, depths 126,
+// vocabularies 262,144): they keep every product of sizes (parameter counts, tables) far from
+// overflow.
+constexpr int64_t kMaxWidth = int64_t{1} << 20;   // hidden, intermediate, heads, head_dim, experts
+constexpr int64_t kMaxLayers = int64_t{1} << 16;  // num_hidden_layers
+constexpr int64_t kMaxVocab = int64_t{1} << 24;   // vocab_size (as the tokenizer's token ids)
+
 /// Typed access to one JSON object with errors "<source>: key '<prefix><key>' ...".
 struct Reader {
   const json& j;
@@ -93,12 +100,15 @@ struct Reader {
     fail("{}: key '{}' must be an integer, got a JSON {} ({})", source, name(key), json_type(v),
          v.dump());
   }
-  int64_t req_int(const std::string& key, int64_t min_value = 1) const {
+  int64_t req_int(const std::string& key, int64_t min_value = 1,
+                  int64_t max_value = INT64_MAX) const {
     const json* v = find(key);
     if (!v) missing(key);
     int64_t x = integer(key, *v);
     DFLASH_CHECK(x >= min_value, "{}: key '{}' must be >= {}, got {}", source, name(key),
                  min_value, x);
+    DFLASH_CHECK(x <= max_value, "{}: key '{}' must be <= {}, got {}", source, name(key), max_value,
+                 x);
     return x;
   }
   int64_t opt_int(const std::string& key, int64_t dflt, int64_t min_value = 1) const {
@@ -353,7 +363,8 @@ void parse_moe(const json& j, const std::string& source, ModelConfig& c) {
   const bool has_e = r.has("num_experts"), has_le = r.has("num_local_experts");
   DFLASH_CHECK(has_e || has_le, "{}: missing required key 'num_experts' (or 'num_local_experts')",
                source);
-  c.num_experts = has_le ? r.req_int("num_local_experts") : r.req_int("num_experts");
+  c.num_experts = has_le ? r.req_int("num_local_experts", 1, kMaxWidth)
+                         : r.req_int("num_experts", 1, kMaxWidth);
   if (has_e && has_le)
     DFLASH_CHECK(r.req_int("num_experts") == c.num_experts,
                  "{}: keys 'num_experts' ({}) and 'num_local_experts' ({}) disagree", source,
@@ -363,7 +374,7 @@ void parse_moe(const json& j, const std::string& source, ModelConfig& c) {
                "{}: num_experts_per_tok ({}) exceeds the number of experts ({})", source,
                c.num_experts_per_tok, c.num_experts);
   if (c.arch == Arch::qwen3_moe) {
-    c.expert_width = r.req_int("moe_intermediate_size");
+    c.expert_width = r.req_int("moe_intermediate_size", 1, kMaxWidth);
     c.norm_topk_prob = r.opt_bool("norm_topk_prob", false);
     c.decoder_sparse_step = r.opt_int("decoder_sparse_step", 1);
     if (const json* m = r.find("mlp_only_layers")) {
@@ -424,21 +435,23 @@ ModelConfig model_config_from_json(const json& j, const std::string& source) {
     }
   }
 
-  c.hidden_size = r.req_int("hidden_size");
-  c.intermediate_size = r.req_int("intermediate_size");
-  c.num_attention_heads = r.req_int("num_attention_heads");
-  c.num_hidden_layers = r.req_int("num_hidden_layers");
-  c.vocab_size = r.req_int("vocab_size");
-  c.max_position_embeddings = r.req_int("max_position_embeddings");
+  c.hidden_size = r.req_int("hidden_size", 1, kMaxWidth);
+  c.intermediate_size = r.req_int("intermediate_size", 1, kMaxWidth);
+  c.num_attention_heads = r.req_int("num_attention_heads", 1, kMaxWidth);
+  c.num_hidden_layers = r.req_int("num_hidden_layers", 1, kMaxLayers);
+  c.vocab_size = r.req_int("vocab_size", 1, kMaxVocab);
+  c.max_position_embeddings = r.req_int("max_position_embeddings", 1, INT32_MAX);
   c.rms_norm_eps = r.req_num("rms_norm_eps");
   DFLASH_CHECK(c.rms_norm_eps > 0 && c.rms_norm_eps < 1, "{}: key 'rms_norm_eps' must be in (0, 1), got {}",
                source, c.rms_norm_eps);
-  c.num_key_value_heads = r.opt_int("num_key_value_heads", c.num_attention_heads);
+  c.num_key_value_heads = r.has("num_key_value_heads")
+                              ? r.req_int("num_key_value_heads", 1, kMaxWidth)
+                              : c.num_attention_heads;
   DFLASH_CHECK(c.num_attention_heads % c.num_key_value_heads == 0,
                "{}: num_attention_heads ({}) is not a multiple of num_key_value_heads ({})", source,
                c.num_attention_heads, c.num_key_value_heads);
   if (r.has("head_dim")) {
-    c.head_dim = r.req_int("head_dim");
+    c.head_dim = r.req_int("head_dim", 1, kMaxWidth);
   } else if (c.arch == Arch::gpt_oss) {
     c.head_dim = 64;  // GptOssConfig's class default, not hidden_size / num_attention_heads
   } else {
@@ -472,9 +485,12 @@ ModelConfig model_config_from_json(const json& j, const std::string& source) {
 
   if (const json* e = r.find("eos_token_id")) {
     auto add = [&](const json& v) {
-      DFLASH_CHECK(v.is_number_integer() && v.get<int64_t>() >= 0,
-                   "{}: key 'eos_token_id' must be a token id or a list of them, got {}", source,
-                   e->dump());
+      // An unsigned value above INT64_MAX reads as negative here and is refused.
+      DFLASH_CHECK(
+          v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() < c.vocab_size,
+          "{}: key 'eos_token_id' must be a token id in [0, vocab_size = {}) or a list "
+          "of them, got {}",
+          source, c.vocab_size, e->dump());
       c.eos_token_ids.push_back(v.get<int64_t>());
     };
     if (e->is_array()) {

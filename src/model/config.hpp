@@ -132,15 +132,17 @@ struct ModelConfig {
 /// Parses a config.json object. `source` names the file in error messages. Required keys:
 /// `model_type`, `hidden_size`, `intermediate_size`, `num_attention_heads`, `num_hidden_layers`,
 /// `vocab_size`, `rms_norm_eps`, `max_position_embeddings` (and `head_dim` for qwen3 and
-/// qwen3_moe, whose HF default of 128 is not derived from the other sizes). MoE keys:
-/// qwen3_moe `num_experts` (or `num_local_experts`, as transformers 5 writes it),
-/// `num_experts_per_tok`, `moe_intermediate_size` are required; `norm_topk_prob` (false),
-/// `decoder_sparse_step` (1), `mlp_only_layers` ([]) have HF's defaults. gpt_oss:
-/// `num_local_experts` and `num_experts_per_tok` required; `head_dim` (64), `sliding_window`
-/// (128), `layer_types` (sliding on even layers), `attention_bias` (true), `rope_parameters`
-/// (yarn, factor 32, original 4096, truncate false, theta 150000) and `swiglu_limit` (7) have
-/// GptOssConfig's defaults. Throws dflash::Error "<source>: ..." naming the key for a
-/// missing/ill-typed/out-of-range key, listing the supported model types for an unknown
+/// qwen3_moe, whose HF default of 128 is not derived from the other sizes). Widths (hidden,
+/// intermediate, heads, head_dim, expert count and width) must be <= 2^20, num_hidden_layers <=
+/// 2^16, vocab_size <= 2^24 and max_position_embeddings < 2^31: far above real models, they keep
+/// size products from overflowing. MoE keys: qwen3_moe `num_experts` (or `num_local_experts`, as
+/// transformers 5 writes it), `num_experts_per_tok`, `moe_intermediate_size` are required;
+/// `norm_topk_prob` (false), `decoder_sparse_step` (1), `mlp_only_layers` ([]) have HF's defaults.
+/// gpt_oss: `num_local_experts` and `num_experts_per_tok` required; `head_dim` (64),
+/// `sliding_window` (128), `layer_types` (sliding on even layers), `attention_bias` (true),
+/// `rope_parameters` (yarn, factor 32, original 4096, truncate false, theta 150000) and
+/// `swiglu_limit` (7) have GptOssConfig's defaults. Throws dflash::Error "<source>: ..." naming the
+/// key for a missing/ill-typed/out-of-range key, listing the supported model types for an unknown
 /// `model_type`, and naming an unsupported `quantization_config.quant_method`.
 ModelConfig model_config_from_json(const nlohmann::json& j, const std::string& source);
 

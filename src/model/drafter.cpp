@@ -48,11 +48,16 @@ DrafterLayout::DrafterLayout(const DrafterConfig& c) {
     ParamInfo p;
     p.name = std::move(name);
     p.numel = 1;
-    for (int64_t d : shape) p.numel *= d;
+    bool overflow = false;
+    for (int64_t d : shape) overflow |= __builtin_mul_overflow(p.numel, d, &p.numel);
+    overflow |= __builtin_add_overflow(total, p.numel, &total);
+    DFLASH_CHECK(!overflow,
+                 "drafter parameter count overflows 64 bits at '{}' (hidden_size {}, "
+                 "{} layers): the config's sizes are corrupt",
+                 p.name, H, c.num_layers);
     p.shape = std::move(shape);
-    p.offset = total;
+    p.offset = total - p.numel;
     p.is_norm = norm;
-    total += p.numel;
     params.push_back(std::move(p));
   };
   add("fc.weight", {H, c.n_taps() * H}, false);
@@ -222,17 +227,9 @@ void block_forward(const DrafterConfig& cfg, const DrafterLayout& layout, const 
     fit(a.hn2, NK * d.H);
     rmsnorm_fwd_cpu(a.hn2.data(), nullptr, a.h_mid.data(), P.post_norm, NK, d.H,
                     cfg.rms_norm_eps);
-    fit(a.gate_up, NK * 2 * d.I);  // row t: [gate (I) | up (I)]
-    fit(ws.dbuf, NK * d.I);
-    linear_fwd_cpu(ws.dbuf.data(), a.hn2.data(), P.wg, nullptr, NK, d.H, d.I);
-    for (int64_t t = 0; t < NK; ++t) {
-      std::memcpy(a.gate_up.data() + t * 2 * d.I, ws.dbuf.data() + t * d.I, sizeof(S) * d.I);
-    }
-    linear_fwd_cpu(ws.dbuf.data(), a.hn2.data(), P.wu, nullptr, NK, d.H, d.I);
-    for (int64_t t = 0; t < NK; ++t) {
-      std::memcpy(a.gate_up.data() + t * 2 * d.I + d.I, ws.dbuf.data() + t * d.I,
-                  sizeof(S) * d.I);
-    }
+    // gate and up are adjacent in the layout: one [2I, H] projection gives row t = [gate | up].
+    fit(a.gate_up, NK * 2 * d.I);
+    linear_fwd_cpu(a.gate_up.data(), a.hn2.data(), P.wg, nullptr, NK, d.H, 2 * d.I);
     fit(a.act, NK * d.I);
     swiglu_fwd_cpu(a.act.data(), a.gate_up.data(), a.gate_up.data() + d.I, NK, d.I, 2 * d.I);
     linear_fwd_cpu(ws.dtmp.data(), a.act.data(), P.wd, nullptr, NK, d.I, d.H);
@@ -340,6 +337,9 @@ DrafterTrainResult drafter_train_step(const DrafterConfig& cfg, const DrafterLay
   cp.R = R;
   cp.H = d.H;
   cp.V = d.V;
+  // Chunks of about 16 MiB of logits (at least 64 rows): few chunks, so that the LM head is
+  // packed for the GEMMs a few times per row instead of once per 64 rows.
+  cp.chunk_rows = std::max<int64_t>(64, (int64_t(1) << 22) / d.V);
   cp.grad_scale = grad_scale;
   fit(ws.ce_grad, R * d.H);
   fit(ws.lse_out, R);
@@ -377,21 +377,11 @@ DrafterTrainResult drafter_train_step(const DrafterConfig& cfg, const DrafterLay
     fit(ws.d_gate_up, NK * 2 * d.I);
     swiglu_bwd_cpu(ws.d_gate_up.data(), ws.d_gate_up.data() + d.I, ws.d_act.data(),
                    a.gate_up.data(), a.gate_up.data() + d.I, NK, d.I, 2 * d.I);
-    // Split [gate | up] gradients into contiguous buffers for the two linears.
-    fit(ws.dbuf, NK * d.I);
+    // The [2I, H] gate|up projection: dhn2 = d[gate|up]·W, d(W_gate|W_up) += d[gate|up]ᵀ·hn2.
     fit(ws.dhn2, NK * d.H);
     fit(ws.dhn, NK * d.H);
-    fit(ws.dq_n, NK * d.I);  // contiguous gate-input copy for the linear backward
-    for (int64_t t = 0; t < NK; ++t) {
-      std::memcpy(ws.dbuf.data() + t * d.I, ws.d_gate_up.data() + t * 2 * d.I, sizeof(S) * d.I);
-      std::memcpy(ws.dq_n.data() + t * d.I, ws.d_gate_up.data() + t * 2 * d.I + d.I,
-                  sizeof(S) * d.I);
-    }
-    linear_bwd_cpu(ws.dhn2.data(), G.wg, nullptr, ws.dbuf.data(), a.hn2.data(), P.wg, NK, d.H,
-                   d.I);
-    linear_bwd_cpu(ws.dhn.data(), G.wu, nullptr, ws.dq_n.data(), a.hn2.data(), P.wu, NK, d.H,
-                   d.I);
-    residual_accumulate_cpu(ws.dhn2.data(), ws.dhn.data(), NK * d.H);
+    linear_bwd_cpu(ws.dhn2.data(), G.wg, nullptr, ws.d_gate_up.data(), a.hn2.data(), P.wg, NK, d.H,
+                   2 * d.I);
     rmsnorm_bwd_cpu(ws.dtmp.data(), G.post_norm, ws.dhn2.data(), a.h_mid.data(), P.post_norm, NK,
                     d.H, cfg.rms_norm_eps);
     residual_accumulate_cpu(ws.dh.data(), ws.dtmp.data(), NK * d.H);  // dh = d(h_mid)
@@ -477,13 +467,11 @@ std::vector<S> drafter_block_logits(const DrafterConfig& cfg, const DrafterLayou
 
 void drafter_cache_append(DrafterCache& cache, const DrafterConfig& cfg,
                           const DrafterLayout& layout, const float* params, const float* features,
-                          int64_t n) {
+                          int64_t n, DrafterWorkspace<float>& ws) {
   DFLASH_CHECK(n >= 0, "drafter_cache_append: negative row count {}", n);
-  const Dims<float> d(cfg);
   cache.k.resize(static_cast<size_t>(cfg.num_layers));
   cache.v.resize(static_cast<size_t>(cfg.num_layers));
   if (n == 0) return;
-  DrafterWorkspace<float> ws;
   rope_table(ws.inv_freq, cfg);
   ws.layers.resize(static_cast<size_t>(cfg.num_layers));
   ws.pos_kv.resize(static_cast<size_t>(n));
@@ -497,12 +485,53 @@ void drafter_cache_append(DrafterCache& cache, const DrafterConfig& cfg,
   cache.len += n;
 }
 
-std::vector<float> drafter_draft_block(const DrafterCache& cache, const DrafterConfig& cfg,
-                                       const DrafterLayout& layout, const float* params,
-                                       const DrafterTables<float>& tables, int32_t anchor_token) {
+namespace {
+
+// Lends the cache's k/v buffers to the workspace layers for one block forward (the context rows
+// become rows [0, len) of each layer's k/v) and hands them back, cut to len rows, on scope exit.
+class CacheLoan {
+ public:
+  CacheLoan(DrafterCache& cache, DrafterWorkspace<float>& ws, int64_t kv_dim)
+      : cache_(cache), ws_(ws), rows_(cache.len * kv_dim) {
+    for (size_t l = 0; l < cache_.k.size(); ++l) swap(l);
+  }
+  ~CacheLoan() {
+    for (size_t l = 0; l < cache_.k.size(); ++l) {
+      ws_.layers[l].k.resize(static_cast<size_t>(rows_));
+      ws_.layers[l].v.resize(static_cast<size_t>(rows_));
+      swap(l);
+    }
+  }
+  CacheLoan(const CacheLoan&) = delete;
+  CacheLoan& operator=(const CacheLoan&) = delete;
+
+ private:
+  void swap(size_t l) {
+    ws_.layers[l].k.swap(cache_.k[l]);
+    ws_.layers[l].v.swap(cache_.v[l]);
+  }
+  DrafterCache& cache_;
+  DrafterWorkspace<float>& ws_;
+  int64_t rows_;
+};
+
+}  // namespace
+
+std::span<const float> drafter_draft_block(DrafterCache& cache, const DrafterConfig& cfg,
+                                           const DrafterLayout& layout, const float* params,
+                                           const DrafterTables<float>& tables, int32_t anchor_token,
+                                           DrafterWorkspace<float>& ws) {
   const Dims<float> d(cfg);
   const int64_t Tc = cache.len, K = d.K;
-  DrafterWorkspace<float> ws;
+  DFLASH_CHECK(static_cast<int64_t>(cache.k.size()) == cfg.num_layers &&
+                   static_cast<int64_t>(cache.v.size()) == cfg.num_layers,
+               "drafter cache holds {} layers, the drafter has {}", cache.k.size(), cfg.num_layers);
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    DFLASH_CHECK(static_cast<int64_t>(cache.k[l].size()) == Tc * d.KD &&
+                     static_cast<int64_t>(cache.v[l].size()) == Tc * d.KD,
+                 "drafter cache layer {} holds {} k and {} v values, expected {}", l,
+                 cache.k[l].size(), cache.v[l].size(), Tc * d.KD);
+  }
   rope_table(ws.inv_freq, cfg);
   ws.layers.resize(static_cast<size_t>(cfg.num_layers));
   ws.pos_kv.resize(static_cast<size_t>(Tc + K));
@@ -516,22 +545,16 @@ std::vector<float> drafter_draft_block(const DrafterCache& cache, const DrafterC
     ws.ranges[j] = AttnRange{0, static_cast<int32_t>(Tc), static_cast<int32_t>(Tc),
                              static_cast<int32_t>(Tc + K)};
   }
-  for (int64_t l = 0; l < cfg.num_layers; ++l) {
-    auto& a = ws.layers[static_cast<size_t>(l)];
-    DFLASH_CHECK(static_cast<int64_t>(cache.k[l].size()) == Tc * d.KD,
-                 "drafter cache layer {} holds {} values, expected {}", l, cache.k[l].size(),
-                 Tc * d.KD);
-    a.k_raw.assign(static_cast<size_t>((Tc + K) * d.KD), 0.0f);
-    a.k.assign(cache.k[l].begin(), cache.k[l].end());
-    a.v.assign(cache.v[l].begin(), cache.v[l].end());
+  {
+    const CacheLoan loan(cache, ws, d.KD);
+    block_forward(cfg, layout, params, tables.embed, ws, Tc, K, ws.ranges.data());
   }
-  block_forward(cfg, layout, params, tables.embed, ws, Tc, K, ws.ranges.data());
   fit(ws.hf, K * d.H);
   rmsnorm_fwd_cpu(ws.hf.data(), nullptr, ws.h.data(), params + layout.norm, K, d.H,
                   cfg.rms_norm_eps);
-  std::vector<float> logits(static_cast<size_t>(K * d.V));
-  linear_fwd_cpu(logits.data(), ws.hf.data(), tables.lm_head, nullptr, K, d.H, d.V);
-  return logits;
+  fit(ws.logits, K * d.V);
+  linear_fwd_cpu(ws.logits.data(), ws.hf.data(), tables.lm_head, nullptr, K, d.H, d.V);
+  return {ws.logits.data(), static_cast<size_t>(K * d.V)};
 }
 
 #define DFLASH_DRAFTER_INSTANTIATE(S)                                                    \

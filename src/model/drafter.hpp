@@ -84,6 +84,7 @@ struct DrafterLayout {
   int64_t hidden_norm = 0;                  ///< offset of hidden_norm.weight [H]
   int64_t norm = 0;                         ///< offset of the final norm.weight [H]
   std::vector<DrafterLayerOffsets> layers;  ///< per decoder layer
+  /// Throws dflash::Error when the parameter count of `c` overflows int64 (corrupt sizes).
   explicit DrafterLayout(const DrafterConfig& c);
   /// A parameter by export name; throws dflash::Error naming it if unknown.
   const ParamInfo& find(const std::string& name) const;
@@ -153,21 +154,27 @@ std::vector<S> drafter_block_logits(const DrafterConfig& cfg, const DrafterLayou
 struct DrafterCache {
   std::vector<std::vector<float>> k, v;  ///< per layer [len, NKV·D]
   int64_t len = 0;
-  /// Drops rows past `new_len`; throws dflash::Error if new_len > len or < 0.
+  /// Drops rows past `new_len` (the buffers keep their capacity); throws dflash::Error if
+  /// new_len > len or < 0.
   void truncate(int64_t new_len);
 };
 
 /// Appends `n` context rows to the cache: ctx = hidden_norm(fc(features [n, n_taps·H])) at
 /// positions cache.len .. cache.len+n-1, through every layer's k/v projections, k_norm and RoPE.
+/// `ws` is scratch (one per thread; its buffers are reused, so a decoding loop allocates only
+/// when the cache outgrows its capacity).
 void drafter_cache_append(DrafterCache& cache, const DrafterConfig& cfg,
                           const DrafterLayout& layout, const float* params, const float* features,
-                          int64_t n);
+                          int64_t n, DrafterWorkspace<float>& ws);
 
 /// Inference layout: the block [anchor_token, MASK × (K−1)] at positions cache.len ..
-/// cache.len+K−1, attending to every cache row and to itself. Returns logits [K, V]. The cache
-/// is not modified.
-std::vector<float> drafter_draft_block(const DrafterCache& cache, const DrafterConfig& cfg,
-                                       const DrafterLayout& layout, const float* params,
-                                       const DrafterTables<float>& tables, int32_t anchor_token);
+/// cache.len+K−1, attending to every cache row and to itself. Returns logits [K, V], a view of
+/// `ws.logits` valid until `ws` is used again. The cache keeps its rows and length: its buffers
+/// are borrowed for the block's k/v rows (no copy of the context) and handed back, also when an
+/// error is thrown. Throws dflash::Error when a cache layer does not hold len rows.
+std::span<const float> drafter_draft_block(DrafterCache& cache, const DrafterConfig& cfg,
+                                           const DrafterLayout& layout, const float* params,
+                                           const DrafterTables<float>& tables, int32_t anchor_token,
+                                           DrafterWorkspace<float>& ws);
 
 }  // namespace dflash

@@ -13,10 +13,12 @@
 #include "backend/cuda/check.hpp"
 #include "backend/cuda/gemm.hpp"
 #include "core/error.hpp"
+#include "model/step_plan.hpp"
 #include "ops/attention.hpp"
 #include "ops/cast.hpp"
 #include "ops/cross_entropy.hpp"
 #include "ops/embedding.hpp"
+#include "ops/fill.hpp"
 #include "ops/linear.hpp"
 #include "ops/residual.hpp"
 #include "ops/rmsnorm.hpp"
@@ -27,7 +29,7 @@ namespace dflash {
 
 namespace {
 
-constexpr size_t kBf = 2, kF = 4;
+constexpr size_t kF = 4;  // bytes of an fp32 value
 
 // y[M,N] (+)= x[M,K] · W[N,K]ᵀ with bf16 x and W; y f32 or bf16.
 void mm_xwt(cuda::CudaContext& ctx, void* y, DType yt, const uint16_t* x, const uint16_t* w,
@@ -49,86 +51,103 @@ void mm_dw(cuda::CudaContext& ctx, float* dw, const uint16_t* dy, const uint16_t
 
 DrafterCuda::DrafterCuda(cuda::CudaContext& ctx, const DrafterConfig& cfg,
                          const DrafterLayout& layout, int64_t max_ctx, int64_t max_block_rows,
-                         const uint16_t* embed, const uint16_t* lm_head)
+                         const uint16_t* embed, const uint16_t* lm_head, cuda::DeviceArena* arena,
+                         int64_t ce_chunk_rows)
     : ctx_(ctx),
       cfg_(cfg),
       layout_(layout),
       max_ctx_(max_ctx),
       max_rows_(max_block_rows),
+      ce_chunk_rows_(ce_chunk_rows),
       embed_(embed),
       head_(lm_head),
       rope_scaling_(static_cast<float>(rope_attention_scaling(cfg.rope))) {
   cfg.validate();
   DFLASH_CHECK(cfg.head_dim == 64 || cfg.head_dim == 128,
                "the CUDA drafter supports head_dim 64 or 128 (got {})", cfg.head_dim);
-  DFLASH_CHECK(max_ctx > 0 && max_block_rows > 0 && max_block_rows % cfg.block_size == 0,
-               "DrafterCuda: bad capacities ({} context rows, {} block rows)", max_ctx,
-               max_block_rows);
+  DFLASH_CHECK(max_ctx > 0 && max_block_rows > 0 && max_block_rows % cfg.block_size == 0 &&
+                   ce_chunk_rows > 0,
+               "DrafterCuda: bad capacities ({} context rows, {} block rows, CE chunk {})", max_ctx,
+               max_block_rows, ce_chunk_rows);
   DFLASH_CHECK(embed && lm_head, "DrafterCuda: null embedding or LM head");
-  const auto P = static_cast<size_t>(layout.total);
-  const auto H = static_cast<size_t>(cfg.hidden_size), I = static_cast<size_t>(cfg.intermediate_size);
-  const auto QD = static_cast<size_t>(cfg.num_heads * cfg.head_dim);
-  const auto KD = static_cast<size_t>(cfg.num_kv_heads * cfg.head_dim);
-  const auto F = static_cast<size_t>(cfg.n_taps() * cfg.hidden_size);
-  const auto Tc = static_cast<size_t>(max_ctx), Nc = static_cast<size_t>(max_block_rows);
-  const auto NH = static_cast<size_t>(cfg.num_heads);
-  params_ = ctx.scratch(P * kF);
-  grads_ = ctx.scratch(P * kF);
-  m_ = ctx.scratch(P * kF);
-  v_ = ctx.scratch(P * kF);
-  wbf_ = ctx.scratch(P * kBf);
-  AdamWSegment seg{params_.as<float>(), m_.as<float>(), v_.as<float>(), grads_.as<float>(),
-                   layout.total};
-  segs_ = ctx.scratch(sizeof(AdamWSegment));
-  DFLASH_CUDA_CHECK(cudaMemcpy(segs_.data(), &seg, sizeof seg, cudaMemcpyHostToDevice));
+  if (!arena) {
+    ArenaPlanner p(step_phase_names());
+    plan_drafter_step(p, cfg, layout, DrafterStepSizes{max_ctx, max_block_rows, ce_chunk_rows});
+    own_arena_ = std::make_unique<cuda::DeviceArena>(ctx, p.finish());
+    arena = own_arena_.get();
+  }
+  take_buffers(*arena);
+  const AdamWSegment seg{params_, m_, v_, grads_, layout.total};
+  DFLASH_CUDA_CHECK(cudaMemcpy(segs_, &seg, sizeof seg, cudaMemcpyHostToDevice));
   const std::vector<double> f = rope_inv_freq(cfg.rope, cfg.head_dim);
   const std::vector<float> ff(f.begin(), f.end());
-  inv_freq_ = ctx.scratch(ff.size() * kF);
-  DFLASH_CUDA_CHECK(
-      cudaMemcpy(inv_freq_.data(), ff.data(), ff.size() * kF, cudaMemcpyHostToDevice));
-  sumsq_ = ctx.scratch(sizeof(double));
-  sums_ = ctx.scratch(2 * sizeof(double));
-  clip_ = ctx.scratch(sizeof(float));
-  features_ = ctx.scratch(Tc * F * kBf);
-  ctx_pre_ = ctx.scratch(Tc * H * kF);
-  dctx_ = ctx.scratch(Tc * H * kF);
-  dctx_pre_ = ctx.scratch(Tc * H * kF);
-  dctx_bf_ = ctx.scratch(Tc * H * kBf);
-  h0_ = ctx.scratch(Nc * H * kF);
-  hf_ = ctx.scratch(Nc * H * kBf);
-  d_hf_ = ctx.scratch(Nc * H * kF);
-  lse_ce_ = ctx.scratch(Nc * kF);
-  argmax_ = ctx.scratch(Nc * sizeof(int32_t));
-  dh_ = ctx.scratch(Nc * H * kF);
-  dh_bf_ = ctx.scratch(Nc * H * kBf);
-  dtmp_ = ctx.scratch(Nc * H * kF);
-  d_act_ = ctx.scratch(Nc * I * kBf);
-  d_gu_ = ctx.scratch(Nc * 2 * I * kBf);
-  dhn2_ = ctx.scratch(Nc * H * kF);
-  d_o_ = ctx.scratch(Nc * QD * kBf);
-  dq_ = ctx.scratch(Nc * QD * kBf);
-  dq_raw_ = ctx.scratch(Nc * QD * kBf);
-  dk_ = ctx.scratch((Tc + Nc) * KD * kBf);
-  dk_raw_ = ctx.scratch((Tc + Nc) * KD * kBf);
-  dv_ = ctx.scratch((Tc + Nc) * KD * kBf);
-  dx_ = ctx.scratch((Tc + Nc) * H * kF);
-  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+  DFLASH_CUDA_CHECK(cudaMemcpy(inv_freq_, ff.data(), ff.size() * kF, cudaMemcpyHostToDevice));
+}
+
+// Every pointer from the arena, by the names of plan_drafter_step, for the largest step.
+void DrafterCuda::take_buffers(cuda::DeviceArena& a) {
+  const DrafterConfig& c = cfg_;
+  const int64_t P = layout_.total, T = max_ctx_, NK = max_rows_, TK = T + NK;
+  const int64_t H = c.hidden_size, I = c.intermediate_size, F = c.n_taps() * H;
+  const int64_t QD = c.num_heads * c.head_dim, KD = c.num_kv_heads * c.head_dim;
+  params_ = a.get<float>("drafter.params", P);
+  m_ = a.get<float>("drafter.adam_m", P);
+  v_ = a.get<float>("drafter.adam_v", P);
+  wbf_ = a.get<uint16_t>("drafter.weights_bf16", P);
+  segs_ = a.get<AdamWSegment>("drafter.segments", 1);
+  inv_freq_ = a.get<float>("drafter.inv_freq", c.head_dim / 2);
+  sums_ = a.get<double>("drafter.sums", 2);
+  sumsq_ = a.get<double>("drafter.sumsq", 1);
+  clip_ = a.get<float>("drafter.clip", 1);
+  argmax_ = a.get<int32_t>("drafter.argmax", NK);
+  grads_ = a.get<float>("drafter.grads", P);
+  features_ = a.get<uint16_t>("drafter.features", T * F);
+  ctx_pre_ = a.get<float>("drafter.ctx_pre", T * H);
+  kvin_ = a.get<uint16_t>("drafter.kvin", TK * H);
+  h0_ = a.get<float>("drafter.h0", NK * H);
+  layers_.clear();
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const std::string n = fmt::format("drafter.layers.{}.", l);
     LayerBuf b;
-    b.kvin = ctx.scratch((Tc + Nc) * H * kBf);
-    b.q_raw = ctx.scratch(Nc * QD * kBf);
-    b.q = ctx.scratch(Nc * QD * kBf);
-    b.k_raw = ctx.scratch((Tc + Nc) * KD * kBf);
-    b.k = ctx.scratch((Tc + Nc) * KD * kBf);
-    b.v = ctx.scratch((Tc + Nc) * KD * kBf);
-    b.o = ctx.scratch(Nc * QD * kBf);
-    b.lse = ctx.scratch(NH * Nc * kF);
-    b.h_mid = ctx.scratch(Nc * H * kF);
-    b.hn2 = ctx.scratch(Nc * H * kBf);
-    b.gu = ctx.scratch(Nc * 2 * I * kBf);
-    b.act = ctx.scratch(Nc * I * kBf);
-    b.h_out = ctx.scratch(Nc * H * kF);
-    layers_.push_back(std::move(b));
+    b.q_raw = a.get<uint16_t>(n + "q_raw", NK * QD);
+    b.k_raw = a.get<uint16_t>(n + "k_raw", TK * KD);
+    b.v = a.get<uint16_t>(n + "v", TK * KD);
+    b.o = a.get<uint16_t>(n + "o", NK * QD);
+    b.lse = a.get<float>(n + "lse", c.num_heads * NK);
+    b.h_mid = a.get<float>(n + "h_mid", NK * H);
+    b.gu = a.get<uint16_t>(n + "gu", NK * 2 * I);
+    b.h_out = a.get<float>(n + "h_out", NK * H);
+    layers_.push_back(b);
   }
+  q_ = a.get<uint16_t>("drafter.q", NK * QD);
+  k_ = a.get<uint16_t>("drafter.k", TK * KD);
+  hn2_ = a.get<uint16_t>("drafter.hn2", NK * H);
+  act_ = a.get<uint16_t>("drafter.act", NK * I);
+  hf_ = a.get<uint16_t>("drafter.hf", NK * H);
+  d_hf_ = a.get<float>("drafter.d_hf", NK * H);
+  FusedCeParams cp;
+  cp.R = NK;
+  cp.H = H;
+  cp.V = c.vocab_size;
+  cp.chunk_rows = ce_chunk_rows_;
+  ce_ws_bytes_ = cross_entropy_fused_cuda_workspace_bytes(cp, true, false);
+  ce_ws_ = a.get_bytes("drafter.ce_workspace", ce_ws_bytes_);
+  dh_ = a.get<float>("drafter.dh", NK * H);
+  dh_bf_ = a.get<uint16_t>("drafter.dh_bf", NK * H);
+  dtmp_ = a.get<float>("drafter.dtmp", NK * H);
+  d_act_ = a.get<uint16_t>("drafter.d_act", NK * I);
+  d_gu_ = a.get<uint16_t>("drafter.d_gu", NK * 2 * I);
+  dhn2_ = a.get<float>("drafter.dhn2", NK * H);
+  d_o_ = a.get<uint16_t>("drafter.d_o", NK * QD);
+  dq_ = a.get<uint16_t>("drafter.dq", NK * QD);
+  dq_raw_ = a.get<uint16_t>("drafter.dq_raw", NK * QD);
+  dk_ = a.get<uint16_t>("drafter.dk", TK * KD);
+  dk_raw_ = a.get<uint16_t>("drafter.dk_raw", TK * KD);
+  dv_ = a.get<uint16_t>("drafter.dv", TK * KD);
+  dx_ = a.get<float>("drafter.dx", TK * H);
+  dctx_ = a.get<float>("drafter.dctx", T * H);
+  dctx_pre_ = a.get<float>("drafter.dctx_pre", T * H);
+  dctx_bf_ = a.get<uint16_t>("drafter.dctx_bf", T * H);
 }
 
 void DrafterCuda::upload_state(std::span<const float> params, std::span<const float> m,
@@ -137,27 +156,37 @@ void DrafterCuda::upload_state(std::span<const float> params, std::span<const fl
   DFLASH_CHECK(params.size() == P && m.size() == P && v.size() == P,
                "DrafterCuda::upload_state: {} / {} / {} values for {} parameters", params.size(),
                m.size(), v.size(), P);
-  DFLASH_CUDA_CHECK(cudaMemcpyAsync(params_.data(), params.data(), P * kF, cudaMemcpyHostToDevice,
-                                    ctx_.stream()));
   DFLASH_CUDA_CHECK(
-      cudaMemcpyAsync(m_.data(), m.data(), P * kF, cudaMemcpyHostToDevice, ctx_.stream()));
-  DFLASH_CUDA_CHECK(
-      cudaMemcpyAsync(v_.data(), v.data(), P * kF, cudaMemcpyHostToDevice, ctx_.stream()));
-  cast_cuda(ctx_, wbf_.as<uint16_t>(), params_.as<float>(), layout_.total);
+      cudaMemcpyAsync(params_, params.data(), P * kF, cudaMemcpyHostToDevice, ctx_.stream()));
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(m_, m.data(), P * kF, cudaMemcpyHostToDevice, ctx_.stream()));
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(v_, v.data(), P * kF, cudaMemcpyHostToDevice, ctx_.stream()));
+  cast_cuda(ctx_, wbf_, params_, layout_.total);
   ctx_.synchronize();
 }
 
 void DrafterCuda::download_state(std::span<float> params, std::span<float> m, std::span<float> v) {
   const auto P = static_cast<size_t>(layout_.total);
   DFLASH_CHECK(params.size() == P && m.size() == P && v.size() == P,
-               "DrafterCuda::download_state: {} / {} / {} values for {} parameters",
-               params.size(), m.size(), v.size(), P);
-  DFLASH_CUDA_CHECK(cudaMemcpyAsync(params.data(), params_.data(), P * kF, cudaMemcpyDeviceToHost,
-                                    ctx_.stream()));
+               "DrafterCuda::download_state: {} / {} / {} values for {} parameters", params.size(),
+               m.size(), v.size(), P);
   DFLASH_CUDA_CHECK(
-      cudaMemcpyAsync(m.data(), m_.data(), P * kF, cudaMemcpyDeviceToHost, ctx_.stream()));
-  DFLASH_CUDA_CHECK(
-      cudaMemcpyAsync(v.data(), v_.data(), P * kF, cudaMemcpyDeviceToHost, ctx_.stream()));
+      cudaMemcpyAsync(params.data(), params_, P * kF, cudaMemcpyDeviceToHost, ctx_.stream()));
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(m.data(), m_, P * kF, cudaMemcpyDeviceToHost, ctx_.stream()));
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(v.data(), v_, P * kF, cudaMemcpyDeviceToHost, ctx_.stream()));
+  ctx_.synchronize();
+}
+
+void DrafterCuda::randomize_state(uint64_t seed) {
+  const float bound = 0.02f * std::sqrt(3.0f);  // standard deviation 0.02
+  for (size_t i = 0; i < layout_.params.size(); ++i) {
+    const ParamInfo& p = layout_.params[i];
+    fill_uniform_cuda(ctx_, params_ + p.offset, p.numel, p.is_norm ? 1.0f : 0.0f,
+                      p.is_norm ? 0.0f : bound, seed + i);
+  }
+  const size_t bytes = static_cast<size_t>(layout_.total) * kF;
+  DFLASH_CUDA_CHECK(cudaMemsetAsync(m_, 0, bytes, ctx_.stream()));
+  DFLASH_CUDA_CHECK(cudaMemsetAsync(v_, 0, bytes, ctx_.stream()));
+  cast_cuda(ctx_, wbf_, params_, layout_.total);
   ctx_.synchronize();
 }
 
@@ -165,8 +194,8 @@ void DrafterCuda::download_grads(std::span<float> grads) {
   const auto P = static_cast<size_t>(layout_.total);
   DFLASH_CHECK(grads.size() == P, "DrafterCuda::download_grads: {} values for {} parameters",
                grads.size(), P);
-  DFLASH_CUDA_CHECK(cudaMemcpyAsync(grads.data(), grads_.data(), P * kF, cudaMemcpyDeviceToHost,
-                                    ctx_.stream()));
+  DFLASH_CUDA_CHECK(
+      cudaMemcpyAsync(grads.data(), grads_, P * kF, cudaMemcpyDeviceToHost, ctx_.stream()));
   ctx_.synchronize();
 }
 
@@ -182,152 +211,139 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim, NH = c.num_heads;
   const int64_t NKV = c.num_kv_heads, QD = NH * D, KD = NKV * D, F = c.n_taps() * H;
   const double eps = c.rms_norm_eps;
-  float* P = params_.as<float>();
-  float* G = grads_.as<float>();
-  const uint16_t* W = wbf_.as<uint16_t>();
   // A parameter's master weight, gradient and bf16 copy, by its layout offset.
-  auto pf = [&](int64_t offset) { return P + offset; };
-  auto gf = [&](int64_t offset) { return G + offset; };
-  auto wb = [&](int64_t offset) { return W + offset; };
-  const float* inv_freq = inv_freq_.as<float>();
+  auto pf = [&](int64_t offset) { return params_ + offset; };
+  auto gf = [&](int64_t offset) { return grads_ + offset; };
+  auto wb = [&](int64_t offset) { return static_cast<const uint16_t*>(wbf_) + offset; };
+  auto layer = [&](int64_t l) -> const DrafterLayerOffsets& {
+    return layout_.layers[static_cast<size_t>(l)];
+  };
+  const float* inv_freq = inv_freq_;
   const int32_t* pos_q = in.pos + T;
   float* nullf = nullptr;
   const AttnParams ap{NK, TK, NH, NKV, D, 1.0 / std::sqrt(static_cast<double>(D))};
   cudaStream_t s = ctx_.stream();
+  uint16_t* kvin = kvin_;        // [ctx rows T ; block rows NK] of the k/v projections
+  uint16_t* hn = kvin_ + T * H;  // block rows: norm(x_in) of the current layer
+  // Recomputations of the backward, by the forward's kernels on the forward's inputs.
+  auto norm_rope_q = [&](const LayerBuf& a, int64_t l) {
+    rmsnorm_fwd_cuda(ctx_, q_, nullf, a.q_raw, pf(layer(l).q_norm), NK * NH, D, eps);
+    rope_fwd_cuda(ctx_, q_, q_, pos_q, inv_freq, rope_scaling_, NK, NH, D);
+  };
+  auto norm_rope_k = [&](const LayerBuf& a, int64_t l) {
+    rmsnorm_fwd_cuda(ctx_, k_, nullf, a.k_raw, pf(layer(l).k_norm), TK * NKV, D, eps);
+    rope_fwd_cuda(ctx_, k_, k_, in.pos, inv_freq, rope_scaling_, TK, NKV, D);
+  };
+  auto swiglu = [&](const LayerBuf& a) {
+    swiglu_fwd_cuda(ctx_, act_, a.gu, a.gu + I, NK, I, 2 * I);
+  };
 
-  DFLASH_CUDA_CHECK(
-      cudaMemsetAsync(grads_.data(), 0, static_cast<size_t>(layout_.total) * kF, s));
+  // ---- phase drafter ctx
+  DFLASH_CUDA_CHECK(cudaMemsetAsync(grads_, 0, static_cast<size_t>(layout_.total) * kF, s));
+  // ctx = hidden_norm(fc(features)): the first T rows of kvin, shared by every layer.
+  mm_xwt(ctx_, ctx_pre_, DType::f32, in.features, wb(layout_.fc), T, H, F, 0.0f);
+  rmsnorm_fwd_cuda(ctx_, kvin, nullf, ctx_pre_, pf(layout_.hidden_norm), T, H, eps);
+  embedding_fwd_cuda(ctx_, h0_, embed_, in.block_tokens, NK, c.vocab_size, H);
 
-  // ---- forward
-  // ctx = hidden_norm(fc(features)), written into the first T rows of every layer's kvin.
-  float* ctx_pre = ctx_pre_.as<float>();
-  mm_xwt(ctx_, ctx_pre, DType::f32, in.features, wb(layout_.fc), T, H, F, 0.0f);
-  uint16_t* ctx0 = layers_[0].kvin.as<uint16_t>();
-  rmsnorm_fwd_cuda(ctx_, ctx0, nullf, ctx_pre, pf(layout_.hidden_norm), T, H, eps);
-  for (size_t l = 1; l < layers_.size(); ++l) {
-    DFLASH_CUDA_CHECK(cudaMemcpyAsync(layers_[l].kvin.data(), ctx0,
-                                      static_cast<size_t>(T * H) * kBf, cudaMemcpyDeviceToDevice,
-                                      s));
-  }
-  float* h = h0_.as<float>();
-  embedding_fwd_cuda(ctx_, h, embed_, in.block_tokens, NK, c.vocab_size, H);
+  // ---- forward, layer by layer (phases fwd attn, fwd mlp)
+  const float* h = h0_;
   for (int64_t l = 0; l < c.num_layers; ++l) {
     LayerBuf& a = layers_[static_cast<size_t>(l)];
-    const DrafterLayerOffsets& L = layout_.layers[static_cast<size_t>(l)];
-    uint16_t* kvin = a.kvin.as<uint16_t>();
-    uint16_t* hn = kvin + T * H;
+    const DrafterLayerOffsets& L = layer(l);
     rmsnorm_fwd_cuda(ctx_, hn, nullf, h, pf(L.input_layernorm), NK, H, eps);
-    uint16_t *q_raw = a.q_raw.as<uint16_t>(), *q = a.q.as<uint16_t>();
-    mm_xwt(ctx_, q_raw, DType::bf16, hn, wb(L.q_proj), NK, QD, H, 0.0f);
-    rmsnorm_fwd_cuda(ctx_, q, nullf, q_raw, pf(L.q_norm), NK * NH, D, eps);
-    rope_fwd_cuda(ctx_, q, q, pos_q, inv_freq, rope_scaling_, NK, NH, D);
-    uint16_t *k_raw = a.k_raw.as<uint16_t>(), *k = a.k.as<uint16_t>(), *v = a.v.as<uint16_t>();
-    mm_xwt(ctx_, k_raw, DType::bf16, kvin, wb(L.k_proj), TK, KD, H, 0.0f);
-    rmsnorm_fwd_cuda(ctx_, k, nullf, k_raw, pf(L.k_norm), TK * NKV, D, eps);
-    rope_fwd_cuda(ctx_, k, k, in.pos, inv_freq, rope_scaling_, TK, NKV, D);
-    mm_xwt(ctx_, v, DType::bf16, kvin, wb(L.v_proj), TK, KD, H, 0.0f);
-    uint16_t* o = a.o.as<uint16_t>();
-    attention_fwd_cuda(ctx_, o, a.lse.as<float>(), q, k, v, in.ranges, ap);
-    float* h_mid = a.h_mid.as<float>();
-    DFLASH_CUDA_CHECK(cudaMemcpyAsync(h_mid, h, static_cast<size_t>(NK * H) * kF,
+    mm_xwt(ctx_, a.q_raw, DType::bf16, hn, wb(L.q_proj), NK, QD, H, 0.0f);
+    norm_rope_q(a, l);
+    mm_xwt(ctx_, a.k_raw, DType::bf16, kvin, wb(L.k_proj), TK, KD, H, 0.0f);
+    norm_rope_k(a, l);
+    mm_xwt(ctx_, a.v, DType::bf16, kvin, wb(L.v_proj), TK, KD, H, 0.0f);
+    attention_fwd_cuda(ctx_, a.o, a.lse, q_, k_, a.v, in.ranges, ap);
+    DFLASH_CUDA_CHECK(
+        cudaMemcpyAsync(a.h_mid, h, static_cast<size_t>(NK * H) * kF, cudaMemcpyDeviceToDevice, s));
+    mm_xwt(ctx_, a.h_mid, DType::f32, a.o, wb(L.o_proj), NK, H, QD, 1.0f);
+    rmsnorm_fwd_cuda(ctx_, hn2_, nullf, a.h_mid, pf(L.post_attention_layernorm), NK, H, eps);
+    mm_xwt(ctx_, a.gu, DType::bf16, hn2_, wb(L.gate_proj), NK, 2 * I, H, 0.0f);  // [gate | up]
+    swiglu(a);
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(a.h_out, a.h_mid, static_cast<size_t>(NK * H) * kF,
                                       cudaMemcpyDeviceToDevice, s));
-    mm_xwt(ctx_, h_mid, DType::f32, o, wb(L.o_proj), NK, H, QD, 1.0f);
-    uint16_t* hn2 = a.hn2.as<uint16_t>();
-    rmsnorm_fwd_cuda(ctx_, hn2, nullf, h_mid, pf(L.post_attention_layernorm), NK, H, eps);
-    uint16_t *gu = a.gu.as<uint16_t>(), *act = a.act.as<uint16_t>();
-    mm_xwt(ctx_, gu, DType::bf16, hn2, wb(L.gate_proj), NK, 2 * I, H, 0.0f);  // [gate | up]
-    swiglu_fwd_cuda(ctx_, act, gu, gu + I, NK, I, 2 * I);
-    float* h_out = a.h_out.as<float>();
-    DFLASH_CUDA_CHECK(cudaMemcpyAsync(h_out, h_mid, static_cast<size_t>(NK * H) * kF,
-                                      cudaMemcpyDeviceToDevice, s));
-    mm_xwt(ctx_, h_out, DType::f32, act, wb(L.down_proj), NK, H, I, 1.0f);
-    h = h_out;
+    mm_xwt(ctx_, a.h_out, DType::f32, act_, wb(L.down_proj), NK, H, I, 1.0f);
+    h = a.h_out;
   }
-  // Final norm and the fused LM-head cross-entropy (d_hf = grad_scale·d(Σ w·CE)/d hf).
-  uint16_t* hf = hf_.as<uint16_t>();
-  rmsnorm_fwd_cuda(ctx_, hf, nullf, h, pf(layout_.norm), NK, H, eps);
+
+  if (phase_events_.after_forward) {
+    DFLASH_CUDA_CHECK(cudaEventRecord(phase_events_.after_forward, s));
+  }
+
+  // ---- phase head: final norm, the fused LM-head CE (d_hf = grad_scale·d(Σ w·CE)/d hf) and the
+  // final norm's backward.
+  const int64_t norm_i = layout_.norm;
+  rmsnorm_fwd_cuda(ctx_, hf_, nullf, h, pf(norm_i), NK, H, eps);
   FusedCeParams cp;
   cp.R = NK;
   cp.H = H;
   cp.V = c.vocab_size;
-  cp.chunk_rows = 8192;
+  cp.chunk_rows = ce_chunk_rows_;
   cp.grad_scale = grad_scale;
-  float* d_hf = d_hf_.as<float>();
-  cross_entropy_fused_cuda(ctx_, d_hf, lse_ce_.as<float>(), argmax_.as<int32_t>(), nullptr,
-                           sums_.as<double>(), hf, head_, in.labels, in.weights, cp);
+  cross_entropy_fused_cuda(ctx_, d_hf_, nullptr, argmax_, nullptr, sums_, hf_, head_, in.labels,
+                           in.weights, cp, ce_ws_, ce_ws_bytes_);
+  rmsnorm_bwd_cuda(ctx_, dh_, gf(norm_i), d_hf_, h, pf(norm_i), NK, H, eps);
+  if (phase_events_.after_head) DFLASH_CUDA_CHECK(cudaEventRecord(phase_events_.after_head, s));
 
-  // ---- backward
-  float* dh = dh_.as<float>();
-  float* dtmp = dtmp_.as<float>();
-  uint16_t* dh_bf = dh_bf_.as<uint16_t>();
-  rmsnorm_bwd_cuda(ctx_, dh, gf(layout_.norm), d_hf, h, pf(layout_.norm), NK, H, eps);
-  float* dctx = dctx_.as<float>();
-  float* dx = dx_.as<float>();
+  // ---- backward, layer by layer (phases bwd mlp, bwd attn)
   for (int64_t l = c.num_layers - 1; l >= 0; --l) {
     LayerBuf& a = layers_[static_cast<size_t>(l)];
-    const DrafterLayerOffsets& L = layout_.layers[static_cast<size_t>(l)];
-    const float* x_in = l == 0 ? h0_.as<float>() : layers_[static_cast<size_t>(l - 1)].h_out.as<float>();
-    uint16_t* kvin = a.kvin.as<uint16_t>();
-    const uint16_t* hn = kvin + T * H;
-    // MLP: h_out = h_mid + down(act).
-    cast_cuda(ctx_, dh_bf, dh, NK * H);
-    uint16_t* d_act = d_act_.as<uint16_t>();
-    linear_bwd_cuda(ctx_, d_act, gf(L.down_proj), dh_bf, a.act.as<uint16_t>(), wb(L.down_proj), NK,
-                    I, H);
-    uint16_t* d_gu = d_gu_.as<uint16_t>();
-    const uint16_t* gu = a.gu.as<uint16_t>();
-    swiglu_bwd_cuda(ctx_, d_gu, d_gu + I, d_act, gu, gu + I, NK, I, 2 * I);
-    float* dhn2 = dhn2_.as<float>();
+    const DrafterLayerOffsets& L = layer(l);
+    // MLP: h_out = h_mid + down(SwiGLU(gu)), gu = norm(h_mid)·Wguᵀ.
+    cast_cuda(ctx_, dh_bf_, dh_, NK * H);
+    swiglu(a);
+    linear_bwd_cuda(ctx_, d_act_, gf(L.down_proj), dh_bf_, act_, wb(L.down_proj), NK, I, H);
+    swiglu_bwd_cuda(ctx_, d_gu_, d_gu_ + I, d_act_, a.gu, a.gu + I, NK, I, 2 * I);
+    rmsnorm_fwd_cuda(ctx_, hn2_, nullf, a.h_mid, pf(L.post_attention_layernorm), NK, H, eps);
     // gate and up are adjacent in the layout: one [2I, H] linear.
-    linear_bwd_cuda(ctx_, dhn2, gf(L.gate_proj), d_gu, a.hn2.as<uint16_t>(), wb(L.gate_proj), NK, H,
-                    2 * I);
-    rmsnorm_bwd_cuda(ctx_, dtmp, gf(L.post_attention_layernorm), dhn2, a.h_mid.as<float>(),
+    linear_bwd_cuda(ctx_, dhn2_, gf(L.gate_proj), d_gu_, hn2_, wb(L.gate_proj), NK, H, 2 * I);
+    rmsnorm_bwd_cuda(ctx_, dtmp_, gf(L.post_attention_layernorm), dhn2_, a.h_mid,
                      pf(L.post_attention_layernorm), NK, H, eps);
-    residual_accumulate_cuda(ctx_, dh, dtmp, NK * H);  // dh = d(h_mid)
+    residual_accumulate_cuda(ctx_, dh_, dtmp_, NK * H);  // dh = d(h_mid)
     // Attention: h_mid = x_in + o_proj(o).
-    cast_cuda(ctx_, dh_bf, dh, NK * H);
-    uint16_t* d_o = d_o_.as<uint16_t>();
-    linear_bwd_cuda(ctx_, d_o, gf(L.o_proj), dh_bf, a.o.as<uint16_t>(), wb(L.o_proj), NK, QD, H);
-    uint16_t *dq = dq_.as<uint16_t>(), *dk = dk_.as<uint16_t>(), *dv = dv_.as<uint16_t>();
-    attention_bwd_cuda(ctx_, dq, dk, dv, d_o, a.q.as<uint16_t>(), a.k.as<uint16_t>(),
-                       a.v.as<uint16_t>(), a.o.as<uint16_t>(), a.lse.as<float>(), in.ranges, ap);
+    cast_cuda(ctx_, dh_bf_, dh_, NK * H);
+    linear_bwd_cuda(ctx_, d_o_, gf(L.o_proj), dh_bf_, a.o, wb(L.o_proj), NK, QD, H);
+    if (l == 0) embedding_fwd_cuda(ctx_, h0_, embed_, in.block_tokens, NK, c.vocab_size, H);
+    const float* x_in = l == 0 ? h0_ : layers_[static_cast<size_t>(l - 1)].h_out;
+    rmsnorm_fwd_cuda(ctx_, hn, nullf, x_in, pf(L.input_layernorm), NK, H, eps);
+    norm_rope_q(a, l);
+    norm_rope_k(a, l);
+    attention_bwd_cuda(ctx_, dq_, dk_, dv_, d_o_, q_, k_, a.v, a.o, a.lse, in.ranges, ap);
     // q path: rope -> q_norm -> q_proj.
-    rope_bwd_cuda(ctx_, dq, dq, pos_q, inv_freq, rope_scaling_, NK, NH, D);
-    uint16_t* dq_raw = dq_raw_.as<uint16_t>();
-    rmsnorm_bwd_cuda(ctx_, dq_raw, gf(L.q_norm), dq, a.q_raw.as<uint16_t>(), pf(L.q_norm), NK * NH,
-                     D, eps);
+    rope_bwd_cuda(ctx_, dq_, dq_, pos_q, inv_freq, rope_scaling_, NK, NH, D);
+    rmsnorm_bwd_cuda(ctx_, dq_raw_, gf(L.q_norm), dq_, a.q_raw, pf(L.q_norm), NK * NH, D, eps);
     // k path over all rows [ctx ; block].
-    rope_bwd_cuda(ctx_, dk, dk, in.pos, inv_freq, rope_scaling_, TK, NKV, D);
-    uint16_t* dk_raw = dk_raw_.as<uint16_t>();
-    rmsnorm_bwd_cuda(ctx_, dk_raw, gf(L.k_norm), dk, a.k_raw.as<uint16_t>(), pf(L.k_norm), TK * NKV,
-                     D, eps);
+    rope_bwd_cuda(ctx_, dk_, dk_, in.pos, inv_freq, rope_scaling_, TK, NKV, D);
+    rmsnorm_bwd_cuda(ctx_, dk_raw_, gf(L.k_norm), dk_, a.k_raw, pf(L.k_norm), TK * NKV, D, eps);
     // dX[TK, H] = dk_raw·Wk + dv·Wv, then rows [T, TK) += dq_raw·Wq; weight gradients.
-    mm_dyw(ctx_, dx, DType::f32, dk_raw, wb(L.k_proj), TK, KD, H, 0.0f);
-    mm_dyw(ctx_, dx, DType::f32, dv, wb(L.v_proj), TK, KD, H, 1.0f);
-    mm_dyw(ctx_, dx + T * H, DType::f32, dq_raw, wb(L.q_proj), NK, QD, H, 1.0f);
-    mm_dw(ctx_, gf(L.k_proj), dk_raw, kvin, TK, KD, H);
-    mm_dw(ctx_, gf(L.v_proj), dv, kvin, TK, KD, H);
-    mm_dw(ctx_, gf(L.q_proj), dq_raw, hn, NK, QD, H);
+    mm_dyw(ctx_, dx_, DType::f32, dk_raw_, wb(L.k_proj), TK, KD, H, 0.0f);
+    mm_dyw(ctx_, dx_, DType::f32, dv_, wb(L.v_proj), TK, KD, H, 1.0f);
+    mm_dyw(ctx_, dx_ + T * H, DType::f32, dq_raw_, wb(L.q_proj), NK, QD, H, 1.0f);
+    mm_dw(ctx_, gf(L.k_proj), dk_raw_, kvin, TK, KD, H);
+    mm_dw(ctx_, gf(L.v_proj), dv_, kvin, TK, KD, H);
+    mm_dw(ctx_, gf(L.q_proj), dq_raw_, hn, NK, QD, H);
     // input_layernorm of the block rows; ctx rows enter every layer unnormed.
-    rmsnorm_bwd_cuda(ctx_, dtmp, gf(L.input_layernorm), dx + T * H, x_in, pf(L.input_layernorm), NK,
-                     H, eps);
-    residual_accumulate_cuda(ctx_, dh, dtmp, NK * H);  // dh = d(x_in)
+    rmsnorm_bwd_cuda(ctx_, dtmp_, gf(L.input_layernorm), dx_ + T * H, x_in, pf(L.input_layernorm),
+                     NK, H, eps);
+    residual_accumulate_cuda(ctx_, dh_, dtmp_, NK * H);  // dh = d(x_in)
     if (l == c.num_layers - 1) {
-      DFLASH_CUDA_CHECK(cudaMemcpyAsync(dctx, dx, static_cast<size_t>(T * H) * kF,
+      DFLASH_CUDA_CHECK(cudaMemcpyAsync(dctx_, dx_, static_cast<size_t>(T * H) * kF,
                                         cudaMemcpyDeviceToDevice, s));
     } else {
-      residual_accumulate_cuda(ctx_, dctx, dx, T * H);
+      residual_accumulate_cuda(ctx_, dctx_, dx_, T * H);
     }
   }
-  // ctx = hidden_norm(fc(features)); the features are frozen.
-  float* dctx_pre = dctx_pre_.as<float>();
-  rmsnorm_bwd_cuda(ctx_, dctx_pre, gf(layout_.hidden_norm), dctx, ctx_pre, pf(layout_.hidden_norm),
-                   T, H, eps);
-  uint16_t* dctx_bf = dctx_bf_.as<uint16_t>();
-  cast_cuda(ctx_, dctx_bf, dctx_pre, T * H);
-  mm_dw(ctx_, gf(layout_.fc), dctx_bf, in.features, T, H, F);
 
-  grad_sumsq_cuda(ctx_, sumsq_.as<double>(), segs_.as<AdamWSegment>(), 1);
+  // ---- phase bwd ctx: ctx = hidden_norm(fc(features)); the features are frozen.
+  rmsnorm_bwd_cuda(ctx_, dctx_pre_, gf(layout_.hidden_norm), dctx_, ctx_pre_,
+                   pf(layout_.hidden_norm), T, H, eps);
+  cast_cuda(ctx_, dctx_bf_, dctx_pre_, T * H);
+  mm_dw(ctx_, gf(layout_.fc), dctx_bf_, in.features, T, H, F);
+
+  grad_sumsq_cuda(ctx_, sumsq_, segs_, 1);
 }
 
 DrafterCuda::Results DrafterCuda::fetch_results(int64_t NK) {
@@ -336,10 +352,9 @@ DrafterCuda::Results DrafterCuda::fetch_results(int64_t NK) {
   double sums[2] = {0, 0}, sumsq = 0;
   r.argmax.resize(static_cast<size_t>(NK));
   cudaStream_t s = ctx_.stream();
-  DFLASH_CUDA_CHECK(cudaMemcpyAsync(sums, sums_.data(), sizeof sums, cudaMemcpyDeviceToHost, s));
-  DFLASH_CUDA_CHECK(
-      cudaMemcpyAsync(&sumsq, sumsq_.data(), sizeof sumsq, cudaMemcpyDeviceToHost, s));
-  DFLASH_CUDA_CHECK(cudaMemcpyAsync(r.argmax.data(), argmax_.data(),
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(sums, sums_, sizeof sums, cudaMemcpyDeviceToHost, s));
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(&sumsq, sumsq_, sizeof sumsq, cudaMemcpyDeviceToHost, s));
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(r.argmax.data(), argmax_,
                                     static_cast<size_t>(NK) * sizeof(int32_t),
                                     cudaMemcpyDeviceToHost, s));
   ctx_.synchronize();
@@ -360,11 +375,9 @@ double DrafterCuda::grad_norm() {
 
 void DrafterCuda::adamw(const AdamWConfig& cfg, double lr, int64_t step, double grad_scale) {
   const float gs = static_cast<float>(grad_scale);
-  DFLASH_CUDA_CHECK(
-      cudaMemcpyAsync(clip_.data(), &gs, sizeof gs, cudaMemcpyHostToDevice, ctx_.stream()));
-  adamw_step_cuda(ctx_, segs_.as<AdamWSegment>(), 1, layout_.total, cfg, lr, step,
-                  clip_.as<float>(), nullptr);
-  cast_cuda(ctx_, wbf_.as<uint16_t>(), params_.as<float>(), layout_.total);
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(clip_, &gs, sizeof gs, cudaMemcpyHostToDevice, ctx_.stream()));
+  adamw_step_cuda(ctx_, segs_, 1, layout_.total, cfg, lr, step, clip_, nullptr);
+  cast_cuda(ctx_, wbf_, params_, layout_.total);
   // `gs` lives on this stack frame: the copy must finish before returning.
   ctx_.synchronize();
 }

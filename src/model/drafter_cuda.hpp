@@ -5,23 +5,29 @@
 // Numerics (DESIGN.md §3): fp32 master weights, AdamW moments and gradients; a bf16 copy of the
 // weights feeds every GEMM (bf16 in, fp32 accumulate); the residual stream, norm statistics,
 // softmax and the loss are fp32; activations saved for the backward are bf16 except the residual
-// stream and the pre-norm context (fp32).
+// stream and the pre-norm context (fp32). What is saved and what the backward recomputes (with
+// the forward's kernels on the forward's inputs, so with the same bits): model/step_plan.hpp.
 //
-// Invariants: one DrafterCuda belongs to one CudaContext (one thread). Every buffer is sized at
-// construction for `max_ctx` context rows and `max_block_rows` block rows, so a step allocates
-// nothing from the driver; the step's work is enqueued on the context's stream in a fixed order
-// (graph-capturable). Parameter gradients are zeroed at the start of forward_backward and
-// accumulate over the step; activation gradients are overwritten.
+// Invariants: one DrafterCuda belongs to one CudaContext (one thread). Every buffer is a
+// "drafter.*" buffer of a memory plan (plan_drafter_step) in a DeviceArena, sized for `max_ctx`
+// context rows and `max_block_rows` block rows, so a step allocates nothing from the driver;
+// buffers the plan lets share memory are used in disjoint phases of the step (the phase sets of
+// plan_drafter_step follow the order of work in forward_backward). The step's work is enqueued on
+// the context's stream in a fixed order (graph-capturable). Parameter gradients are zeroed at the
+// start of forward_backward and accumulate over the step; activation gradients are overwritten.
 #pragma once
 
 #ifdef DFLASH_HAVE_CUDA
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
+#include "backend/cuda/arena.hpp"
 #include "backend/cuda/context.hpp"
 #include "model/drafter.hpp"
+#include "model/step_plan.hpp"
 #include "train/optimizer.hpp"
 
 namespace dflash {
@@ -42,12 +48,15 @@ struct DrafterCudaInputs {
 /// Drafter weights, optimizer state and the activation workspace on one GPU.
 class DrafterCuda {
  public:
-  /// Plans every buffer. `embed` and `lm_head` are the target's frozen bf16 tables [V, H] on the
-  /// same device (they must outlive this object). Throws dflash::Error for head_dim other than
-  /// 64/128 or non-positive capacities.
+  /// Takes every buffer from `arena` (the buffers of plan_drafter_step for these capacities and
+  /// `ce_chunk_rows`), or from an arena of its own when `arena` is null. `embed` and `lm_head` are
+  /// the target's frozen bf16 tables [V, H] on the same device (they must outlive this object).
+  /// Throws dflash::Error for head_dim other than 64/128, non-positive capacities, or an arena
+  /// whose plan lacks a buffer or plans one too small (naming it).
   DrafterCuda(cuda::CudaContext& ctx, const DrafterConfig& cfg, const DrafterLayout& layout,
               int64_t max_ctx, int64_t max_block_rows, const uint16_t* embed,
-              const uint16_t* lm_head);
+              const uint16_t* lm_head, cuda::DeviceArena* arena = nullptr,
+              int64_t ce_chunk_rows = kDrafterCeChunkRows);
 
   /// Copies master weights and AdamW moments (layout.total values each) to the device and
   /// refreshes the bf16 copy. Synchronous.
@@ -55,6 +64,20 @@ class DrafterCuda {
                     std::span<const float> v);
   /// Copies master weights and moments back to the host. Synchronous.
   void download_state(std::span<float> params, std::span<float> m, std::span<float> v);
+
+  /// Random master weights on the device (linear weights uniform with standard deviation 0.02,
+  /// norm weights 1; ops/fill.hpp, from `seed`), zero moments, bf16 copy refreshed: for
+  /// benchmarks without a checkpoint. Synchronous.
+  void randomize_state(uint64_t seed);
+
+  /// Events forward_backward records for per-phase timing (null: none): after the layers'
+  /// forward, and after the head (final norm, fused CE, the final norm's backward).
+  struct PhaseEvents {
+    cudaEvent_t after_forward = nullptr, after_head = nullptr;
+  };
+  /// Sets them; never while the stream is captured into a graph (the events would become
+  /// capture dependencies instead of timestamps).
+  void set_phase_events(const PhaseEvents& e) { phase_events_ = e; }
 
   /// Copies the gradients of the last forward_backward (layout.total values) to the host; for
   /// tests. Synchronous.
@@ -79,7 +102,7 @@ class DrafterCuda {
   void adamw(const AdamWConfig& cfg, double lr, int64_t step, double grad_scale);
 
   /// The feature buffer [max_ctx, n_taps·H] bf16 that the target's tap forward writes.
-  uint16_t* features() { return features_.as<uint16_t>(); }
+  uint16_t* features() { return features_; }
 
   /// The parameter gradients [layout.total] f32 on the device (what the replicas all-reduce).
   float* grads() { return grads_.as<float>(); }
@@ -88,22 +111,36 @@ class DrafterCuda {
   double grad_norm();
 
  private:
+  // Saved activations of one layer (see model/step_plan.hpp).
   struct LayerBuf {
-    cuda::DeviceBuffer kvin, q_raw, q, k_raw, k, v, o, lse, h_mid, hn2, gu, act, h_out;
+    uint16_t *q_raw, *k_raw, *v, *o, *gu;
+    float *lse, *h_mid, *h_out;
   };
   cuda::CudaContext& ctx_;
   DrafterConfig cfg_;
   DrafterLayout layout_;
-  int64_t max_ctx_, max_rows_;
+  int64_t max_ctx_, max_rows_, ce_chunk_rows_;
   const uint16_t* embed_;
   const uint16_t* head_;
   float rope_scaling_;
-  cuda::DeviceBuffer params_, grads_, m_, v_, wbf_, segs_, inv_freq_;
-  cuda::DeviceBuffer sumsq_, sums_, clip_, features_;
-  cuda::DeviceBuffer ctx_pre_, dctx_, dctx_pre_, dctx_bf_, h0_, hf_, d_hf_, lse_ce_, argmax_;
-  cuda::DeviceBuffer dh_, dh_bf_, dtmp_, d_act_, d_gu_, dhn2_, d_o_, dq_, dq_raw_, dk_, dk_raw_,
-      dv_, dx_;
+  std::unique_ptr<cuda::DeviceArena> own_arena_;
+  // State and results.
+  float *params_, *grads_, *m_, *v_, *inv_freq_, *clip_;
+  uint16_t* wbf_;
+  AdamWSegment* segs_;
+  double *sumsq_, *sums_;
+  int32_t* argmax_;
+  // Step buffers and the per-layer scratch shared by all layers.
+  uint16_t *features_, *kvin_, *q_, *k_, *hn2_, *act_, *hf_;
+  float *ctx_pre_, *h0_, *d_hf_;
+  void* ce_ws_;
+  uint64_t ce_ws_bytes_;
+  // Backward scratch.
+  float *dh_, *dtmp_, *dhn2_, *dx_, *dctx_, *dctx_pre_;
+  uint16_t *dh_bf_, *d_act_, *d_gu_, *d_o_, *dq_, *dq_raw_, *dk_, *dk_raw_, *dv_, *dctx_bf_;
   std::vector<LayerBuf> layers_;
+  PhaseEvents phase_events_;
+  void take_buffers(cuda::DeviceArena& a);
 };
 
 }  // namespace dflash

@@ -239,12 +239,9 @@ void drafter_save(const fs::path& dir, const DrafterConfig& cfg, const DrafterLa
   write_file_atomic(dir / kConfigFile, config.dump(2) + "\n");
 }
 
-LoadedDrafter drafter_load(const fs::path& dir) {
-  const fs::path cfg_path = dir / kConfigFile;
-  DrafterConfig cfg = drafter_config_from_json(json_load_file(cfg_path), cfg_path.string());
-  DrafterLayout layout(cfg);
-  SafetensorsCheckpoint ckpt(dir);
-
+void drafter_check_weights(const fs::path& dir, const DrafterConfig& cfg,
+                           const SafetensorsCheckpoint& ckpt) {
+  const DrafterLayout layout(cfg);
   std::vector<std::string> missing, wrong, unexpected;
   std::set<std::string> known;
   for (const ParamInfo& p : layout.params) {
@@ -272,6 +269,14 @@ LoadedDrafter drafter_load(const fs::path& dir) {
                "{}: unexpected tensor(s) {} (a drafter folder holds only the DFlash layers; no "
                "embedding or LM head)",
                dir.string(), fmt::join(unexpected, ", "));
+}
+
+LoadedDrafter drafter_load(const fs::path& dir) {
+  const fs::path cfg_path = dir / kConfigFile;
+  DrafterConfig cfg = drafter_config_from_json(json_load_file(cfg_path), cfg_path.string());
+  DrafterLayout layout(cfg);
+  SafetensorsCheckpoint ckpt(dir);
+  drafter_check_weights(dir, cfg, ckpt);
 
   std::vector<float> params(static_cast<size_t>(layout.total));
   for (const ParamInfo& p : layout.params) {
@@ -303,6 +308,23 @@ void drafter_check_target(const DrafterConfig& cfg, const ModelConfig& target) {
   DFLASH_CHECK(cfg.mask_token_id >= 0 && cfg.mask_token_id < target.vocab_size,
                "drafter mask_token_id {} is outside the target's embedding rows [0, {}) ({})",
                cfg.mask_token_id, target.vocab_size, t);
+}
+
+void drafter_check_tokenizer(const DrafterConfig& cfg, const Tokenizer& tok,
+                             const std::string& drafter) {
+  const int32_t tv = tok.vocab_size();
+  if (cfg.mask_token_id >= tv) return;
+  std::string token = "an id without a token";
+  try {
+    token = fmt::format("token '{}'", tok.id_to_token(cfg.mask_token_id));
+  } catch (const Error&) {
+  }
+  fail(
+      "{}: mask_token_id {} ({}) lies inside the tokenizer's ids [0, {}): the drafter's MASK "
+      "slots would read as a token the target produces. A drafter needs an embedding row the "
+      "tokenizer never produces, in [{}, {}); this one was trained for another tokenizer or its "
+      "config.json was edited",
+      drafter, cfg.mask_token_id, token, tv, tv, cfg.vocab_size);
 }
 
 DrafterConfig drafter_config_for_target(const ModelConfig& target, int num_layers,

@@ -27,6 +27,7 @@
 namespace dflash {
 
 class Tokenizer;
+class SafetensorsCheckpoint;
 
 /// The config.json object of a drafter (DESIGN.md §1): the Qwen3 fields (`hidden_size`,
 /// `intermediate_size`, `num_hidden_layers`, heads, `head_dim`, `vocab_size`, `rms_norm_eps`,
@@ -73,6 +74,20 @@ LoadedDrafter drafter_load(const std::filesystem::path& dir);
 /// rows), num_target_layers (= target num_hidden_layers), tap ids (in [0, target layers)) and
 /// mask_token_id (< target vocab). Throws dflash::Error naming the field and both values.
 void drafter_check_target(const DrafterConfig& cfg, const ModelConfig& target);
+
+/// Refuses a drafter whose mask_token_id is a token `tok` produces (an id below tok.vocab_size(),
+/// a vocabulary or added token): its MASK slots would read as that token, and speculative decoding
+/// would run at about one token per step. Throws dflash::Error naming `drafter` (the folder), the
+/// id, its token and the ids the tokenizer leaves free, [tok.vocab_size(), cfg.vocab_size).
+/// Training refuses the same ids (drafter_config_for_target).
+void drafter_check_tokenizer(const DrafterConfig& cfg, const Tokenizer& tok,
+                             const std::string& drafter);
+
+/// The checks drafter_load makes on a drafter folder's weights, without reading them: every
+/// DrafterLayout tensor of `cfg` is in `ckpt` with its shape and a float dtype, and `ckpt` holds no
+/// other tensor. Throws dflash::Error naming `dir` and listing the tensors at fault.
+void drafter_check_weights(const std::filesystem::path& dir, const DrafterConfig& cfg,
+                           const SafetensorsCheckpoint& ckpt);
 
 /// Optional drafter sizes; each absent one is taken from the target (block_size: 16).
 struct DrafterSizes {

@@ -294,6 +294,12 @@ void moe_block(float* x, const float* hn, const TargetMoe& m, const ModelConfig&
   moe_combine_cpu(x, xs.data(), opt(m.down_bias), ids.data(), w.data(), slot.data(), T, K, H);
 }
 
+// Activations of one forward: residual stream, normed input, q, attention output, k/v of a
+// forward without cache, MLP gate and up.
+struct ForwardScratch {
+  std::vector<float> x, hn, q, o, k, v, gate, up;
+};
+
 }  // namespace
 
 int32_t argmax_row(const float* row, int64_t n) {
@@ -436,13 +442,20 @@ ForwardResult TargetModel::run(const int32_t* tokens, int64_t T, const Rows& row
     taps = res.taps.data<float>();
   }
 
-  std::vector<float> x(static_cast<size_t>(T * H)), hn(static_cast<size_t>(T * H));
-  std::vector<float> q(static_cast<size_t>(T * QD)), o(static_cast<size_t>(T * QD));
-  std::vector<float> kloc, vloc;
-  std::vector<float> gate(static_cast<size_t>(T * I)), up(static_cast<size_t>(T * I));
+  // Activations live in the calling thread's scratch, kept between calls: a training step or a
+  // decoding step then allocates (and page-faults) nothing but its outputs. Buffers only grow.
+  thread_local ForwardScratch scratch;
+  std::vector<float>&x = scratch.x, &hn = scratch.hn, &q = scratch.q, &o = scratch.o;
+  std::vector<float>&kloc = scratch.k, &vloc = scratch.v, &gate = scratch.gate, &up = scratch.up;
+  fit(x, T * H);
+  fit(hn, T * H);
+  fit(q, T * QD);
+  fit(o, T * QD);
+  fit(gate, T * I);
+  fit(up, T * I);
   if (!cache) {
-    kloc.resize(static_cast<size_t>(T * KD));
-    vloc.resize(static_cast<size_t>(T * KD));
+    fit(kloc, T * KD);
+    fit(vloc, T * KD);
   }
   embed(x.data(), embed_, tokens, T, V, H);
 
@@ -529,6 +542,11 @@ ForwardResult TargetModel::run(const int32_t* tokens, int64_t T, const Rows& row
   return res;
 }
 
+void TargetModel::lm_head_rows(float* logits, const float* normed, int64_t rows) const {
+  DFLASH_CHECK(rows >= 0, "target lm_head_rows: negative row count {}", rows);
+  if (rows > 0) linear(logits, normed, lm_head_, {}, rows, cfg_.hidden_size, cfg_.vocab_size);
+}
+
 // ------------------------------------------------------------------------------------- generation
 
 std::vector<int32_t> greedy_generate(const TargetModel& model, std::span<const int32_t> prompt,
@@ -581,6 +599,10 @@ std::vector<int64_t> generation_eos_ids(const std::filesystem::path& dir, const 
                  "{}: 'eos_token_id' must be an integer or a list of "
                  "integers, got {}",
                  src, v.dump());
+    DFLASH_CHECK(v.get<int64_t>() >= 0 && v.get<int64_t>() < c.vocab_size,
+                 "{}: 'eos_token_id' holds {}, which is not a token of the model's vocabulary "
+                 "[0, {})",
+                 src, v.dump(), c.vocab_size);
     ids.push_back(v.get<int64_t>());
   };
   if (e.is_array()) {

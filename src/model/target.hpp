@@ -26,8 +26,8 @@
 // (fp32 accumulate, fp32 norm statistics, fp32 RoPE angles as HF). Packed documents: positions
 // restart at 0 per document and no token attends across documents, so packing changes nothing a
 // document computes. A loaded TargetModel is immutable: forward calls are const and may run
-// concurrently from several threads (each call allocates its own scratch); a TargetKvCache belongs
-// to one caller.
+// concurrently from several threads (activations live in per-thread scratch that is kept between
+// calls, so a forward allocates only its outputs); a TargetKvCache belongs to one caller.
 #pragma once
 
 #include <cstdint>
@@ -155,6 +155,12 @@ class TargetModel {
   ForwardResult prefill(TargetKvCache& cache, std::span<const int32_t> tokens,
                         const ForwardOptions& opts = {{}, LogitsRows::last, false}) const;
 
+  /// Logits of final-norm rows (ForwardOptions::final_norm output): logits [rows, V] =
+  /// normed [rows, H] · lm_headᵀ. For rows ≤ 16 each row's bits equal those a forward computes
+  /// for it (LogitsRows::all or last), whichever rows are asked together: a decoding loop can
+  /// compute the rows it needs, one at a time. Throws dflash::Error for rows < 0.
+  void lm_head_rows(float* logits, const float* normed, int64_t rows) const;
+
   /// A fresh, empty KV cache for this model.
   TargetKvCache new_cache() const { return TargetKvCache(cfg_); }
 
@@ -208,7 +214,8 @@ std::vector<int32_t> greedy_generate(const TargetModel& model, std::span<const i
 
 /// The end-of-sequence ids used for generation from model folder `dir`: `eos_token_id` of
 /// generation_config.json when present (int or list), else config.json's (`c.eos_token_ids`).
-/// Throws dflash::Error naming the file for malformed JSON or a non-integer id.
+/// Throws dflash::Error naming the file for malformed JSON, a non-integer id or an id outside the
+/// vocabulary [0, c.vocab_size).
 std::vector<int64_t> generation_eos_ids(const std::filesystem::path& dir, const ModelConfig& c);
 
 }  // namespace dflash

@@ -6,14 +6,17 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 
 #include "backend/cuda/check.hpp"
 #include "backend/cuda/gemm.hpp"
 #include "core/dtype.hpp"
 #include "core/error.hpp"
+#include "model/step_plan.hpp"
 #include "ops/cast.hpp"
 #include "ops/embedding.hpp"
+#include "ops/fill.hpp"
 #include "ops/linear.hpp"
 #include "ops/moe.hpp"
 #include "ops/rmsnorm.hpp"
@@ -24,110 +27,71 @@ namespace dflash {
 
 namespace {
 
-cuda::DeviceBuffer upload_bytes(cuda::CudaContext& ctx, const void* src, size_t bytes) {
-  cuda::DeviceBuffer b = ctx.scratch(bytes);
-  DFLASH_CUDA_CHECK(cudaMemcpy(b.data(), src, bytes, cudaMemcpyHostToDevice));
-  return b;
-}
-
-// bf16 bits of a float weight tensor (as stored when bf16, rounded to nearest even otherwise).
-std::vector<uint16_t> bf16_of(const Tensor& t) {
-  std::vector<uint16_t> out(static_cast<size_t>(t.numel()));
-  if (t.dtype() == DType::bf16) {
-    std::copy_n(t.data<uint16_t>(), out.size(), out.begin());
-  } else {
-    const std::vector<float> f = t.to_f32_vector();
-    for (size_t i = 0; i < f.size(); ++i) out[i] = f32_to_bf16_bits(f[i]);
+// Enqueues dst[0, n) = the bf16 bits of `t` (as stored when bf16, rounded to nearest even
+// otherwise). `n` is what the plan reserved at dst; a tensor of another size is an error naming it.
+void upload_bf16(cuda::PinnedUploader& up, uint16_t* dst, int64_t n, const Tensor& t,
+                 const std::string& name) {
+  DFLASH_CHECK(t.numel() == n, "TargetCuda: weight '{}' has {} elements, the plan {}", name,
+               t.numel(), n);
+  const auto count = static_cast<size_t>(n);
+  if (t.dtype() == DType::bf16 && t.is_contiguous()) {
+    up.upload(dst, t.raw(), count * sizeof(uint16_t));
+    return;
   }
-  return out;
+  const std::vector<float> f = t.to_f32_vector();
+  up.upload(dst, count * sizeof(uint16_t), [&f](void* out, size_t off, size_t bytes) {
+    auto* o = static_cast<uint16_t*>(out);
+    const size_t first = off / sizeof(uint16_t);
+    for (size_t i = 0; i < bytes / sizeof(uint16_t); ++i) o[i] = f32_to_bf16_bits(f[first + i]);
+  });
 }
 
-cuda::DeviceBuffer upload_bf16(cuda::CudaContext& ctx, const Tensor& t) {
-  const std::vector<uint16_t> b = bf16_of(t);
-  return upload_bytes(ctx, b.data(), b.size() * sizeof(uint16_t));
+// Enqueues dst[0, n) = v (f32); a vector of another size is an error naming it.
+void upload_f32(cuda::PinnedUploader& up, float* dst, int64_t n, const std::vector<float>& v,
+                const std::string& name) {
+  DFLASH_CHECK(static_cast<int64_t>(v.size()) == n,
+               "TargetCuda: weight '{}' has {} elements, the plan {}", name, v.size(), n);
+  up.upload(dst, v.data(), v.size() * sizeof(float));
 }
 
-cuda::DeviceBuffer upload_f32(cuda::CudaContext& ctx, const std::vector<float>& v) {
-  return upload_bytes(ctx, v.data(), v.size() * sizeof(float));
-}
+using Clock = std::chrono::steady_clock;
 
 }  // namespace
 
-TargetCuda::Layer TargetCuda::upload_layer(const TargetLayer& L) {
-  const ModelConfig& c = cfg_;
-  auto opt_f32 = [&](const std::vector<float>& v) {
-    return v.empty() ? cuda::DeviceBuffer() : upload_f32(ctx_, v);
-  };
-  Layer d;
-  d.wq = upload_bf16(ctx_, L.wq);
-  d.wk = upload_bf16(ctx_, L.wk);
-  d.wv = upload_bf16(ctx_, L.wv);
-  d.wo = upload_bf16(ctx_, L.wo);
-  d.bq = opt_f32(L.bq);
-  d.bk = opt_f32(L.bk);
-  d.bv = opt_f32(L.bv);
-  d.bo = opt_f32(L.bo);
-  d.in_norm = upload_f32(ctx_, L.input_norm);
-  d.post_norm = upload_f32(ctx_, L.post_norm);
-  d.q_norm = opt_f32(L.q_norm);
-  d.k_norm = opt_f32(L.k_norm);
-  d.sinks = opt_f32(L.sinks);
-  d.sliding = L.sliding;
-  d.is_moe = L.is_moe;
-  if (!L.is_moe) {
-    std::vector<uint16_t> gu = bf16_of(L.wgate);
-    const std::vector<uint16_t> up = bf16_of(L.wup);
-    gu.insert(gu.end(), up.begin(), up.end());
-    d.wgu = upload_bytes(ctx_, gu.data(), gu.size() * sizeof(uint16_t));
-    d.wdown = upload_bf16(ctx_, L.wdown);
-    if (!L.bgate.empty()) {
-      std::vector<float> b = L.bgate;
-      b.insert(b.end(), L.bup.begin(), L.bup.end());
-      d.bgu = upload_f32(ctx_, b);
-    }
-    d.bdown = opt_f32(L.bdown);
-    return d;
-  }
-  // Experts stacked: expert e's [gate; up] rows at e·2·EI·H, its down matrix at e·H·EI.
-  const TargetMoe& m = L.moe;
-  const int64_t E = c.num_experts, EI = c.expert_width, H = c.hidden_size;
-  Moe& g = d.moe;
-  g.router = upload_bf16(ctx_, m.router);
-  g.router_bias = opt_f32(m.router_bias);
-  std::vector<uint16_t> wgu, wdown;
-  wgu.reserve(static_cast<size_t>(E * 2 * EI * H));
-  wdown.reserve(static_cast<size_t>(E * H * EI));
-  for (int64_t e = 0; e < E; ++e) {
-    for (const Tensor* t : {&m.gate[static_cast<size_t>(e)], &m.up[static_cast<size_t>(e)]}) {
-      const std::vector<uint16_t> b = bf16_of(*t);
-      wgu.insert(wgu.end(), b.begin(), b.end());
-    }
-    const std::vector<uint16_t> b = bf16_of(m.down[static_cast<size_t>(e)]);
-    wdown.insert(wdown.end(), b.begin(), b.end());
-  }
-  g.wgu = upload_bytes(ctx_, wgu.data(), wgu.size() * sizeof(uint16_t));
-  g.wdown = upload_bytes(ctx_, wdown.data(), wdown.size() * sizeof(uint16_t));
-  std::vector<const uint16_t*> gp, dp;
-  for (int64_t e = 0; e < E; ++e) {
-    gp.push_back(g.wgu.as<uint16_t>() + e * 2 * EI * H);
-    dp.push_back(g.wdown.as<uint16_t>() + e * H * EI);
-  }
-  g.gu_ptrs = upload_bytes(ctx_, gp.data(), gp.size() * sizeof(gp[0]));
-  g.down_ptrs = upload_bytes(ctx_, dp.data(), dp.size() * sizeof(dp[0]));
-  g.gate_bias = opt_f32(m.gate_bias);
-  g.up_bias = opt_f32(m.up_bias);
-  g.down_bias = opt_f32(m.down_bias);
-  return d;
-}
-
-TargetCuda::TargetCuda(cuda::CudaContext& ctx, const TargetModel& model, int64_t max_tokens)
+TargetCuda::TargetCuda(cuda::CudaContext& ctx, const TargetModel& model, int64_t max_tokens,
+                       int64_t n_layers, cuda::DeviceArena* arena)
     : ctx_(ctx),
       cfg_(model.config()),
       max_tokens_(max_tokens),
       rope_scaling_(model.rope_scaling()),
       tied_(cfg_.tie_word_embeddings) {
+  cuda::DeviceArena& a = setup(n_layers, arena);
+  take_weights(a);
+  upload_weights(model);
+  take_activations(a);
+  check_all_taken();
+}
+
+TargetCuda::TargetCuda(cuda::CudaContext& ctx, const ModelConfig& cfg, uint64_t seed,
+                       int64_t max_tokens, int64_t n_layers, cuda::DeviceArena* arena)
+    : ctx_(ctx),
+      cfg_(cfg),
+      max_tokens_(max_tokens),
+      rope_scaling_(static_cast<float>(rope_attention_scaling(rope_params_from_config(cfg)))),
+      tied_(cfg_.tie_word_embeddings) {
+  cuda::DeviceArena& a = setup(n_layers, arena);
+  take_weights(a);
+  random_weights(seed);
+  take_activations(a);
+  check_all_taken();
+}
+
+cuda::DeviceArena& TargetCuda::setup(int64_t n_layers, cuda::DeviceArena* arena) {
   const ModelConfig& c = cfg_;
-  DFLASH_CHECK(max_tokens > 0, "TargetCuda: max_tokens must be > 0 (got {})", max_tokens);
+  DFLASH_CHECK(max_tokens_ > 0, "TargetCuda: max_tokens must be > 0 (got {})", max_tokens_);
+  DFLASH_CHECK(n_layers >= 0 && n_layers <= c.num_hidden_layers,
+               "TargetCuda: {} layers requested of the target's {}", n_layers, c.num_hidden_layers);
+  if (n_layers == 0) n_layers = c.num_hidden_layers;
   DFLASH_CHECK(c.head_dim == 64 || c.head_dim == 128,
                "the CUDA attention supports head_dim 64 or 128 ({}: head_dim {})", c.source,
                c.head_dim);
@@ -140,131 +104,359 @@ TargetCuda::TargetCuda(cuda::CudaContext& ctx, const TargetModel& model, int64_t
                  "the CUDA router supports up to 1024 experts and top-32 ({}: {} experts, top-{})",
                  c.source, c.num_experts, c.num_experts_per_tok);
   }
-  const int64_t H = c.hidden_size, I = c.intermediate_size;
-  const int64_t QD = c.num_attention_heads * c.head_dim, KD = c.num_key_value_heads * c.head_dim;
-  embed_ = upload_bf16(ctx, model.embed_tokens());
-  if (!tied_) head_ = upload_bf16(ctx, model.lm_head());
-  inv_freq_ = upload_f32(ctx, model.inv_freq());
-  for (const TargetLayer& L : model.layers()) layers_.push_back(upload_layer(L));
+  DFLASH_CHECK(static_cast<int64_t>(c.moe_layers.size()) == c.num_hidden_layers &&
+                   static_cast<int64_t>(c.layer_types.size()) == c.num_hidden_layers,
+               "TargetCuda: config {} lists {} moe_layers and {} layer_types for {} layers",
+               c.source, c.moe_layers.size(), c.layer_types.size(), c.num_hidden_layers);
+  if (!arena) {
+    ArenaPlanner p(step_phase_names());
+    plan_target_weights(p, c, n_layers);
+    plan_target_activations(p, c, n_layers, max_tokens_);
+    own_arena_ = std::make_unique<cuda::DeviceArena>(ctx_, p.finish());
+    arena = own_arena_.get();
+  }
+  layers_.resize(static_cast<size_t>(n_layers));
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    layers_[l].sliding = c.layer_types[l] == LayerType::sliding_attention;
+    layers_[l].is_moe = c.moe_layers[l];
+  }
+  return *arena;
+}
 
-  const auto T = static_cast<size_t>(max_tokens);
-  x_ = ctx.scratch(T * H * sizeof(float));
-  hn_ = ctx.scratch(T * H * 2);
-  q_ = ctx.scratch(T * QD * 2);
-  k_ = ctx.scratch(T * KD * 2);
-  v_ = ctx.scratch(T * KD * 2);
-  o_ = ctx.scratch(T * QD * 2);
-  if (c.num_moe_layers() < c.num_hidden_layers) {  // some layer has a dense MLP
-    gu_ = ctx.scratch(T * 2 * I * 2);
-    act_ = ctx.scratch(T * I * 2);
+// Buffer names and sizes as plan_target_weights (model/step_plan.cpp).
+void TargetCuda::take_weights(cuda::DeviceArena& arena) {
+  const ModelConfig& c = cfg_;
+  const int64_t H = c.hidden_size, I = c.intermediate_size, V = c.vocab_size, D = c.head_dim;
+  const int64_t NH = c.num_attention_heads, QD = NH * D, KD = c.num_key_value_heads * D;
+  const int64_t E = c.num_experts, EI = c.expert_width;
+  embed_ = arena.get<uint16_t>("target.embed", V * H);
+  if (!tied_) head_ = arena.get<uint16_t>("target.lm_head", V * H);
+  inv_freq_ = arena.get<float>("target.inv_freq", D / 2);
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    Layer& d = layers_[l];
+    const std::string n = fmt::format("target.layers.{}.", l);
+    d.wq = arena.get<uint16_t>(n + "wq", QD * H);
+    d.wk = arena.get<uint16_t>(n + "wk", KD * H);
+    d.wv = arena.get<uint16_t>(n + "wv", KD * H);
+    d.wo = arena.get<uint16_t>(n + "wo", H * QD);
+    if (c.attention_bias) {
+      d.bq = arena.get<float>(n + "bq", QD);
+      d.bk = arena.get<float>(n + "bk", KD);
+      d.bv = arena.get<float>(n + "bv", KD);
+    }
+    if (c.o_proj_bias) d.bo = arena.get<float>(n + "bo", H);
+    d.in_norm = arena.get<float>(n + "in_norm", H);
+    d.post_norm = arena.get<float>(n + "post_norm", H);
+    if (c.qk_norm) {
+      d.q_norm = arena.get<float>(n + "q_norm", D);
+      d.k_norm = arena.get<float>(n + "k_norm", D);
+    }
+    if (c.attention_sinks) d.sinks = arena.get<float>(n + "sinks", NH);
+    if (!d.is_moe) {
+      d.wgu = arena.get<uint16_t>(n + "wgu", 2 * I * H);
+      d.wdown = arena.get<uint16_t>(n + "wdown", H * I);
+      if (c.mlp_bias) {
+        d.bgu = arena.get<float>(n + "bgu", 2 * I);
+        d.bdown = arena.get<float>(n + "bdown", H);
+      }
+      continue;
+    }
+    Moe& m = d.moe;
+    m.router = arena.get<uint16_t>(n + "moe.router", E * H);
+    if (c.router_bias) m.router_bias = arena.get<float>(n + "moe.router_bias", E);
+    m.wgu = arena.get<uint16_t>(n + "moe.wgu", E * 2 * EI * H);
+    m.wdown = arena.get<uint16_t>(n + "moe.wdown", E * H * EI);
+    m.gu_ptrs = arena.get<const uint16_t*>(n + "moe.gu_ptrs", E);
+    m.down_ptrs = arena.get<const uint16_t*>(n + "moe.down_ptrs", E);
+    if (c.expert_bias) {
+      m.gate_bias = arena.get<float>(n + "moe.gate_bias", E * EI);
+      m.up_bias = arena.get<float>(n + "moe.up_bias", E * EI);
+      m.down_bias = arena.get<float>(n + "moe.down_bias", E * H);
+    }
   }
-  tap_ = ctx.scratch(T * H * 2);
-  if (c.num_sliding_layers() > 0) win_ = ctx.scratch(T * sizeof(AttnRange));
-  if (c.is_moe()) {
-    const auto E = static_cast<size_t>(c.num_experts), EI = static_cast<size_t>(c.expert_width);
-    const size_t R = T * static_cast<size_t>(c.num_experts_per_tok);
-    logits_ = ctx.scratch(T * E * sizeof(float));
-    ids_ = ctx.scratch(R * sizeof(int32_t));
-    weights_ = ctx.scratch(R * sizeof(float));
-    perm_ = ctx.scratch(R * sizeof(int32_t));
-    slot_ = ctx.scratch(R * sizeof(int32_t));
-    rexp_ = ctx.scratch(R * sizeof(int32_t));
-    offsets_ = ctx.scratch((E + 1) * sizeof(int32_t));
-    xs_ = ctx.scratch(R * static_cast<size_t>(H) * 2);
-    egu_ = ctx.scratch(R * 2 * EI * 2);
-    eact_ = ctx.scratch(R * EI * 2);
-    ys_ = ctx.scratch(R * static_cast<size_t>(H) * sizeof(float));
+}
+
+// Buffer names and sizes as plan_target_activations (model/step_plan.cpp).
+void TargetCuda::take_activations(cuda::DeviceArena& arena) {
+  const ModelConfig& c = cfg_;
+  const int64_t T = max_tokens_, H = c.hidden_size, I = c.intermediate_size;
+  const int64_t QD = c.num_attention_heads * c.head_dim, KD = c.num_key_value_heads * c.head_dim;
+  const TargetLayerMix mix = target_layer_mix(c, num_layers());
+  x_ = arena.get<float>("target.act.x", T * H);
+  hn_ = arena.get<uint16_t>("target.act.hn", T * H);
+  q_ = arena.get<uint16_t>("target.act.q", T * QD);
+  k_ = arena.get<uint16_t>("target.act.k", T * KD);
+  v_ = arena.get<uint16_t>("target.act.v", T * KD);
+  o_ = arena.get<uint16_t>("target.act.o", T * QD);
+  if (mix.dense) {
+    gu_ = arena.get<uint16_t>("target.act.gu", T * 2 * I);
+    act_ = arena.get<uint16_t>("target.act.act", T * I);
   }
+  tap_ = arena.get<uint16_t>("target.act.tap", T * H);
+  if (mix.sliding) win_ = arena.get<AttnRange>("target.act.win", T);
+  if (mix.moe) {
+    const int64_t E = c.num_experts, EI = c.expert_width, R = T * c.num_experts_per_tok;
+    mw_.logits = arena.get<float>("target.act.moe.logits", T * E);
+    mw_.ids = arena.get<int32_t>("target.act.moe.ids", R);
+    mw_.weights = arena.get<float>("target.act.moe.weights", R);
+    mw_.perm = arena.get<int32_t>("target.act.moe.perm", R);
+    mw_.slot = arena.get<int32_t>("target.act.moe.slot", R);
+    mw_.row_expert = arena.get<int32_t>("target.act.moe.row_expert", R);
+    mw_.offsets = arena.get<int32_t>("target.act.moe.offsets", E + 1);
+    mw_.xs = arena.get<uint16_t>("target.act.moe.xs", R * H);
+    mw_.gu = arena.get<uint16_t>("target.act.moe.gu", R * 2 * EI);
+    mw_.act = arena.get<uint16_t>("target.act.moe.act", R * EI);
+    mw_.ys = arena.get<float>("target.act.moe.ys", R * H);
+  }
+}
+
+void TargetCuda::check_all_taken() const {
+  if (!own_arena_) return;  // a shared arena is checked by its owner once every class took its own
+  const std::vector<std::string> unused = own_arena_->untaken();
+  DFLASH_CHECK(unused.empty(),
+               "TargetCuda: {} planned buffers are not used (e.g. '{}'): plan_target_* and "
+               "TargetCuda disagree",
+               unused.size(), unused.empty() ? "" : unused.front());
+}
+
+void TargetCuda::upload_expert_pointers(cuda::PinnedUploader& up) {
+  const int64_t E = cfg_.num_experts, EI = cfg_.expert_width, H = cfg_.hidden_size;
+  for (const Layer& d : layers_) {
+    if (!d.is_moe) continue;
+    std::vector<const uint16_t*> gp, dp;
+    for (int64_t e = 0; e < E; ++e) {
+      gp.push_back(d.moe.wgu + e * 2 * EI * H);
+      dp.push_back(d.moe.wdown + e * H * EI);
+    }
+    // The uploader copies the host bytes into its staging buffers before it returns.
+    up.upload(d.moe.gu_ptrs, gp.data(), gp.size() * sizeof(gp[0]));
+    up.upload(d.moe.down_ptrs, dp.data(), dp.size() * sizeof(dp[0]));
+  }
+}
+
+// The one place where checkpoint weights go to the device (into the pointers of take_weights).
+void TargetCuda::upload_weights(const TargetModel& model) {
+  const ModelConfig& c = cfg_;
+  const int64_t H = c.hidden_size, I = c.intermediate_size, V = c.vocab_size, D = c.head_dim;
+  const int64_t NH = c.num_attention_heads, QD = NH * D, KD = c.num_key_value_heads * D;
+  const int64_t E = c.num_experts, EI = c.expert_width;
+  DFLASH_CHECK(static_cast<int64_t>(model.layers().size()) >= num_layers(),
+               "TargetCuda: the model has {} layers, {} to upload", model.layers().size(),
+               num_layers());
+  const auto t0 = Clock::now();
+  cuda::PinnedUploader up(ctx_);
+  upload_bf16(up, embed_, V * H, model.embed_tokens(), "model.embed_tokens.weight");
+  if (!tied_) upload_bf16(up, head_, V * H, model.lm_head(), "lm_head.weight");
+  upload_f32(up, inv_freq_, D / 2, model.inv_freq(), "inv_freq");
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const TargetLayer& L = model.layers()[l];
+    const Layer& d = layers_[l];
+    DFLASH_CHECK(L.is_moe == d.is_moe && L.sliding == d.sliding,
+                 "TargetCuda: layer {} of the model and of its config disagree on MoE/sliding", l);
+    const std::string a = fmt::format("model.layers.{}.self_attn.", l);
+    const std::string p = fmt::format("model.layers.{}.", l), f = p + "mlp.";
+    upload_bf16(up, d.wq, QD * H, L.wq, a + "q_proj.weight");
+    upload_bf16(up, d.wk, KD * H, L.wk, a + "k_proj.weight");
+    upload_bf16(up, d.wv, KD * H, L.wv, a + "v_proj.weight");
+    upload_bf16(up, d.wo, H * QD, L.wo, a + "o_proj.weight");
+    if (d.bq) {
+      upload_f32(up, d.bq, QD, L.bq, a + "q_proj.bias");
+      upload_f32(up, d.bk, KD, L.bk, a + "k_proj.bias");
+      upload_f32(up, d.bv, KD, L.bv, a + "v_proj.bias");
+    }
+    if (d.bo) upload_f32(up, d.bo, H, L.bo, a + "o_proj.bias");
+    upload_f32(up, d.in_norm, H, L.input_norm, p + "input_layernorm.weight");
+    upload_f32(up, d.post_norm, H, L.post_norm, p + "post_attention_layernorm.weight");
+    if (d.q_norm) {
+      upload_f32(up, d.q_norm, D, L.q_norm, a + "q_norm.weight");
+      upload_f32(up, d.k_norm, D, L.k_norm, a + "k_norm.weight");
+    }
+    if (d.sinks) upload_f32(up, d.sinks, NH, L.sinks, a + "sinks");
+    if (!d.is_moe) {
+      // rows [0, I): gate; rows [I, 2I): up
+      upload_bf16(up, d.wgu, I * H, L.wgate, f + "gate_proj.weight");
+      upload_bf16(up, d.wgu + I * H, I * H, L.wup, f + "up_proj.weight");
+      upload_bf16(up, d.wdown, H * I, L.wdown, f + "down_proj.weight");
+      if (d.bgu) {
+        upload_f32(up, d.bgu, I, L.bgate, f + "gate_proj.bias");
+        upload_f32(up, d.bgu + I, I, L.bup, f + "up_proj.bias");
+        upload_f32(up, d.bdown, H, L.bdown, f + "down_proj.bias");
+      }
+      continue;
+    }
+    // Experts stacked: expert e's [gate; up] rows at e·2·EI·H, its down matrix at e·H·EI.
+    const TargetMoe& m = L.moe;
+    const Moe& g = d.moe;
+    DFLASH_CHECK(static_cast<int64_t>(m.gate.size()) == E &&
+                     static_cast<int64_t>(m.up.size()) == E &&
+                     static_cast<int64_t>(m.down.size()) == E,
+                 "TargetCuda: layer {} holds {}/{}/{} expert gate/up/down matrices, the config {}",
+                 l, m.gate.size(), m.up.size(), m.down.size(), E);
+    // Checkpoint names: Qwen3-MoE per-expert modules, gpt-oss stacked tensors (expert e of them).
+    const bool qwen = c.arch == Arch::qwen3_moe;
+    auto expert = [&](int64_t e, const char* proj, const char* half) {
+      return qwen ? fmt::format("{}experts.{}.{}_proj.weight", f, e, proj)
+                  : fmt::format("{}experts.{}_proj[{}] ({})", f,
+                                half[0] == 'd' ? "down" : "gate_up", e, half);
+    };
+    upload_bf16(up, g.router, E * H, m.router, f + (qwen ? "gate.weight" : "router.weight"));
+    if (g.router_bias) upload_f32(up, g.router_bias, E, m.router_bias, f + "router.bias");
+    for (int64_t e = 0; e < E; ++e) {
+      const auto i = static_cast<size_t>(e);
+      upload_bf16(up, g.wgu + e * 2 * EI * H, EI * H, m.gate[i], expert(e, "gate", "gate"));
+      upload_bf16(up, g.wgu + (e * 2 + 1) * EI * H, EI * H, m.up[i], expert(e, "up", "up"));
+      upload_bf16(up, g.wdown + e * H * EI, H * EI, m.down[i], expert(e, "down", "down"));
+    }
+    if (g.gate_bias) {
+      upload_f32(up, g.gate_bias, E * EI, m.gate_bias, f + "experts.gate_up_proj_bias (gate)");
+      upload_f32(up, g.up_bias, E * EI, m.up_bias, f + "experts.gate_up_proj_bias (up)");
+      upload_f32(up, g.down_bias, E * H, m.down_bias, f + "experts.down_proj_bias");
+    }
+  }
+  upload_expert_pointers(up);
+  up.finish();
+  upload_bytes_ = up.bytes();
+  upload_s_ = std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+void TargetCuda::random_weights(uint64_t seed) {
+  const ModelConfig& c = cfg_;
+  const int64_t H = c.hidden_size, I = c.intermediate_size, V = c.vocab_size, D = c.head_dim;
+  const int64_t NH = c.num_attention_heads, QD = NH * D, KD = c.num_key_value_heads * D;
+  const int64_t E = c.num_experts, EI = c.expert_width;
+  const float bound = 0.02f * std::sqrt(3.0f);  // standard deviation 0.02
+  uint64_t stream = seed;
+  uint64_t filled = 0;  // bytes filled on the device
+  auto matrix = [&](uint16_t* w, int64_t n) {
+    fill_uniform_cuda(ctx_, w, n, 0.0f, bound, ++stream);
+    filled += static_cast<uint64_t>(n) * 2;
+  };
+  auto constant = [&](float* w, int64_t n, float v) {
+    if (!w) return;  // a tensor the architecture lacks (checked against the plan below)
+    fill_uniform_cuda(ctx_, w, n, v, 0.0f, ++stream);
+    filled += static_cast<uint64_t>(n) * 4;
+  };
+  matrix(embed_, V * H);
+  if (!tied_) matrix(head_, V * H);
+  const std::vector<double> f = rope_inv_freq(rope_params_from_config(c), D);
+  const std::vector<float> ff(f.begin(), f.end());
+  cuda::PinnedUploader up(ctx_);
+  up.upload(inv_freq_, ff.data(), ff.size() * sizeof(float));
+  for (const Layer& d : layers_) {
+    matrix(d.wq, QD * H);
+    matrix(d.wk, KD * H);
+    matrix(d.wv, KD * H);
+    matrix(d.wo, H * QD);
+    constant(d.bq, QD, 0.0f);
+    constant(d.bk, KD, 0.0f);
+    constant(d.bv, KD, 0.0f);
+    constant(d.bo, H, 0.0f);
+    constant(d.in_norm, H, 1.0f);
+    constant(d.post_norm, H, 1.0f);
+    constant(d.q_norm, D, 1.0f);
+    constant(d.k_norm, D, 1.0f);
+    constant(d.sinks, NH, 0.0f);
+    if (!d.is_moe) {
+      matrix(d.wgu, 2 * I * H);
+      matrix(d.wdown, H * I);
+      constant(d.bgu, 2 * I, 0.0f);
+      constant(d.bdown, H, 0.0f);
+      continue;
+    }
+    const Moe& m = d.moe;
+    matrix(m.router, E * H);
+    constant(m.router_bias, E, 0.0f);
+    matrix(m.wgu, E * 2 * EI * H);
+    matrix(m.wdown, E * H * EI);
+    constant(m.gate_bias, E * EI, 0.0f);
+    constant(m.up_bias, E * EI, 0.0f);
+    constant(m.down_bias, E * H, 0.0f);
+  }
+  upload_expert_pointers(up);
+  up.finish();
+  // Every planned weight byte was written (inv_freq and the expert pointers by the uploader): a
+  // tensor of the plan left out above would keep whatever the arena held.
+  ArenaPlanner plan(step_phase_names());
+  plan_target_weights(plan, c, num_layers());
+  uint64_t planned = 0;
+  for (const PlanBuffer& b : plan.finish().buffers) planned += b.bytes;
+  DFLASH_CHECK(filled + up.bytes() == planned,
+               "TargetCuda: the random weights of {} ({} layers) fill {} bytes of the {} planned "
+               "(a planned tensor has no random fill)",
+               c.source, num_layers(), filled + up.bytes(), planned);
 }
 
 void TargetCuda::moe_forward(const Moe& m, float* x, const uint16_t* hn, int64_t T) {
   const ModelConfig& c = cfg_;
   const int64_t H = c.hidden_size, E = c.num_experts, K = c.num_experts_per_tok;
   const int64_t EI = c.expert_width, R = T * K;
-  float* logits = logits_.as<float>();
-  int32_t *ids = ids_.as<int32_t>(), *perm = perm_.as<int32_t>(), *slot = slot_.as<int32_t>();
-  int32_t *rexp = rexp_.as<int32_t>(), *offsets = offsets_.as<int32_t>();
-  float* w = weights_.as<float>();
-  uint16_t *xs = xs_.as<uint16_t>(), *gu = egu_.as<uint16_t>(), *act = eact_.as<uint16_t>();
-  float* ys = ys_.as<float>();
   // Router logits in fp32 from the bf16 normed input (HF: F.linear(x, W, b)).
-  linear_fwd_cuda(ctx_, logits, hn, m.router.as<uint16_t>(), m.router_bias.as<float>(), T, H, E);
-  moe_route_cuda(ctx_, ids, w, logits, T, E, MoeRouting{c.routing, K, c.norm_topk_prob});
-  moe_dispatch_cuda(ctx_, perm, slot, offsets, rexp, ids, T, K, E);
-  moe_gather_cuda(ctx_, xs, hn, perm, R, K, H);
-  const auto* gu_ptrs = m.gu_ptrs.as<const uint16_t*>();
-  moe_grouped_linear_cuda(ctx_, gu, 2 * EI, xs, gu_ptrs, offsets, E, R, H, 2 * EI);
+  linear_fwd_cuda(ctx_, mw_.logits, hn, m.router, m.router_bias, T, H, E);
+  moe_route_cuda(ctx_, mw_.ids, mw_.weights, mw_.logits, T, E,
+                 MoeRouting{c.routing, K, c.norm_topk_prob});
+  moe_dispatch_cuda(ctx_, mw_.perm, mw_.slot, mw_.offsets, mw_.row_expert, mw_.ids, T, K, E);
+  moe_gather_cuda(ctx_, mw_.xs, hn, mw_.perm, R, K, H);
+  uint16_t* gu = mw_.gu;
+  moe_grouped_linear_cuda(ctx_, gu, 2 * EI, mw_.xs, m.gu_ptrs, mw_.offsets, E, R, H, 2 * EI);
   const MoeGlu glu{c.expert_activation, static_cast<float>(c.swiglu_alpha),
                    static_cast<float>(c.swiglu_limit)};
-  moe_glu_cuda(ctx_, act, gu, gu + EI, 2 * EI, m.gate_bias.as<float>(), m.up_bias.as<float>(),
-               rexp, R, EI, glu);
-  const auto* down_ptrs = m.down_ptrs.as<const uint16_t*>();
-  moe_grouped_linear_cuda(ctx_, ys, H, act, down_ptrs, offsets, E, R, EI, H);
-  moe_combine_cuda(ctx_, x, ys, m.down_bias.as<float>(), ids, w, slot, T, K, H);
+  moe_glu_cuda(ctx_, mw_.act, gu, gu + EI, 2 * EI, m.gate_bias, m.up_bias, mw_.row_expert, R, EI,
+               glu);
+  moe_grouped_linear_cuda(ctx_, mw_.ys, H, mw_.act, m.down_ptrs, mw_.offsets, E, R, EI, H);
+  moe_combine_cuda(ctx_, x, mw_.ys, m.down_bias, mw_.ids, mw_.weights, mw_.slot, T, K, H);
 }
 
 void TargetCuda::forward_taps(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
                               const AttnRange* ranges, int64_t T, std::span<const int> layer_ids) {
   const ModelConfig& c = cfg_;
-  DFLASH_CHECK(T > 0 && T <= max_tokens_, "TargetCuda::forward_taps: {} tokens for a workspace "
-               "of {}", T, max_tokens_);
+  DFLASH_CHECK(T > 0 && T <= max_tokens_,
+               "TargetCuda::forward_taps: {} tokens for a workspace of {}", T, max_tokens_);
   DFLASH_CHECK(!layer_ids.empty(), "TargetCuda::forward_taps: no tap layers");
   int64_t n_run = 0;
   for (int l : layer_ids) {
-    DFLASH_CHECK(l >= 0 && l < c.num_hidden_layers,
-                 "tap layer {} is outside the target's layers [0, {})", l, c.num_hidden_layers);
+    DFLASH_CHECK(l >= 0 && l < num_layers(),
+                 "tap layer {} is outside the uploaded target layers [0, {})", l, num_layers());
     n_run = std::max<int64_t>(n_run, l + 1);
   }
   const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
   const int64_t NH = c.num_attention_heads, NKV = c.num_key_value_heads;
   const int64_t QD = NH * D, KD = NKV * D, n_taps = static_cast<int64_t>(layer_ids.size());
   const double eps = c.rms_norm_eps;
-  float* x = x_.as<float>();
-  uint16_t *hn = hn_.as<uint16_t>(), *q = q_.as<uint16_t>(), *k = k_.as<uint16_t>();
-  uint16_t *v = v_.as<uint16_t>(), *o = o_.as<uint16_t>(), *gu = gu_.as<uint16_t>();
-  uint16_t *act = act_.as<uint16_t>(), *tap = tap_.as<uint16_t>();
-  const float* inv_freq = inv_freq_.as<float>();
+  float* x = x_;
+  uint16_t *hn = hn_, *q = q_, *k = k_, *v = v_, *o = o_, *gu = gu_, *act = act_, *tap = tap_;
+  const float* inv_freq = inv_freq_;
   AttnParams ap{T, T, NH, NKV, D, 1.0 / std::sqrt(static_cast<double>(D))};
   // Sliding layers see the last `sliding_window` keys of each causal range (HF
   // sliding_window_overlay), derived on the device once per forward.
-  const AttnRange* win = nullptr;
-  if (c.num_sliding_layers() > 0) {
-    attention_window_ranges_cuda(ctx_, win_.as<AttnRange>(), ranges, T, c.sliding_window);
-    win = win_.as<AttnRange>();
-  }
+  if (win_) attention_window_ranges_cuda(ctx_, win_, ranges, T, c.sliding_window);
 
   embedding_fwd_cuda(ctx_, x, embed(), tokens, T, c.vocab_size, H);
   for (int64_t l = 0; l < n_run; ++l) {
     const Layer& L = layers_[static_cast<size_t>(l)];
-    rmsnorm_fwd_cuda(ctx_, hn, static_cast<float*>(nullptr), x, L.in_norm.as<float>(), T, H, eps);
-    linear_fwd_cuda(ctx_, q, hn, L.wq.as<uint16_t>(), L.bq.as<float>(), T, H, QD);
-    linear_fwd_cuda(ctx_, k, hn, L.wk.as<uint16_t>(), L.bk.as<float>(), T, H, KD);
-    linear_fwd_cuda(ctx_, v, hn, L.wv.as<uint16_t>(), L.bv.as<float>(), T, H, KD);
-    if (c.qk_norm) {
-      rmsnorm_fwd_cuda(ctx_, q, static_cast<float*>(nullptr), q, L.q_norm.as<float>(), T * NH, D,
-                       eps);
-      rmsnorm_fwd_cuda(ctx_, k, static_cast<float*>(nullptr), k, L.k_norm.as<float>(), T * NKV, D,
-                       eps);
+    rmsnorm_fwd_cuda(ctx_, hn, static_cast<float*>(nullptr), x, L.in_norm, T, H, eps);
+    linear_fwd_cuda(ctx_, q, hn, L.wq, L.bq, T, H, QD);
+    linear_fwd_cuda(ctx_, k, hn, L.wk, L.bk, T, H, KD);
+    linear_fwd_cuda(ctx_, v, hn, L.wv, L.bv, T, H, KD);
+    if (L.q_norm) {
+      rmsnorm_fwd_cuda(ctx_, q, static_cast<float*>(nullptr), q, L.q_norm, T * NH, D, eps);
+      rmsnorm_fwd_cuda(ctx_, k, static_cast<float*>(nullptr), k, L.k_norm, T * NKV, D, eps);
     }
     rope_fwd_cuda(ctx_, q, q, pos, inv_freq, rope_scaling_, T, NH, D);
     rope_fwd_cuda(ctx_, k, k, pos, inv_freq, rope_scaling_, T, NKV, D);
-    ap.sinks = L.sinks.as<float>();  // null unless gpt-oss
-    attention_fwd_cuda(ctx_, o, nullptr, q, k, v, L.sliding ? win : ranges, ap);
+    ap.sinks = L.sinks;  // null unless gpt-oss
+    attention_fwd_cuda(ctx_, o, nullptr, q, k, v, L.sliding ? win_ : ranges, ap);
     // x += o · Woᵀ (+ bo) (the GEMM accumulates into the fp32 residual stream).
-    cuda::gemm_bf16(ctx_, x, DType::f32, H, o, QD, false, L.wo.as<uint16_t>(), QD, true, T, H, QD,
-                    1.0f, 1.0f);
-    if (L.bo.data()) bias_add_cuda(ctx_, x, L.bo.as<float>(), T, H);
-    rmsnorm_fwd_cuda(ctx_, hn, static_cast<float*>(nullptr), x, L.post_norm.as<float>(), T, H,
-                     eps);
+    cuda::gemm_bf16(ctx_, x, DType::f32, H, o, QD, false, L.wo, QD, true, T, H, QD, 1.0f, 1.0f);
+    if (L.bo) bias_add_cuda(ctx_, x, L.bo, T, H);
+    rmsnorm_fwd_cuda(ctx_, hn, static_cast<float*>(nullptr), x, L.post_norm, T, H, eps);
     if (L.is_moe) {
       moe_forward(L.moe, x, hn, T);
     } else {
       // row t: [gate | up] (+ [bgate | bup])
-      linear_fwd_cuda(ctx_, gu, hn, L.wgu.as<uint16_t>(), L.bgu.as<float>(), T, H, 2 * I);
+      linear_fwd_cuda(ctx_, gu, hn, L.wgu, L.bgu, T, H, 2 * I);
       swiglu_fwd_cuda(ctx_, act, gu, gu + I, T, I, 2 * I);
-      cuda::gemm_bf16(ctx_, x, DType::f32, H, act, I, false, L.wdown.as<uint16_t>(), I, true, T,
-                      H, I, 1.0f, 1.0f);
-      if (L.bdown.data()) bias_add_cuda(ctx_, x, L.bdown.as<float>(), T, H);
+      cuda::gemm_bf16(ctx_, x, DType::f32, H, act, I, false, L.wdown, I, true, T, H, I, 1.0f, 1.0f);
+      if (L.bdown) bias_add_cuda(ctx_, x, L.bdown, T, H);
     }
     bool converted = false;
     for (int64_t i = 0; i < n_taps; ++i) {

@@ -8,10 +8,14 @@
 // (attention sinks; sparse blocks through the ops/moe.hpp pipeline: router GEMM, top-k routing,
 // expert-sorted dispatch and grouped tensor-core GEMMs, no per-token loop, no host round trip).
 //
-// Invariants: one TargetCuda belongs to one CudaContext (one thread). Weights are uploaded once at
-// construction (bf16; f32 checkpoints are rounded to bf16; biases, norms and sinks f32), one
-// descriptor per layer; every activation buffer is sized for `max_tokens` at construction, so
-// forward_taps allocates nothing beyond the ops' own scratch from the caching allocator and is
+// Invariants: one TargetCuda belongs to one CudaContext (one thread). The weights of the layers it
+// runs (the first n_layers: none past the deepest tap it is built for) are uploaded once at
+// construction through pinned staging buffers with asynchronous copies (bf16; f32 checkpoints are
+// rounded to bf16; biases, norms and sinks f32; MXFP4 experts arrive dequantised to bf16 by
+// TargetModel::load), one descriptor per layer. Weights and activations are the "target.*"
+// buffers of a memory plan (model/step_plan.hpp: plan_target_weights, plan_target_activations)
+// in a DeviceArena, sized for `max_tokens`, so forward_taps allocates nothing beyond the ops'
+// scratch (ctx.scratch(): the plan's op scratch pool when the caller installed it) and is
 // graph-capturable. All pointers taken and returned are device pointers. Unsupported shapes fail
 // at construction naming the config field — never a silent fallback.
 #pragma once
@@ -19,9 +23,11 @@
 #ifdef DFLASH_HAVE_CUDA
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
+#include "backend/cuda/arena.hpp"
 #include "backend/cuda/context.hpp"
 #include "model/target.hpp"
 #include "ops/attention.hpp"
@@ -31,57 +37,101 @@ namespace dflash {
 /// Device copy of a TargetModel and the workspace of its tap forward.
 class TargetCuda {
  public:
-  /// Uploads `model`'s weights to ctx's device and plans buffers for up to `max_tokens` tokens per
-  /// forward. Throws dflash::Error naming the config field for what the kernels cannot run:
-  /// head_dim other than 64/128; for MoE targets hidden_size or the expert width not a multiple
-  /// of 8, more than 1024 experts or top-k above 32.
-  TargetCuda(cuda::CudaContext& ctx, const TargetModel& model, int64_t max_tokens);
+  /// Uploads the weights of `model`'s layers [0, n_layers) (0 = all) to ctx's device, into
+  /// `arena`'s buffers of plan_target_weights / plan_target_activations for up to `max_tokens`
+  /// tokens per forward, or into an arena of its own when `arena` is null (then every buffer of
+  /// that plan must be taken, else dflash::Error). Throws dflash::Error naming the config field
+  /// for what the kernels cannot run: head_dim other than 64/128; for MoE targets hidden_size or
+  /// the expert width not a multiple of 8, more than 1024 experts or top-k above 32; n_layers
+  /// outside [0, num_hidden_layers]; and naming the tensor for a weight whose size differs from
+  /// the plan's.
+  TargetCuda(cuda::CudaContext& ctx, const TargetModel& model, int64_t max_tokens,
+             int64_t n_layers = 0, cuda::DeviceArena* arena = nullptr);
+  /// The same with random weights of `cfg`'s shapes filled on the device from `seed` (no
+  /// checkpoint; for `dflash bench`): matrices, tables and MoE routers uniform with standard
+  /// deviation 0.02 (HF's initializer_range), norm weights 1, biases and sinks 0 (ops/fill.hpp).
+  /// Throws dflash::Error, besides the errors above, when the fills do not cover every byte of
+  /// plan_target_weights (a planned tensor without a random fill).
+  TargetCuda(cuda::CudaContext& ctx, const ModelConfig& cfg, uint64_t seed, int64_t max_tokens,
+             int64_t n_layers = 0, cuda::DeviceArena* arena = nullptr);
 
   /// Outputs of decoder layers `layer_ids` (each in [0, num_layers)) concatenated into `taps`
   /// bf16 [T, n_taps·H] (tap i in columns [i·H, (i+1)·H)). `tokens` [T] int32 ids, `pos` [T] int32
   /// positions (restarting at 0 per document), `ranges` [T] the causal key ranges of each token
   /// (its document's start up to itself; see attention_causal_varlen_ranges); sliding layers narrow
-  /// them to the config's window. Runs no layer after the deepest tap. Enqueued on ctx's stream;
-  /// nothing is copied to the host.
+  /// them to the config's window. Runs no layer after the deepest tap (which must be an uploaded
+  /// layer). Enqueued on ctx's stream; nothing is copied to the host.
   void forward_taps(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
                     const AttnRange* ranges, int64_t T, std::span<const int> layer_ids);
 
   /// The embedding table and LM head on the device, bf16 [V, H] (the same array when tied).
-  const uint16_t* embed() const { return embed_.as<uint16_t>(); }
-  const uint16_t* lm_head() const { return tied_ ? embed_.as<uint16_t>() : head_.as<uint16_t>(); }
+  const uint16_t* embed() const { return embed_; }
+  const uint16_t* lm_head() const { return tied_ ? embed_ : head_; }
+  /// Layers uploaded (the deepest usable tap + 1).
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  /// Weight bytes uploaded at construction and the seconds it took (host reads included).
+  uint64_t upload_bytes() const { return upload_bytes_; }
+  double upload_seconds() const { return upload_s_; }
 
  private:
   /// A sparse block on the device: E experts of width EI, stacked.
   struct Moe {
-    cuda::DeviceBuffer router, router_bias;  // bf16 [E, H]; f32 [E] or empty
-    cuda::DeviceBuffer wgu, wdown;  // bf16 [E, 2·EI, H] (gate rows, then up rows), [E, H, EI]
-    cuda::DeviceBuffer gu_ptrs, down_ptrs;  // device arrays of E pointers into wgu / wdown
-    cuda::DeviceBuffer gate_bias, up_bias, down_bias;  // f32 [E·EI], [E·EI], [E·H] or empty
+    uint16_t* router = nullptr;                 // bf16 [E, H]
+    float* router_bias = nullptr;               // f32 [E] or null
+    uint16_t *wgu = nullptr, *wdown = nullptr;  // bf16 [E, 2·EI, H] ([gate; up]), [E, H, EI]
+    const uint16_t** gu_ptrs = nullptr;         // device array of E pointers into wgu
+    const uint16_t** down_ptrs = nullptr;       // device array of E pointers into wdown
+    float *gate_bias = nullptr, *up_bias = nullptr, *down_bias = nullptr;  // [E·EI], [E·EI], [E·H]
   };
-  /// One decoder layer's device weights; empty buffers for what the architecture lacks.
+  /// One decoder layer's device weights; null for what the architecture lacks.
   struct Layer {
-    cuda::DeviceBuffer wq, wk, wv, wo;                      // bf16
-    cuda::DeviceBuffer bq, bk, bv, bo;                      // f32 projection biases
-    cuda::DeviceBuffer in_norm, post_norm, q_norm, k_norm;  // f32
-    cuda::DeviceBuffer sinks;                               // f32 [NH] (gpt-oss)
-    cuda::DeviceBuffer wgu, wdown, bgu, bdown;  // dense MLP: bf16 [2I, H] = [gate; up], [H, I]; f32
+    uint16_t *wq = nullptr, *wk = nullptr, *wv = nullptr, *wo = nullptr;  // bf16
+    float *bq = nullptr, *bk = nullptr, *bv = nullptr, *bo = nullptr;     // f32 biases
+    float *in_norm = nullptr, *post_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;  // f32
+    float* sinks = nullptr;  // f32 [NH] (gpt-oss)
+    // Dense MLP: bf16 [2I, H] = [gate; up], [H, I]; f32 biases [2I], [H].
+    uint16_t *wgu = nullptr, *wdown = nullptr;
+    float *bgu = nullptr, *bdown = nullptr;
     bool sliding = false;
     bool is_moe = false;
     Moe moe;
   };
-  Layer upload_layer(const TargetLayer& L);
-  void moe_forward(const Moe& m, float* x, const uint16_t* hn, int64_t T);
-
   cuda::CudaContext& ctx_;
   ModelConfig cfg_;
   int64_t max_tokens_;
   float rope_scaling_;
   bool tied_;
-  cuda::DeviceBuffer embed_, head_, inv_freq_;
+  std::unique_ptr<cuda::DeviceArena> own_arena_;
+  uint16_t *embed_ = nullptr, *head_ = nullptr;
+  float* inv_freq_ = nullptr;
   std::vector<Layer> layers_;
-  cuda::DeviceBuffer x_, hn_, q_, k_, v_, o_, gu_, act_, tap_, win_;
-  // MoE workspace (empty for dense targets): R = max_tokens · top-k rows.
-  cuda::DeviceBuffer logits_, ids_, weights_, perm_, slot_, rexp_, offsets_, xs_, egu_, eact_, ys_;
+  float* x_ = nullptr;
+  uint16_t *hn_ = nullptr, *q_ = nullptr, *k_ = nullptr, *v_ = nullptr, *o_ = nullptr;
+  uint16_t *gu_ = nullptr, *act_ = nullptr, *tap_ = nullptr;  // gu_/act_ null without dense layers
+  AttnRange* win_ = nullptr;  // window ranges; null without sliding layers
+  /// MoE workspace (all null without MoE layers): R = max_tokens · top-k rows.
+  struct MoeWork {
+    float* logits = nullptr;                                                          // [T, E]
+    int32_t *ids = nullptr, *perm = nullptr, *slot = nullptr, *row_expert = nullptr;  // [R]
+    int32_t* offsets = nullptr;                                                       // [E+1]
+    float* weights = nullptr;                                                         // [R]
+    uint16_t *xs = nullptr, *gu = nullptr, *act = nullptr;  // [R, H], [R, 2·EI], [R, EI] bf16
+    float* ys = nullptr;                                    // [R, H]
+  } mw_;
+  uint64_t upload_bytes_ = 0;
+  double upload_s_ = 0;
+  // Constructor steps: checks and the arena (a plan of its own when `arena` is null), the weight
+  // pointers of layers [0, n_layers), the activations; with an own arena, that every planned
+  // buffer was taken.
+  cuda::DeviceArena& setup(int64_t n_layers, cuda::DeviceArena* arena);
+  void take_weights(cuda::DeviceArena& arena);
+  void take_activations(cuda::DeviceArena& arena);
+  void check_all_taken() const;
+  void upload_weights(const TargetModel& model);
+  void random_weights(uint64_t seed);
+  /// Writes the per-expert pointer arrays of every MoE layer (pointers into its stacked weights).
+  void upload_expert_pointers(cuda::PinnedUploader& up);
+  void moe_forward(const Moe& m, float* x, const uint16_t* hn, int64_t T);
 };
 
 }  // namespace dflash

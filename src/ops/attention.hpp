@@ -31,6 +31,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/arena_plan.hpp"
+
 namespace dflash {
 
 /// Keys visible to one query row: [lo1, hi1) ∪ [lo2, hi2), indices into the K/V array.
@@ -38,6 +40,15 @@ namespace dflash {
 /// is lo == hi (e.g. {0, 0}).
 struct AttnRange {
   int32_t lo1 = 0, hi1 = 0, lo2 = 0, hi2 = 0;
+};
+
+/// Which CUDA kernels attention_fwd_cuda / attention_bwd_cuda run (the CPU ops ignore it). Both
+/// compute the same function within the tolerance of the op tests; neither falls back to the
+/// other.
+enum class AttnCudaKernels {
+  tensor_core,  ///< bf16 mma.sync tiles (src/backend/cuda/attention_tc.cu): the default
+  ffma,         ///< the first CUDA-core version (src/backend/cuda/attention.cu), kept as a
+                ///< cross-check of the tensor-core kernels
 };
 
 /// Sizes and softmax scale of one attention call.
@@ -51,6 +62,7 @@ struct AttnParams {
   /// Per-head sink logits [NH] (f32; host memory for the CPU entry points, device memory for the
   /// CUDA ones), or null for none. Not scaled by `scale`.
   const float* sinks = nullptr;
+  AttnCudaKernels kernels = AttnCudaKernels::tensor_core;  ///< CUDA only
 };
 
 /// Fills `ranges` [T] for causal attention over packed documents: `doc_offsets` [n_docs+1]
@@ -84,6 +96,17 @@ void attention_bwd_cpu(double* dq, double* dk, double* dv, const double* dout, c
                        const double* k, const double* v, const double* o, const double* lse,
                        const AttnRange* ranges, const AttnParams& p);
 
+/// Key-tile width of the CUDA attention kernels' span scratch (the FFMA kernels' dk/dv tile; the
+/// tensor-core kernels' tiles are 64 keys, so their spans fit in the same scratch).
+inline constexpr int kAttnCudaKeyTile = 32;
+/// Device scratch attention_bwd_cuda takes from its context, in bytes: Δ [NH, Tq] f32 and the
+/// query span of each key tile (2 int32 per tile of kAttnCudaKeyTile keys, at least one tile);
+/// each block rounded to kArenaAlign. The same for both kernel families.
+constexpr uint64_t attention_bwd_cuda_scratch_bytes(const AttnParams& p) {
+  const int64_t tiles = (p.Tk + kAttnCudaKeyTile - 1) / kAttnCudaKeyTile;
+  return arena_round(static_cast<uint64_t>(p.NH * p.Tq) * 4) +
+         arena_round(static_cast<uint64_t>(tiles < 1 ? 1 : tiles) * 2 * 4);
+}
 
 #ifdef DFLASH_HAVE_CUDA
 namespace cuda {
@@ -94,16 +117,20 @@ class CudaContext;
 void attention_window_ranges_cuda(cuda::CudaContext& ctx, AttnRange* out, const AttnRange* in,
                                   int64_t T, int64_t window);
 
-/// CUDA forward (src/backend/cuda/attention.cu): q, k, v, o bf16 (raw bits), lse f32 [NH, Tq]
-/// (may be null), `ranges` [Tq] a DEVICE array. D must be 64 or 128; q/k/v 4-byte aligned. Ranges
-/// are clamped to [0, Tk) on the device (validate them on the host with the CPU rules when made).
-/// Tiled: memory independent of Tq·Tk. fp32 softmax statistics.
+/// CUDA forward: q, k, v, o bf16 (raw bits), lse f32 [NH, Tq] (may be null), `ranges` [Tq] a
+/// DEVICE array. D must be 64 or 128. p.kernels picks the kernels: tensor_core
+/// (src/backend/cuda/attention_tc.cu; q, k, v, o 16-byte aligned) or ffma
+/// (src/backend/cuda/attention.cu; q, k, v 4-byte aligned). Ranges are clamped to [0, Tk) on the
+/// device (validate them on the host with the CPU rules when made). Tiled: memory independent of
+/// Tq·Tk. fp32 softmax statistics. Throws dflash::Error on bad sizes, pointers or alignment.
 void attention_fwd_cuda(cuda::CudaContext& ctx, uint16_t* o, float* lse, const uint16_t* q,
                         const uint16_t* k, const uint16_t* v, const AttnRange* ranges,
                         const AttnParams& p);
 /// CUDA backward: dq [Tq,NH,D], dk, dv [Tk,NKV,D] bf16, OVERWRITTEN (each may be null); needs the
-/// forward's o and lse. No atomics: dq per query block, dk/dv per key block, fixed summation
-/// order, bit-reproducible. Scratch Δ [NH,Tq] f32 from ctx's caching allocator.
+/// forward's o and lse. No atomics on outputs: dq per query tile, dk/dv per key tile, fixed
+/// summation order, bit-reproducible. Scratch (attention_bwd_cuda_scratch_bytes) from
+/// ctx.scratch(). p.kernels and alignment as attention_fwd_cuda (tensor_core: dq, dk, dv, dout,
+/// o 16-byte aligned too).
 void attention_bwd_cuda(cuda::CudaContext& ctx, uint16_t* dq, uint16_t* dk, uint16_t* dv,
                         const uint16_t* dout, const uint16_t* q, const uint16_t* k,
                         const uint16_t* v, const uint16_t* o, const float* lse,

@@ -11,10 +11,14 @@
 // weight_sum are summed in row order in double (deterministic).
 // Gradient contract: dlogits and d_hidden are activation gradients, OVERWRITTEN. The fused variant
 // never forms the whole [R, V] logits: it works on chunks of `chunk_rows` rows (workspace
-// chunk_rows·V floats), and leaves the (frozen) LM head without a gradient.
+// chunk_rows·V floats; the CPU entry keeps it per thread between calls, and turns each chunk's
+// logits into their gradient in place with one exp per logit), and leaves the (frozen) LM head
+// without a gradient.
 #pragma once
 
 #include <cstdint>
+
+#include "core/arena_plan.hpp"
 
 namespace dflash {
 
@@ -68,6 +72,17 @@ CrossEntropyStats cross_entropy_fused_cpu(double* d_hidden, double* lse, int32_t
                                           const int32_t* labels, const double* weights,
                                           const FusedCeParams& p);
 
+/// Device workspace of cross_entropy_fused_cuda, in bytes: the chunk's fp32 logits [C, V]
+/// (C = min(chunk_rows, max(R, 1))), with `d_hidden` also their bf16 gradient [C, V], and without
+/// `row_loss` a per-row loss buffer [R] f32; each block rounded to kArenaAlign.
+constexpr uint64_t cross_entropy_fused_cuda_workspace_bytes(const FusedCeParams& p, bool d_hidden,
+                                                            bool row_loss) {
+  const int64_t r1 = p.R < 1 ? 1 : p.R;
+  const auto C = static_cast<uint64_t>(p.chunk_rows < r1 ? p.chunk_rows : r1);
+  const auto V = static_cast<uint64_t>(p.V);
+  return arena_round(C * V * 4) + (d_hidden ? arena_round(C * V * 2) : 0) +
+         (row_loss ? 0 : arena_round(static_cast<uint64_t>(r1) * 4));
+}
 
 #ifdef DFLASH_HAVE_CUDA
 namespace cuda {
@@ -76,16 +91,18 @@ class CudaContext;
 
 /// CUDA fused LM head + CE. hidden [R,H] and head [V,H] bf16 (raw bits); labels int32 [R], weights
 /// f32 [R] (null = all 1); all device pointers. Rows go in chunks of p.chunk_rows: the chunk's fp32
-/// logits [chunk, V] (cuBLASLt, fp32 accumulate) and their bf16 gradient live in scratch from
-/// ctx's caching allocator (chunk·V·6 bytes); the full [R, V] logits never exist.
+/// logits [chunk, V] (cuBLASLt, fp32 accumulate) and their bf16 gradient live in `workspace`
+/// (device, workspace_bytes ≥ cross_entropy_fused_cuda_workspace_bytes, else dflash::Error), or,
+/// when it is null, in ctx.scratch(); the full [R, V] logits never exist.
 /// Outputs (each may be null): d_hidden f32 [R,H] = grad_scale·(w·(softmax − onehot))·head
 /// (overwritten), lse f32 [R], argmax int32 [R], row_loss f32 [R] (w·loss), sums f64 [2] =
 /// {Σ w·loss, Σ w} reduced in a fixed order. Nothing is copied to the host (graph-capturable).
 /// A row with w ≠ 0 and a label outside [0, V) gets a NaN loss.
-void cross_entropy_fused_cuda(cuda::CudaContext& ctx, float* d_hidden, float* lse,
-                              int32_t* argmax, float* row_loss, double* sums,
-                              const uint16_t* hidden, const uint16_t* head, const int32_t* labels,
-                              const float* weights, const FusedCeParams& p);
+void cross_entropy_fused_cuda(cuda::CudaContext& ctx, float* d_hidden, float* lse, int32_t* argmax,
+                              float* row_loss, double* sums, const uint16_t* hidden,
+                              const uint16_t* head, const int32_t* labels, const float* weights,
+                              const FusedCeParams& p, void* workspace = nullptr,
+                              uint64_t workspace_bytes = 0);
 #endif
 
 }  // namespace dflash

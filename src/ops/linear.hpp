@@ -6,6 +6,10 @@
 // ACCUMULATE (+=). Any of dx, dW, db may be null to skip it (e.g. frozen weights).
 // bf16 weights (raw bf16 bits, uint16_t) are converted to fp32 one tile of rows at a time, so no
 // fp32 copy of the whole matrix is made; their gradient, when asked for, is fp32.
+// Forward with T ≤ 16 rows (float): a direct kernel that reads W once, as stored, and computes
+// every row with the same summation order whatever T is (backend/cpu/few_rows.hpp): a token
+// decoded alone and the same token inside a verified block get bit-identical outputs. Larger T
+// (and double) go through the OpenBLAS GEMM.
 // A CUDA entry point with the same arguments will sit next to each CPU one (`linear_fwd_cuda`).
 #pragma once
 

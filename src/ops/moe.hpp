@@ -22,6 +22,8 @@
 
 #include <cstdint>
 
+#include "core/arena_plan.hpp"
+
 namespace dflash {
 
 /// How a MoE router turns its logits [E] into the top-k experts and their weights.
@@ -105,6 +107,13 @@ void moe_combine_cpu(float* y, const float* ys, const float* down_bias, const in
 void mxfp4_dequantize_cpu(uint16_t* out, const uint8_t* blocks, const uint8_t* scales, int64_t rows,
                           int64_t G);
 
+/// Device scratch moe_dispatch_cuda takes from its context, in bytes: the per-expert counts
+/// [E] int32, rounded to kArenaAlign (what a memory plan reserves for it). The other MoE ops take
+/// none.
+constexpr uint64_t moe_dispatch_cuda_scratch_bytes(int64_t E) {
+  return arena_round(static_cast<uint64_t>(E < 1 ? 1 : E) * 4);
+}
+
 #ifdef DFLASH_HAVE_CUDA
 namespace cuda {
 class CudaContext;
@@ -116,8 +125,9 @@ void moe_route_cuda(cuda::CudaContext& ctx, int32_t* ids, float* weights, const 
                     int64_t T, int64_t E, const MoeRouting& r);
 
 /// CUDA moe_dispatch: a deterministic counting sort (per-expert counts, one scan, a stable
-/// per-expert scatter). Ids outside [0, E) are not reported (they live on the device): such pairs
-/// are left out of every expert (offsets[E] < R), so validate ids where they are made.
+/// per-expert scatter; scratch: moe_dispatch_cuda_scratch_bytes from ctx.scratch()). Ids outside
+/// [0, E) are not reported (they live on the device): such pairs are left out of every expert
+/// (offsets[E] < R), so validate ids where they are made.
 void moe_dispatch_cuda(cuda::CudaContext& ctx, int32_t* perm, int32_t* slot, int32_t* offsets,
                        int32_t* row_expert, const int32_t* ids, int64_t T, int64_t K, int64_t E);
 

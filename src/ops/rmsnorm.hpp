@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include "core/arena_plan.hpp"
+
 namespace dflash {
 
 /// y[r,:] = w ⊙ x[r,:] · rstd[r], rstd[r] = 1/sqrt(mean_j x[r,j]² + eps).
@@ -28,6 +30,23 @@ void rmsnorm_bwd_cpu(float* dx, float* dw, const float* dy, const float* x, cons
 void rmsnorm_bwd_cpu(double* dx, double* dw, const double* dy, const double* x, const double* w,
                      int64_t R, int64_t D, double eps);
 
+/// Rows per chunk of the two-pass weight gradient of rmsnorm_bwd_cuda: max(16, ceil(R/256)).
+constexpr int64_t rmsnorm_cuda_dw_rows_per_chunk(int64_t R) {
+  return (R + 255) / 256 < 16 ? 16 : (R + 255) / 256;
+}
+/// Number of those chunks (at most 256).
+constexpr int64_t rmsnorm_cuda_dw_chunks(int64_t R) {
+  const int64_t rows = rmsnorm_cuda_dw_rows_per_chunk(R);
+  return R == 0 ? 0 : (R + rows - 1) / rows;
+}
+/// Device scratch rmsnorm_bwd_cuda takes from its context, in bytes: rstd [R] f32 and, with a
+/// weight gradient, the partial sums [rmsnorm_cuda_dw_chunks(R), D] f32; each block rounded to
+/// kArenaAlign (what a memory plan reserves for it).
+constexpr uint64_t rmsnorm_bwd_cuda_scratch_bytes(int64_t R, int64_t D, bool dw) {
+  if (R == 0) return 0;
+  const uint64_t rstd = arena_round(static_cast<uint64_t>(R) * 4);
+  return rstd + (dw ? arena_round(static_cast<uint64_t>(rmsnorm_cuda_dw_chunks(R) * D) * 4) : 0);
+}
 
 #ifdef DFLASH_HAVE_CUDA
 namespace cuda {
@@ -41,7 +60,8 @@ void rmsnorm_fwd_cuda(cuda::CudaContext& ctx, Y* y, float* rstd, const X* x, con
                       int64_t R, int64_t D, double eps);
 /// CUDA backward: dx (overwritten, may be null) and dy have type G ∈ {float, bf16 bits}; x has
 /// type X; dw f32 ACCUMULATES (may be null). dw is summed over fixed row chunks, then the chunks
-/// in order: deterministic, no atomics. Scratch comes from ctx's caching allocator.
+/// in order: deterministic, no atomics. Scratch (rmsnorm_bwd_cuda_scratch_bytes) comes from
+/// ctx.scratch().
 template <typename G, typename X>
 void rmsnorm_bwd_cuda(cuda::CudaContext& ctx, G* dx, float* dw, const G* dy, const X* x,
                       const float* w, int64_t R, int64_t D, double eps);

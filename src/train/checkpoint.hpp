@@ -6,16 +6,20 @@
 //   trainer_state/optimizer.safetensors   f32 [P] master, adam_m, adam_v
 //   trainer_state/state.json         format, step, skipped, consecutive_skips, data_cursor,
 //                                    interval (IntervalMetrics), config (the resolved YAML)
-//   COMPLETE                         written last
+//   COMPLETE                         written last: JSON {format, step, files: {relative path:
+//                                    {bytes, xxh3}}} listing the four files above
 // Invariants: a checkpoint is written to .tmp-checkpoint-<STEP>, fsynced, renamed, the run
-// directory fsynced, and only then marked COMPLETE; a folder without COMPLETE is never read. The
-// AdamW update count is not stored: every step applies one update or is skipped, so
-// updates = step − skipped (checked when writing, restored when reading).
+// directory fsynced, and only then marked COMPLETE; a folder without COMPLETE is never read, and
+// a resume reads only a checkpoint whose files have the sizes and XXH3 digests its marker lists
+// (checkpoint_verify). The AdamW update count is not stored: every step applies one update or is
+// skipped, so updates = step − skipped (checked when writing, restored when reading).
 #pragma once
 
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "core/dtype.hpp"
 #include "data/batcher.hpp"
@@ -44,9 +48,65 @@ std::filesystem::path checkpoint_write(RunDir& rd, const DrafterConfig& cfg,
                                        const DrafterLayout& layout, const DrafterState& drafter,
                                        const TrainerState& st, DType export_dtype, int keep_last);
 
-/// Reads the trainer state of the complete checkpoint `dir` into `drafter` (sized for `layout`)
-/// and `st`. Throws dflash::Error naming the file and the tensor or key that is missing or has
-/// the wrong size.
+/// How checkpoint_verify judged a checkpoint.
+enum class CheckpointCheck {
+  verified,       ///< every file listed in the marker has the listed size and digest
+  legacy_marker,  ///< its COMPLETE is the bare "step N" line of checkpoints written before
+                  ///< markers listed files: nothing to check the files against
+};
+
+/// Checks the files of checkpoint folder `dir` against its COMPLETE marker: every file of the
+/// layout above must be listed, exist and have the listed size and XXH3 digest, and the marker's
+/// step must be the folder's. Reads every listed file once. Throws dflash::Error naming the file
+/// that is missing, differs, or the marker when it is absent or malformed.
+CheckpointCheck checkpoint_verify(const std::filesystem::path& dir);
+
+/// A checkpoint passed over by checkpoint_select, and why.
+struct CheckpointRejection {
+  std::filesystem::path dir;
+  std::string reason;  ///< checkpoint_verify's error
+};
+
+/// The checkpoint a resume continues from.
+struct ResumePoint {
+  std::filesystem::path dir;
+  int64_t step = 0;
+  CheckpointCheck check = CheckpointCheck::verified;
+  std::vector<CheckpointRejection>
+      rejected;  ///< newer complete checkpoints that failed, newest first
+};
+
+/// The newest complete checkpoint of `run_dir` that passes checkpoint_verify, with the newer
+/// ones that failed. Throws dflash::Error when the directory has no complete checkpoint, or when
+/// none verifies (listing each one's reason).
+ResumePoint checkpoint_select(const std::filesystem::path& run_dir);
+
+/// Moves a checkpoint that failed verification out of the way: renames <run>/checkpoint-STEP to
+/// <run>/rejected-checkpoint-STEP (replacing an earlier folder of that name) and fsyncs the run
+/// directory, so that it is neither resumed from nor counted or pruned as a checkpoint (nor
+/// matched by a `checkpoint-*` glob), and is kept for inspection. Returns the new path. Throws
+/// dflash::Error naming the folder when the rename fails.
+std::filesystem::path checkpoint_set_aside(const std::filesystem::path& dir);
+
+/// Parses the text of a checkpoint's trainer_state/state.json (format dflash-trainer-state-1):
+/// step, skip counts (0 <= consecutive_skips <= skipped <= step), data cursor, the open log
+/// interval's accumulators (K = the saved config's block size), resolved config (which must
+/// parse as a run YAML). Strict JSON (no duplicate keys; no float where an integer belongs).
+/// Throws dflash::Error naming `source` and the key at fault. Also the boundary of the
+/// trainer_state fuzz harness (tests/fuzz).
+TrainerState checkpoint_state_parse(std::string_view text, const std::string& source);
+
+/// checkpoint_state_parse of `dir`/trainer_state/state.json; errors name that file.
+TrainerState checkpoint_read_state(const std::filesystem::path& dir);
+
+/// Reads the weights and AdamW moments of checkpoint `dir` into `drafter` (sized for `layout`;
+/// updates = st.step − st.skipped, `st` being the checkpoint's state). Throws dflash::Error naming
+/// the file and the tensor that is missing or has the wrong size.
+void checkpoint_read_drafter(const std::filesystem::path& dir, const DrafterLayout& layout,
+                             const TrainerState& st, DrafterState& drafter);
+
+/// checkpoint_read_state, then checkpoint_read_drafter: the whole trainer state of the complete
+/// checkpoint `dir` into `st` and `drafter`. Errors as those two.
 void checkpoint_read(const std::filesystem::path& dir, const DrafterLayout& layout,
                      DrafterState& drafter, TrainerState& st);
 

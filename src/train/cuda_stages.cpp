@@ -1,7 +1,12 @@
 // dflash.cpp — the CUDA stages of the pipeline's workers (train/pipeline.hpp): a target stage and a
-// drafter stage per worker, each with a CudaContext of its own (stream, cuBLASLt handle, caching
-// allocator, GEMM plans, graphs) on its GPU, made and driven by the worker's thread. Several
+// drafter stage per worker, each with a CudaContext of its own (stream, cuBLASLt handle,
+// allocator, GEMM plans, graphs) and an arena on its GPU, made and driven by the worker's thread. Several
 // stages may share one GPU (colocated workers, or several drafter replicas on one GPU).
+//
+// Memory: each stage allocates ONE arena from its worker's plan (train/memory_plan.hpp:
+// plan_target_worker_memory, plan_drafter_worker_memory; the trainer checked that the plans of the
+// workers sharing a GPU fit it together) and takes every device buffer from it by name, op scratch
+// included (the context's allocator pool); a planned buffer left untaken is an error.
 //
 // Target stage: stages the batch's context (drafter_batch_stage_context) into pinned buffers, runs
 // TargetCuda::forward_taps (one CUDA graph per context length) into a fixed taps buffer, copies the
@@ -38,14 +43,17 @@
 #include <set>
 #include <utility>
 
+#include "backend/cuda/arena.hpp"
 #include "backend/cuda/check.hpp"
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/device.hpp"
+#include "backend/cuda/graph.hpp"
 #include "backend/cuda/pinned.hpp"
 #include "core/dtype.hpp"
 #include "model/drafter_cuda.hpp"
 #include "model/target_cuda.hpp"
 #include "train/cuda_train.hpp"
+#include "train/memory_plan.hpp"
 
 namespace dflash {
 
@@ -62,8 +70,9 @@ std::optional<DeviceMemory> memory_of_current_device() {
   return DeviceMemory{total - free, total};
 }
 
-// bf16 bits of a float tensor (as stored when bf16, rounded to nearest even otherwise), uploaded.
-cuda::DeviceBuffer upload_bf16_table(cuda::CudaContext& ctx, const Tensor& t) {
+// bf16 bits of a float tensor (as stored when bf16, rounded to nearest even otherwise), uploaded
+// into the arena's buffer `name`.
+const uint16_t* upload_bf16_table(cuda::DeviceArena& arena, const char* name, const Tensor& t) {
   std::vector<uint16_t> bits(static_cast<size_t>(t.numel()));
   if (t.dtype() == DType::bf16) {
     std::copy_n(t.data<uint16_t>(), bits.size(), bits.begin());
@@ -71,9 +80,9 @@ cuda::DeviceBuffer upload_bf16_table(cuda::CudaContext& ctx, const Tensor& t) {
     const std::vector<float> f = t.to_f32_vector();
     for (size_t i = 0; i < f.size(); ++i) bits[i] = f32_to_bf16_bits(f[i]);
   }
-  cuda::DeviceBuffer b = ctx.scratch(bits.size() * kBf16);
-  DFLASH_CUDA_CHECK(cudaMemcpy(b.data(), bits.data(), bits.size() * kBf16, cudaMemcpyHostToDevice));
-  return b;
+  void* b = arena.get_bytes(name, bits.size() * kBf16);
+  DFLASH_CUDA_CHECK(cudaMemcpy(b, bits.data(), bits.size() * kBf16, cudaMemcpyHostToDevice));
+  return static_cast<const uint16_t*>(b);
 }
 
 // Context rows of a batch on the device: its rows·L (the batcher's shape), as CudaTrainBackend.
@@ -83,21 +92,38 @@ int64_t context_rows(const DrafterBatch& b) {
 
 // Block rows of a batch on the device: its blocks padded to a multiple of kBlockRowsMultiple.
 int64_t block_rows(const DrafterBatch& b) {
-  const int64_t multiple = CudaTrainBackend::kBlockRowsMultiple * b.block_size;
-  return std::max<int64_t>(multiple, (b.N() * b.block_size + multiple - 1) / multiple * multiple);
+  return padded_block_rows(b.N(), b.block_size);
 }
 
-// One staged input: a device buffer and its pinned host twin (copies from it can be captured).
+// One staged input: the arena's buffer `name` and its pinned host twin (copies from it can be
+// captured).
 struct Staged {
   Staged() = default;
-  Staged(cuda::CudaContext& ctx, size_t bytes) : dev(ctx.scratch(bytes)), host(bytes) {}
+  Staged(cuda::DeviceArena& arena, const char* name, size_t bytes)
+      : dev(arena.get_bytes(name, bytes)), host(bytes) {}
   void upload(cudaStream_t s, size_t bytes) const {
-    DFLASH_CUDA_CHECK(
-        cudaMemcpyAsync(dev.data(), host.as<void>(), bytes, cudaMemcpyHostToDevice, s));
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(dev, host.as<void>(), bytes, cudaMemcpyHostToDevice, s));
   }
-  cuda::DeviceBuffer dev;
+  template <typename T>
+  T* device() const {
+    return static_cast<T*>(dev);
+  }
+  void* dev = nullptr;
   cuda::PinnedBuffer host;
 };
+
+// Hands the arena's "workspace.op_scratch" to the context's allocator (every op's scratch comes
+// from it) and checks that every planned buffer was taken.
+void arena_finish(cuda::CudaContext& ctx, cuda::DeviceArena& a, const char* stage) {
+  const char* pool = "workspace.op_scratch";
+  const uint64_t pool_bytes = a.planned_bytes(pool);
+  ctx.allocator().use_pool(a.get_bytes(pool, pool_bytes), pool_bytes);
+  const std::vector<std::string> unused = a.untaken();
+  DFLASH_CHECK(unused.empty(),
+               "memory plan: {} planned buffers are not used by the {} (e.g. '{}'): the plan and "
+               "the code disagree",
+               unused.size(), stage, unused.empty() ? "" : unused.front());
+}
 
 class CudaTargetStage;
 
@@ -124,25 +150,31 @@ class CudaFeatures final : public TargetFeatures {
 
 class CudaTargetStage final : public TargetStage {
  public:
-  CudaTargetStage(int device, const TargetModel& model, const DrafterConfig& cfg, int64_t max_ctx,
-                  bool graphs, int64_t buffers)
+  // `plan`: plan_target_worker_memory of this worker, `buffers` its feature buffers.
+  CudaTargetStage(int device, const TargetModel& model, const DrafterConfig& cfg,
+                  const TrainMemoryPlan& plan, bool graphs, int64_t buffers)
       : taps_(cfg.target_layer_ids),
         block_size_(cfg.block_size),
         cols_(cfg.n_taps() * cfg.hidden_size),
-        max_ctx_(max_ctx),
+        max_ctx_(plan.T),
         use_graphs_(graphs) {
     DFLASH_CHECK(buffers >= 1, "cuda target stage: {} feature buffers", buffers);
     ctx_ = std::make_unique<cuda::CudaContext>(device);
-    target_ = std::make_unique<TargetCuda>(*ctx_, model, max_ctx);
-    const auto T = static_cast<size_t>(max_ctx);
-    tokens_ = Staged(*ctx_, T * sizeof(int32_t));
-    pos_ = Staged(*ctx_, T * sizeof(int32_t));
-    ranges_ = Staged(*ctx_, T * sizeof(AttnRange));
-    taps_out_ = ctx_->scratch(T * static_cast<size_t>(cols_) * kBf16);
+    arena_ = std::make_unique<cuda::DeviceArena>(*ctx_, plan.arena);
+    cuda::DeviceArena& a = *arena_;
+    target_ = std::make_unique<TargetCuda>(*ctx_, model, plan.T, plan.target_layers, &a);
+    const auto T = static_cast<size_t>(plan.T);
+    tokens_ = Staged(a, "inputs.tokens", T * sizeof(int32_t));
+    pos_ = Staged(a, "inputs.pos", T * sizeof(int32_t));
+    ranges_ = Staged(a, "inputs.target_ranges", T * sizeof(AttnRange));
+    const size_t features = T * static_cast<size_t>(cols_);
+    taps_out_ = a.get<uint16_t>(kTargetOnlyFeatures, static_cast<int64_t>(features));
     for (int64_t i = 0; i < buffers; ++i) {
-      pool_.push_back(ctx_->scratch(T * static_cast<size_t>(cols_) * kBf16));
+      const std::string name = fmt::format("taps.pool.{}", i);
+      pool_.push_back(a.get<uint16_t>(name, static_cast<int64_t>(features)));
       free_.push_back(static_cast<int>(i));
     }
+    arena_finish(*ctx_, a, "cuda target stage");
   }
 
   std::unique_ptr<TargetFeatures> forward_taps(const DrafterBatch& b) override {
@@ -162,25 +194,24 @@ class CudaTargetStage final : public TargetStage {
       tokens_.upload(s, T * sizeof(int32_t));
       pos_.upload(s, T * sizeof(int32_t));
       ranges_.upload(s, T * sizeof(AttnRange));
-      target_->forward_taps(taps_out_.as<uint16_t>(), tokens_.dev.as<int32_t>(),
-                            pos_.dev.as<int32_t>(), ranges_.dev.as<AttnRange>(), T, taps_);
+      target_->forward_taps(taps_out_, tokens_.device<int32_t>(), pos_.device<int32_t>(),
+                            ranges_.device<AttnRange>(), T, taps_);
     };
     try {
       if (use_graphs_) {
-        graphs_.launch(T, s, enqueue);
+        graphs_.run(T, s, enqueue);
       } else {
         enqueue();
       }
       const size_t bytes = Ts * static_cast<size_t>(cols_) * kBf16;
-      DFLASH_CUDA_CHECK(cudaMemcpyAsync(pool_[static_cast<size_t>(slot)].data(), taps_out_.data(),
-                                        bytes, cudaMemcpyDeviceToDevice, s));
+      DFLASH_CUDA_CHECK(cudaMemcpyAsync(pool_[static_cast<size_t>(slot)], taps_out_, bytes,
+                                        cudaMemcpyDeviceToDevice, s));
       ctx_->synchronize();  // the staging buffers are reused next time; the features are complete
     } catch (...) {
       release(slot);
       throw;
     }
-    return std::make_unique<CudaFeatures>(this, slot,
-                                          pool_[static_cast<size_t>(slot)].as<uint16_t>(),
+    return std::make_unique<CudaFeatures>(this, slot, pool_[static_cast<size_t>(slot)],
                                           ctx_->device(), T, cols_, b.fingerprint());
   }
 
@@ -189,7 +220,7 @@ class CudaTargetStage final : public TargetStage {
     DFLASH_CHECK(f != nullptr && f->owner == this,
                  "cuda target stage: fill_nan() of features another stage made");
     const size_t bytes = static_cast<size_t>(f->rows * f->cols) * kBf16;
-    DFLASH_CUDA_CHECK(cudaMemsetAsync(pool_[static_cast<size_t>(f->slot)].data(), 0xFF, bytes,
+    DFLASH_CUDA_CHECK(cudaMemsetAsync(pool_[static_cast<size_t>(f->slot)], 0xFF, bytes,
                                       ctx_->stream()));  // bf16 0xFFFF is a NaN
     ctx_->synchronize();
   }
@@ -215,15 +246,16 @@ class CudaTargetStage final : public TargetStage {
   }
 
   std::unique_ptr<cuda::CudaContext> ctx_;
+  std::unique_ptr<cuda::DeviceArena> arena_;  // every device buffer below
   std::unique_ptr<TargetCuda> target_;
   std::vector<int> taps_;
   int block_size_;
   int64_t cols_, max_ctx_;
   bool use_graphs_;
   Staged tokens_, pos_, ranges_;
-  cuda::DeviceBuffer taps_out_;
+  uint16_t* taps_out_ = nullptr;
   cuda::GraphCache<int64_t> graphs_;
-  std::vector<cuda::DeviceBuffer> pool_;
+  std::vector<uint16_t*> pool_;
   std::mutex pool_mu_;
   std::vector<int> free_;
 };
@@ -234,32 +266,36 @@ CudaFeatures::~CudaFeatures() {
 
 class CudaDrafterStage final : public DrafterStage {
  public:
+  // `plan`: plan_drafter_worker_memory of this worker.
   CudaDrafterStage(int device, const TargetModel& model, const DrafterConfig& cfg,
-                   const DrafterLayout& layout, int64_t max_ctx, bool graphs,
+                   const DrafterLayout& layout, const TrainMemoryPlan& plan, bool graphs,
                    const AdamWConfig& adam, double clip,
                    const std::shared_ptr<CollectiveGroup>& group, int replica)
       : cfg_(cfg),
         params_(layout.total),
-        max_ctx_(max_ctx),
-        max_rows_(max_ctx * cfg.block_size),
+        max_ctx_(plan.T),
+        max_rows_(plan.NK),
         use_graphs_(graphs),
         adam_(adam),
         clip_grad_norm_(clip) {
     ctx_ = std::make_unique<cuda::CudaContext>(device);
-    embed_ = upload_bf16_table(*ctx_, model.embed_tokens());
+    arena_ = std::make_unique<cuda::DeviceArena>(*ctx_, plan.arena);
+    cuda::DeviceArena& a = *arena_;
+    const uint16_t* embed = upload_bf16_table(a, kDrafterWorkerEmbed, model.embed_tokens());
     const bool tied = model.config().tie_word_embeddings;
-    if (!tied) head_ = upload_bf16_table(*ctx_, model.lm_head());
-    drafter_ = std::make_unique<DrafterCuda>(*ctx_, cfg, layout, max_ctx_, max_rows_,
-                                             embed_.as<uint16_t>(),
-                                             tied ? embed_.as<uint16_t>() : head_.as<uint16_t>());
+    const uint16_t* head =
+        tied ? embed : upload_bf16_table(a, kDrafterWorkerLmHead, model.lm_head());
+    drafter_ = std::make_unique<DrafterCuda>(*ctx_, cfg, layout, max_ctx_, max_rows_, embed, head,
+                                             &a);
     const auto T = static_cast<size_t>(max_ctx_), NK = static_cast<size_t>(max_rows_);
     tokens_.resize(T);
     context_ranges_.resize(T);
-    pos_ = Staged(*ctx_, (T + NK) * sizeof(int32_t));
-    block_tokens_ = Staged(*ctx_, NK * sizeof(int32_t));
-    block_ranges_ = Staged(*ctx_, NK * sizeof(AttnRange));
-    labels_ = Staged(*ctx_, NK * sizeof(int32_t));
-    weights_ = Staged(*ctx_, NK * sizeof(float));
+    pos_ = Staged(a, "inputs.pos", (T + NK) * sizeof(int32_t));
+    block_tokens_ = Staged(a, "inputs.block_tokens", NK * sizeof(int32_t));
+    block_ranges_ = Staged(a, "inputs.block_ranges", NK * sizeof(AttnRange));
+    labels_ = Staged(a, "inputs.labels", NK * sizeof(int32_t));
+    weights_ = Staged(a, "inputs.weights", NK * sizeof(float));
+    arena_finish(*ctx_, a, "cuda drafter stage");
     if (group) collective_ = cuda_collective_member(group, replica, ctx_->stream());
   }
 
@@ -298,7 +334,7 @@ class CudaDrafterStage final : public DrafterStage {
         cudaMemcpyPeerAsync(drafter_->features(), ctx_->device(), f->data, f->device, bytes, s));
     auto enqueue = [&] { enqueue_step(T, NK); };
     if (use_graphs_) {
-      graphs_.launch(std::pair<int64_t, int64_t>(T, NK), s, enqueue);
+      graphs_.run(std::pair<int64_t, int64_t>(T, NK), s, enqueue);
     } else {
       enqueue();
     }
@@ -392,11 +428,11 @@ class CudaDrafterStage final : public DrafterStage {
     in.T = T;
     in.NK = NK;
     in.features = drafter_->features();
-    in.pos = pos_.dev.as<int32_t>();
-    in.block_tokens = block_tokens_.dev.as<int32_t>();
-    in.ranges = block_ranges_.dev.as<AttnRange>();
-    in.labels = labels_.dev.as<int32_t>();
-    in.weights = weights_.dev.as<float>();
+    in.pos = pos_.device<int32_t>();
+    in.block_tokens = block_tokens_.device<int32_t>();
+    in.ranges = block_ranges_.device<AttnRange>();
+    in.labels = labels_.device<int32_t>();
+    in.weights = weights_.device<float>();
     drafter_->forward_backward(in, 1.0);  // unscaled: the step's 1/Σw is applied by adamw()
   }
 
@@ -418,7 +454,7 @@ class CudaDrafterStage final : public DrafterStage {
   }
 
   std::unique_ptr<cuda::CudaContext> ctx_;
-  cuda::DeviceBuffer embed_, head_;
+  std::unique_ptr<cuda::DeviceArena> arena_;  // every device buffer (embedding and head copies too)
   std::unique_ptr<DrafterCuda> drafter_;
   DrafterConfig cfg_;
   int64_t params_;
@@ -456,8 +492,10 @@ std::unique_ptr<TargetStage> cuda_target_stage_create(const TrainBackendOptions&
                "cuda target stage: CUDA device {} does not exist ({} "
                "visible)",
                device, n);
-  return std::make_unique<CudaTargetStage>(device, target, cfg, opts.max_context_tokens,
-                                           opts.cuda_graphs, opts.feature_buffers);
+  const TrainMemoryPlan plan = plan_target_worker_memory(
+      target.config(), cfg, opts.max_context_tokens, opts.feature_buffers, opts.device_memory_gib);
+  return std::make_unique<CudaTargetStage>(device, target, cfg, plan, opts.cuda_graphs,
+                                           opts.feature_buffers);
 }
 
 std::unique_ptr<DrafterStage> cuda_drafter_stage_create(
@@ -467,9 +505,11 @@ std::unique_ptr<DrafterStage> cuda_drafter_stage_create(
   const int n = cuda::device_count();
   DFLASH_CHECK(device >= 0 && device < n,
                "cuda drafter stage: CUDA device {} does not exist ({} visible)", device, n);
-  return std::make_unique<CudaDrafterStage>(device, target, cfg, layout, opts.max_context_tokens,
-                                            opts.cuda_graphs, opts.adam, opts.clip_grad_norm, group,
-                                            replica);
+  const TrainMemoryPlan plan = plan_drafter_worker_memory(
+      target.config(), cfg, layout, TrainStepCapacity{opts.max_context_tokens, opts.max_blocks},
+      opts.device_memory_gib);
+  return std::make_unique<CudaDrafterStage>(device, target, cfg, layout, plan, opts.cuda_graphs,
+                                            opts.adam, opts.clip_grad_norm, group, replica);
 }
 
 }  // namespace dflash

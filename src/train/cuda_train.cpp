@@ -10,13 +10,15 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
-#include <map>
 #include <utility>
 
+#include "backend/cuda/arena.hpp"
 #include "backend/cuda/check.hpp"
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/device.hpp"
+#include "backend/cuda/graph.hpp"
 #include "model/drafter_cuda.hpp"
 #include "model/target_cuda.hpp"
 
@@ -54,9 +56,9 @@ class PinnedBuffer {
   size_t bytes_ = 0;
 };
 
-// One staged input: device buffer plus its pinned host twin.
+// One staged input: device buffer (from the arena) plus its pinned host twin.
 struct Staged {
-  cuda::DeviceBuffer dev;
+  void* dev = nullptr;
   PinnedBuffer host;
   template <typename T>
   void fill(const std::vector<T>& src) {
@@ -69,17 +71,24 @@ struct Staged {
   template <typename T>
   void upload(cudaStream_t s, int64_t first, int64_t n) const {
     if (n <= 0) return;
-    DFLASH_CUDA_CHECK(cudaMemcpyAsync(dev.as<T>() + first, host.as<T>() + first,
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(static_cast<T*>(dev) + first, host.as<T>() + first,
                                       static_cast<size_t>(n) * sizeof(T), cudaMemcpyHostToDevice,
                                       s));
   }
 };
 
-Staged make_staged(cuda::CudaContext& ctx, size_t bytes) {
+Staged make_staged(cuda::DeviceArena& arena, const char* name, size_t bytes) {
   Staged st;
-  st.dev = ctx.scratch(bytes);
+  st.dev = arena.get_bytes(name, bytes);
   st.host = PinnedBuffer(bytes);
   return st;
+}
+
+// total − free device memory of the current device.
+uint64_t used_device_memory() {
+  size_t free = 0, total = 0;
+  DFLASH_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  return total - free;
 }
 
 }  // namespace
@@ -87,43 +96,10 @@ Staged make_staged(cuda::CudaContext& ctx, size_t bytes) {
 struct CudaTrainBackend::Inputs {
   Staged tokens, target_ranges, pos, block_tokens, block_ranges, labels, weights;
   cudaEvent_t start = nullptr, after_target = nullptr, end = nullptr;
-  std::map<int64_t, cudaGraphExec_t> target_graphs;                        // by T
-  std::map<std::pair<int64_t, int64_t>, cudaGraphExec_t> drafter_graphs;  // by (T, NK)
-  ~Inputs() {
-    for (auto& [k, g] : target_graphs) cudaGraphExecDestroy(g);
-    for (auto& [k, g] : drafter_graphs) cudaGraphExecDestroy(g);
-  }
+  cudaEvent_t opt_start = nullptr, opt_end = nullptr;            // around the AdamW update
+  cuda::GraphCache<int64_t> target_graphs;                       // by T
+  cuda::GraphCache<std::pair<int64_t, int64_t>> drafter_graphs;  // by (T, NK)
 };
-
-namespace {
-
-// Replays the graph of `key`, capturing `enqueue` into it first when there is none.
-template <typename Key, typename F>
-void replay(std::map<Key, cudaGraphExec_t>& graphs, const Key& key, cudaStream_t s, F&& enqueue) {
-  auto it = graphs.find(key);
-  if (it == graphs.end()) {
-    // Relaxed: the caching allocator may still call cudaMalloc the first time a size is needed.
-    DFLASH_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
-    try {
-      enqueue();
-    } catch (...) {
-      cudaGraph_t broken = nullptr;
-      cudaStreamEndCapture(s, &broken);
-      if (broken) cudaGraphDestroy(broken);
-      throw;
-    }
-    cudaGraph_t graph = nullptr;
-    DFLASH_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
-    cudaGraphExec_t exec = nullptr;
-    const cudaError_t e = cudaGraphInstantiate(&exec, graph, 0);
-    cudaGraphDestroy(graph);
-    DFLASH_CUDA_CHECK(e);
-    it = graphs.emplace(key, exec).first;
-  }
-  DFLASH_CUDA_CHECK(cudaGraphLaunch(it->second, s));
-}
-
-}  // namespace
 
 // Features of a CudaTrainBackend: they live in its drafter's feature buffer; `ticket` names the
 // forward_taps() call that wrote them.
@@ -136,37 +112,67 @@ class CudaTargetFeatures final : public TargetFeatures {
 };
 
 CudaTrainBackend::CudaTrainBackend(int device, const TargetModel& target, const DrafterConfig& cfg,
-                                   const DrafterLayout& layout, int64_t max_ctx, bool use_graphs,
-                                   const AdamWConfig& adam, double clip_grad_norm)
+                                   const DrafterLayout& layout, const TrainMemoryPlan& plan,
+                                   bool use_graphs, const AdamWConfig& adam, double clip_grad_norm)
     : cfg_(cfg),
       param_count_(layout.total),
       taps_(cfg.target_layer_ids),
-      max_ctx_(max_ctx),
-      max_rows_(max_ctx * cfg.block_size),
+      max_ctx_(plan.T),
+      max_rows_(plan.NK),
       use_graphs_(use_graphs),
       adam_(adam),
-      clip_grad_norm_(clip_grad_norm) {
+      clip_grad_norm_(clip_grad_norm),
+      planned_context_bytes_(plan.context_bytes + plan.cublaslt_bytes) {
   const int n = cuda::device_count();
   DFLASH_CHECK(device >= 0 && device < n,
                "runtime.devices: CUDA device {} does not exist ({} visible)", device, n);
   description_ = fmt::format("cuda:{} {}, CUDA graphs {}", device,
                              cuda::device_description(device), use_graphs ? "on" : "off");
   ctx_ = std::make_unique<cuda::CudaContext>(device);
-  target_ = std::make_unique<TargetCuda>(*ctx_, target, max_ctx);
-  drafter_ = std::make_unique<DrafterCuda>(*ctx_, cfg, layout, max_ctx, max_rows_,
-                                           target_->embed(), target_->lm_head());
+  context_bytes_ = used_device_memory();  // context, library handles, cuBLASLt workspace
+  arena_ = std::make_unique<cuda::DeviceArena>(*ctx_, plan.arena);
+  target_ = std::make_unique<TargetCuda>(*ctx_, target, plan.T, plan.target_layers, arena_.get());
+  drafter_ = std::make_unique<DrafterCuda>(*ctx_, cfg, layout, plan.T, plan.NK, target_->embed(),
+                                           target_->lm_head(), arena_.get());
   in_ = std::make_unique<Inputs>();
-  const auto T = static_cast<size_t>(max_ctx), NK = static_cast<size_t>(max_rows_);
-  in_->tokens = make_staged(*ctx_, T * sizeof(int32_t));
-  in_->target_ranges = make_staged(*ctx_, T * sizeof(AttnRange));
-  in_->pos = make_staged(*ctx_, (T + NK) * sizeof(int32_t));
-  in_->block_tokens = make_staged(*ctx_, NK * sizeof(int32_t));
-  in_->block_ranges = make_staged(*ctx_, NK * sizeof(AttnRange));
-  in_->labels = make_staged(*ctx_, NK * sizeof(int32_t));
-  in_->weights = make_staged(*ctx_, NK * sizeof(float));
+  const auto T = static_cast<size_t>(plan.T), NK = static_cast<size_t>(plan.NK);
+  cuda::DeviceArena& a = *arena_;
+  in_->tokens = make_staged(a, "inputs.tokens", T * sizeof(int32_t));
+  in_->target_ranges = make_staged(a, "inputs.target_ranges", T * sizeof(AttnRange));
+  in_->pos = make_staged(a, "inputs.pos", (T + NK) * sizeof(int32_t));
+  in_->block_tokens = make_staged(a, "inputs.block_tokens", NK * sizeof(int32_t));
+  in_->block_ranges = make_staged(a, "inputs.block_ranges", NK * sizeof(AttnRange));
+  in_->labels = make_staged(a, "inputs.labels", NK * sizeof(int32_t));
+  in_->weights = make_staged(a, "inputs.weights", NK * sizeof(float));
+  const char* pool = "workspace.op_scratch";
+  const uint64_t pool_bytes = a.planned_bytes(pool);
+  ctx_->allocator().use_pool(a.get_bytes(pool, pool_bytes), pool_bytes);
+  const std::vector<std::string> unused = a.untaken();
+  DFLASH_CHECK(unused.empty(),
+               "memory plan: {} planned buffers are not used by the CUDA step (e.g. '{}'): the "
+               "plan and the code disagree",
+               unused.size(), unused.empty() ? "" : unused.front());
   in_->start = ctx_->new_event(true);
   in_->after_target = ctx_->new_event(true);
   in_->end = ctx_->new_event(true);
+  in_->opt_start = ctx_->new_event(true);
+  in_->opt_end = ctx_->new_event(true);
+}
+
+uint64_t CudaTrainBackend::device_memory_used() const {
+  ctx_->make_current();
+  return used_device_memory();
+}
+
+std::string CudaTrainBackend::memory_report() const {
+  const double gb = static_cast<double>(target_->upload_bytes()) / 1e9;
+  const double s = target_->upload_seconds();
+  return fmt::format(
+      "device memory: context, handles and cuBLASLt workspace {} (planned {}), arena {}, in use "
+      "now {}; target weights {:.2f} GB uploaded in {:.2f} s ({:.2f} GB/s)",
+      format_bytes(context_bytes_), format_bytes(planned_context_bytes_),
+      format_bytes(arena_->bytes()), format_bytes(device_memory_used()), gb, s,
+      s > 0 ? gb / s : 0.0);
 }
 
 CudaTrainBackend::~CudaTrainBackend() = default;
@@ -185,9 +191,9 @@ void CudaTrainBackend::enqueue_target(int64_t T) {
   in_->tokens.upload<int32_t>(s, 0, T);
   in_->target_ranges.upload<AttnRange>(s, 0, T);
   in_->pos.upload<int32_t>(s, 0, T);
-  target_->forward_taps(drafter_->features(), in_->tokens.dev.as<int32_t>(),
-                        in_->pos.dev.as<int32_t>(), in_->target_ranges.dev.as<AttnRange>(), T,
-                        taps_);
+  target_->forward_taps(drafter_->features(), static_cast<int32_t*>(in_->tokens.dev),
+                        static_cast<int32_t*>(in_->pos.dev),
+                        static_cast<AttnRange*>(in_->target_ranges.dev), T, taps_);
 }
 
 void CudaTrainBackend::enqueue_drafter(int64_t T, int64_t NK) {
@@ -201,11 +207,11 @@ void CudaTrainBackend::enqueue_drafter(int64_t T, int64_t NK) {
   di.T = T;
   di.NK = NK;
   di.features = drafter_->features();
-  di.pos = in_->pos.dev.as<int32_t>();
-  di.block_tokens = in_->block_tokens.dev.as<int32_t>();
-  di.ranges = in_->block_ranges.dev.as<AttnRange>();
-  di.labels = in_->labels.dev.as<int32_t>();
-  di.weights = in_->weights.dev.as<float>();
+  di.pos = static_cast<int32_t*>(in_->pos.dev);
+  di.block_tokens = static_cast<int32_t*>(in_->block_tokens.dev);
+  di.ranges = static_cast<AttnRange*>(in_->block_ranges.dev);
+  di.labels = static_cast<int32_t*>(in_->labels.dev);
+  di.weights = static_cast<float*>(in_->weights.dev);
   drafter_->forward_backward(di, 1.0);  // unscaled: the step's 1/Σw is applied by adamw()
 }
 
@@ -244,7 +250,7 @@ std::unique_ptr<TargetFeatures> CudaTrainBackend::forward_taps(const DrafterBatc
   cudaStream_t s = ctx_->stream();
   DFLASH_CUDA_CHECK(cudaEventRecord(in_->start, s));
   if (use_graphs_) {
-    replay(in_->target_graphs, T, s, [&] { enqueue_target(T); });
+    in_->target_graphs.run(T, s, [&] { enqueue_target(T); });
   } else {
     enqueue_target(T);
   }
@@ -285,13 +291,14 @@ void CudaTrainBackend::step(const DrafterBatch& b, const TargetFeatures& feature
   const int64_t T = staged_T_, NK = staged_NK_;
   cudaStream_t s = ctx_->stream();
   if (use_graphs_) {
-    replay(in_->drafter_graphs, std::pair<int64_t, int64_t>(T, NK), s,
-           [&] { enqueue_drafter(T, NK); });
+    in_->drafter_graphs.run(std::pair<int64_t, int64_t>(T, NK), s, [&] { enqueue_drafter(T, NK); });
   } else {
     enqueue_drafter(T, NK);
   }
   DFLASH_CUDA_CHECK(cudaEventRecord(in_->end, s));
-  const DrafterCuda::Results res = drafter_->fetch_results(NK);
+  const auto wait0 = std::chrono::steady_clock::now();
+  const DrafterCuda::Results res = drafter_->fetch_results(NK);  // waits for the device
+  r.host_wait_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - wait0).count();
   pending_scale_ = 1.0 / b.weight_sum;
   const size_t real_rows = static_cast<size_t>(b.N()) * static_cast<size_t>(cfg_.block_size);
   accumulate_metrics(r.metrics, b.targets, std::span<const int32_t>(res.argmax.data(), real_rows),
@@ -311,7 +318,17 @@ void CudaTrainBackend::update(double lr) {
   DrafterStepResult r = queue_.take_stepped();
   if (step_decide_update(r, clip_grad_norm_)) {
     updates_ += 1;
-    drafter_->adamw(adam_, lr, updates_, r.clip * pending_scale_);
+    cudaStream_t s = ctx_->stream();
+    DFLASH_CUDA_CHECK(cudaEventRecord(in_->opt_start, s));
+    const auto wait0 = std::chrono::steady_clock::now();
+    drafter_->adamw(adam_, lr, updates_, r.clip * pending_scale_);  // waits for the device
+    DFLASH_CUDA_CHECK(cudaEventRecord(in_->opt_end, s));
+    DFLASH_CUDA_CHECK(cudaEventSynchronize(in_->opt_end));
+    float ms = 0;
+    DFLASH_CUDA_CHECK(cudaEventElapsedTime(&ms, in_->opt_start, in_->opt_end));
+    r.optimizer_device_s = ms * 1e-3;
+    r.host_wait_s = r.host_wait_s.value_or(0.0) +
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - wait0).count();
   }
   queue_.finish(std::move(r));
 }
@@ -365,11 +382,19 @@ TrainBackend cuda_train_backend_create(const TrainBackendOptions& opts, const Ta
                                        const DrafterConfig& cfg, const DrafterLayout& layout) {
   cuda_train_backend_check(opts);
 #ifdef DFLASH_HAVE_CUDA
-  auto b = std::make_shared<CudaTrainBackend>(opts.devices[0], target, cfg, layout,
-                                              opts.max_context_tokens, opts.cuda_graphs, opts.adam,
-                                              opts.clip_grad_norm);
+  const TrainMemoryPlan plan = plan_train_memory(
+      target.config(), cfg, layout, TrainStepCapacity{opts.max_context_tokens, opts.max_blocks},
+      opts.device_memory_gib);
+  DFLASH_CHECK(plan.fits(),
+               "the training step does not fit the device: it needs {} and "
+               "runtime.device_memory_gib allows {} (dflash train --plan names the largest token "
+               "budget that fits)",
+               format_bytes(plan.total_bytes()), format_bytes(plan.device_bytes));
+  auto b = std::make_shared<CudaTrainBackend>(opts.devices[0], target, cfg, layout, plan,
+                                              opts.cuda_graphs, opts.adam, opts.clip_grad_norm);
   TrainBackend out;
   out.description = b->description();
+  out.memory_report = b->memory_report();
   out.target = b;
   out.drafter = b;
   return out;

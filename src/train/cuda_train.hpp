@@ -6,8 +6,8 @@
 //
 // Device layout: a DrafterBatch is staged with drafter_batch_stage into a fixed shape, its context
 // padded to rows·L tokens of the batch's shape and its block rows to a multiple of
-// kBlockRowsMultiple blocks, so that few distinct shapes occur (GEMM plans and graphs are per
-// shape).
+// kBlockRowsMultiple blocks (train/memory_plan.hpp), so that few distinct shapes occur (GEMM plans
+// and graphs are per shape).
 //
 // Graphs: with `use_graphs`, the target forward of each context length and the drafter
 // forward/backward of each (context length, block rows) shape are captured once as CUDA graphs
@@ -19,9 +19,10 @@
 // Invariants: one CudaTrainBackend per thread and device; it owns its CudaContext, so nothing is
 // shared between two backends. One step is in flight: the pinned staging buffers and the feature
 // buffer hold the batch of the last forward_taps() until its step() (a second forward_taps()
-// before that step is an error). Activations, gradients and optimizer state are planned at
-// construction for the largest step; per-op scratch comes from the context's caching allocator,
-// which calls cudaMalloc only the first time a size class is needed (a few warm-up steps).
+// before that step is an error). Every device buffer of the step (target weights and activations,
+// drafter state, activations and workspaces, per-op scratch, step inputs) comes from ONE arena
+// allocated at construction from a TrainMemoryPlan (train/memory_plan.hpp); steps of every shape
+// use the same arena and ops take their scratch from the plan's pool, so no step calls cudaMalloc.
 #pragma once
 
 #ifdef DFLASH_HAVE_CUDA
@@ -34,6 +35,7 @@
 
 #include "model/drafter.hpp"
 #include "model/target.hpp"
+#include "train/memory_plan.hpp"
 #include "train/optimizer.hpp"
 #include "train/train_backend.hpp"
 
@@ -41,6 +43,7 @@ namespace dflash {
 
 namespace cuda {
 class CudaContext;
+class DeviceArena;
 }
 class TargetCuda;
 class DrafterCuda;
@@ -48,14 +51,12 @@ class DrafterCuda;
 /// Target + drafter training step on one GPU (both stages of the step contract).
 class CudaTrainBackend final : public TargetStage, public DrafterStage {
  public:
-  /// Packed steps on the device pad their block rows to a multiple of this many blocks.
-  static constexpr int64_t kBlockRowsMultiple = 64;
-
-  /// Creates the context on `device`, uploads the target and plans buffers for packed steps of
-  /// at most `max_ctx` context rows (block rows up to max_ctx·block_size). Throws dflash::Error
-  /// when the device does not exist or the models are not supported on CUDA.
+  /// Creates the context on `device`, allocates the arena of `plan` (packed steps of at most
+  /// plan.T context rows and plan.NK block rows) and uploads the target's layers up to the
+  /// deepest tap into it. Throws dflash::Error when the device does not exist, the arena does not
+  /// fit, or the models are not supported on CUDA.
   CudaTrainBackend(int device, const TargetModel& target, const DrafterConfig& cfg,
-                   const DrafterLayout& layout, int64_t max_ctx, bool use_graphs,
+                   const DrafterLayout& layout, const TrainMemoryPlan& plan, bool use_graphs,
                    const AdamWConfig& adam, double clip_grad_norm);
   ~CudaTrainBackend() override;
 
@@ -84,9 +85,15 @@ class CudaTrainBackend final : public TargetStage, public DrafterStage {
   int64_t graphs_captured() const;
   /// "cuda:0 NVIDIA H200 (...), CUDA graphs off".
   const std::string& description() const { return description_; }
+  /// Measured device memory: "context, handles and cuBLASLt workspace X (planned Y), arena Z, in
+  /// use now W; target weights G GB uploaded in S s (R GB/s)" (device memory re-read per call).
+  std::string memory_report() const;
+  /// Device memory in use now (cudaMemGetInfo: total − free), in bytes.
+  uint64_t device_memory_used() const;
 
  private:
   std::unique_ptr<cuda::CudaContext> ctx_;
+  std::unique_ptr<cuda::DeviceArena> arena_;
   std::unique_ptr<TargetCuda> target_;
   std::unique_ptr<DrafterCuda> drafter_;
   DrafterConfig cfg_;
@@ -104,6 +111,7 @@ class CudaTrainBackend final : public TargetStage, public DrafterStage {
   bool staged_consumed_ = true;
   StepQueue queue_;
   std::string description_;
+  uint64_t context_bytes_ = 0, planned_context_bytes_ = 0;
   struct Inputs;
   std::unique_ptr<Inputs> in_;
   // Enqueue one step's work (copies from the pinned staging buffers included).

@@ -27,6 +27,12 @@ std::vector<int32_t> anchor_candidates(std::span<const uint8_t> mask, int32_t s,
   return c;
 }
 
+int32_t document_blocks(std::span<const uint8_t> mask, int num_anchors) {
+  DFLASH_CHECK(num_anchors > 0, "num_anchors must be positive (got {})", num_anchors);
+  const size_t n = anchor_candidates(mask, 0, static_cast<int32_t>(mask.size())).size();
+  return static_cast<int32_t>(std::min<size_t>(n, static_cast<size_t>(num_anchors)));
+}
+
 std::vector<Anchor> sample_anchors(std::span<const uint8_t> mask, std::span<const int32_t> off,
                                    int num_anchors, Rng& rng) {
   DFLASH_CHECK(num_anchors > 0, "num_anchors must be positive (got {})", num_anchors);

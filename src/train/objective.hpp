@@ -31,6 +31,11 @@ void check_doc_offsets(std::span<const int32_t> doc_offsets, int64_t T);
 std::vector<int32_t> anchor_candidates(std::span<const uint8_t> loss_mask, int32_t doc_start,
                                        int32_t doc_end);
 
+/// Blocks the objective draws from one document (mask of its tokens): min(num_anchors, number of
+/// anchor_candidates), what sample_anchors takes from it. Throws dflash::Error when
+/// num_anchors <= 0.
+int32_t document_blocks(std::span<const uint8_t> doc_loss_mask, int num_anchors);
+
 /// Samples up to `num_anchors` anchors per document without replacement (partial Fisher–Yates on
 /// the candidates, with `rng`), sorted by position within each document; documents in order.
 /// A document with at most `num_anchors` candidates gets all of them.

@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <span>
 
+#include "core/arena_plan.hpp"
+
 namespace dflash {
 
 /// AdamW hyper-parameters (Loshchilov & Hutter 2019, decoupled weight decay; PyTorch's
@@ -57,6 +59,13 @@ struct LrSchedule {
   double at(int64_t step) const;
 };
 
+/// Blocks per segment of the first pass of grad_sumsq_cuda.
+inline constexpr int kGradSumsqCudaBlocks = 64;
+/// Device scratch grad_sumsq_cuda takes from its context, in bytes: the first pass's partial sums
+/// [max(n_segs, 1), kGradSumsqCudaBlocks] f64, rounded to kArenaAlign.
+constexpr uint64_t grad_sumsq_cuda_scratch_bytes(int n_segs) {
+  return arena_round(static_cast<uint64_t>(n_segs < 1 ? 1 : n_segs) * kGradSumsqCudaBlocks * 8);
+}
 
 #ifdef DFLASH_HAVE_CUDA
 namespace cuda {

@@ -107,6 +107,7 @@ const std::vector<Field>& schema() {
     f.push_back(make_field("data", "max_length", D, &DataSection::max_length, true));
     f.push_back(make_field("data", "token_budget", D, &DataSection::token_budget, true));
     f.push_back(make_field("data", "rows_per_step", D, &DataSection::rows_per_step, true));
+    f.push_back(make_field("data", "block_budget", D, &DataSection::block_budget, true));
     f.push_back(make_field("data", "sort_by_length", D, &DataSection::sort_by_length, true));
     f.push_back(make_field("data", "cache_dir", D, &DataSection::cache_dir, false));
     f.push_back(make_field("data", "skip_invalid", D, &DataSection::skip_invalid, true));
@@ -147,6 +148,8 @@ const std::vector<Field>& schema() {
         make_field("runtime", "stall_timeout_s", U, &RuntimeSection::stall_timeout_s, false));
     f.push_back(make_field("runtime", "threads", U, &RuntimeSection::threads, false));
     f.push_back(make_field("runtime", "cuda_graphs", U, &RuntimeSection::cuda_graphs, false));
+    f.push_back(
+        make_field("runtime", "device_memory_gib", U, &RuntimeSection::device_memory_gib, false));
     // output_dir is top-level.
     Field od;
     od.key = "output_dir";
@@ -183,8 +186,10 @@ void apply_node(RunConfig& c, const YAML::Node& root, const std::string& src) {
   DFLASH_CHECK(root.IsMap(), "{}: the config must be a mapping of sections", src);
   static const std::set<std::string> sections = {"model", "data", "training", "runtime"};
   for (const auto& kv : root) {
-    const std::string name = kv.first.as<std::string>();
     const int line = kv.first.Mark().line + 1;
+    DFLASH_CHECK(kv.first.IsScalar(), "{}:{}: a section name must be a plain word, got '{}'", src,
+                 line, YAML::Dump(kv.first));
+    const std::string name = kv.first.as<std::string>();
     if (name == "output_dir") {
       find_field("", "output_dir")->set(c, kv.second, src);
       continue;
@@ -194,6 +199,9 @@ void apply_node(RunConfig& c, const YAML::Node& root, const std::string& src) {
     if (kv.second.IsNull()) continue;
     DFLASH_CHECK(kv.second.IsMap(), "{}:{}: section '{}' must be a mapping", src, line, name);
     for (const auto& e : kv.second) {
+      DFLASH_CHECK(e.first.IsScalar(),
+                   "{}:{}: a key of section '{}' must be a plain word, got '{}'", src,
+                   e.first.Mark().line + 1, name, YAML::Dump(e.first));
       const std::string key = e.first.as<std::string>();
       const Field* f = find_field(name, key);
       DFLASH_CHECK(f != nullptr, "{}:{}: unknown key '{}.{}' (known keys of '{}': {})", src,
@@ -242,6 +250,7 @@ RunConfig RunConfig::from_yaml(const std::string& text, const std::string& sourc
   apply_node(c, root, source);
   for (const auto& ov : overrides) apply_override(c, ov);
   c.validate();
+  if (!c.data.block_budget) c.data.block_budget = static_cast<int>(c.block_budget());
   return c;
 }
 
@@ -269,6 +278,10 @@ RunConfig RunConfig::embedded_default(const std::string& assets_dir) {
   c.training.block_size = 16;
   c.training.log_interval = 10;
   c.training.save_interval = 0;
+  // Conversations of ~58 tokens with 4 anchors each: a row holds ~18 of them (~70 blocks), far
+  // below any memory concern on the CPU backend, so the block budget is the token budget (never
+  // binds) rather than the default 4 · 1024 / 512 = 8, which would leave 2 conversations per row.
+  c.data.block_budget = c.data.token_budget;
   c.output_dir = "runs/default";
   c.validate();
   return c;
@@ -296,6 +309,12 @@ void RunConfig::validate() const {
   DFLASH_CHECK(data.max_length <= data.token_budget,
                "data.max_length ({}) must not exceed data.token_budget ({}): a conversation must "
                "fit in one row", data.max_length, data.token_budget);
+  if (data.block_budget) {
+    DFLASH_CHECK(*data.block_budget >= training.num_anchors,
+                 "data.block_budget ({}) must be at least training.num_anchors ({}): one document "
+                 "may yield num_anchors blocks",
+                 *data.block_budget, training.num_anchors);
+  }
   DFLASH_CHECK(training.max_steps > 0 || training.epochs > 0,
                "training.epochs or training.max_steps must be > 0");
   non_negative("training.max_steps", static_cast<double>(training.max_steps));
@@ -332,6 +351,7 @@ void RunConfig::validate() const {
   positive("runtime.stall_timeout_s", runtime.stall_timeout_s);
   topology_check_keys(runtime);
   non_negative("runtime.threads", runtime.threads);
+  positive("runtime.device_memory_gib", runtime.device_memory_gib);
   DFLASH_CHECK(!output_dir.empty(), "output_dir must name the run directory");
 }
 
@@ -354,6 +374,53 @@ std::string RunConfig::to_yaml() const {
   out << YAML::Key << "output_dir" << YAML::Value << output_dir;
   out << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
+}
+
+int64_t RunConfig::block_budget() const {
+  if (data.block_budget) return *data.block_budget;
+  const int64_t a = training.num_anchors, t = data.token_budget, m = data.max_length;
+  return (a * t + m - 1) / m;
+}
+
+std::vector<std::string> RunConfig::shape_changes(const RunConfig& other) const {
+  static const std::set<std::string> size_keys = {"drafter_layers", "intermediate_size",
+                                                  "num_attention_heads", "num_key_value_heads",
+                                                  "head_dim"};
+  // Taps: an empty list means one per drafter layer (default_target_layer_ids).
+  auto n_taps = [](const RunConfig& c) {
+    return c.model.target_layer_ids.empty() ? static_cast<size_t>(c.model.drafter_layers)
+                                            : c.model.target_layer_ids.size();
+  };
+  std::vector<std::string> diffs;
+  for (const auto& f : schema()) {
+    const bool taps = f.section == "model" && f.key == "target_layer_ids";
+    if (f.section != "model" || (!size_keys.count(f.key) && !taps)) continue;
+    if (taps && n_taps(*this) == n_taps(other)) continue;
+    const std::string a = YAML::Dump(f.get(*this)), b = YAML::Dump(f.get(other));
+    if (a != b) diffs.push_back(f.path() + ": " + a + " -> " + b);
+  }
+  return diffs;
+}
+
+std::vector<std::string> resume_check(const RunConfig& saved, const RunConfig& requested,
+                                      bool force, const std::string& dir) {
+  auto listed = [](const std::vector<std::string>& keys) {
+    std::string list;
+    for (const auto& d : keys) list += "\n  " + d;
+    return list;
+  };
+  const std::vector<std::string> shapes = saved.shape_changes(requested);
+  DFLASH_CHECK(shapes.empty(),
+               "--resume {}: the configuration changes the drafter's parameter shapes, which the "
+               "checkpoint's tensors cannot take (not even with --force); start a new run in "
+               "another output_dir to train another drafter size:{}",
+               dir, listed(shapes));
+  std::vector<std::string> diffs = saved.resume_incompatibilities(requested);
+  DFLASH_CHECK(diffs.empty() || force,
+               "--resume {}: the configuration differs from the checkpoint's in keys that change "
+               "the model or the data order (use --force to resume anyway):{}",
+               dir, listed(diffs));
+  return diffs;
 }
 
 std::vector<std::string> RunConfig::resume_incompatibilities(const RunConfig& other) const {

@@ -34,6 +34,13 @@ struct DataSection {
   int max_length = 2048;             ///< tokens per conversation (longer ones are truncated)
   int token_budget = 8192;           ///< tokens per packed row
   int rows_per_step = 1;             ///< packed rows per optimizer step
+  /// Training blocks per packed row: the batcher packs a row only while Σ over its documents of
+  /// min(num_anchors, candidate anchors) stays ≤ this, so device memory can be planned for
+  /// rows_per_step·block_budget blocks and no anchor is ever dropped. Unset in a config file:
+  /// ceil(num_anchors·token_budget / max_length), the blocks of a row of full-length documents
+  /// (the reference trainer's batch × anchors); resolved by from_yaml. A value ≥ token_budget
+  /// never binds.
+  std::optional<int> block_budget;
   /// Pack each window's conversations longest first (least padding, but each step then holds
   /// conversations of similar length); false: first-fit in shuffled order (random mixes).
   bool sort_by_length = false;
@@ -84,6 +91,9 @@ struct RuntimeSection {
   /// cuda backend: capture each step shape once as CUDA graphs and replay them (false: enqueue the
   /// step op by op). Results are identical either way; the train log says which path runs.
   bool cuda_graphs = true;
+  /// Device memory the cuda backend may plan for, in GiB (2^30 bytes); 139 = one H200. Training
+  /// refuses to start when its memory plan (train/memory_plan.hpp) needs more.
+  double device_memory_gib = 139.0;
 };
 
 /// The whole configuration of one training run.
@@ -108,9 +118,25 @@ struct RunConfig {
   void validate() const;
   /// YAML text of the resolved configuration (every key, defaults filled in).
   std::string to_yaml() const;
+  /// data.block_budget, or its default when unset (see DataSection::block_budget).
+  int64_t block_budget() const;
+
   /// The keys whose values differ from `other` and would change the model or the data order
   /// (everything except intervals, keep_last, runtime and output paths), as "key: old -> new".
   std::vector<std::string> resume_incompatibilities(const RunConfig& other) const;
+  /// The keys whose values differ from `other` and change the shapes of the drafter's parameters
+  /// (model.drafter_layers, intermediate_size, num_attention_heads, num_key_value_heads, head_dim,
+  /// and model.target_layer_ids when the number of taps changes), as "key: old -> new".
+  std::vector<std::string> shape_changes(const RunConfig& other) const;
 };
+
+/// The resume-compatibility check of `dflash train --resume DIR`: `saved` is the configuration of
+/// the checkpoint, `requested` the one the run would continue with. Throws dflash::Error naming
+/// `dir` and listing every "key: old -> new" that changes the model or the data order
+/// (resume_incompatibilities), unless `force`; keys that change the drafter's parameter shapes
+/// (shape_changes) are refused even with `force`, since the checkpoint's tensors cannot take
+/// another shape. Returns the differences accepted because of `force` (empty when none).
+std::vector<std::string> resume_check(const RunConfig& saved, const RunConfig& requested,
+                                      bool force, const std::string& dir);
 
 }  // namespace dflash

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cstring>
 #include <fstream>
 
@@ -47,10 +48,10 @@ RunDir::~RunDir() {
 }
 
 void RunDir::append_metrics(const nlohmann::json& record) {
-  std::ofstream f(dir_ / "metrics.jsonl", std::ios::app);
+  std::ofstream f(metrics_path(), std::ios::app);
   f << record.dump() << "\n";
   f.flush();
-  DFLASH_CHECK(f.good(), "cannot append to '{}'", (dir_ / "metrics.jsonl").string());
+  DFLASH_CHECK(f.good(), "cannot append to '{}'", metrics_path().string());
 }
 
 void RunDir::write_status(const nlohmann::json& status) {
@@ -67,12 +68,30 @@ std::vector<std::pair<int64_t, fs::path>> RunDir::complete_checkpoints(const fs:
     const std::string name = e.path().filename().string();
     if (!e.is_directory() || name.rfind("checkpoint-", 0) != 0) continue;
     const std::string num = name.substr(11);
-    if (num.empty() || num.find_first_not_of("0123456789") != std::string::npos) continue;
+    int64_t step = 0;
+    const auto [end, err] = std::from_chars(num.data(), num.data() + num.size(), step);
+    // Only checkpoint-<decimal step> names count (a step too large for int64 is no checkpoint).
+    if (num.empty() || err != std::errc() || end != num.data() + num.size() || step < 0) continue;
     if (!fs::exists(e.path() / "COMPLETE")) continue;
-    out.emplace_back(std::stoll(num), e.path());
+    out.emplace_back(step, e.path());
   }
   std::sort(out.begin(), out.end());
   return out;
+}
+
+void run_dir_check_resumable(const fs::path& dir) {
+  std::error_code ec;
+  DFLASH_CHECK(fs::exists(dir, ec), "--resume {}: no such directory", dir.string());
+  DFLASH_CHECK(fs::is_directory(dir, ec), "--resume {}: not a directory", dir.string());
+  bool has_checkpoint = false;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    has_checkpoint |= e.is_directory() && e.path().filename().string().rfind("checkpoint-", 0) == 0;
+  }
+  DFLASH_CHECK(has_checkpoint || fs::exists(dir / "config.resolved.yaml", ec),
+               "--resume {}: not a dflash run directory (it holds neither config.resolved.yaml nor "
+               "a checkpoint-N folder); a run starts with `dflash train --config FILE`, into the "
+               "config's output_dir",
+               dir.string());
 }
 
 void RunDir::prune_checkpoints(int keep) {

@@ -3,6 +3,7 @@
 //
 // Layout:  <dir>/.lock  config.resolved.yaml  log.txt  metrics.jsonl  status.json
 //          <dir>/checkpoint-<STEP>/{config.json, model.safetensors, trainer_state/..., COMPLETE}
+//          <dir>/rejected-checkpoint-<STEP>/   set aside by a resume (failed verification)
 // Invariants: while a RunDir object lives, it holds an exclusive flock on <dir>/.lock (another
 // process opening the same directory fails at once, naming the holder's pid); status.json is
 // rewritten atomically; only checkpoint folders holding COMPLETE count.
@@ -29,6 +30,8 @@ class RunDir {
   RunDir& operator=(const RunDir&) = delete;
 
   const std::filesystem::path& path() const { return dir_; }
+  /// <dir>/metrics.jsonl.
+  std::filesystem::path metrics_path() const { return dir_ / "metrics.jsonl"; }
   /// Appends one JSON object as a line to metrics.jsonl (flushed).
   void append_metrics(const nlohmann::json& record);
   /// Rewrites status.json atomically.
@@ -46,6 +49,11 @@ class RunDir {
   std::filesystem::path dir_;
   int lock_fd_ = -1;
 };
+
+/// Checks that `dir` can be named by `dflash train --resume`: it exists, is a folder, and is a run
+/// directory (it holds config.resolved.yaml or a checkpoint-N folder). Throws dflash::Error saying
+/// which of these fails, so that a wrong path is not reported as a missing config file.
+void run_dir_check_resumable(const std::filesystem::path& dir);
 
 /// Reads status.json of a run directory (for `dflash status`); throws naming the file.
 nlohmann::json read_status(const std::filesystem::path& dir);

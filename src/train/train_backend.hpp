@@ -92,6 +92,11 @@ struct DrafterStepResult {
   StepSkip skip = StepSkip::none;
   std::optional<double> target_device_s;   ///< device time of the target forward, if measured
   std::optional<double> drafter_device_s;  ///< device time of the drafter step, if measured
+  std::optional<double> optimizer_device_s;  ///< device time of the update (AdamW), if measured
+  /// Host seconds the stages spent blocked on the device for this step (read-backs, the update's
+  /// synchronisation), if measured: the part of the step's wall time that is device time seen
+  /// from the host; the rest of the wall time is host work on the critical path.
+  std::optional<double> host_wait_s;
   bool skipped() const { return skip != StepSkip::none; }
 };
 
@@ -147,6 +152,10 @@ struct TrainBackendOptions {
   int64_t max_context_tokens = 0;  ///< rows_per_step·token_budget: the largest rows·L of a batch
   /// cuda target stages: feature buffers in the pool (as many as the pipeline can hold alive).
   int64_t feature_buffers = 1;
+  /// The largest number of blocks a batch can have (rows_per_step · min(block_budget,
+  /// token_budget − 1)): device backends plan their memory for it (train/memory_plan.hpp).
+  int64_t max_blocks = 0;
+  double device_memory_gib = 139.0;  ///< runtime.device_memory_gib
   AdamWConfig adam;                ///< training.beta1/beta2/adam_eps/weight_decay
   double clip_grad_norm = 1.0;     ///< training.clip_grad_norm (≤ 0: no clipping)
 };
@@ -157,6 +166,8 @@ struct TrainBackend {
   std::shared_ptr<TargetStage> target;
   std::shared_ptr<DrafterStage> drafter;
   std::string description;  ///< e.g. "cpu, 2 threads" or "cuda:0 NVIDIA H200 (...), CUDA graphs on"
+  /// Device memory measured at start (context, arena, target upload speed); empty on the CPU.
+  std::string memory_report;
 };
 
 /// Creates the backend `opts.backend` for `target` (which must outlive it) and a drafter of `cfg`

@@ -23,6 +23,8 @@
 #include "model/drafter_io.hpp"
 #include "model/target.hpp"
 #include "train/checkpoint.hpp"
+#include "train/memory_plan.hpp"
+#include "train/objective.hpp"
 #include "train/optimizer.hpp"
 #include "train/pipeline.hpp"
 #include "train/run_dir.hpp"
@@ -48,31 +50,16 @@ double seconds_since(Clock::time_point t) {
 
 // ------------------------------------------------------------------------------------------ setup
 
-DrafterConfig drafter_config_of(const RunConfig& cfg, const TargetModel& target,
-                                const Tokenizer& tok) {
-  DrafterSizes sizes;
-  if (cfg.model.intermediate_size) sizes.intermediate_size = *cfg.model.intermediate_size;
-  if (cfg.model.num_attention_heads) sizes.num_heads = *cfg.model.num_attention_heads;
-  if (cfg.model.num_key_value_heads) sizes.num_kv_heads = *cfg.model.num_key_value_heads;
-  if (cfg.model.head_dim) sizes.head_dim = *cfg.model.head_dim;
-  sizes.block_size = cfg.training.block_size;
-  std::optional<std::vector<int>> taps;
-  if (!cfg.model.target_layer_ids.empty()) taps = cfg.model.target_layer_ids;
-  return drafter_config_for_target(target.config(), cfg.model.drafter_layers, sizes,
-                                   cfg.model.mask_token_id, taps, &tok);
-}
-
 TrainBackendOptions backend_options_of(const RunConfig& cfg) {
   TrainBackendOptions o;
   o.backend = cfg.runtime.backend;
   o.devices = cfg.runtime.devices;
   o.topology = topology_of(cfg.runtime);
-  // A target worker's features alive at once: queue_depth in each drafter's queue, one in each
-  // drafter's step, one being made (train/pipeline.hpp).
-  o.feature_buffers =
-      static_cast<int64_t>(o.topology.drafters()) * (o.topology.queue_depth + 1) + 1;
+  o.feature_buffers = target_feature_buffers(o.topology);
   o.cuda_graphs = cfg.runtime.cuda_graphs;
   o.max_context_tokens = static_cast<int64_t>(cfg.data.rows_per_step) * cfg.data.token_budget;
+  o.max_blocks = train_step_capacity(cfg).blocks;
+  o.device_memory_gib = cfg.runtime.device_memory_gib;
   o.adam = {cfg.training.beta1, cfg.training.beta2, cfg.training.adam_eps,
             cfg.training.weight_decay};
   o.clip_grad_norm = cfg.training.clip_grad_norm;
@@ -85,33 +72,62 @@ TokenDataset prepare_data(const RunConfig& cfg, const RunDir& rd, const Tokenize
   const fs::path target_dir = cfg.model.target;
   PrepareOptions po;
   po.data = cfg.data.train_file;
-  po.cache = cfg.data.cache_dir.empty() ? rd.path() / "cache" / "train.dftok"
-                                        : fs::path(cfg.data.cache_dir) / "train.dftok";
-  fs::create_directories(po.cache.parent_path());
   po.chat_template = resolve_chat_template(target_dir, cfg.data.template_name, false);
   po.max_length = cfg.data.max_length;
+  po.cache = run_cache_path(cfg.data.cache_dir, rd.path(), po.data, target_dir, po.chat_template,
+                            po.max_length);
+  fs::create_directories(po.cache.parent_path());
   po.skip_invalid = cfg.data.skip_invalid;
+  po.skip_invalid_hint =
+      "set data.skip_invalid: true in the config or pass the override data.skip_invalid=true";
   po.threads = cfg.runtime.threads;
   po.encode = [&tok](std::string_view text, std::vector<std::pair<size_t, size_t>>* offsets) {
     return tok.encode(text, offsets);
   };
   po.tokenizer_hash = hash_file(target_dir / "tokenizer.json");
+  po.tokenizer_file = (target_dir / "tokenizer.json").string();
   report.status().phase = "tokenizing";
   report.write_status();
   PrepareResult prep = prepare_dataset(po);
   report.log(prep.reused
                  ? fmt::format("data: reusing cache {}", po.cache.string())
                  : fmt::format("data: built cache {} ({})", po.cache.string(), prep.reason));
+  report.log(data_counts_line(prep.dataset.stats(), cfg.data.max_length));
+  report.status().data = data_counts_json(prep.dataset.stats());
   return std::move(prep.dataset);
 }
 
-BatcherOptions batcher_options_of(const RunConfig& cfg) {
+// The batcher of the run; with a block budget that can bind, it needs every document's block
+// count (what sample_anchors will take from it).
+Batcher make_batcher(const RunConfig& cfg, TokenDataset data) {
   BatcherOptions bo;
   bo.token_budget = cfg.data.token_budget;
   bo.rows = cfg.data.rows_per_step;
   bo.sort_by_length = cfg.data.sort_by_length;
   bo.seed = cfg.training.seed;
-  return bo;
+  bo.block_budget = cfg.block_budget();
+  if (bo.block_budget < bo.token_budget) {
+    bo.doc_blocks.resize(static_cast<size_t>(data.num_docs()));
+    for (int64_t d = 0; d < data.num_docs(); ++d) {
+      bo.doc_blocks[static_cast<size_t>(d)] =
+          document_blocks(data.doc_loss_mask(d), cfg.training.num_anchors);
+    }
+  }
+  return Batcher(std::move(data), bo);
+}
+
+// The cuda backend's memory plan: the arena of every worker (train/cuda_stages.cpp allocates
+// these same plans), logged and checked per GPU before anything is allocated on a device. Returns
+// whether a plan was made.
+bool check_memory_plan(const RunConfig& cfg, const ModelConfig& target, const DrafterConfig& d,
+                       const DrafterLayout& layout, TrainReport& report) {
+  if (cfg.runtime.backend != "cuda") return false;
+  const PipelineMemoryPlan plan = plan_pipeline_memory(cfg, target, d, layout);
+  report.log(plan.table());
+  DFLASH_CHECK(plan.fits(), "{}",
+               pipeline_shortfall_message(
+                   plan, largest_fitting_pipeline_budget(cfg, target, d, layout)));
+  return true;
 }
 
 // Steps of the run: training.max_steps, else the epochs' batches shared out D per step.
@@ -140,6 +156,7 @@ struct Session {
   DrafterLayout layout;
   PipelineTopology topo;
   TrainBackendOptions backend_opts;
+  bool planned;  // the device memory plan was logged and fits (cuda backend)
   Batcher batcher;
   int64_t per_epoch;
   int64_t total_steps;
@@ -157,11 +174,12 @@ struct Session {
         report(rep),
         target(std::make_shared<const TargetModel>(TargetModel::load(c.model.target))),
         tok(Tokenizer::load(c.model.target)),
-        dcfg(drafter_config_of(c, *target, tok)),
+        dcfg(drafter_config_for_run(c, target->config(), &tok)),
         layout(dcfg),
         topo(topology_of(c.runtime)),
         backend_opts(backend_options_of(c)),
-        batcher(prepare_data(c, r, tok, rep), batcher_options_of(c)),
+        planned(check_memory_plan(c, target->config(), dcfg, layout, rep)),
+        batcher(make_batcher(c, prepare_data(c, r, tok, rep))),
         per_epoch(batcher.batches_in_epoch(0)),
         total_steps(total_steps_of(c, per_epoch, topo.drafters())),
         batch_opts{c.training.block_size, c.training.num_anchors, c.training.gamma,
@@ -200,19 +218,14 @@ void check_resume_topology(Session& s, const RunConfig& saved, const TrainOption
 DrafterState restore_or_init(Session& s, const TrainOptions& opts, const fs::path& checkpoint) {
   DrafterState ds;
   if (!checkpoint.empty()) {
-    checkpoint_read(checkpoint, s.layout, ds, s.st);
+    // The configurations are compared before any tensor is read: a changed drafter size is
+    // reported as the keys that changed, not as a tensor of the wrong size.
+    s.st = checkpoint_read_state(checkpoint);
     const RunConfig saved =
         RunConfig::from_yaml(s.st.config_yaml, (checkpoint / "trainer_state/state.json").string());
-    const auto diffs = saved.resume_incompatibilities(s.cfg);
-    if (!diffs.empty() && !opts.force) {
-      std::string list;
-      for (const auto& d : diffs) list += "\n  " + d;
-      fail(
-          "--resume {}: the configuration differs from the checkpoint's in keys that change the "
-          "model or the data order (use --force to resume anyway):{}",
-          s.rd.path().string(), list);
-    }
+    const auto diffs = resume_check(saved, s.cfg, opts.force, s.rd.path().string());
     check_resume_topology(s, saved, opts);
+    checkpoint_read_drafter(checkpoint, s.layout, s.st, ds);
     if (diffs.empty()) {
       s.batcher.restore(s.st.cursor);
     } else {
@@ -226,11 +239,17 @@ DrafterState restore_or_init(Session& s, const TrainOptions& opts, const fs::pat
           fmt::format("--force: resuming despite changed keys; the data order continues "
                       "at epoch {} batch {} of the new plan",
                       c.epoch, c.batch));
+      if (s.st.interval.obj.K != s.cfg.training.block_size) {
+        // The open log interval counted slots of the old block size: it starts afresh.
+        s.st.interval = IntervalMetrics(s.cfg.training.block_size);
+      }
     }
     s.report.log(fmt::format("resumed from {} (step {})", checkpoint.string(), s.st.step));
     s.last_ckpt = checkpoint.string();
     s.last_ckpt_step = s.st.step;
+    s.report.metrics_resume_at(s.st.step);
   } else {
+    s.report.metrics_restart();
     const auto n = static_cast<size_t>(s.layout.total);
     ds.params.resize(n);
     ds.adam_m.assign(n, 0.0f);
@@ -274,7 +293,8 @@ DrafterStepResult merge_results(const PipelineStep& p, std::string& non_finite) 
 }
 
 // Counts a finished step into the trainer state; stops the run after too many skips in a row.
-void account_step(Session& s, const PipelineStep& p) {
+// Returns the step's merged result.
+DrafterStepResult account_step(Session& s, const PipelineStep& p) {
   TrainerState& st = s.st;
   std::string non_finite;
   const DrafterStepResult r = merge_results(p, non_finite);
@@ -314,6 +334,7 @@ void account_step(Session& s, const PipelineStep& p) {
   pv.wall_s += p.wall_s;
   for (size_t i = 0; i < p.queue_held.size(); ++i) pv.queue_sum[i] += p.queue_held[i];
   pv.steps += 1;
+  return r;
 }
 
 // Writes the metrics record of the interval that ends at this step and starts a new one.
@@ -330,8 +351,7 @@ void finish_interval(Session& s, double eta_s, TrainResult& result) {
     record["queue_depth"] = depth;
   }
   s.report.interval(record, s.total_steps, eta_s);
-  result.final_loss = st.interval.obj.loss();
-  result.final_tau = st.interval.obj.tau();
+  result.last_metrics = record;
   st.interval = IntervalMetrics(s.dcfg.block_size);
   s.piv = PipelineInterval{};
   s.piv.queue_sum.assign(static_cast<size_t>(s.topo.drafters()), 0.0);
@@ -402,9 +422,11 @@ PipelineHooks hooks_of(Session& s, int64_t end_step,
   const auto run_start = Clock::now();
   const int64_t first = s.st.step;
   h.on_step = [&s, &result, bar, run_start, first](PipelineStep& p) {
-    account_step(s, p);
+    const DrafterStepResult r = account_step(s, p);
     bar->set_suffix(
-        fmt::format("loss {:.3f} τ {:.2f}", s.st.interval.obj.loss(), s.st.interval.obj.tau()));
+        r.skipped() ? std::string(r.skip == StepSkip::non_finite ? "skipped (non-finite)"
+                                                                 : "skipped (no supervised slot)")
+                    : fmt::format("loss {:.3f} τ {:.2f}", r.metrics.loss(), r.metrics.tau()));
     bar->advance(1);
     if (s.st.step % s.cfg.training.log_interval == 0 || s.st.step == s.total_steps) {
       const double eta = seconds_since(run_start) / static_cast<double>(s.st.step - first) *
@@ -479,7 +501,64 @@ TrainResult train_loop(Session& s, const TrainOptions& opts, const DrafterState&
   return result;
 }
 
+// The checkpoint a resume continues from: the newest that verifies. Newer ones that fail are set
+// aside (checkpoint_set_aside), each logged with its reason.
+fs::path resume_checkpoint(const RunDir& rd, TrainReport& report) {
+  ResumePoint rp;
+  try {
+    rp = checkpoint_select(rd.path());
+  } catch (const Error& e) {
+    throw e.with_context("--resume");
+  }
+  for (const CheckpointRejection& r : rp.rejected) {
+    const fs::path aside = checkpoint_set_aside(r.dir);
+    report.log(fmt::format("--resume: skipping {} ({}); moved it to {}", r.dir.filename().string(),
+                           r.reason, aside.string()));
+  }
+  if (rp.check == CheckpointCheck::legacy_marker) {
+    report.log(
+        fmt::format("--resume: {} was written before checkpoints carried file digests; its "
+                    "files are not verified",
+                    rp.dir.string()));
+  }
+  return rp.dir;
+}
+
 }  // namespace
+
+DrafterConfig drafter_config_for_run(const RunConfig& cfg, const ModelConfig& target,
+                                     const Tokenizer* tok) {
+  DrafterSizes sizes;
+  if (cfg.model.intermediate_size) sizes.intermediate_size = *cfg.model.intermediate_size;
+  if (cfg.model.num_attention_heads) sizes.num_heads = *cfg.model.num_attention_heads;
+  if (cfg.model.num_key_value_heads) sizes.num_kv_heads = *cfg.model.num_key_value_heads;
+  if (cfg.model.head_dim) sizes.head_dim = *cfg.model.head_dim;
+  sizes.block_size = cfg.training.block_size;
+  std::optional<std::vector<int>> taps;
+  if (!cfg.model.target_layer_ids.empty()) taps = cfg.model.target_layer_ids;
+  return drafter_config_for_target(target, cfg.model.drafter_layers, sizes, cfg.model.mask_token_id,
+                                   taps, tok);
+}
+
+std::string print_train_memory_plan(const RunConfig& cfg) {
+  const fs::path target_dir = cfg.model.target;
+  const ModelConfig tcfg = model_config_load(target_dir);
+  std::optional<Tokenizer> tok;
+  if (fs::exists(target_dir / "tokenizer.json")) tok = Tokenizer::load(target_dir);
+  const DrafterConfig dcfg = drafter_config_for_run(cfg, tcfg, tok ? &*tok : nullptr);
+  const DrafterLayout layout(dcfg);
+  const PipelineMemoryPlan plan = plan_pipeline_memory(cfg, tcfg, dcfg, layout);
+  fmt::print(
+      "cuda backend, {}: target {} ({} layers, hidden {}), drafter {} layers "
+      "({} parameters), {} row(s) x {} tokens, block budget {} per row, block size {}\n"
+      "{}\n",
+      topology_of(cfg.runtime).describe(), target_dir.string(), tcfg.num_hidden_layers,
+      tcfg.hidden_size, dcfg.num_layers, layout.total, cfg.data.rows_per_step,
+      cfg.data.token_budget, cfg.block_budget(), dcfg.block_size, plan.table());
+  return plan.fits() ? std::string()
+                     : pipeline_shortfall_message(
+                           plan, largest_fitting_pipeline_budget(cfg, tcfg, dcfg, layout));
+}
 
 void install_train_signal_handlers() {
   std::signal(SIGINT, on_stop_signal);
@@ -495,22 +574,21 @@ TrainResult train(const TrainOptions& opts) {
   if (cfg.runtime.threads > 0) set_parallel_threads(cfg.runtime.threads);
 
   RunDir rd(cfg.output_dir);
-  const auto complete = RunDir::complete_checkpoints(rd.path());
-  if (resuming) {
-    DFLASH_CHECK(!complete.empty(), "--resume {}: no complete checkpoint to resume from",
-                 rd.path().string());
-  } else {
-    DFLASH_CHECK(complete.empty(),
-                 "run directory '{}' already holds checkpoints: use --resume to continue it, or "
-                 "choose another output_dir", rd.path().string());
-  }
+  DFLASH_CHECK(resuming || RunDir::complete_checkpoints(rd.path()).empty(),
+               "run directory '{}' already holds checkpoints: use --resume to continue it, or "
+               "choose another output_dir",
+               rd.path().string());
   TrainReport report(rd);
   try {
+    const fs::path checkpoint = resuming ? resume_checkpoint(rd, report) : fs::path();
     Session s(cfg, rd, report);
-    const DrafterState initial =
-        restore_or_init(s, opts, resuming ? complete.back().second : fs::path());
+    const DrafterState initial = restore_or_init(s, opts, checkpoint);
+    report.status().phase = "training";
     report.status().checkpoint = s.last_ckpt;
     report.status().topology = s.topo.describe();
+    report.status().step = s.st.step;
+    report.status().total_steps = s.total_steps;
+    report.write_status();
     report.log(fmt::format(
         "train: target {} ({} layers, hidden {}), drafter {} layers ({} "
         "parameters), taps [{}], mask id {}, block {}, {} steps ({} "
@@ -519,6 +597,10 @@ TrainResult train(const TrainOptions& opts) {
         s.dcfg.num_layers, s.layout.total, fmt::join(s.dcfg.target_layer_ids, ","),
         s.dcfg.mask_token_id, s.dcfg.block_size, s.total_steps, s.per_epoch, s.topo.describe(),
         train_backend_describe(s.backend_opts)));
+    if (s.st.step >= s.total_steps) {
+      report.log(fmt::format("the run finished at step {} of {}: nothing to do", s.st.step,
+                             s.total_steps));
+    }
     TrainResult result = train_loop(s, opts, initial);
     report.status().phase = result.interrupted ? "interrupted" : "done";
     report.status().step = result.steps_done;

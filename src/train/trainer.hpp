@@ -12,17 +12,23 @@
 // Invariants: anchors are a pure function of (seed, epoch, batch index, row), so no RNG state needs
 // saving; a checkpoint is written to a temporary folder, fsynced, renamed and only then marked
 // COMPLETE; any error stops the run with a message and a non-zero exit; SIGINT/SIGTERM finish the
-// current step, write a checkpoint and exit 0.
+// current step, write a checkpoint and exit 0; a resume continues from the newest checkpoint whose
+// files match its marker (checkpoint_select), sets newer ones that do not aside and says why.
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "model/config.hpp"
+#include "model/drafter.hpp"
 #include "train/run_config.hpp"
 
 namespace dflash {
+
+class Tokenizer;
 
 /// How `dflash train` was asked to start.
 struct TrainOptions {
@@ -38,12 +44,28 @@ struct TrainResult {
   int64_t skipped_steps = 0;        ///< non-finite steps skipped
   bool interrupted = false;         ///< stopped by a signal (or halt_at_step) after a checkpoint
   std::string last_checkpoint;      ///< path of the newest complete checkpoint
-  double final_loss = 0, final_tau = 0;  ///< metrics of the last log interval
+  /// The last metrics.jsonl record (train_report.hpp: interval_record), of this process or, after
+  /// a resume, the newest one kept; null when no log interval has completed. It has no loss or τ
+  /// when every step of its interval was skipped.
+  nlohmann::json last_metrics;
 };
 
 /// Runs training as configured. Throws dflash::Error on any failure (after recording it in
 /// status.json when the run directory is already open).
 TrainResult train(const TrainOptions& opts);
+
+/// The drafter of a run: `cfg`'s model section over `target` (DESIGN.md §1 defaults for what it
+/// leaves out; drafter_config_for_target). `tok` (may be null) lets the mask id be checked against
+/// the tokenizer. Throws dflash::Error naming the key for an inconsistent model section.
+DrafterConfig drafter_config_for_run(const RunConfig& cfg, const ModelConfig& target,
+                                     const Tokenizer* tok);
+
+/// `dflash train --plan`: prints the device memory plan of `cfg`'s training step on the cuda
+/// backend, the arena of each pipeline worker and each GPU's total (plan_pipeline_memory; reading
+/// only the target's config.json and tokenizer, no weights). Returns "" when every GPU fits
+/// runtime.device_memory_gib, else the message naming each GPU's shortfall and the largest token
+/// budget that fits.
+std::string print_train_memory_plan(const RunConfig& cfg);
 
 /// Installs SIGINT/SIGTERM handlers that ask a running train() to checkpoint and stop.
 void install_train_signal_handlers();

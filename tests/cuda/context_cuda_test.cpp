@@ -69,3 +69,30 @@ TEST(CudaContext, TwoThreadsTwoContexts) {
   EXPECT_EQ(out[0], ref);
   EXPECT_EQ(out[1], ref);
 }
+
+TEST(CachingAllocator, ScratchPoolIsAStackInsideItsRange) {
+  DFLASH_REQUIRE_GPU();
+  cuda::CudaContext ctx(0);
+  auto before = ctx.scratch(5000);         // from the free lists: returned there after use_pool
+  DeviceGuarded<char> pool_mem(64 << 10);  // not a block of the allocator (like an arena buffer)
+  auto& a = ctx.allocator();
+  EXPECT_THROW(a.use_pool(before.data(), 4096), Error);  // a live block of its own is no pool
+  const int64_t mallocs = a.stats().n_cuda_malloc;
+  a.use_pool(pool_mem.get(), 64 << 10);
+  char* base = pool_mem.get();
+  {
+    auto x = ctx.scratch(1000);  // [0, 1024)
+    auto y = ctx.scratch(300);   // [1024, 1536): blocks are 256-byte multiples
+    EXPECT_EQ(x.data(), base);
+    EXPECT_EQ(y.data(), base + 1024);
+    x = cuda::DeviceBuffer();  // freed out of order: kept until y goes
+    auto z = ctx.scratch(10);
+    EXPECT_EQ(z.data(), base + 1536);
+  }
+  auto w = ctx.scratch(2000);  // everything freed: back at the start
+  EXPECT_EQ(w.data(), base);
+  EXPECT_THROW(ctx.scratch(64 << 10), Error);   // does not fit above w
+  EXPECT_EQ(a.stats().n_cuda_malloc, mallocs);  // the pool never calls cudaMalloc
+  EXPECT_EQ(a.stats().pool_peak, 2048u);
+  before = cuda::DeviceBuffer();  // a block from before the pool goes back to its free list
+}

@@ -124,9 +124,12 @@ TEST(PipelineCuda, SplitStagesComputeWhatTheOneContextBackendComputes) {
   TrainBackendOptions opts;
   opts.backend = "cuda";
   opts.max_context_tokens = 256;
+  opts.max_blocks = 256;
   opts.feature_buffers = 2;
   opts.clip_grad_norm = 0.5;
-  CudaTrainBackend one(0, tiny_target(), cfg, layout, 256, true, opts.adam, opts.clip_grad_norm);
+  const TrainMemoryPlan plan = plan_train_memory(
+      tiny_target().config(), cfg, layout, TrainStepCapacity{256, 256}, opts.device_memory_gib);
+  CudaTrainBackend one(0, tiny_target(), cfg, layout, plan, true, opts.adam, opts.clip_grad_norm);
   const std::unique_ptr<TargetStage> target = cuda_target_stage_create(opts, 0, tiny_target(), cfg);
   const std::unique_ptr<DrafterStage> drafter =
       cuda_drafter_stage_create(opts, 0, tiny_target(), cfg, layout, nullptr, 0);

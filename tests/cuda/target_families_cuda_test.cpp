@@ -9,9 +9,11 @@
 // The CPU runs fp32 on the same bf16 weights; the GPU adds bf16 activations at GEMM inputs, so
 // every tap must agree within tol::kTargetTaps (2e-2, as the tiny-qwen3 check in
 // train_step_cuda_test), and the MoE families must route every token as the CPU does (checked
-// through the taps).
+// through the taps). Random weights made on the device (`dflash bench`'s) fill every tensor of
+// each family and of the qwen2.5-32b preset's first layers.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -19,6 +21,7 @@
 #include "backend/cuda/context.hpp"
 #include "cuda/cuda_test_util.hpp"
 #include "cuda/tolerances.hpp"
+#include "model/presets.hpp"
 #include "model/safetensors.hpp"
 #include "model/target.hpp"
 #include "model/target_cuda.hpp"
@@ -187,5 +190,46 @@ TEST(TargetCudaFamilies, DenseFamiliesWithHeadDim64MatchCpu) {
                   random_tokens(29, V, seed + 2), random_tokens(13, V, seed + 3)}};
     const double worst = compare(m, d, nullptr);
     std::printf("%s: worst tap error %.3g (GPU vs CPU)\n", v.name, worst);
+  }
+}
+
+TEST(TargetCudaFamilies, RandomWeightsFillEveryTensorOfEachFamily) {
+  // `dflash bench` builds TargetCuda from a config with random weights made on the device; the
+  // constructor checks that the fills cover every planned weight byte (biases, sinks, routers,
+  // experts), so a tensor the filler misses throws. Each family's tiny config (qwen2-bias with
+  // head_dim 64), and the first 2 layers of the qwen2.5-32b preset (q/k/v biases, untied head),
+  // then a forward over 3 documents whose taps must be finite and not all zero.
+  DFLASH_REQUIRE_GPU();
+  std::vector<std::pair<std::string, ModelConfig>> configs;
+  for (const char* name : {"qwen3-moe", "qwen3-moe-window", "gpt-oss"}) {
+    configs.emplace_back(name, model_config_load(models() / name));
+  }
+  json q2 = json::parse(read_file(models() / "qwen2-bias" / "config.json"));
+  q2.merge_patch(json{{"head_dim", 64}});
+  configs.emplace_back("qwen2-bias", model_config_from_json(q2, "qwen2-bias"));
+  configs.emplace_back("qwen2.5-32b", model_preset("qwen2.5-32b").config);
+  for (const auto& [name, c] : configs) {
+    SCOPED_TRACE(name);
+    const int64_t layers = std::min<int64_t>(c.num_hidden_layers, 2), H = c.hidden_size;
+    const std::vector<int32_t> offsets{0, 1, 41, 70};
+    const int64_t T = offsets.back();
+    const std::vector<int32_t> tokens = random_tokens(T, c.vocab_size, 7);
+    std::vector<int32_t> pos;
+    for (size_t d = 0; d + 1 < offsets.size(); ++d) {
+      for (int32_t t = offsets[d]; t < offsets[d + 1]; ++t) pos.push_back(t - offsets[d]);
+    }
+    const auto ranges = attention_causal_varlen_ranges(offsets.data(), 3, T);
+    cuda::CudaContext ctx(0);
+    TargetCuda tc(ctx, c, 11, T, layers);
+    const std::vector<int> taps{0, static_cast<int>(layers - 1)};
+    DeviceGuarded<int32_t> dt(tokens), dp(pos);
+    DeviceGuarded<AttnRange> dr(ranges);
+    DeviceGuarded<uint16_t> out(static_cast<size_t>(T * 2 * H));
+    tc.forward_taps(out.get(), dt.get(), dp.get(), dr.get(), T, taps);
+    ctx.synchronize();
+    EXPECT_TRUE(out.guard_intact());
+    const std::vector<float> v = from_bf16(out.download());
+    EXPECT_TRUE(std::all_of(v.begin(), v.end(), [](float x) { return std::isfinite(x); }));
+    EXPECT_TRUE(std::any_of(v.begin(), v.end(), [](float x) { return x != 0.0f; }));
   }
 }

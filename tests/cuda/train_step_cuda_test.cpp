@@ -2,8 +2,9 @@
 // TargetModel::forward_taps on the tiny Qwen3 fixture (packed rows with several documents and
 // padding), and DrafterCuda's forward/backward over a packed step (a DrafterBatch staged as
 // CudaTrainBackend stages it) against drafter_train_step summed over the rows (loss, Σw, every
-// parameter gradient, the gradient norm and the argmax), plus an AdamW step and determinism of
-// the whole GPU step. Weights, tables and features are rounded to bf16 first so that the only
+// parameter gradient, the gradient norm and the argmax), plus an AdamW step, determinism of the
+// whole GPU step, and that sharing the memory plan's arena by phase changes no bit of a step.
+// Weights, tables and features are rounded to bf16 first so that the only
 // differences are the GPU's bf16 activations and summation order.
 #include <cuda_runtime.h>
 
@@ -11,12 +12,15 @@
 #include <cmath>
 #include <cstdint>
 
+#include "backend/cuda/arena.hpp"
 #include "backend/cuda/context.hpp"
 #include "cuda/cuda_test_util.hpp"
 #include "model/drafter_batch.hpp"
 #include "model/drafter_cuda.hpp"
+#include "model/drafter_io.hpp"
 #include "model/target.hpp"
 #include "model/target_cuda.hpp"
+#include "train/memory_plan.hpp"
 #include "train/objective.hpp"
 #include "train/optimizer.hpp"
 #include "util/test_util.hpp"
@@ -274,4 +278,76 @@ TEST(DrafterCuda, StepMatchesCpuReference) {
   EXPECT_TRUE(same_bits(p_gpu, p_cpu));
   EXPECT_TRUE(same_bits(m_gpu, m_cpu));
   EXPECT_TRUE(same_bits(v_gpu, v_cpu));
+}
+
+// The memory plan lets buffers of disjoint phases share bytes. If a phase set in model/step_plan
+// were wrong, a buffer would be overwritten while still live and the step's results would change:
+// the same step in the shared arena and in one where every buffer has its own bytes must agree
+// bit for bit (target forward, drafter forward/backward, op scratch from the plan's pool).
+TEST(TrainStepCuda, SharingTheArenaByPhaseChangesNoBit) {
+  DFLASH_REQUIRE_GPU();
+  const TargetModel target = TargetModel::load(assets_dir() / "tiny-qwen3");
+  const ModelConfig& tc = target.config();
+  DrafterSizes sizes;
+  sizes.intermediate_size = 160;
+  sizes.block_size = 4;
+  const DrafterConfig c = drafter_config_for_target(tc, 2, sizes, 8000, std::vector<int>{1, 3});
+  const DrafterLayout layout(c);
+  HostBatch b = make_batch({{1, 40, 30}, {97}, {20, 20, 20}}, 97, tc.vocab_size, 4, 8, 5);
+  const Staged s = stage(drafter_batch_of(b, 4), 8000, 16);
+  const TrainMemoryPlan plan = plan_train_memory(tc, c, layout, TrainStepCapacity{s.T, s.N}, 139.0);
+  ASSERT_GE(plan.NK, s.NK);
+  double total_w = 0;
+  for (float w : s.weights) total_w += w;
+  std::vector<float> params(static_cast<size_t>(layout.total));
+  drafter_init(params, layout, 9);
+  const std::vector<float> zeros(params.size(), 0.0f);
+
+  struct Out {
+    DrafterCuda::Results r;
+    std::vector<float> grads;
+  };
+  auto run = [&](const ArenaPlan& ap) {
+    cuda::CudaContext ctx(0);
+    cuda::DeviceArena arena(ctx, ap);
+    TargetCuda tcu(ctx, target, plan.T, plan.target_layers, &arena);
+    DrafterCuda dc(ctx, c, layout, plan.T, plan.NK, tcu.embed(), tcu.lm_head(), &arena);
+    dc.upload_state(params, zeros, zeros);
+    const uint64_t pool = arena.planned_bytes("workspace.op_scratch");
+    ctx.allocator().use_pool(arena.get_bytes("workspace.op_scratch", pool), pool);
+    auto put = [&](const char* name, const auto& v) {
+      using T = typename std::decay_t<decltype(v)>::value_type;
+      T* d = arena.get<T>(name, static_cast<int64_t>(v.size()));
+      DFLASH_CUDA_CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+      return d;
+    };
+    const int32_t* tokens = put("inputs.tokens", s.tokens);
+    const AttnRange* tranges = put("inputs.target_ranges", s.context_ranges);
+    DrafterCudaInputs in;
+    in.T = s.T;
+    in.NK = s.NK;
+    in.features = dc.features();
+    in.pos = put("inputs.pos", s.pos);
+    in.block_tokens = put("inputs.block_tokens", s.block_tokens);
+    in.ranges = put("inputs.block_ranges", s.block_ranges);
+    in.labels = put("inputs.labels", s.labels);
+    in.weights = put("inputs.weights", s.weights);
+    DFLASH_CUDA_CHECK(cudaDeviceSynchronize());  // the pageable copies, before the ops' stream
+    tcu.forward_taps(dc.features(), tokens, in.pos, tranges, s.T, c.target_layer_ids);
+    dc.forward_backward(in, 1.0 / total_w);
+    Out o;
+    o.r = dc.fetch_results(s.NK);
+    o.grads.resize(params.size());
+    dc.download_grads(o.grads);
+    return o;
+  };
+  const ArenaPlan unshared = arena_plan_without_sharing(plan.arena);
+  ASSERT_LT(plan.arena.arena_bytes, unshared.arena_bytes);  // something does share
+  const Out a = run(plan.arena), u = run(unshared);
+  EXPECT_GT(a.r.weight_sum, 0);
+  EXPECT_TRUE(std::isfinite(a.r.loss_sum));
+  EXPECT_EQ(a.r.loss_sum, u.r.loss_sum);
+  EXPECT_EQ(a.r.grad_norm, u.r.grad_norm);
+  EXPECT_TRUE(same_bits(a.grads, u.grads));
+  EXPECT_TRUE(same_bits(a.r.argmax, u.r.argmax));
 }

@@ -24,7 +24,8 @@ namespace {
 
 RunConfig config_for(const fs::path& out, int64_t steps, const std::string& backend,
                      bool graphs = true) {
-  const std::string yaml = fmt::format(R"(model:
+  const std::string yaml =
+      fmt::format(R"(model:
   target: {}
   drafter_layers: 2
   intermediate_size: 64
@@ -35,6 +36,7 @@ data:
   max_length: 256
   token_budget: 256
   rows_per_step: 2
+  block_budget: 256  # = token_budget: never binds, rows keep several conversations
 training:
   max_steps: {}
   lr: 1.0e-3
@@ -49,9 +51,8 @@ runtime:
   threads: 2
 output_dir: {}
 )",
-                                       (test::assets_dir() / "tiny-qwen3").string(),
-                                       test::small_corpus().string(), steps, backend, graphs,
-                                       out.string());
+                  (test::assets_dir() / "tiny-qwen3").string(), test::small_corpus().string(),
+                  steps, backend, graphs, out.string());
   return RunConfig::from_yaml(yaml, "test.yaml");
 }
 

@@ -2,9 +2,11 @@
 // ops/cross_entropy.hpp for the formulas and the gradient contract).
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
+#include "backend/cpu/simd.hpp"
 #include "core/error.hpp"
 #include "core/parallel.hpp"
 #include "ops/cross_entropy.hpp"
@@ -113,6 +115,79 @@ void bwd_impl(S* dlogits, const S* logits, const S* lse, const int32_t* labels, 
       4);
 }
 
+// Σ_v exp(z_v − m) over a row; with `store`, z_v is replaced by exp(z_v − m). float: 16 lanes
+// of simd::exp16 (the tail padded with −inf, whose exp adds 0), lanes summed pairwise; double:
+// std::exp in index order.
+DFLASH_CPU_CLONES float exp_sum_f32(float* z, int64_t V, float m, bool store) {
+  using namespace cpu::simd;
+  if (store) return exp_shift_sum(z, V, m);
+  f32x16 acc{};
+  int64_t v = 0;
+  for (; v + kLanes <= V; v += kLanes) acc += exp16(load16(z + v) - m);
+  float tail[kLanes];
+  std::fill(tail, tail + kLanes, -std::numeric_limits<float>::infinity());
+  std::copy(z + v, z + V, tail);
+  acc += exp16(load16(tail) - m);
+  float lane[kLanes];
+  std::memcpy(lane, &acc, sizeof lane);
+  for (int64_t half = kLanes / 2; half >= 1; half /= 2)
+    for (int64_t l = 0; l < half; ++l) lane[l] += lane[l + half];
+  return lane[0];
+}
+float exp_sum(float* z, int64_t V, float m, bool store) { return exp_sum_f32(z, V, m, store); }
+double exp_sum(double* z, int64_t V, double m, bool store) {
+  if (store) return cpu::simd::exp_shift_sum(z, V, m);
+  double sum = 0;
+  for (int64_t v = 0; v < V; ++v) sum += std::exp(z[v] - m);
+  return sum;
+}
+
+// One row of the fused op, in place: returns lse(z), writes argmax and the row's weighted loss,
+// and, when `grad`, overwrites z with w_scaled·(softmax(z) − onehot(label)) (zeros when
+// w_scaled = 0). exp is evaluated once per logit (vectorised for float, exp_sum):
+// softmax(z)_v = exp(z_v − m) / Σ_u exp(z_u − m), m the row maximum.
+template <typename S>
+S row_fused(S* z, int64_t V, int32_t label, S w, S w_scaled, bool grad, int32_t* argmax, S* loss) {
+  S m = z[0];
+  int64_t am = 0;
+  for (int64_t v = 1; v < V; ++v)
+    if (z[v] > m) {
+      m = z[v];
+      am = v;
+    }
+  if (argmax) *argmax = static_cast<int32_t>(am);
+  const S z_label = w == S(0) ? S(0) : z[label];
+  const bool keep_exp = grad && w_scaled != S(0);
+  S lse = m;  // all -inf (→ -inf) or a +inf logit (→ +inf): no finite softmax
+  S sum = 0;
+  if (!std::isinf(m)) {
+    sum = exp_sum(z, V, m, keep_exp);
+    lse = m + std::log(sum);
+  }
+  *loss = w == S(0) ? S(0) : w * (lse - z_label);
+  if (!grad) return lse;
+  if (w_scaled == S(0)) {
+    std::fill(z, z + V, S(0));
+  } else if (std::isinf(m)) {
+    std::fill(z, z + V, std::numeric_limits<S>::quiet_NaN());  // non-finite: the step is skipped
+  } else {
+    const S scale = w_scaled / sum;
+    for (int64_t v = 0; v < V; ++v) z[v] *= scale;
+    z[label] -= w_scaled;
+  }
+  return lse;
+}
+
+// The fused op's per-thread workspace: chunk logits [chunk_rows, V], kept between calls so that
+// its pages are touched once per thread (the chunk is megabytes; a fresh buffer per call would be
+// mapped and zero-filled by the kernel on every step).
+template <typename S>
+S* fused_workspace(int64_t n) {
+  thread_local std::vector<S> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(static_cast<size_t>(n));
+  return buf.data();
+}
+
 template <typename S, typename W>
 CrossEntropyStats fused_impl(S* d_hidden, S* lse, int32_t* argmax, const S* hidden,
                              const W* head, const int32_t* labels, const S* weights,
@@ -123,20 +198,27 @@ CrossEntropyStats fused_impl(S* d_hidden, S* lse, int32_t* argmax, const S* hidd
                p.chunk_rows);
   check_labels("cross_entropy_fused", labels, weights, R, V);
   const int64_t C = std::min(p.chunk_rows, std::max<int64_t>(R, 1));
-  std::vector<S> logits(static_cast<size_t>(C * V));
+  S* logits = fused_workspace<S>(C * V);
   std::vector<S> row_loss(static_cast<size_t>(R));
-  std::vector<S> row_lse(static_cast<size_t>(C));
+  const bool grad = d_hidden != nullptr;
   for (int64_t r0 = 0; r0 < R; r0 += C) {
     const int64_t n = std::min(C, R - r0);
-    linear_fwd_cpu(logits.data(), hidden + r0 * H, head, static_cast<const S*>(nullptr), n, H, V);
-    const S* wts = weights ? weights + r0 : nullptr;
-    rows_fwd(row_loss.data() + r0, row_lse.data(), argmax ? argmax + r0 : nullptr, logits.data(),
-             labels + r0, wts, n, V);
-    if (lse) std::copy(row_lse.begin(), row_lse.begin() + n, lse + r0);
-    if (!d_hidden) continue;
-    bwd_impl(logits.data(), logits.data(), row_lse.data(), labels + r0, wts, p.grad_scale, n, V);
-    linear_bwd_cpu(d_hidden + r0 * H, static_cast<S*>(nullptr), static_cast<S*>(nullptr),
-                   logits.data(), hidden + r0 * H, head, n, H, V);
+    linear_fwd_cpu(logits, hidden + r0 * H, head, static_cast<const S*>(nullptr), n, H, V);
+    parallel_for(
+        n,
+        [&](int64_t i0, int64_t i1) {
+          for (int64_t i = i0; i < i1; ++i) {
+            const int64_t r = r0 + i;
+            const S w = row_weight(weights, r);
+            const S l = row_fused(logits + i * V, V, labels[r], w, static_cast<S>(p.grad_scale) * w,
+                                  grad, argmax ? argmax + r : nullptr, row_loss.data() + r);
+            if (lse) lse[r] = l;
+          }
+        },
+        4);
+    if (!grad) continue;
+    linear_bwd_cpu(d_hidden + r0 * H, static_cast<S*>(nullptr), static_cast<S*>(nullptr), logits,
+                   hidden + r0 * H, head, n, H, V);
   }
   return sum_stats(row_loss.data(), weights, R);
 }

@@ -4,6 +4,13 @@
 // Invariants: all matrices are row-major; C = alpha·op(A)·op(B) + beta·C with op(A) [M,K],
 // op(B) [K,N], C [M,N]; beta = 0 overwrites C (C may hold garbage, even NaN). Empty products
 // (M, N or K = 0) are handled here (K = 0 scales C by beta, or zeroes it).
+// Threads: OpenBLAS is set to one thread; a product is split along the rows (M ≥ N) or the
+// columns of C into one contiguous range per worker of the parallel_for pool (core/parallel.hpp),
+// each range one OpenBLAS call over the whole K; small products run on the calling thread. The
+// split depends on the shape and the thread count only, so results are reproducible for a given
+// thread count; OpenBLAS's rounding can depend on the sizes it is called with (its Haswell
+// kernels' does), so another thread count may change the last bits, as OpenBLAS's own threading
+// did.
 #pragma once
 
 #include <cstdint>

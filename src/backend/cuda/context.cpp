@@ -3,10 +3,12 @@
 
 #include <cublasLt.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "backend/cuda/check.hpp"
 #include "backend/cuda/gemm.hpp"
+#include "core/arena_plan.hpp"
 #include "core/error.hpp"
 
 namespace dflash::cuda {
@@ -36,8 +38,49 @@ CachingAllocator::~CachingAllocator() {
   cudaSetDevice(prev);
 }
 
+void CachingAllocator::use_pool(void* base, size_t bytes) {
+  DFLASH_CHECK(base != nullptr && bytes > 0, "cuda:{}: empty scratch pool", device_);
+  DFLASH_CHECK(pool_blocks_.empty(), "cuda:{}: scratch pool replaced while in use", device_);
+  const auto* lo = static_cast<const char*>(base);
+  for (const auto& [p, cls] : live_) {
+    const auto* q = static_cast<const char*>(p);
+    DFLASH_CHECK(q + cls <= lo || q >= lo + bytes,
+                 "cuda:{}: the scratch pool overlaps a live block of this allocator", device_);
+  }
+  pool_ = static_cast<char*>(base);
+  pool_bytes_ = bytes;
+}
+
+void* CachingAllocator::pool_allocate(size_t bytes) {
+  const size_t begin = pool_blocks_.empty() ? 0 : pool_blocks_.back().end;
+  const size_t end = begin + arena_round(bytes);
+  DFLASH_CHECK(end <= pool_bytes_,
+               "cuda:{}: the op scratch pool of {} bytes cannot hold {} more bytes ({} in use): "
+               "the memory plan's 'workspace.op_scratch' is too small for this op",
+               device_, pool_bytes_, bytes, begin);
+  pool_blocks_.push_back(PoolBlock{begin, end, false});
+  ++stats_.n_alloc;
+  stats_.pool_peak = std::max(stats_.pool_peak, end);
+  return pool_ + begin;
+}
+
+bool CachingAllocator::pool_deallocate(void* p) {
+  auto* c = static_cast<char*>(p);
+  if (pool_ == nullptr || c < pool_ || c >= pool_ + pool_bytes_) return false;
+  const auto begin = static_cast<size_t>(c - pool_);
+  for (auto it = pool_blocks_.rbegin(); it != pool_blocks_.rend(); ++it) {
+    if (it->begin == begin && !it->freed) {
+      it->freed = true;
+      while (!pool_blocks_.empty() && pool_blocks_.back().freed) pool_blocks_.pop_back();
+      return true;
+    }
+  }
+  fail("cuda:{}: deallocate of a scratch pool address that is not a live block", device_);
+}
+
 void* CachingAllocator::allocate(size_t bytes) {
   if (bytes == 0) return nullptr;
+  if (pool_ != nullptr) return pool_allocate(bytes);
   const size_t cls = size_class(bytes);
   ++stats_.n_alloc;
   void* p = nullptr;
@@ -70,6 +113,7 @@ void* CachingAllocator::allocate(size_t bytes) {
 
 void CachingAllocator::deallocate(void* p) {
   if (p == nullptr) return;
+  if (pool_deallocate(p)) return;
   auto it = live_.find(p);
   DFLASH_CHECK(it != live_.end(), "cuda:{}: deallocate of a pointer this allocator did not give",
                device_);

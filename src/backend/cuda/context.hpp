@@ -38,6 +38,7 @@ struct AllocatorStats {
   int64_t n_cuda_malloc = 0;  ///< cudaMalloc calls made
   int64_t n_alloc = 0;        ///< allocate() calls
   int64_t n_hits = 0;         ///< allocate() calls served from a free list
+  size_t pool_peak = 0;       ///< highest byte of the scratch pool used (see use_pool)
 };
 
 /// Device memory with size-class free lists. Classes: multiples of 512 B up to 64 KiB, then powers
@@ -63,6 +64,14 @@ class CachingAllocator {
   bool frozen() const { return frozen_; }
   /// cudaFree of every cached (free) block.
   void release_cached();
+  /// From now on allocate() serves every request from the device range [base, base + bytes) as a
+  /// stack: each block kArenaAlign-aligned above the highest live one; a freed block's bytes are
+  /// reused once every block above it is freed too (ops free their scratch in reverse order). A
+  /// request that does not fit throws dflash::Error naming the pool size; nothing calls cudaMalloc.
+  /// Blocks handed out before keep going back to their free lists. The range stays owned by the
+  /// caller (e.g. a DeviceArena buffer), must outlive the allocator's use of it, and must not
+  /// overlap a live block of this allocator (dflash::Error).
+  void use_pool(void* base, size_t bytes);
   const AllocatorStats& stats() const { return stats_; }
   /// The size class `bytes` is rounded to.
   static size_t size_class(size_t bytes);
@@ -73,6 +82,15 @@ class CachingAllocator {
   AllocatorStats stats_;
   std::map<size_t, std::vector<void*>> free_;  // size class -> cached blocks
   std::unordered_map<void*, size_t> live_;     // block -> size class
+  struct PoolBlock {
+    size_t begin = 0, end = 0;  // byte range in the pool
+    bool freed = false;
+  };
+  char* pool_ = nullptr;
+  size_t pool_bytes_ = 0;
+  std::vector<PoolBlock> pool_blocks_;  // live pool blocks, by address
+  void* pool_allocate(size_t bytes);
+  bool pool_deallocate(void* p);
 };
 
 class CudaContext;

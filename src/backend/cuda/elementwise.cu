@@ -6,6 +6,7 @@
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/launch.hpp"
+#include "ops/rmsnorm.hpp"
 
 namespace dflash::cuda {
 namespace {
@@ -97,9 +98,7 @@ __global__ void rmsnorm_dw_final_kernel(float* dw, const float* part, int64_t ch
 }
 
 int64_t dw_rows_per_chunk(int64_t R) {
-  const int64_t target_chunks = 256;
-  int64_t rows = (R + target_chunks - 1) / target_chunks;
-  return rows < 16 ? 16 : rows;
+  return rmsnorm_cuda_dw_rows_per_chunk(R);
 }
 
 // ---------------------------------------------------------------- RoPE (rotate_half pairs)
@@ -178,6 +177,25 @@ __global__ void cast_kernel(D* dst, const S* src, int64_t n) {
     dst[e] = from_f32<D>(to_f32(src[e]));
 }
 
+// Uniform fill (ops/fill.hpp): the same integer hash and the same two fp32 roundings as the CPU.
+__device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+template <typename Y>
+__global__ void fill_uniform_kernel(Y* y, int64_t n, float offset, float bound, uint64_t seed) {
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint64_t h = splitmix64(seed ^ (static_cast<uint64_t>(e) * 0xD1B54A32D192ED03ull));
+    const float u = static_cast<float>(h >> 40) * (1.0f / 16777216.0f);
+    const float t = __fmul_rn(bound, __fsub_rn(__fmul_rn(2.0f, u), 1.0f));
+    y[e] = from_f32<Y>(__fadd_rn(offset, t));
+  }
+}
+
 constexpr int kThreads = 256;
 
 }  // namespace
@@ -214,8 +232,7 @@ void rmsnorm_fwd(void* y, DType yt, float* rstd, const void* x, DType xt, const 
 }
 
 int64_t rmsnorm_dw_chunks(int64_t R) {
-  const int64_t rows = dw_rows_per_chunk(R);
-  return R == 0 ? 0 : (R + rows - 1) / rows;
+  return rmsnorm_cuda_dw_chunks(R);
 }
 
 void rmsnorm_bwd(void* dx, const void* dy, DType gt, float* dw, const void* x, DType xt,
@@ -311,6 +328,17 @@ void cast(void* dst, DType dt, const void* src, DType st, int64_t n, cudaStream_
       cast_kernel<Dd, Ss><<<grid_for(n, kThreads), kThreads, 0, s>>>(
           static_cast<Dd*>(dst), static_cast<const Ss*>(src), n);
     });
+  });
+  DFLASH_CUDA_LAUNCH_CHECK();
+}
+
+void fill_uniform(void* y, DType t, int64_t n, float offset, float bound, uint64_t seed,
+                  cudaStream_t s) {
+  if (n == 0) return;
+  dispatch(t, [&](auto v) {
+    using Y = decltype(v);
+    fill_uniform_kernel<Y>
+        <<<grid_for(n, kThreads), kThreads, 0, s>>>(static_cast<Y*>(y), n, offset, bound, seed);
   });
   DFLASH_CUDA_LAUNCH_CHECK();
 }

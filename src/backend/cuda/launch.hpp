@@ -52,13 +52,16 @@ void residual_fwd(void* y, const void* a, const void* b, DType t, int64_t n, cud
 void residual_accumulate(void* y, DType yt, const void* b, DType bt, int64_t n, cudaStream_t s);
 /// dst = src converted (f32 <-> bf16, or a same-type copy).
 void cast(void* dst, DType dt, const void* src, DType st, int64_t n, cudaStream_t s);
+/// y = offset + bound·(2u − 1), u from the hash of ops/fill.hpp.
+void fill_uniform(void* y, DType t, int64_t n, float offset, float bound, uint64_t seed,
+                  cudaStream_t s);
 
 // ---- optim.cu
 void adamw(const AdamWSegment* segs, int n_segs, int64_t max_n, float b1, float b2, float eps,
            float decay, float step_size, float inv_sqrt_bc2, const float* grad_scale,
            const int32_t* skip, cudaStream_t s);
 /// Blocks per segment of the first pass of grad_sumsq (partials: n_segs·kSumsqBlocks doubles).
-constexpr int kSumsqBlocks = 64;
+constexpr int kSumsqBlocks = kGradSumsqCudaBlocks;
 void grad_sumsq(double* out, double* partials, const AdamWSegment* segs, int n_segs,
                 cudaStream_t s);
 void grad_clip(float* grad_scale, int32_t* skip, double* norm, const double* sumsq,
@@ -77,7 +80,7 @@ void attention_bwd(uint16_t* dq, uint16_t* dk, uint16_t* dv, const uint16_t* dou
                    const float* lse, const AttnRange* ranges, const AttnParams& p,
                    float* delta_ws, int* span_ws, cudaStream_t s);
 /// Key-tile width of the attention kernels (span_ws has 2 ints per tile of this many keys).
-constexpr int kAttnKeyTile = 32;
+constexpr int kAttnKeyTile = kAttnCudaKeyTile;
 /// out[t] = in[t] with lo1 = max(lo1, hi1 − window) (device arrays; out may alias in).
 void attention_window_ranges(AttnRange* out, const AttnRange* in, int64_t T, int64_t window,
                              cudaStream_t s);
@@ -107,6 +110,16 @@ void moe_glu(uint16_t* y, const void* gate, const void* up, DType t, int64_t ld_
 void moe_combine(float* y, const float* ys, const float* down_bias, const int32_t* ids,
                  const float* weights, const int32_t* slot, int64_t T, int64_t K, int64_t H,
                  cudaStream_t s);
+
+// ---- attention_tc.cu (tensor cores; same contracts as attention_fwd / attention_bwd, all bf16
+// arrays 16-byte aligned, D 64 or 128; span_ws sized as for attention_bwd)
+void attention_tc_fwd(uint16_t* o, float* lse, const uint16_t* q, const uint16_t* k,
+                      const uint16_t* v, const AttnRange* ranges, const AttnParams& p,
+                      cudaStream_t s);
+void attention_tc_bwd(uint16_t* dq, uint16_t* dk, uint16_t* dv, const uint16_t* dout,
+                      const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* o,
+                      const float* lse, const AttnRange* ranges, const AttnParams& p,
+                      float* delta_ws, int* span_ws, cudaStream_t s);
 
 // ---- cross_entropy.cu
 /// One chunk of n rows: logits f32 [n, V] → lse, argmax, row_loss [n] (w·loss, 0 when w = 0) and,

@@ -38,6 +38,7 @@ void moe_dispatch_cuda(cuda::CudaContext& ctx, int32_t* perm, int32_t* slot, int
       "moe_dispatch_cuda: bad sizes T={} K={} E={}", T, K, E);
   DFLASH_CHECK(offsets && (T == 0 || (perm && slot && row_expert && ids)),
                "moe_dispatch_cuda: null pointer");
+  // Sizes as moe_dispatch_cuda_scratch_bytes (the memory plan's op scratch pool).
   cuda::DeviceBuffer counts = ctx.scratch(static_cast<size_t>(E) * sizeof(int32_t));
   cuda::launch::moe_dispatch(perm, slot, offsets, row_expert, counts.as<int32_t>(), ids, T * K, E,
                              ctx.stream());

@@ -14,6 +14,7 @@
 #include "ops/cast.hpp"
 #include "ops/cross_entropy.hpp"
 #include "ops/embedding.hpp"
+#include "ops/fill.hpp"
 #include "ops/linear.hpp"
 #include "ops/residual.hpp"
 #include "ops/rmsnorm.hpp"
@@ -33,6 +34,7 @@ constexpr DType dt() {
 }
 
 bool aligned4(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 3u) == 0; }
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 }  // namespace
 
@@ -67,11 +69,10 @@ void rmsnorm_bwd_cuda(cuda::CudaContext& ctx, G* dx, float* dw, const G* dy, con
                eps);
   if (R == 0) return;
   DFLASH_CHECK(dy && x && w, "rmsnorm_bwd_cuda: null pointer");
+  // Sizes as rmsnorm_bwd_cuda_scratch_bytes.
   cuda::DeviceBuffer rstd = ctx.scratch(static_cast<size_t>(R) * sizeof(float));
   cuda::DeviceBuffer part;
-  if (dw)
-    part = ctx.scratch(static_cast<size_t>(cuda::launch::rmsnorm_dw_chunks(R) * D) *
-                       sizeof(float));
+  if (dw) part = ctx.scratch(static_cast<size_t>(rmsnorm_cuda_dw_chunks(R) * D) * sizeof(float));
   cuda::launch::rmsnorm_bwd(dx, dy, dt<G>(), dw, x, dt<X>(), w, R, D, static_cast<float>(eps),
                             rstd.as<float>(), part.as<float>(), ctx.stream());
 }
@@ -159,6 +160,20 @@ void cast_cuda(cuda::CudaContext& ctx, D* dst, const S* src, int64_t n) {
   cuda::launch::cast(dst, dt<D>(), src, dt<S>(), n, ctx.stream());
 }
 
+// ---------------------------------------------------------------- fill
+
+template <typename Y>
+void fill_uniform_cuda(cuda::CudaContext& ctx, Y* y, int64_t n, float offset, float bound,
+                       uint64_t seed) {
+  DFLASH_CHECK(n >= 0 && std::isfinite(offset) && std::isfinite(bound),
+               "fill_uniform_cuda: bad arguments n={} offset={} bound={}", n, offset, bound);
+  if (n == 0) return;
+  DFLASH_CHECK(y, "fill_uniform_cuda: null pointer");
+  cuda::launch::fill_uniform(y, dt<Y>(), n, offset, bound, seed, ctx.stream());
+}
+template void fill_uniform_cuda(cuda::CudaContext&, float*, int64_t, float, float, uint64_t);
+template void fill_uniform_cuda(cuda::CudaContext&, uint16_t*, int64_t, float, float, uint64_t);
+
 // ---------------------------------------------------------------- linear (cuBLASLt)
 
 template <typename Y>
@@ -228,6 +243,12 @@ void attention_fwd_cuda(cuda::CudaContext& ctx, uint16_t* o, float* lse, const u
   check_attn("attention_fwd_cuda", p);
   if (p.Tq == 0) return;
   DFLASH_CHECK(o && q && ranges && (p.Tk == 0 || (k && v)), "attention_fwd_cuda: null pointer");
+  if (p.kernels == AttnCudaKernels::tensor_core) {
+    DFLASH_CHECK(aligned16(o) && aligned16(q) && aligned16(k) && aligned16(v),
+                 "attention_fwd_cuda (tensor cores): o, q, k, v must be 16-byte aligned");
+    cuda::launch::attention_tc_fwd(o, lse, q, k, v, ranges, p, ctx.stream());
+    return;
+  }
   DFLASH_CHECK(aligned4(q) && aligned4(k) && aligned4(v),
                "attention_fwd_cuda: q, k, v must be 4-byte aligned");
   cuda::launch::attention_fwd(o, lse, q, k, v, ranges, p, ctx.stream());
@@ -240,22 +261,34 @@ void attention_bwd_cuda(cuda::CudaContext& ctx, uint16_t* dq, uint16_t* dk, uint
   check_attn("attention_bwd_cuda", p);
   DFLASH_CHECK((dout && q && k && v && o && lse && ranges) || p.Tq == 0,
                "attention_bwd_cuda: an input pointer is null");
-  DFLASH_CHECK(aligned4(q) && aligned4(k) && aligned4(v),
-               "attention_bwd_cuda: q, k, v must be 4-byte aligned");
+  const bool tc = p.kernels == AttnCudaKernels::tensor_core;
+  if (tc)
+    DFLASH_CHECK(aligned16(dq) && aligned16(dk) && aligned16(dv) && aligned16(dout) &&
+                     aligned16(q) && aligned16(k) && aligned16(v) && aligned16(o),
+                 "attention_bwd_cuda (tensor cores): dq, dk, dv, dout, q, k, v, o must be "
+                 "16-byte aligned");
+  else
+    DFLASH_CHECK(aligned4(q) && aligned4(k) && aligned4(v),
+                 "attention_bwd_cuda: q, k, v must be 4-byte aligned");
+  // Sizes as attention_bwd_cuda_scratch_bytes.
   cuda::DeviceBuffer delta = ctx.scratch(static_cast<size_t>(p.NH * p.Tq) * sizeof(float));
   const int64_t tiles = (p.Tk + cuda::launch::kAttnKeyTile - 1) / cuda::launch::kAttnKeyTile;
   cuda::DeviceBuffer span = ctx.scratch(static_cast<size_t>(std::max<int64_t>(tiles, 1)) * 2 *
                                         sizeof(int));
-  cuda::launch::attention_bwd(dq, dk, dv, dout, q, k, v, o, lse, ranges, p, delta.as<float>(),
-                              span.as<int>(), ctx.stream());
+  if (tc)
+    cuda::launch::attention_tc_bwd(dq, dk, dv, dout, q, k, v, o, lse, ranges, p,
+                                   delta.as<float>(), span.as<int>(), ctx.stream());
+  else
+    cuda::launch::attention_bwd(dq, dk, dv, dout, q, k, v, o, lse, ranges, p, delta.as<float>(),
+                                span.as<int>(), ctx.stream());
 }
 
 // ---------------------------------------------------------------- fused LM-head cross-entropy
 
-void cross_entropy_fused_cuda(cuda::CudaContext& ctx, float* d_hidden, float* lse,
-                              int32_t* argmax, float* row_loss, double* sums,
-                              const uint16_t* hidden, const uint16_t* head, const int32_t* labels,
-                              const float* weights, const FusedCeParams& p) {
+void cross_entropy_fused_cuda(cuda::CudaContext& ctx, float* d_hidden, float* lse, int32_t* argmax,
+                              float* row_loss, double* sums, const uint16_t* hidden,
+                              const uint16_t* head, const int32_t* labels, const float* weights,
+                              const FusedCeParams& p, void* workspace, uint64_t workspace_bytes) {
   const int64_t R = p.R, H = p.H, V = p.V;
   DFLASH_CHECK(R >= 0 && H > 0 && V > 0 && p.chunk_rows > 0 && V < (1ll << 31),
                "cross_entropy_fused_cuda: bad sizes R={} H={} V={} chunk_rows={}", R, H, V,
@@ -263,27 +296,38 @@ void cross_entropy_fused_cuda(cuda::CudaContext& ctx, float* d_hidden, float* ls
   DFLASH_CHECK(std::isfinite(p.grad_scale), "cross_entropy_fused_cuda: grad_scale not finite");
   DFLASH_CHECK(R == 0 || (hidden && head && labels), "cross_entropy_fused_cuda: null pointer");
   const int64_t C = std::min(p.chunk_rows, std::max<int64_t>(R, 1));
-  cuda::DeviceBuffer loss_ws;
-  if (!row_loss) {
-    loss_ws = ctx.scratch(static_cast<size_t>(std::max<int64_t>(R, 1)) * sizeof(float));
-    row_loss = loss_ws.as<float>();
+  const uint64_t need = cross_entropy_fused_cuda_workspace_bytes(p, d_hidden, row_loss);
+  cuda::DeviceBuffer own;
+  if (!workspace) {
+    own = ctx.scratch(need);
+    workspace = own.data();
+  } else {
+    DFLASH_CHECK(workspace_bytes >= need,
+                 "cross_entropy_fused_cuda: workspace of {} bytes for {} rows in chunks of {} "
+                 "(needs {})",
+                 workspace_bytes, R, C, need);
   }
-  cuda::DeviceBuffer logits = ctx.scratch(static_cast<size_t>(C * V) * sizeof(float));
-  cuda::DeviceBuffer dlogits;
-  if (d_hidden) dlogits = ctx.scratch(static_cast<size_t>(C * V) * sizeof(uint16_t));
+  // Layout of the workspace (cross_entropy_fused_cuda_workspace_bytes): logits, dlogits, losses.
+  auto* at = static_cast<char*>(workspace);
+  auto* logits = reinterpret_cast<float*>(at);
+  at += arena_round(static_cast<uint64_t>(C * V) * sizeof(float));
+  uint16_t* dlogits = nullptr;
+  if (d_hidden) {
+    dlogits = reinterpret_cast<uint16_t*>(at);
+    at += arena_round(static_cast<uint64_t>(C * V) * sizeof(uint16_t));
+  }
+  if (!row_loss) row_loss = reinterpret_cast<float*>(at);
   for (int64_t r0 = 0; r0 < R; r0 += C) {
     const int64_t n = std::min(C, R - r0);
     // logits[n,V] = hidden[n,H] · head[V,H]ᵀ (fp32 out)
-    cuda::gemm_bf16(ctx, logits.data(), DType::f32, V, hidden + r0 * H, H, false, head, H, true, n,
-                    V, H);
+    cuda::gemm_bf16(ctx, logits, DType::f32, V, hidden + r0 * H, H, false, head, H, true, n, V, H);
     cuda::launch::ce_rows(row_loss + r0, lse ? lse + r0 : nullptr, argmax ? argmax + r0 : nullptr,
-                          d_hidden ? dlogits.as<uint16_t>() : nullptr, logits.as<float>(),
-                          labels + r0, weights ? weights + r0 : nullptr,
+                          dlogits, logits, labels + r0, weights ? weights + r0 : nullptr,
                           static_cast<float>(p.grad_scale), n, V, ctx.stream());
     // d_hidden[n,H] = dlogits[n,V] · head[V,H]
     if (d_hidden)
-      cuda::gemm_bf16(ctx, d_hidden + r0 * H, DType::f32, H, dlogits.as<uint16_t>(), V, false,
-                      head, H, false, n, H, V);
+      cuda::gemm_bf16(ctx, d_hidden + r0 * H, DType::f32, H, dlogits, V, false, head, H, false, n,
+                      H, V);
   }
   if (sums) cuda::launch::ce_sums(sums, row_loss, weights, R, ctx.stream());
 }
@@ -310,8 +354,7 @@ void adamw_step_cuda(cuda::CudaContext& ctx, const AdamWSegment* segs, int n_seg
 void grad_sumsq_cuda(cuda::CudaContext& ctx, double* out, const AdamWSegment* segs, int n_segs) {
   DFLASH_CHECK(out && n_segs >= 0 && n_segs < 65536 && (n_segs == 0 || segs),
                "grad_sumsq_cuda: bad arguments (n_segs={})", n_segs);
-  cuda::DeviceBuffer part = ctx.scratch(
-      static_cast<size_t>(std::max(n_segs, 1)) * cuda::launch::kSumsqBlocks * sizeof(double));
+  cuda::DeviceBuffer part = ctx.scratch(grad_sumsq_cuda_scratch_bytes(n_segs));
   cuda::launch::grad_sumsq(out, part.as<double>(), segs, n_segs, ctx.stream());
 }
 

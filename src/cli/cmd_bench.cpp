@@ -1,0 +1,96 @@
+// `dflash bench`: the training step at real model shapes with random weights (train/bench.hpp).
+#include <fmt/format.h>
+
+#include <fstream>
+
+#include "cli/commands.hpp"
+#include "core/error.hpp"
+#include "core/fs.hpp"
+#include "model/presets.hpp"
+#include "train/bench.hpp"
+
+namespace dflash::cli {
+
+namespace {
+
+struct BenchArgs {
+  BenchOptions o;
+  std::string graphs = "both";
+  std::string json;
+  bool plan = false;
+  int mask = -1;
+};
+
+void run_bench_command(BenchArgs& a) {
+  DFLASH_CHECK(a.graphs == "both" || a.graphs == "on" || a.graphs == "off",
+               "--graphs must be on, off or both (got '{}')", a.graphs);
+  a.o.graphs_on = a.graphs != "off";
+  a.o.graphs_off = a.graphs != "on";
+  if (a.mask >= 0) a.o.mask_token_id = a.mask;
+  const BenchSetup s = bench_setup(a.o);
+  const TrainMemoryPlan plan = bench_plan(s, a.o);
+  if (a.plan && a.o.target_only) {
+    fmt::print(
+        "{}: the target forward alone, taps [{}] (a {}-layer drafter's), {} row(s) x {} "
+        "tokens\n{}\n",
+        s.model_name, fmt::join(s.drafter.target_layer_ids, ", "), s.drafter.num_layers, a.o.rows,
+        a.o.token_budget, plan.table());
+    if (!plan.fits()) fail("{}", bench_shortfall_message(s, a.o));
+    return;
+  }
+  if (a.plan) {
+    fmt::print("{}: drafter {} layers, {} row(s) x {} tokens, {} blocks\n{}\n", s.model_name,
+               s.drafter.num_layers, a.o.rows, a.o.token_budget, s.blocks, plan.table());
+    if (!plan.fits()) fail("{}", bench_shortfall_message(s, a.o));
+    return;
+  }
+  const BenchReport r = run_bench(a.o);
+  fmt::print("{}\n", bench_table(r));
+  if (!a.json.empty()) {
+    const std::string text = bench_json(r).dump(1) + "\n";
+    if (a.json == "-") {
+      fmt::print("{}", text);
+    } else {
+      write_file_atomic(a.json, text);
+    }
+  }
+}
+
+}  // namespace
+
+void add_bench_command(CLI::App& app) {
+  auto a = std::make_shared<BenchArgs>();
+  std::string presets;
+  for (const ModelPreset& p : model_presets()) presets += (presets.empty() ? "" : ", ") + p.name;
+  auto* b = app.add_subcommand(
+      "bench",
+      "Time the training step phase by phase and its hot kernels at real model shapes "
+      "(random weights made on the GPU, no checkpoint); --plan prints its memory plan");
+  b->add_option("--preset", a->o.preset, "Target shapes: " + presets)->capture_default_str();
+  b->add_option("--config", a->o.config_json, "An HF config.json (file or folder) instead");
+  b->add_option("--drafter-layers", a->o.drafter_layers, "Drafter layers")->capture_default_str();
+  b->add_option("--token-budget", a->o.token_budget, "Tokens per row")->capture_default_str();
+  b->add_option("--rows", a->o.rows, "Rows per step")->capture_default_str();
+  b->add_option("--doc-length", a->o.doc_length, "Tokens per document")->capture_default_str();
+  b->add_option("--anchors", a->o.anchors, "Anchors per document")->capture_default_str();
+  b->add_option("--block-size", a->o.block_size, "Block size")->capture_default_str();
+  b->add_option("--mask-token-id", a->mask, "Mask token id (default: the preset's)");
+  b->add_option("--steps", a->o.steps, "Timed steps per graph mode (medians)")
+      ->capture_default_str();
+  b->add_option("--warmup", a->o.warmup, "Untimed steps first")->capture_default_str();
+  b->add_option("--kernel-reps", a->o.kernel_reps, "Timed runs per kernel")->capture_default_str();
+  b->add_option("--graphs", a->graphs, "Time the step with CUDA graphs on, off or both")
+      ->capture_default_str();
+  b->add_option("--device", a->o.device, "CUDA device")->capture_default_str();
+  b->add_option("--device-memory-gib", a->o.device_memory_gib, "Device memory for the plan")
+      ->capture_default_str();
+  b->add_option("--json", a->json, "Also write the figures as JSON to this file (- = stdout)");
+  b->add_flag("--target-only", a->o.target_only,
+              "Time the target's tap forward alone (the drafter's taps; weights up to the deepest "
+              "tap), as tools/hf_target_forward.py times HF's");
+  b->add_flag("--plan", a->plan,
+              "Print the memory plan of the step and exit (0: fits, 1: does not); no GPU needed");
+  b->callback([a] { run_bench_command(*a); });
+}
+
+}  // namespace dflash::cli

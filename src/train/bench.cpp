@@ -1,0 +1,799 @@
+// dflash.cpp — `dflash bench` (see bench.hpp).
+#include "train/bench.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "core/error.hpp"
+#include "core/rng.hpp"
+#include "model/drafter_batch.hpp"
+#include "model/drafter_io.hpp"
+#include "model/presets.hpp"
+#include "model/step_plan.hpp"
+#include "train/objective.hpp"
+#include "train/optimizer.hpp"
+
+#ifdef DFLASH_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "backend/cuda/arena.hpp"
+#include "backend/cuda/check.hpp"
+#include "backend/cuda/context.hpp"
+#include "backend/cuda/device.hpp"
+#include "backend/cuda/graph.hpp"
+#include "model/drafter_cuda.hpp"
+#include "model/target_cuda.hpp"
+#include "ops/attention.hpp"
+#include "ops/cross_entropy.hpp"
+#include "ops/fill.hpp"
+#endif
+
+namespace dflash {
+
+namespace {
+
+// "-" for what was not measured.
+std::string num(double v, const char* f = "{:.1f}") {
+  return std::isnan(v) ? std::string("-") : fmt::format(fmt::runtime(f), v);
+}
+nlohmann::json jnum(double v) {
+  return std::isnan(v) ? nlohmann::json() : nlohmann::json(v);
+}
+
+}  // namespace
+
+BenchSetup bench_setup(const BenchOptions& o) {
+  DFLASH_CHECK(o.token_budget > 0 && o.rows > 0, "bench: --token-budget and --rows must be > 0");
+  DFLASH_CHECK(o.doc_length >= 2 && o.doc_length <= o.token_budget,
+               "bench: --doc-length {} must be in [2, --token-budget {}]", o.doc_length,
+               o.token_budget);
+  DFLASH_CHECK(o.anchors > 0, "bench: --anchors must be > 0 (got {})", o.anchors);
+  DFLASH_CHECK(o.block_size >= 2 && o.block_size <= 64, "bench: --block-size must be in [2, 64]");
+  DFLASH_CHECK(o.drafter_layers > 0, "bench: --drafter-layers must be > 0");
+  DFLASH_CHECK(o.steps >= 1 && o.warmup >= 0 && o.kernel_reps >= 1,
+               "bench: --steps and --kernel-reps must be >= 1, --warmup >= 0");
+  BenchSetup s;
+  std::optional<int> mask = o.mask_token_id;
+  if (o.config_json.empty()) {
+    const ModelPreset& p = model_preset(o.preset);
+    s.model_name = p.name + " (" + p.hf_name + " shapes)";
+    s.target = p.config;
+    if (!mask) mask = p.mask_token_id;
+  } else {
+    s.model_name = o.config_json;
+    s.target = model_config_load(o.config_json);
+    DFLASH_CHECK(mask.has_value(), "bench: --mask-token-id is required with --config ({})",
+                 o.config_json);
+  }
+  DrafterSizes sizes;
+  sizes.block_size = o.block_size;
+  s.drafter = drafter_config_for_target(s.target, o.drafter_layers, sizes, mask);
+  s.docs_per_row = o.token_budget / o.doc_length;
+  const int64_t per_doc = std::min<int64_t>(o.anchors, o.doc_length - 1);
+  s.blocks = o.rows * s.docs_per_row * per_doc;
+  s.tokens = o.rows * s.docs_per_row * o.doc_length;
+  s.capacity = TrainStepCapacity{o.rows * o.token_budget, s.blocks};
+  return s;
+}
+
+TrainMemoryPlan bench_plan(const BenchSetup& s, const BenchOptions& o) {
+  if (o.target_only) {
+    return plan_target_forward_memory(s.target, s.drafter.target_layer_ids, o.rows * o.token_budget,
+                                      o.device_memory_gib);
+  }
+  return plan_train_memory(s.target, s.drafter, DrafterLayout(s.drafter), s.capacity,
+                           o.device_memory_gib);
+}
+
+std::string bench_shortfall_message(const BenchSetup& s, const BenchOptions& o) {
+  const DrafterLayout layout(s.drafter);
+  const int64_t blocks_per_row = s.blocks / o.rows;
+  const FittingBudget fit =
+      largest_fitting_budget(o.token_budget, blocks_per_row, [&](int64_t budget, int64_t blocks) {
+        if (o.target_only) {
+          return plan_target_forward_memory(s.target, s.drafter.target_layer_ids, o.rows * budget,
+                                            o.device_memory_gib)
+              .fits();
+        }
+        const TrainStepCapacity cap{o.rows * budget, o.rows * blocks};
+        return plan_train_memory(s.target, s.drafter, layout, cap, o.device_memory_gib).fits();
+      });
+  if (!o.target_only) {
+    return plan_shortfall_message(bench_plan(s, o), fit, "--token-budget", "blocks per row");
+  }
+  const TrainMemoryPlan plan = bench_plan(s, o);
+  const uint64_t need = plan.total_bytes(), have = plan.device_bytes;
+  return fmt::format(
+      "the target forward does not fit the device: it needs {} and --device-memory-gib allows {} "
+      "(short by {}); {}",
+      format_bytes(need), format_bytes(have), format_bytes(need - std::min(need, have)),
+      fit.token_budget > 0
+          ? fmt::format("the largest token budget that fits is --token-budget={}", fit.token_budget)
+          : std::string("no token budget fits (the target weights alone are too large)"));
+}
+
+namespace {
+
+double gib(double bytes) {
+  return bytes / 1073741824.0;
+}
+// v rounded to `digits` decimals (NaN stays NaN).
+double rounded(double v, int digits) {
+  const double f = std::pow(10.0, digits);
+  return std::round(v * f) / f;
+}
+
+// The target forward's figures in the form of tools/hf_target_forward.py's lines: rows = documents
+// (each attends only to itself, as HF's batch rows), seq = their length, the median device time
+// with graphs off; peak_gib = device memory in use beside the CUDA context (as torch's
+// max_memory_allocated, which counts only its own allocations).
+nlohmann::json target_forward_json(const BenchReport& r) {
+  const BenchPhase& p = r.phases.front();
+  const double tf = p.flops / (p.ms * 1e-3) / 1e12;
+  return {{"timing", "dflash taps"},
+          {"rows", r.documents},
+          {"seq", r.doc_length},
+          {"runs", r.steps},
+          {"median_ms", jnum(rounded(p.ms, 2))},
+          {"tokens_per_s", jnum(std::round(static_cast<double>(r.tokens_per_step) / p.ms * 1e3))},
+          {"tflops_per_s", jnum(rounded(tf, 1))},
+          {"pct_of_825", jnum(rounded(tf / 825 * 100, 1))},
+          {"graphs_on_median_ms", jnum(rounded(r.device_ms_on, 2))},
+          {"peak_gib", jnum(rounded(gib(r.used_bytes - r.context_bytes), 2))},
+          {"in_use_gib", jnum(rounded(gib(r.used_bytes), 2))},
+          {"plan_gib", jnum(rounded(gib(r.planned_bytes), 2))}};
+}
+
+// The table of `dflash bench --target-only`.
+std::string target_bench_table(const BenchReport& r) {
+  std::string t = r.header + "\n";
+  t += fmt::format("{:<30} {:>10} {:>10} {:>10} {:>9} {:>10}\n", "target forward", "ms", "TFLOP",
+                   "TFLOP/s", "% of 825", "tokens/s");
+  const double flops = r.phases.front().flops;
+  for (auto [name, ms] : {std::pair{"device time, graphs off", r.phases.front().ms},
+                          std::pair{"device time, graphs on", r.device_ms_on},
+                          std::pair{"wall time, graphs off", r.step_ms_off},
+                          std::pair{"wall time, graphs on", r.step_ms_on}}) {
+    const double tf = flops / (ms * 1e-3) / 1e12;
+    t += fmt::format("{:<30} {:>10} {:>10.1f} {:>10} {:>9} {:>10}\n", name, num(ms, "{:.2f}"),
+                     flops / 1e12, num(tf, "{:.0f}"), num(tf / 825 * 100, "{:.1f}"),
+                     num(static_cast<double>(r.tokens_per_step) / (ms * 1e-3), "{:.0f}"));
+  }
+  t += fmt::format(
+      "memory: plan total {} GiB (arena {} GiB); measured in use after the forwards {} GiB, of "
+      "which context and handles {} GiB\n",
+      num(gib(r.planned_bytes), "{:.2f}"), num(gib(r.arena_bytes), "{:.2f}"),
+      num(gib(r.used_bytes), "{:.2f}"), num(gib(r.context_bytes), "{:.2f}"));
+  t += "as tools/hf_target_forward.py prints: " + target_forward_json(r).dump();
+  return t;
+}
+
+}  // namespace
+
+std::string bench_table(const BenchReport& r) {
+  if (r.target_only) return target_bench_table(r);
+  std::string t = r.header + "\n";
+  t += fmt::format("{:<26} {:>10} {:>10} {:>10} {:>9}\n", "phase (graphs off)", "ms", "TFLOP",
+                   "TFLOP/s", "% of 825");
+  double dev = 0;
+  for (const BenchPhase& p : r.phases) {
+    dev += std::isnan(p.ms) ? 0 : p.ms;
+    if (p.bytes > 0) {
+      const double gbs = p.bytes / (p.ms * 1e-3) / 1e9;
+      t += fmt::format(
+          "{:<26} {:>10} {:>10} {:>10} {:>9}  ({:.1f} GB moved: {} GB/s, {} % of "
+          "4300)\n",
+          p.name, num(p.ms, "{:.2f}"), "-", "-", "-", p.bytes / 1e9, num(gbs, "{:.0f}"),
+          num(gbs / (kPeakCopyBytesPerS / 1e9) * 100, "{:.1f}"));
+      continue;
+    }
+    const double tf = p.flops / (p.ms * 1e-3) / 1e12;
+    t += fmt::format("{:<26} {:>10} {:>10.1f} {:>10} {:>9}\n", p.name, num(p.ms, "{:.2f}"),
+                     p.flops / 1e12, num(tf, "{:.0f}"), num(tf / 825 * 100, "{:.1f}"));
+  }
+  t += fmt::format(
+      "{:<26} {:>10}  (anchors, targets and packing {} ms; copies into pinned "
+      "buffers {} ms; the rest is waiting for read-backs and launching)\n",
+      "host (wall - device)", num(r.host_ms_off, "{:.2f}"), num(r.host_pack_ms, "{:.2f}"),
+      num(r.host_stage_ms, "{:.2f}"));
+  t += fmt::format("step, graphs off: wall {} ms, device {} ms, host {} ms\n",
+                   num(r.step_ms_off, "{:.2f}"), num(r.device_ms_off, "{:.2f}"),
+                   num(r.host_ms_off, "{:.2f}"));
+  t += fmt::format("step, graphs on:  wall {} ms, device {} ms, host {} ms\n",
+                   num(r.step_ms_on, "{:.2f}"), num(r.device_ms_on, "{:.2f}"),
+                   num(r.host_ms_on, "{:.2f}"));
+  const double best = std::isnan(r.step_ms_on) ? r.step_ms_off : r.step_ms_on;
+  t += fmt::format("tokens per step {}, {} tokens/s (wall, {})\n", r.tokens_per_step,
+                   num(static_cast<double>(r.tokens_per_step) / (best * 1e-3), "{:.0f}"),
+                   std::isnan(r.step_ms_on) ? "graphs off" : "graphs on");
+  t += fmt::format(
+      "memory: plan total {} GiB (arena {} GiB); measured in use after the steps {} "
+      "GiB, of which context and handles {} GiB\n",
+      num(r.planned_bytes / 1073741824.0, "{:.2f}"), num(r.arena_bytes / 1073741824.0, "{:.2f}"),
+      num(r.used_bytes / 1073741824.0, "{:.2f}"), num(r.context_bytes / 1073741824.0, "{:.2f}"));
+  t += fmt::format("{:<24} {:<34} {:>9} {:>9} {:>9} {:>8}\n", "kernel", "shape", "ms", "floor ms",
+                   "TFLOP/s", "% floor");
+  for (const BenchKernel& k : r.kernels) {
+    const double tf = k.flops / (k.ms * 1e-3) / 1e12;
+    t += fmt::format("{:<24} {:<34} {:>9} {:>9.3f} {:>9} {:>8}\n", k.name, k.shape,
+                     num(k.ms, "{:.3f}"), k.floor_ms, num(tf, "{:.0f}"),
+                     num(k.floor_ms / k.ms * 100, "{:.1f}"));
+  }
+  t.pop_back();
+  return t;
+}
+
+nlohmann::json bench_json(const BenchReport& r) {
+  nlohmann::json j;
+  j["header"] = r.header;
+  for (const BenchPhase& p : r.phases) {
+    j["phases"].push_back({{"name", p.name},
+                           {"ms", jnum(p.ms)},
+                           {"flops", p.flops},
+                           {"bytes", p.bytes},
+                           {"tflops_per_s", jnum(p.flops / (p.ms * 1e-3) / 1e12)}});
+  }
+  j["graphs_off"] = {{"wall_ms", jnum(r.step_ms_off)},
+                     {"device_ms", jnum(r.device_ms_off)},
+                     {"host_ms", jnum(r.host_ms_off)},
+                     {"host_pack_ms", jnum(r.host_pack_ms)},
+                     {"host_stage_ms", jnum(r.host_stage_ms)}};
+  j["graphs_on"] = {{"wall_ms", jnum(r.step_ms_on)},
+                    {"device_ms", jnum(r.device_ms_on)},
+                    {"host_ms", jnum(r.host_ms_on)}};
+  j["tokens_per_step"] = r.tokens_per_step;
+  j["target_only"] = r.target_only;
+  if (r.target_only && !r.phases.empty()) j["target_forward"] = target_forward_json(r);
+  j["memory"] = {{"plan_total_bytes", jnum(r.planned_bytes)},
+                 {"plan_arena_bytes", jnum(r.arena_bytes)},
+                 {"measured_in_use_bytes", jnum(r.used_bytes)},
+                 {"measured_context_bytes", jnum(r.context_bytes)}};
+  for (const BenchKernel& k : r.kernels) {
+    j["kernels"].push_back({{"name", k.name},
+                            {"shape", k.shape},
+                            {"ms", jnum(k.ms)},
+                            {"flops", k.flops},
+                            {"floor_ms", k.floor_ms}});
+  }
+  return j;
+}
+
+#ifndef DFLASH_HAVE_CUDA
+
+BenchReport run_bench(const BenchOptions&) {
+  fail(
+      "dflash bench runs on a GPU: this dflash was built without the CUDA backend (configure "
+      "with -DDFLASH_CUDA=ON); --plan works without one");
+}
+
+#else
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double median(std::vector<double> v) {
+  if (v.empty()) return NAN;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// The host side of one step: the rows' tokens are fixed, anchors are drawn afresh each step.
+struct HostBatch {
+  std::vector<std::vector<int32_t>> tokens, offsets;
+  std::vector<std::vector<uint8_t>> mask;
+  std::vector<std::vector<Anchor>> anchors;
+  std::vector<BlockTargets> targets;
+};
+
+HostBatch make_rows(const BenchSetup& s, const BenchOptions& o) {
+  HostBatch b;
+  Rng rng(derive_seed(o.seed, {0x62656e6368ull /* "bench" */}));
+  for (int64_t r = 0; r < o.rows; ++r) {
+    std::vector<int32_t> t, off{0};
+    for (int64_t d = 0; d < s.docs_per_row; ++d) {
+      for (int64_t i = 0; i < o.doc_length; ++i) {
+        t.push_back(static_cast<int32_t>(rng.below(static_cast<uint64_t>(s.target.vocab_size))));
+      }
+      off.push_back(static_cast<int32_t>(t.size()));
+    }
+    b.mask.emplace_back(t.size(), uint8_t{1});
+    b.tokens.push_back(std::move(t));
+    b.offsets.push_back(std::move(off));
+  }
+  b.anchors.resize(b.tokens.size());
+  b.targets.resize(b.tokens.size());
+  return b;
+}
+
+// One step staged as CudaTrainBackend stages it (drafter_batch_stage into the step's fixed shape).
+struct StagedStep {
+  int64_t T = 0, NK = 0, N = 0;
+  double weight_sum = 0;
+  std::vector<int32_t> tokens, pos, block_tokens, labels;
+  std::vector<AttnRange> context_ranges, block_ranges;
+  std::vector<float> weights;
+};
+
+// Samples anchors for step `step`, builds its DrafterBatch and stages it (what the trainer and the
+// backend do per step).
+StagedStep stage_bench_step(HostBatch& b, const BenchSetup& s, const BenchOptions& o,
+                            int64_t step) {
+  DrafterBatch d(o.block_size);
+  for (size_t r = 0; r < b.tokens.size(); ++r) {
+    Rng rng(derive_seed(o.seed, {static_cast<uint64_t>(step), static_cast<uint64_t>(r)}));
+    b.anchors[r] = sample_anchors(b.mask[r], b.offsets[r], o.anchors, rng);
+    b.targets[r] =
+        block_targets(b.tokens[r], b.mask[r], b.offsets[r], b.anchors[r], o.block_size, 7.0);
+    d.append_row(b.tokens[r], b.offsets[r], b.anchors[r], b.targets[r]);
+  }
+  d.row_length = o.token_budget;
+  StagedStep st;
+  st.T = d.rows * d.row_length;
+  st.N = d.N();
+  st.NK = padded_block_rows(d.N(), o.block_size);
+  st.weight_sum = d.weight_sum;
+  const auto T = static_cast<size_t>(st.T), NK = static_cast<size_t>(st.NK);
+  st.tokens.resize(T);
+  st.context_ranges.resize(T);
+  st.pos.resize(T + NK);
+  st.block_tokens.resize(NK);
+  st.block_ranges.resize(NK);
+  st.labels.resize(NK);
+  st.weights.resize(NK);
+  drafter_batch_stage(d, s.drafter.mask_token_id, 0,
+                      {st.tokens, st.context_ranges, st.pos, st.block_tokens, st.block_ranges,
+                       st.labels, st.weights});
+  return st;
+}
+
+// Keys the real block rows see (context prefix + own block) and the causal keys of real tokens.
+double drafter_visible_keys(const StagedStep& p, int K) {
+  double n = 0;
+  for (int64_t q = 0; q < p.N * K; ++q) {
+    const AttnRange& r = p.block_ranges[static_cast<size_t>(q)];
+    n += (r.hi1 - r.lo1) + (r.hi2 - r.lo2);
+  }
+  return n;
+}
+double causal_visible_keys(const BenchSetup& s, const BenchOptions& o) {
+  const double L = static_cast<double>(o.doc_length);
+  return static_cast<double>(o.rows * s.docs_per_row) * L * (L + 1) / 2;
+}
+
+uint64_t used_device_memory() {
+  size_t free = 0, total = 0;
+  DFLASH_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  return total - free;
+}
+
+// Device memory outside the arena, for the kernels timed alone.
+class DeviceMemory {
+ public:
+  explicit DeviceMemory(size_t bytes) { DFLASH_CUDA_CHECK(cudaMalloc(&p_, bytes)); }
+  ~DeviceMemory() { cudaFree(p_); }
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
+
+ private:
+  void* p_ = nullptr;
+};
+
+// One step input: its arena buffer and a pinned host twin.
+struct Staged {
+  void* dev = nullptr;
+  void* host = nullptr;
+  size_t bytes = 0;
+  Staged(cuda::DeviceArena& a, const char* name, size_t n) : bytes(n) {
+    dev = a.get_bytes(name, n);
+    DFLASH_CUDA_CHECK(cudaMallocHost(&host, std::max<size_t>(n, 1)));
+  }
+  ~Staged() { cudaFreeHost(host); }
+  Staged(const Staged&) = delete;
+  Staged& operator=(const Staged&) = delete;
+  template <typename T>
+  void fill(const std::vector<T>& v) {
+    DFLASH_CHECK(v.size() * sizeof(T) <= bytes, "bench: input of {} bytes for {}",
+                 v.size() * sizeof(T), bytes);
+    std::memcpy(host, v.data(), v.size() * sizeof(T));
+  }
+  // Enqueues the copy of elements [first, first + n) of T.
+  template <typename T>
+  void upload(cudaStream_t s, int64_t first, int64_t n) const {
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(static_cast<T*>(dev) + first, static_cast<T*>(host) + first,
+                                      static_cast<size_t>(n) * sizeof(T), cudaMemcpyHostToDevice,
+                                      s));
+  }
+};
+
+// Median device time of `fn` over `reps` runs after 2 warm-up runs.
+template <typename F>
+double time_kernel(cuda::CudaContext& ctx, int reps, F&& fn) {
+  cudaEvent_t a = ctx.new_event(true), b = ctx.new_event(true);
+  for (int i = 0; i < 2; ++i) fn();
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    DFLASH_CUDA_CHECK(cudaEventRecord(a, ctx.stream()));
+    fn();
+    DFLASH_CUDA_CHECK(cudaEventRecord(b, ctx.stream()));
+    DFLASH_CUDA_CHECK(cudaEventSynchronize(b));
+    float t = 0;
+    DFLASH_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  return median(ms);
+}
+
+float elapsed(cudaEvent_t a, cudaEvent_t b) {
+  float t = 0;
+  DFLASH_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+  return t;
+}
+
+// `dflash bench --target-only`: the target's tap forward alone, in the plan of that forward
+// (bench_plan), on the inputs of the full bench's first step (same tokens, positions and document
+// ranges). Each forward is timed with device events (median over o.steps after o.warmup) and by
+// the wall clock around enqueue and synchronize, with graphs off and on.
+BenchReport run_target_bench(const BenchOptions& o, const BenchSetup& s,
+                             const TrainMemoryPlan& plan) {
+  BenchReport r;
+  r.target_only = true;
+  cuda::CudaContext ctx(o.device);
+  r.context_bytes = static_cast<double>(used_device_memory());
+  cuda::DeviceArena arena(ctx, plan.arena);
+  TargetCuda target(ctx, s.target, o.seed + 1, plan.T, plan.target_layers, &arena);
+  const std::vector<int>& taps = s.drafter.target_layer_ids;
+  auto* features = arena.get<uint16_t>(
+      kTargetOnlyFeatures, plan.T * static_cast<int64_t>(taps.size()) * s.target.hidden_size);
+  const auto T = static_cast<size_t>(plan.T);
+  Staged tokens(arena, "inputs.tokens", T * 4), tranges(arena, "inputs.target_ranges", T * 16);
+  Staged pos(arena, "inputs.pos", T * 4);
+  const uint64_t pool = arena.planned_bytes("workspace.op_scratch");
+  ctx.allocator().use_pool(arena.get_bytes("workspace.op_scratch", pool), pool);
+  const std::vector<std::string> unused = arena.untaken();
+  DFLASH_CHECK(unused.empty(), "bench: planned buffer '{}' is not used (plan and code disagree)",
+               unused.empty() ? "" : unused.front());
+  HostBatch batch = make_rows(s, o);
+  const StagedStep packed = stage_bench_step(batch, s, o, 0);
+  DFLASH_CHECK(packed.T == plan.T, "bench: {} staged tokens for a plan of {}", packed.T, plan.T);
+  tokens.fill(packed.tokens);
+  tranges.fill(packed.context_ranges);
+  pos.fill(std::vector<int32_t>(packed.pos.begin(), packed.pos.begin() + plan.T));
+  cudaStream_t st = ctx.stream();
+  tokens.upload<int32_t>(st, 0, plan.T);
+  tranges.upload<AttnRange>(st, 0, plan.T);
+  pos.upload<int32_t>(st, 0, plan.T);
+  ctx.synchronize();
+  r.planned_bytes = static_cast<double>(plan.total_bytes());
+  r.arena_bytes = static_cast<double>(plan.arena.arena_bytes);
+  r.tokens_per_step = s.tokens;
+  r.documents = o.rows * s.docs_per_row;
+  r.doc_length = o.doc_length;
+  r.steps = o.steps;
+  r.header = fmt::format(
+      "dflash bench --target-only: {}, random weights; taps [{}] (a {}-layer drafter's): {} of {} "
+      "layers; {} row(s) x {} tokens ({} documents of {} per row); {}",
+      s.model_name, fmt::join(taps, ", "), s.drafter.num_layers, plan.target_layers,
+      s.target.num_hidden_layers, o.rows, o.token_budget, s.docs_per_row, o.doc_length,
+      cuda::device_description(o.device));
+
+  cudaEvent_t ev0 = ctx.new_event(true), ev1 = ctx.new_event(true);
+  cuda::GraphCache<int64_t> graphs;
+  auto enqueue = [&] {
+    target.forward_taps(features, static_cast<int32_t*>(tokens.dev), static_cast<int32_t*>(pos.dev),
+                        static_cast<AttnRange*>(tranges.dev), plan.T, taps);
+  };
+  // Medians of {wall, device} ms per forward.
+  auto measure = [&](bool use_graphs) {
+    std::vector<double> wall, device;
+    for (int i = 0; i < o.warmup + o.steps; ++i) {
+      const auto w0 = Clock::now();
+      DFLASH_CUDA_CHECK(cudaEventRecord(ev0, st));
+      if (use_graphs) {
+        graphs.run(plan.T, st, enqueue);
+      } else {
+        enqueue();
+      }
+      DFLASH_CUDA_CHECK(cudaEventRecord(ev1, st));
+      DFLASH_CUDA_CHECK(cudaEventSynchronize(ev1));
+      if (i < o.warmup) continue;
+      wall.push_back(std::chrono::duration<double, std::milli>(Clock::now() - w0).count());
+      device.push_back(elapsed(ev0, ev1));
+    }
+    return std::pair{median(wall), median(device)};
+  };
+  const double flops =
+      target_forward_flops(s.target, plan.target_layers, plan.T, causal_visible_keys(s, o));
+  r.phases = {{"target forward", NAN, flops, 0}};
+  if (o.graphs_off) {
+    const auto [wall, device] = measure(false);
+    r.phases.front().ms = device;
+    r.step_ms_off = wall;
+    r.device_ms_off = device;
+    r.host_ms_off = wall - device;
+  }
+  if (o.graphs_on) {
+    const auto [wall, device] = measure(true);
+    r.step_ms_on = wall;
+    r.device_ms_on = device;
+    r.host_ms_on = wall - device;
+  }
+  r.used_bytes = static_cast<double>(used_device_memory());
+  ctx.synchronize();
+  return r;
+}
+
+}  // namespace
+
+BenchReport run_bench(const BenchOptions& o) {
+  const BenchSetup s = bench_setup(o);
+  const DrafterLayout layout(s.drafter);
+  const TrainMemoryPlan plan = bench_plan(s, o);
+  DFLASH_CHECK(plan.fits(), "{}", bench_shortfall_message(s, o));
+  BenchReport r;
+  const int n_dev = cuda::device_count();
+  DFLASH_CHECK(o.device >= 0 && o.device < n_dev, "bench: --device {}: {} CUDA devices visible",
+               o.device, n_dev);
+  if (o.target_only) return run_target_bench(o, s, plan);
+  cuda::CudaContext ctx(o.device);
+  r.context_bytes = static_cast<double>(used_device_memory());
+  cuda::DeviceArena arena(ctx, plan.arena);
+  TargetCuda target(ctx, s.target, o.seed + 1, plan.T, plan.target_layers, &arena);
+  DrafterCuda drafter(ctx, s.drafter, layout, plan.T, plan.NK, target.embed(), target.lm_head(),
+                      &arena);
+  drafter.randomize_state(o.seed + 2);
+  const auto T = static_cast<size_t>(plan.T), NK = static_cast<size_t>(plan.NK);
+  Staged tokens(arena, "inputs.tokens", T * 4), tranges(arena, "inputs.target_ranges", T * 16);
+  Staged pos(arena, "inputs.pos", (T + NK) * 4), btok(arena, "inputs.block_tokens", NK * 4);
+  Staged branges(arena, "inputs.block_ranges", NK * 16), labels(arena, "inputs.labels", NK * 4);
+  Staged weights(arena, "inputs.weights", NK * 4);
+  const uint64_t pool = arena.planned_bytes("workspace.op_scratch");
+  ctx.allocator().use_pool(arena.get_bytes("workspace.op_scratch", pool), pool);
+  const std::vector<std::string> unused = arena.untaken();
+  DFLASH_CHECK(unused.empty(), "bench: planned buffer '{}' is not used (plan and code disagree)",
+               unused.empty() ? "" : unused.front());
+  r.planned_bytes = static_cast<double>(plan.total_bytes());
+  r.arena_bytes = static_cast<double>(plan.arena.arena_bytes);
+  r.tokens_per_step = s.tokens;
+  r.documents = o.rows * s.docs_per_row;
+  r.doc_length = o.doc_length;
+  r.steps = o.steps;
+  r.header = fmt::format(
+      "dflash bench: {}, random weights; drafter {} layers, taps [{}], block {}; {} row(s) x {} "
+      "tokens ({} documents of {} per row), {} anchors per document: {} blocks ({} block rows); "
+      "{}",
+      s.model_name, s.drafter.num_layers, fmt::join(s.drafter.target_layer_ids, ","), o.block_size,
+      o.rows, o.token_budget, s.docs_per_row, o.doc_length, o.anchors, s.blocks, plan.NK,
+      cuda::device_description(o.device));
+
+  cudaStream_t st = ctx.stream();
+  HostBatch batch = make_rows(s, o);
+  StagedStep packed;
+  auto enqueue_target = [&](int64_t t) {
+    tokens.upload<int32_t>(st, 0, t);
+    tranges.upload<AttnRange>(st, 0, t);
+    pos.upload<int32_t>(st, 0, t);
+    target.forward_taps(drafter.features(), static_cast<int32_t*>(tokens.dev),
+                        static_cast<int32_t*>(pos.dev), static_cast<AttnRange*>(tranges.dev), t,
+                        s.drafter.target_layer_ids);
+  };
+  auto enqueue_drafter = [&](int64_t t, int64_t nk) {
+    pos.upload<int32_t>(st, t, nk);
+    btok.upload<int32_t>(st, 0, nk);
+    branges.upload<AttnRange>(st, 0, nk);
+    labels.upload<int32_t>(st, 0, nk);
+    weights.upload<float>(st, 0, nk);
+    DrafterCudaInputs in;
+    in.T = t;
+    in.NK = nk;
+    in.features = drafter.features();
+    in.pos = static_cast<int32_t*>(pos.dev);
+    in.block_tokens = static_cast<int32_t*>(btok.dev);
+    in.ranges = static_cast<AttnRange*>(branges.dev);
+    in.labels = static_cast<int32_t*>(labels.dev);
+    in.weights = static_cast<float*>(weights.dev);
+    drafter.forward_backward(in, 1.0);
+  };
+  enum Ev { kStart, kTarget, kForward, kHead, kBackward, kOptStart, kOptEnd, kNumEv };
+  std::vector<cudaEvent_t> ev;
+  for (int i = 0; i < kNumEv; ++i) ev.push_back(ctx.new_event(true));
+  cuda::GraphCache<int64_t> target_graphs;
+  cuda::GraphCache<std::pair<int64_t, int64_t>> drafter_graphs;
+  int64_t step_no = 0;
+  AdamWConfig adam;
+
+  // One training step as the trainer runs it; returns {wall ms, per-phase device ms...}.
+  auto run_step = [&](bool graphs) {
+    const auto w0 = Clock::now();
+    packed = stage_bench_step(batch, s, o, step_no);
+    const auto w1 = Clock::now();
+    tokens.fill(packed.tokens);
+    tranges.fill(packed.context_ranges);
+    pos.fill(packed.pos);
+    btok.fill(packed.block_tokens);
+    branges.fill(packed.block_ranges);
+    labels.fill(packed.labels);
+    weights.fill(packed.weights);
+    const double total_w = packed.weight_sum;
+    const auto w2 = Clock::now();
+    const int64_t t = packed.T, nk = packed.NK;
+    drafter.set_phase_events(graphs ? DrafterCuda::PhaseEvents{}
+                                    : DrafterCuda::PhaseEvents{ev[kForward], ev[kHead]});
+    DFLASH_CUDA_CHECK(cudaEventRecord(ev[kStart], st));
+    if (graphs) {
+      target_graphs.run(t, st, [&] { enqueue_target(t); });
+    } else {
+      enqueue_target(t);
+    }
+    DFLASH_CUDA_CHECK(cudaEventRecord(ev[kTarget], st));
+    if (graphs) {
+      drafter_graphs.run({t, nk}, st, [&] { enqueue_drafter(t, nk); });
+    } else {
+      enqueue_drafter(t, nk);
+    }
+    DFLASH_CUDA_CHECK(cudaEventRecord(ev[kBackward], st));
+    const DrafterCuda::Results res = drafter.fetch_results(nk);
+    const double scale = 1.0 / total_w;
+    const double clip = clip_scale(res.grad_norm * scale, 1.0);
+    DFLASH_CUDA_CHECK(cudaEventRecord(ev[kOptStart], st));
+    drafter.adamw(adam, 6e-4, ++step_no, clip * scale);
+    DFLASH_CUDA_CHECK(cudaEventRecord(ev[kOptEnd], st));
+    DFLASH_CUDA_CHECK(cudaEventSynchronize(ev[kOptEnd]));
+    const double wall = std::chrono::duration<double, std::milli>(Clock::now() - w0).count();
+    auto ms = [](Clock::time_point a, Clock::time_point b) {
+      return std::chrono::duration<double, std::milli>(b - a).count();
+    };
+    std::vector<double> out = {wall,
+                               elapsed(ev[kStart], ev[kTarget]),
+                               graphs ? NAN : elapsed(ev[kTarget], ev[kForward]),
+                               graphs ? NAN : elapsed(ev[kForward], ev[kHead]),
+                               graphs ? NAN : elapsed(ev[kHead], ev[kBackward]),
+                               elapsed(ev[kTarget], ev[kBackward]),
+                               elapsed(ev[kOptStart], ev[kOptEnd]),
+                               ms(w0, w1),
+                               ms(w1, w2)};
+    return out;
+  };
+  enum Col { kWall, kTgt, kFwd, kHd, kBwd, kDrafter, kOpt, kPack, kStage, kNumCol };
+  auto measure = [&](bool graphs) {
+    for (int i = 0; i < o.warmup; ++i) run_step(graphs);
+    std::vector<std::vector<double>> cols(kNumCol);
+    std::vector<double> device, host;
+    for (int i = 0; i < o.steps; ++i) {
+      const std::vector<double> v = run_step(graphs);
+      for (int c = 0; c < kNumCol; ++c)
+        cols[static_cast<size_t>(c)].push_back(v[static_cast<size_t>(c)]);
+      const double d = v[kTgt] + v[kDrafter] + v[kOpt];
+      device.push_back(d);
+      host.push_back(v[kWall] - d);
+    }
+    std::vector<double> med;
+    for (auto& c : cols) med.push_back(median(c));
+    med.push_back(median(device));
+    med.push_back(median(host));
+    return med;  // kNumCol columns, then device, host
+  };
+
+  if (o.graphs_off) {
+    const std::vector<double> m = measure(false);
+    const double visible = drafter_visible_keys(packed, o.block_size);
+    const DrafterFlops fv = drafter_step_flops(s.drafter, packed.T, packed.NK, visible);
+    const double tgt_flops =
+        target_forward_flops(s.target, plan.target_layers, packed.T, causal_visible_keys(s, o));
+    r.phases = {
+        {"target forward", m[kTgt], tgt_flops, 0},
+        {"drafter forward", m[kFwd], fv.fwd_gemm + fv.attn_fwd, 0},
+        {"LM-head CE (+ final norm)", m[kHd], fv.head, 0},
+        {"drafter backward", m[kBwd], fv.bwd_gemm + fv.attn_bwd, 0},
+        {"optimizer (AdamW, bf16)", m[kOpt], 0, 30.0 * static_cast<double>(layout.total)},
+    };
+    r.step_ms_off = m[kWall];
+    r.device_ms_off = m[kNumCol];
+    r.host_ms_off = m[kNumCol + 1];
+    r.host_pack_ms = m[kPack];
+    r.host_stage_ms = m[kStage];
+  }
+  if (o.graphs_on) {
+    const std::vector<double> m = measure(true);
+    r.step_ms_on = m[kWall];
+    r.device_ms_on = m[kNumCol];
+    r.host_ms_on = m[kNumCol + 1];
+  }
+  r.used_bytes = static_cast<double>(used_device_memory());
+
+  // ---- kernels alone, on random inputs of the step's shapes (outside the arena).
+  drafter.set_phase_events({});
+  const DrafterConfig& d = s.drafter;
+  const int64_t Tq = packed.NK, Tk = packed.T + packed.NK;
+  const int64_t QD = d.num_heads * d.head_dim, KD = d.num_kv_heads * d.head_dim;
+  DeviceMemory q(Tq * QD * 2), k(Tk * KD * 2), v(Tk * KD * 2), out(Tq * QD * 2),
+      lse(d.num_heads * Tq * 4), dq(Tq * QD * 2), dk(Tk * KD * 2), dv(Tk * KD * 2),
+      dout(Tq * QD * 2);
+  fill_uniform_cuda(ctx, q.as<uint16_t>(), Tq * QD, 0.0f, 1.0f, 11);
+  fill_uniform_cuda(ctx, k.as<uint16_t>(), Tk * KD, 0.0f, 1.0f, 12);
+  fill_uniform_cuda(ctx, v.as<uint16_t>(), Tk * KD, 0.0f, 1.0f, 13);
+  fill_uniform_cuda(ctx, dout.as<uint16_t>(), Tq * QD, 0.0f, 1.0f, 14);
+  const AttnParams ap{Tq,          Tk,
+                      d.num_heads, d.num_kv_heads,
+                      d.head_dim,  1.0 / std::sqrt(static_cast<double>(d.head_dim))};
+  const auto* br = static_cast<const AttnRange*>(branges.dev);
+  const double attn_flops =
+      drafter_step_flops(d, packed.T, packed.NK, drafter_visible_keys(packed, o.block_size))
+          .attn_fwd /
+      static_cast<double>(d.num_layers);
+  const std::string dshape =
+      fmt::format("q {}x{}x{}, kv {}x{}", Tq, d.num_heads, d.head_dim, Tk, d.num_kv_heads);
+  BenchKernel af{"DFlash attention fwd", dshape, NAN, attn_flops,
+                 attn_flops / kPeakBf16Flops * 1e3};
+  af.ms = time_kernel(ctx, o.kernel_reps, [&] {
+    attention_fwd_cuda(ctx, out.as<uint16_t>(), lse.as<float>(), q.as<uint16_t>(), k.as<uint16_t>(),
+                       v.as<uint16_t>(), br, ap);
+  });
+  BenchKernel ab{"DFlash attention bwd", dshape, NAN, 2.5 * attn_flops,
+                 2.5 * attn_flops / kPeakBf16Flops * 1e3};
+  ab.ms = time_kernel(ctx, o.kernel_reps, [&] {
+    attention_bwd_cuda(ctx, dq.as<uint16_t>(), dk.as<uint16_t>(), dv.as<uint16_t>(),
+                       dout.as<uint16_t>(), q.as<uint16_t>(), k.as<uint16_t>(), v.as<uint16_t>(),
+                       out.as<uint16_t>(), lse.as<float>(), br, ap);
+  });
+  // Causal prefill of the target (one layer), on its own q/k/v shapes.
+  const ModelConfig& tc = s.target;
+  const int64_t TT = packed.T, TQD = tc.num_attention_heads * tc.head_dim;
+  const int64_t TKD = tc.num_key_value_heads * tc.head_dim;
+  DeviceMemory tq(TT * TQD * 2), tk(TT * TKD * 2), tv(TT * TKD * 2), to(TT * TQD * 2);
+  fill_uniform_cuda(ctx, tq.as<uint16_t>(), TT * TQD, 0.0f, 1.0f, 21);
+  fill_uniform_cuda(ctx, tk.as<uint16_t>(), TT * TKD, 0.0f, 1.0f, 22);
+  fill_uniform_cuda(ctx, tv.as<uint16_t>(), TT * TKD, 0.0f, 1.0f, 23);
+  const AttnParams tp{TT,
+                      TT,
+                      tc.num_attention_heads,
+                      tc.num_key_value_heads,
+                      tc.head_dim,
+                      1.0 / std::sqrt(static_cast<double>(tc.head_dim))};
+  const double pf_flops =
+      4.0 * static_cast<double>(tc.head_dim * tc.num_attention_heads) * causal_visible_keys(s, o);
+  BenchKernel pfk{"causal prefill attention",
+                  fmt::format("{} tokens, docs of {}, {}x{}", TT, o.doc_length,
+                              tc.num_attention_heads, tc.head_dim),
+                  NAN, pf_flops, pf_flops / kPeakBf16Flops * 1e3};
+  pfk.ms = time_kernel(ctx, o.kernel_reps, [&] {
+    attention_fwd_cuda(ctx, to.as<uint16_t>(), nullptr, tq.as<uint16_t>(), tk.as<uint16_t>(),
+                       tv.as<uint16_t>(), static_cast<const AttnRange*>(tranges.dev), tp);
+  });
+  // The fused LM-head CE with its input gradient, over the step's block rows.
+  const int64_t H = d.hidden_size, V = d.vocab_size;
+  DeviceMemory hid(Tq * H * 2), dhid(Tq * H * 4), amax(Tq * 4), sums(16);
+  fill_uniform_cuda(ctx, hid.as<uint16_t>(), Tq * H, 0.0f, 1.0f, 31);
+  FusedCeParams cp;
+  cp.R = Tq;
+  cp.H = H;
+  cp.V = V;
+  cp.chunk_rows = kDrafterCeChunkRows;
+  const uint64_t ws_bytes = cross_entropy_fused_cuda_workspace_bytes(cp, true, false);
+  void* ws = arena.get_bytes("drafter.ce_workspace", ws_bytes);  // idle outside the head phase
+  const double ce_flops = 4.0 * static_cast<double>(Tq * H) * static_cast<double>(V);
+  BenchKernel ce{"fused LM-head CE + grad", fmt::format("{} rows, H {}, V {}", Tq, H, V), NAN,
+                 ce_flops, ce_flops / kPeakBf16Flops * 1e3};
+  ce.ms = time_kernel(ctx, o.kernel_reps, [&] {
+    cross_entropy_fused_cuda(ctx, dhid.as<float>(), nullptr, amax.as<int32_t>(), nullptr,
+                             sums.as<double>(), hid.as<uint16_t>(), target.lm_head(),
+                             static_cast<const int32_t*>(labels.dev),
+                             static_cast<const float*>(weights.dev), cp, ws, ws_bytes);
+  });
+  r.kernels = {af, ab, pfk, ce};
+  ctx.synchronize();
+  return r;
+}
+
+#endif  // DFLASH_HAVE_CUDA
+
+}  // namespace dflash
