@@ -272,9 +272,10 @@ TEST(Trainer, MetricsHoldEachStepOnceAfterACrashAndResumeOrAFreshStart) {
   // Resume: the crash at checkpoint-4 leaves records of steps 3 and 4 past checkpoint-2.
   const fs::path dir = tmp / "crash";
   test::write_file(tmp / "run.yaml", yaml_for(dir, 6));
-  pid_t pid = spawn_dflash({"train", "--config", (tmp / "run.yaml").string()}, tmp / "log.txt",
-                           {"DFLASH_TEST_CRASH_IN_CHECKPOINT=4"});
-  ASSERT_EQ(wait_exit(pid), 86) << test::read_file(tmp / "log.txt");
+  pid_t pid =
+      test::spawn_dflash({"train", "--config", (tmp / "run.yaml").string()}, tmp / "log.txt",
+                         {"DFLASH_TEST_CRASH_IN_CHECKPOINT=4"});
+  ASSERT_EQ(test::wait_exit(pid, tmp / "log.txt"), 86) << test::read_file(tmp / "log.txt");
   EXPECT_EQ(metrics_steps(dir), steps_1_to(4));
   auto r = test::run_dflash({"train", "--resume", dir.string()});
   ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -284,9 +285,9 @@ TEST(Trainer, MetricsHoldEachStepOnceAfterACrashAndResumeOrAFreshStart) {
   // A fresh run into a directory whose first attempt died before any checkpoint.
   const fs::path fresh = tmp / "fresh";
   test::write_file(tmp / "fresh.yaml", yaml_for(fresh, 3));
-  pid = spawn_dflash({"train", "--config", (tmp / "fresh.yaml").string()}, tmp / "log2.txt",
-                     {"DFLASH_TEST_CRASH_IN_CHECKPOINT=2"});
-  ASSERT_EQ(wait_exit(pid), 86) << test::read_file(tmp / "log2.txt");
+  pid = test::spawn_dflash({"train", "--config", (tmp / "fresh.yaml").string()}, tmp / "log2.txt",
+                           {"DFLASH_TEST_CRASH_IN_CHECKPOINT=2"});
+  ASSERT_EQ(test::wait_exit(pid, tmp / "log2.txt"), 86) << test::read_file(tmp / "log2.txt");
   ASSERT_TRUE(RunDir::complete_checkpoints(fresh).empty());
   EXPECT_EQ(metrics_steps(fresh), steps_1_to(2));
   r = test::run_dflash({"train", "--config", (tmp / "fresh.yaml").string()});

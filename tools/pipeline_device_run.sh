@@ -13,8 +13,9 @@
 #                                                     PART is tests, tiny, q8b or all (default);
 #                                                     logs and a summary under $OUT
 #
-# Each part fits one 10-minute device call (tests ≈ 1 min, tiny ≈ 3 min, q8b ≈ 5 min with the
-# model's generation). The CUDA runtime, cuBLASLt and NCCL come from the machine's CUDA toolkit
+# Device calls: `tests tiny` together in one (≈ 1 + 3 min), `q8b` in another (≈ 5 min with the
+# model's generation). The staged folder is ignored by git: pass it to the device call as a carried
+# path (carry [".dev/pipeline"]). The CUDA runtime, cuBLASLt and NCCL come from the machine's CUDA toolkit
 # (the script stops naming any library `ldd` cannot find). Run directories go to /tmp; only their
 # log.txt, metrics.jsonl and status.json are copied under $OUT.
 #

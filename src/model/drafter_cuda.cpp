@@ -365,10 +365,10 @@ DrafterCuda::Results DrafterCuda::fetch_results(int64_t NK) {
 }
 
 double DrafterCuda::grad_norm() {
-  grad_sumsq_cuda(ctx_, sumsq_.as<double>(), segs_.as<AdamWSegment>(), 1);
+  grad_sumsq_cuda(ctx_, sumsq_, segs_, 1);
   double sumsq = 0;
   DFLASH_CUDA_CHECK(
-      cudaMemcpyAsync(&sumsq, sumsq_.data(), sizeof sumsq, cudaMemcpyDeviceToHost, ctx_.stream()));
+      cudaMemcpyAsync(&sumsq, sumsq_, sizeof sumsq, cudaMemcpyDeviceToHost, ctx_.stream()));
   ctx_.synchronize();
   return std::sqrt(sumsq);
 }

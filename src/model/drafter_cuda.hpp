@@ -105,7 +105,7 @@ class DrafterCuda {
   uint16_t* features() { return features_; }
 
   /// The parameter gradients [layout.total] f32 on the device (what the replicas all-reduce).
-  float* grads() { return grads_.as<float>(); }
+  float* grads() { return grads_; }
   /// Global L2 norm of the gradient array as it is now (after an all-reduce, say): the same
   /// two-pass device reduction as forward_backward's, read back (synchronises the stream).
   double grad_norm();
