@@ -276,10 +276,16 @@ TEST(PipelineMemoryPlan, AGpuThatCannotHoldItsWorkersIsNamedWithTheShortfall) {
   const ModelPreset& t = model_preset("qwen3-8b");
   const DrafterConfig d = qwen3_8b_drafter();
   const DrafterLayout layout(d);
-  // Three drafter replicas on GPU 1 with 48 GiB each: GPU 0 (the target) fits, GPU 1 does not.
-  const RunConfig cfg = qwen3_8b_run(
-      "  target_devices: [0]\n  drafter_devices: [1, 1, 1]\n  device_memory_gib: 48");
+  // Two drafter replicas on GPU 1, the target on GPU 0; each GPU gets 1 GiB less than GPU 1's
+  // workers need: GPU 0 fits, GPU 1 does not.
+  const std::string devices = "  target_devices: [0]\n  drafter_devices: [1, 1]\n";
+  const uint64_t need =
+      plan_pipeline_memory(qwen3_8b_run(devices), t.config, d, layout).device_total(1);
+  const double gib = static_cast<double>(need - kGiB) / static_cast<double>(kGiB);
+  const RunConfig cfg =
+      qwen3_8b_run(devices + fmt::format("  device_memory_gib: {:.6f}", gib));
   const PipelineMemoryPlan plan = plan_pipeline_memory(cfg, t.config, d, layout);
+  EXPECT_EQ(plan.device_total(1), need);
   EXPECT_LE(plan.device_total(0), plan.device_bytes);
   EXPECT_GT(plan.device_total(1), plan.device_bytes);
   EXPECT_FALSE(plan.fits());
@@ -287,9 +293,10 @@ TEST(PipelineMemoryPlan, AGpuThatCannotHoldItsWorkersIsNamedWithTheShortfall) {
   ASSERT_GT(f.token_budget, 0);
   EXPECT_LT(f.token_budget, 8192);
   const std::string msg = pipeline_shortfall_message(plan, f);
-  EXPECT_NE(msg.find("does not fit GPU 1: its workers drafter0, drafter1, drafter2 need"),
+  EXPECT_NE(msg.find("does not fit GPU 1: its workers drafter0, drafter1 need"),
             std::string::npos)
       << msg;
+  EXPECT_NE(msg.find("short by 1.00 GiB"), std::string::npos) << msg;
   EXPECT_EQ(msg.find("GPU 0"), std::string::npos) << msg;
   EXPECT_NE(msg.find(fmt::format("data.token_budget={}", f.token_budget)), std::string::npos)
       << msg;
@@ -297,9 +304,9 @@ TEST(PipelineMemoryPlan, AGpuThatCannotHoldItsWorkersIsNamedWithTheShortfall) {
   smaller.data.token_budget = static_cast<int>(f.token_budget);
   smaller.data.block_budget = static_cast<int>(f.block_budget);
   EXPECT_TRUE(plan_pipeline_memory(smaller, t.config, d, layout).fits());
-  // One replica on GPU 1 fits where three do not.
-  const RunConfig one = qwen3_8b_run(
-      "  target_devices: [0]\n  drafter_devices: [1]\n  device_memory_gib: 48");
+  // One replica on GPU 1 fits where two do not.
+  const RunConfig one = qwen3_8b_run("  target_devices: [0]\n  drafter_devices: [1]\n" +
+                                     fmt::format("  device_memory_gib: {:.6f}", gib));
   EXPECT_TRUE(plan_pipeline_memory(one, t.config, d, layout).fits());
 }
 

@@ -457,6 +457,7 @@ void save_final_state(Session& s, PipelineOutcome& o) {
 
 TrainResult train_loop(Session& s, const TrainOptions& opts, const DrafterState& initial) {
   TrainResult result;
+  result.last_metrics = s.report.status().last;  // a resumed run's newest kept record
   const int64_t first = s.st.step;
   const int64_t end =
       opts.halt_at_step > first ? std::min(s.total_steps, opts.halt_at_step) : s.total_steps;
