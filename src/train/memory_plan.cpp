@@ -187,7 +187,7 @@ std::string workers_on(const PipelineMemoryPlan& plan, int device) {
 std::string PipelineMemoryPlan::table() const {
   std::string s;
   for (const WorkerMemoryPlan& w : workers) {
-    s += fmt::format("{} on GPU {}: {}\n", w.worker, w.device, w.plan.table());
+    s += fmt::format("{} on GPU {}: {}\n", w.worker, w.device, w.plan.table(false));
   }
   for (int d : devices()) {
     const uint64_t total = device_total(d);
@@ -314,7 +314,7 @@ std::string plan_shortfall_message(const TrainMemoryPlan& plan, const FittingBud
   return s;
 }
 
-std::string TrainMemoryPlan::table() const {
+std::string TrainMemoryPlan::table(bool device_totals) const {
   std::string s =
       fmt::format("memory plan: {} context rows, {}, {} target layers uploaded\n", T,
                   NK > 0 ? fmt::format("{} block rows", NK) : std::string("target forward only"),
@@ -329,12 +329,16 @@ std::string TrainMemoryPlan::table() const {
       "share)\n",
       "arena (one allocation)", format_bytes(arena.arena_bytes),
       format_bytes(arena.live_peak_bytes), names[static_cast<size_t>(peak)]);
-  s += fmt::format("  {:<58} {:>12}  (measured on an H200; the train log gives this run's)\n",
-                   "CUDA context, library handles", format_bytes(context_bytes));
+  if (device_totals) {
+    s += fmt::format("  {:<58} {:>12}  (measured on an H200; the train log gives this run's)\n",
+                     "CUDA context, library handles", format_bytes(context_bytes));
+  }
   s += fmt::format("  {:<58} {:>12}\n", "cuBLASLt workspace", format_bytes(cublaslt_bytes));
-  s += fmt::format("  {:<58} {:>12}  of {} (runtime.device_memory_gib): {}\n", "total",
-                   format_bytes(total_bytes()), format_bytes(device_bytes),
-                   fits() ? "fits" : "DOES NOT FIT");
+  if (device_totals) {
+    s += fmt::format("  {:<58} {:>12}  of {} (runtime.device_memory_gib): {}\n", "total",
+                     format_bytes(total_bytes()), format_bytes(device_bytes),
+                     fits() ? "fits" : "DOES NOT FIT");
+  }
   s += "  live by phase:";
   for (size_t i = 0; i < names.size(); ++i) {
     s += fmt::format(" {} {}{}", names[i], format_bytes(arena.live_per_phase[i]),

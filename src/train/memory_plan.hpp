@@ -63,7 +63,9 @@ struct TrainMemoryPlan {
   bool fits() const { return total_bytes() <= device_bytes; }
   /// The table printed by `--plan` and at the start of training: one row per group (bytes if
   /// nothing were shared), the arena, the live bytes of each phase, the total and the budget.
-  std::string table() const;
+  /// Without `device_totals` (one worker among others on a GPU: PipelineMemoryPlan::table) the
+  /// context, total and budget rows are left out.
+  std::string table(bool device_totals = true) const;
 };
 
 /// Plans a training step of `cap` on one device with `device_memory_gib` GiB. Throws
