@@ -13,7 +13,11 @@
 
 #include "core/dtype.hpp"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// Not under ThreadSanitizer: the ifunc resolver runs while the dynamic loader relocates the
+// binary, before the TSan runtime is initialised, and TSan's instrumentation of the resolver
+// crashes the process at load (the TSan build then runs the baseline build of each kernel).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(__SANITIZE_THREAD__)
 #define DFLASH_CPU_CLONES \
   __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
