@@ -550,7 +550,7 @@ std::string print_train_memory_plan(const RunConfig& cfg) {
   const DrafterLayout layout(dcfg);
   const PipelineMemoryPlan plan = plan_pipeline_memory(cfg, tcfg, dcfg, layout);
   fmt::print(
-      "cuda backend, {}: target {} ({} layers, hidden {}), drafter {} layers "
+      "{}; target {} ({} layers, hidden {}), drafter {} layers "
       "({} parameters), {} row(s) x {} tokens, block budget {} per row, block size {}\n"
       "{}\n",
       topology_of(cfg.runtime).describe(), target_dir.string(), tcfg.num_hidden_layers,
