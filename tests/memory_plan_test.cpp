@@ -282,8 +282,7 @@ TEST(PipelineMemoryPlan, AGpuThatCannotHoldItsWorkersIsNamedWithTheShortfall) {
   const uint64_t need =
       plan_pipeline_memory(qwen3_8b_run(devices), t.config, d, layout).device_total(1);
   const double gib = static_cast<double>(need - kGiB) / static_cast<double>(kGiB);
-  const RunConfig cfg =
-      qwen3_8b_run(devices + fmt::format("  device_memory_gib: {:.6f}", gib));
+  const RunConfig cfg = qwen3_8b_run(devices + fmt::format("  device_memory_gib: {:.6f}", gib));
   const PipelineMemoryPlan plan = plan_pipeline_memory(cfg, t.config, d, layout);
   EXPECT_EQ(plan.device_total(1), need);
   EXPECT_LE(plan.device_total(0), plan.device_bytes);
@@ -293,8 +292,7 @@ TEST(PipelineMemoryPlan, AGpuThatCannotHoldItsWorkersIsNamedWithTheShortfall) {
   ASSERT_GT(f.token_budget, 0);
   EXPECT_LT(f.token_budget, 8192);
   const std::string msg = pipeline_shortfall_message(plan, f);
-  EXPECT_NE(msg.find("does not fit GPU 1: its workers drafter0, drafter1 need"),
-            std::string::npos)
+  EXPECT_NE(msg.find("does not fit GPU 1: its workers drafter0, drafter1 need"), std::string::npos)
       << msg;
   EXPECT_NE(msg.find("short by 1.00 GiB"), std::string::npos) << msg;
   EXPECT_EQ(msg.find("GPU 0"), std::string::npos) << msg;

@@ -1,7 +1,7 @@
 // dflash.cpp — the CUDA stages of the pipeline's workers (train/pipeline.hpp): a target stage and a
 // drafter stage per worker, each with a CudaContext of its own (stream, cuBLASLt handle,
-// allocator, GEMM plans, graphs) and an arena on its GPU, made and driven by the worker's thread. Several
-// stages may share one GPU (colocated workers, or several drafter replicas on one GPU).
+// allocator, GEMM plans, graphs) and an arena on its GPU, made and driven by the worker's thread.
+// Several stages may share one GPU (colocated workers, or several drafter replicas on one GPU).
 //
 // Memory: each stage allocates ONE arena from its worker's plan (train/memory_plan.hpp:
 // plan_target_worker_memory, plan_drafter_worker_memory; the trainer checked that the plans of the
@@ -285,8 +285,8 @@ class CudaDrafterStage final : public DrafterStage {
     const bool tied = model.config().tie_word_embeddings;
     const uint16_t* head =
         tied ? embed : upload_bf16_table(a, kDrafterWorkerLmHead, model.lm_head());
-    drafter_ = std::make_unique<DrafterCuda>(*ctx_, cfg, layout, max_ctx_, max_rows_, embed, head,
-                                             &a);
+    drafter_ =
+        std::make_unique<DrafterCuda>(*ctx_, cfg, layout, max_ctx_, max_rows_, embed, head, &a);
     const auto T = static_cast<size_t>(max_ctx_), NK = static_cast<size_t>(max_rows_);
     tokens_.resize(T);
     context_ranges_.resize(T);
@@ -519,8 +519,9 @@ std::unique_ptr<DrafterStage> cuda_drafter_stage_create(
 namespace dflash {
 
 std::string cuda_backend_describe(const TrainBackendOptions&) {
-  fail("runtime.backend 'cuda' is not available: this dflash was built without the CUDA backend "
-       "(configure with -DDFLASH_CUDA=ON)");
+  fail(
+      "runtime.backend 'cuda' is not available: this dflash was built without the CUDA backend "
+      "(configure with -DDFLASH_CUDA=ON)");
 }
 
 std::unique_ptr<TargetStage> cuda_target_stage_create(const TrainBackendOptions&, int,

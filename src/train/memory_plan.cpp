@@ -133,8 +133,8 @@ TrainMemoryPlan plan_drafter_worker_memory(const ModelConfig& target, const Draf
   plan.target_layers = 0;
   ArenaPlanner p(step_phase_names());
   const PhaseMask all = step_all_phases();
-  const uint64_t table = static_cast<uint64_t>(target.vocab_size) *
-                         static_cast<uint64_t>(target.hidden_size) * 2;
+  const uint64_t table =
+      static_cast<uint64_t>(target.vocab_size) * static_cast<uint64_t>(target.hidden_size) * 2;
   p.add(kDrafterWorkerEmbed, kGroupTargetWeights, table, all);
   if (!target.tie_word_embeddings) p.add(kDrafterWorkerLmHead, kGroupTargetWeights, table, all);
   const DrafterStepSizes sizes{plan.T, plan.NK, ce_chunk_rows};
@@ -208,23 +208,22 @@ PipelineMemoryPlan plan_pipeline_memory(const PipelineTopology& topo, const Mode
   out.device_bytes = budget_bytes(device_memory_gib);
   const int64_t buffers = target_feature_buffers(topo);
   for (int t = 0; t < topo.targets(); ++t) {
-    out.workers.push_back({PipelineTopology::worker_name(WorkerStage::target, t),
-                           topo.target_devices[static_cast<size_t>(t)],
-                           plan_target_worker_memory(target, drafter, cap.ctx_rows, buffers,
-                                                     device_memory_gib)});
+    out.workers.push_back(
+        {PipelineTopology::worker_name(WorkerStage::target, t),
+         topo.target_devices[static_cast<size_t>(t)],
+         plan_target_worker_memory(target, drafter, cap.ctx_rows, buffers, device_memory_gib)});
   }
   for (int r = 0; r < topo.drafters(); ++r) {
-    out.workers.push_back({PipelineTopology::worker_name(WorkerStage::drafter, r),
-                           topo.drafter_devices[static_cast<size_t>(r)],
-                           plan_drafter_worker_memory(target, drafter, layout, cap,
-                                                      device_memory_gib)});
+    out.workers.push_back(
+        {PipelineTopology::worker_name(WorkerStage::drafter, r),
+         topo.drafter_devices[static_cast<size_t>(r)],
+         plan_drafter_worker_memory(target, drafter, layout, cap, device_memory_gib)});
   }
   return out;
 }
 
 PipelineMemoryPlan plan_pipeline_memory(const RunConfig& cfg, const ModelConfig& target,
-                                        const DrafterConfig& drafter,
-                                        const DrafterLayout& layout) {
+                                        const DrafterConfig& drafter, const DrafterLayout& layout) {
   return plan_pipeline_memory(topology_of(cfg.runtime), target, drafter, layout,
                               train_step_capacity(cfg), cfg.runtime.device_memory_gib);
 }
@@ -253,9 +252,10 @@ std::string pipeline_shortfall_message(const PipelineMemoryPlan& plan, const Fit
         format_bytes(need - have));
   }
   if (fit.token_budget > 0) {
-    s += fmt::format("; the largest token budget that fits is data.token_budget={} with "
-                     "data.block_budget={}",
-                     fit.token_budget, fit.block_budget);
+    s += fmt::format(
+        "; the largest token budget that fits is data.token_budget={} with "
+        "data.block_budget={}",
+        fit.token_budget, fit.block_budget);
   } else {
     s += "; no token budget fits (the weights and optimizer state alone are too large)";
   }

@@ -164,7 +164,7 @@ struct WorkerMemoryPlan {
 
 /// The arenas of every worker of a CUDA pipeline and what each GPU needs in all.
 struct PipelineMemoryPlan {
-  std::vector<WorkerMemoryPlan> workers;  ///< targets first, then drafters, by index
+  std::vector<WorkerMemoryPlan> workers;       ///< targets first, then drafters, by index
   uint64_t context_bytes = kCudaContextBytes;  ///< the primary context, once per GPU
   uint64_t device_bytes = 0;                   ///< the budget of each GPU (device_memory_gib)
 
