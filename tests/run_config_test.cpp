@@ -274,3 +274,25 @@ TEST(Fs, AtomicWriteReplacesWholeFile) {
   EXPECT_EQ(n, 1u);  // no temporary files left behind
   EXPECT_THROW(write_file_atomic(tmp / "missing-dir" / "f", "x"), Error);
 }
+
+TEST(RunConfig, StringSettingsAreUtf8TextWithoutControlCharacters) {
+  // A fuzz finding: a lone carriage return (and bytes of another encoding) in output_dir could not
+  // be written to config.resolved.yaml and read back as the same value.
+  auto with_output_dir = [](const std::string& value) {
+    std::string y = kYaml;
+    const std::string key = "output_dir: runs/x";
+    y.replace(y.find(key), key.size(), "output_dir: " + value);
+    return y;
+  };
+  const std::string cr =
+      error_of([&] { RunConfig::from_yaml(with_output_dir(R"("runs/x\r")"), "run.yaml"); });
+  EXPECT_NE(cr.find("output_dir must not contain control characters, got 0x0d"), std::string::npos)
+      << cr;
+  const std::string bad = error_of(
+      [&] { RunConfig::from_yaml(with_output_dir("runs/\xff"), "run.yaml"); });
+  EXPECT_NE(bad.find("output_dir must be UTF-8 text, got an invalid byte 0xff"), std::string::npos)
+      << bad;
+  const RunConfig ok =
+      RunConfig::from_yaml(with_output_dir("runs/\xc3\xa9t\xc3\xa9"), "run.yaml");
+  EXPECT_EQ(ok.output_dir, "runs/\xc3\xa9t\xc3\xa9");
+}

@@ -1,5 +1,6 @@
 #include "train/run_config.hpp"
 
+#include <utf8proc.h>
 #include <yaml-cpp/yaml.h>
 
 #include <fstream>
@@ -31,6 +32,24 @@ T as(const YAML::Node& n, const std::string& key, const std::string& source) {
   }
 }
 
+// A string setting (a path, a name) is UTF-8 text without control characters: anything else
+// (a stray carriage return, bytes of another encoding) cannot be written back to
+// config.resolved.yaml and read again as the same value, so it is refused naming the key.
+void check_text(const std::string& v, const YAML::Node& n, const std::string& key,
+                const std::string& src) {
+  const auto* p = reinterpret_cast<const utf8proc_uint8_t*>(v.data());
+  for (utf8proc_ssize_t i = 0, len = static_cast<utf8proc_ssize_t>(v.size()); i < len;) {
+    utf8proc_int32_t c = 0;
+    const utf8proc_ssize_t step = utf8proc_iterate(p + i, len - i, &c);
+    DFLASH_CHECK(step > 0, "{}:{}: {} must be UTF-8 text, got an invalid byte 0x{:02x} at {}",
+                 src, n.Mark().line + 1, key, static_cast<unsigned>(p[i]), i);
+    DFLASH_CHECK(c >= 0x20 && c != 0x7f,
+                 "{}:{}: {} must not contain control characters, got 0x{:02x} at {}", src,
+                 n.Mark().line + 1, key, static_cast<unsigned>(c), i);
+    i += step;
+  }
+}
+
 template <typename T>
 void read_into(T& dst, const YAML::Node& n, const std::string& key, const std::string& src) {
   if constexpr (std::is_same_v<T, std::optional<int>>) {
@@ -44,6 +63,7 @@ void read_into(T& dst, const YAML::Node& n, const std::string& key, const std::s
     for (const auto& e : n) dst.push_back(as<int>(e, key, src));
   } else if constexpr (std::is_same_v<T, std::string>) {
     dst = n.IsNull() ? std::string() : as<std::string>(n, key, src);
+    check_text(dst, n, key, src);
   } else {
     dst = as<T>(n, key, src);
   }
