@@ -609,7 +609,12 @@ void Coordinator::watchdog() {
     if (exited_[i]) continue;
     const auto [phase, since] = w.phase_and_since();
     newest_change = std::max(newest_change, since);
-    if (phase_works(phase) && ns_to_s(t - since) > limit) stuck = &w;
+    // The working phase stalled the longest is the cause; later stalls (a replica blocked in the
+    // all-reduce on the stuck worker's batch) are its consequences.
+    if (phase_works(phase) && ns_to_s(t - since) > limit &&
+        (!stuck || since < stuck->phase_since())) {
+      stuck = &w;
+    }
   }
   // Nobody working and nobody changing phase: the pipeline waits on itself.
   const bool all_waiting = newest_change > 0 && ns_to_s(t - newest_change) > limit;
