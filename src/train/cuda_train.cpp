@@ -19,6 +19,7 @@
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/device.hpp"
 #include "backend/cuda/graph.hpp"
+#include "backend/cuda/pinned.hpp"
 #include "model/drafter_cuda.hpp"
 #include "model/target_cuda.hpp"
 
@@ -26,35 +27,7 @@ namespace dflash {
 
 namespace {
 
-// Page-locked host memory (copies from it can be captured in a graph).
-class PinnedBuffer {
- public:
-  PinnedBuffer() = default;
-  explicit PinnedBuffer(size_t bytes) : bytes_(bytes) {
-    DFLASH_CUDA_CHECK(cudaMallocHost(&p_, std::max<size_t>(bytes, 1)));
-  }
-  ~PinnedBuffer() {
-    if (p_) cudaFreeHost(p_);
-  }
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-  PinnedBuffer(PinnedBuffer&& o) noexcept
-      : p_(std::exchange(o.p_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
-  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept {
-    std::swap(p_, o.p_);
-    std::swap(bytes_, o.bytes_);
-    return *this;
-  }
-  template <typename T>
-  T* as() const {
-    return static_cast<T*>(p_);
-  }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* p_ = nullptr;
-  size_t bytes_ = 0;
-};
+using cuda::PinnedBuffer;
 
 // One staged input: device buffer (from the arena) plus its pinned host twin.
 struct Staged {
