@@ -179,9 +179,7 @@ std::string bench_table(const BenchReport& r) {
   std::string t = r.header + "\n";
   t += fmt::format("{:<26} {:>10} {:>10} {:>10} {:>9}\n", "phase (graphs off)", "ms", "TFLOP",
                    "TFLOP/s", "% of 825");
-  double dev = 0;
   for (const BenchPhase& p : r.phases) {
-    dev += std::isnan(p.ms) ? 0 : p.ms;
     if (p.bytes > 0) {
       const double gbs = p.bytes / (p.ms * 1e-3) / 1e9;
       t += fmt::format(
