@@ -71,21 +71,6 @@ std::string master_bytes(const fs::path& ckpt) {
   return std::string(static_cast<const char*>(t.raw()), t.nbytes());
 }
 
-// metrics.jsonl without the fields that depend on timing.
-std::vector<json> deterministic_metrics(const fs::path& dir) {
-  std::vector<json> out;
-  std::istringstream in(test::read_file(dir / "metrics.jsonl"));
-  for (std::string line; std::getline(in, line);) {
-    json j = json::parse(line);
-    for (const char* k :
-         {"tokens_per_s", "supervised_tokens_per_s", "s_per_step", "s_data", "s_target",
-          "s_drafter", "rss_bytes", "target_busy", "drafter_busy", "queue_depth"}) {
-      j.erase(k);
-    }
-    out.push_back(j);
-  }
-  return out;
-}
 
 using SteadyClock = std::chrono::steady_clock;
 
@@ -160,7 +145,7 @@ TEST(PipelineTrain, TheNumberOfTargetWorkersDoesNotChangeTheBits) {
   train(b);
   EXPECT_EQ(master_bytes(tmp / "one" / "checkpoint-4"),
             master_bytes(tmp / "three" / "checkpoint-4"));
-  EXPECT_EQ(deterministic_metrics(tmp / "one"), deterministic_metrics(tmp / "three"));
+  EXPECT_EQ(test::deterministic_metrics(tmp / "one"), test::deterministic_metrics(tmp / "three"));
 }
 
 TEST(PipelineTrain, TwoByTwoResumesBitIdenticallyAndRefusesAnotherReplicaCount) {
@@ -213,7 +198,7 @@ TEST(PipelineTrain, TwoByTwoResumesBitIdenticallyAndRefusesAnotherReplicaCount) 
   c.resume_dir = (tmp / "b").string();
   EXPECT_EQ(train(c).steps_done, 4);
   EXPECT_EQ(master_bytes(tmp / "a" / "checkpoint-4"), master_bytes(tmp / "b" / "checkpoint-4"));
-  EXPECT_EQ(deterministic_metrics(tmp / "a"), deterministic_metrics(tmp / "b"));
+  EXPECT_EQ(test::deterministic_metrics(tmp / "a"), test::deterministic_metrics(tmp / "b"));
 }
 
 TEST(PipelineTrain, ForcedResumeWithAnotherReplicaCountContinuesFromTheDataPosition) {

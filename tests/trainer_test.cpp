@@ -63,21 +63,6 @@ RunConfig config_for(const fs::path& out, int64_t steps,
   return RunConfig::from_yaml(yaml_for(out, steps), "test.yaml", overrides);
 }
 
-// metrics.jsonl without the wall-clock fields (timings, throughput, memory).
-std::vector<json> deterministic_metrics(const fs::path& dir) {
-  std::vector<json> out;
-  std::istringstream in(test::read_file(dir / "metrics.jsonl"));
-  for (std::string line; std::getline(in, line);) {
-    json j = json::parse(line);
-    for (const char* k :
-         {"tokens_per_s", "supervised_tokens_per_s", "s_per_step", "s_data", "s_target",
-          "s_drafter", "rss_bytes", "target_busy", "drafter_busy", "queue_depth"}) {
-      j.erase(k);
-    }
-    out.push_back(j);
-  }
-  return out;
-}
 
 // The steps of metrics.jsonl's records, in file order.
 std::vector<int64_t> metrics_steps(const fs::path& dir) {
@@ -126,7 +111,7 @@ TEST(Trainer, InterruptedAndResumedRunIsBitIdenticalToAnUninterruptedOne) {
   EXPECT_EQ(master_bytes(tmp / "a" / "checkpoint-6"), master_bytes(tmp / "b" / "checkpoint-6"));
   EXPECT_EQ(test::read_file(tmp / "a" / "checkpoint-6" / "model.safetensors"),
             test::read_file(tmp / "b" / "checkpoint-6" / "model.safetensors"));
-  auto ma = deterministic_metrics(tmp / "a"), mb = deterministic_metrics(tmp / "b");
+  auto ma = test::deterministic_metrics(tmp / "a"), mb = test::deterministic_metrics(tmp / "b");
   ASSERT_EQ(ma.size(), 6u);
   ASSERT_EQ(mb.size(), 6u);
   for (size_t i = 0; i < ma.size(); ++i) EXPECT_EQ(ma[i], mb[i]) << "metrics line " << i;

@@ -216,4 +216,19 @@ bool GuardedBuffer::intact() const {
   return true;
 }
 
+std::vector<nlohmann::json> deterministic_metrics(const fs::path& run_dir) {
+  std::vector<nlohmann::json> out;
+  std::istringstream in(read_file(run_dir / "metrics.jsonl"));
+  for (std::string line; std::getline(in, line);) {
+    nlohmann::json j = nlohmann::json::parse(line);
+    for (const char* k :
+         {"tokens_per_s", "supervised_tokens_per_s", "s_per_step", "s_data", "s_target",
+          "s_drafter", "rss_bytes", "target_busy", "drafter_busy", "queue_depth"}) {
+      j.erase(k);
+    }
+    out.push_back(j);
+  }
+  return out;
+}
+
 }  // namespace dflash::test

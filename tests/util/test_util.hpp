@@ -3,6 +3,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 #include <sys/types.h>
 
 #include <cstdint>
@@ -97,5 +98,10 @@ class GuardedBuffer {
   size_t n_;
   std::vector<float> buf_;
 };
+
+/// The records of RUN_DIR/metrics.jsonl, in file order, without the fields that depend on wall
+/// time (throughput, seconds per step and phase, resident memory, busy fractions, queue depths):
+/// what two runs of the same data and seed must agree on. Fails the test on an unreadable file.
+std::vector<nlohmann::json> deterministic_metrics(const std::filesystem::path& run_dir);
 
 }  // namespace dflash::test
