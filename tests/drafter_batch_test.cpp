@@ -136,6 +136,59 @@ TEST(DrafterBatch, FromBatchPacksRowsWithPerRowAnchors) {
   EXPECT_NE(drafter_batch_from_batch(src, o).anchors, b.anchors);
 }
 
+// A replica's share of a global batch: its rows with their anchors of the whole batch (the Rng of
+// the row's place in the batch); the shares together are the whole batch. A share that is only an
+// empty row (an epoch's last batch) has no documents and stages as padding.
+TEST(DrafterBatch, SharesOfABatchHoldTheWholeBatchsRowsAndAnEmptyShareStagesAsPadding) {
+  BatcherOptions bo;
+  bo.token_budget = 64;
+  bo.rows = 3;
+  bo.num_shapes = 1;
+  bo.seed = 5;
+  // 4 documents of 40+ tokens: 4 rows, so the epoch's second batch has one real row of 3.
+  Batcher batcher(make_dataset({41, 45, 50, 43}), bo);
+  DrafterBatchOptions o;
+  o.block_size = 4;
+  o.num_anchors = 3;
+  o.seed = 11;
+  ASSERT_EQ(batcher.batches_in_epoch(0), 2);
+  for (int64_t index = 0; index < 2; ++index) {
+    const Batch src = batcher.batch_at(0, index);
+    const DrafterBatch whole = drafter_batch_from_batch(src, o);
+    std::vector<Anchor> anchors;
+    int64_t tokens = 0, supervised = 0;
+    for (int64_t r = 0; r < 3; ++r) {
+      const DrafterBatch share = drafter_batch_from_rows(src, r, r + 1, o);
+      share.validate();
+      EXPECT_EQ(share.rows, 1);
+      for (const Anchor& a : share.anchors) {
+        anchors.push_back(Anchor{a.pos + static_cast<int32_t>(tokens), a.doc});
+      }
+      tokens += share.T();
+      supervised += share.n_supervised;
+      if (share.T() == 0) {
+        EXPECT_EQ(share.n_docs(), 0);
+        EXPECT_EQ(share.N(), 0);
+        std::vector<int32_t> tok(8), pos(8);
+        std::vector<AttnRange> ranges(8);
+        drafter_batch_stage_context(share, 0, tok, pos, ranges);
+        for (int32_t t = 0; t < 8; ++t) {
+          EXPECT_EQ(ranges[static_cast<size_t>(t)].lo1, t);
+          EXPECT_EQ(ranges[static_cast<size_t>(t)].hi1, t + 1);
+        }
+      }
+    }
+    EXPECT_EQ(tokens, whole.T());
+    EXPECT_EQ(supervised, whole.n_supervised);
+    ASSERT_EQ(anchors.size(), whole.anchors.size());
+    for (size_t i = 0; i < anchors.size(); ++i) EXPECT_EQ(anchors[i].pos, whole.anchors[i].pos);
+  }
+  const Batch src = batcher.batch_at(0, 0);
+  for (auto [b, e] : {std::pair<int64_t, int64_t>{0, 0}, {2, 4}, {-1, 1}}) {
+    EXPECT_THROW(drafter_batch_from_rows(src, b, e, o), Error) << b << ", " << e;
+  }
+}
+
 TEST(DrafterBatch, AppendRowRefusesMalformedRowsNamingThem) {
   Rows rows = make_rows({{12, 9}, {30}}, 4, 50, 2);
   DrafterBatch b(4);

@@ -497,3 +497,33 @@ TEST(MemoryPlan, BenchTargetOnlyPlanCommandExitsZeroWhenItFitsAndOneWithTheShort
   EXPECT_NE(no.err.find("no token budget fits (the target weights alone"), std::string::npos)
       << no.err;
 }
+
+TEST(PipelineMemoryPlan, GpusHoldingANcclRankPlanItsReserve) {
+  const ModelPreset& t = model_preset("qwen3-8b");
+  const DrafterConfig d = qwen3_8b_drafter();
+  const DrafterLayout layout(d);
+  // Replicas on GPUs of their own all-reduce through NCCL: each of their GPUs plans the reserve,
+  // the target's GPU does not.
+  const PipelineMemoryPlan nccl = plan_pipeline_memory(
+      qwen3_8b_run("  target_devices: [0]\n  drafter_devices: [1, 2]\n"), t.config, d, layout);
+  EXPECT_EQ(nccl.nccl_devices, (std::vector<int>{1, 2}));
+  uint64_t gpu1 = kCudaContextBytes + kNcclReserveBytes;
+  for (const WorkerMemoryPlan& w : nccl.workers) {
+    if (w.device == 1) gpu1 += w.plan.arena.arena_bytes + kCublasLtWorkspaceBytes;
+  }
+  EXPECT_EQ(nccl.device_total(1), gpu1);
+  EXPECT_EQ(nccl.device_total(0), kCudaContextBytes + nccl.workers[0].plan.arena.arena_bytes +
+                                      kCublasLtWorkspaceBytes);
+  EXPECT_NE(nccl.table().find("GPU 2: drafter1 (arenas and cuBLASLt workspaces) + CUDA context "
+                              "529.0 MiB + NCCL 1.50 GiB (estimate)"),
+            std::string::npos)
+      << nccl.table();
+  // Replicas sharing a GPU use the in-process collective (no NCCL), one replica none at all.
+  EXPECT_TRUE(plan_pipeline_memory(
+                  qwen3_8b_run("  target_devices: [0]\n  drafter_devices: [1, 1]\n"), t.config,
+                  d, layout)
+                  .nccl_devices.empty());
+  EXPECT_TRUE(plan_pipeline_memory(qwen3_8b_run("  target_devices: [0]\n  drafter_devices: [1]\n"),
+                                   t.config, d, layout)
+                  .nccl_devices.empty());
+}

@@ -148,6 +148,51 @@ TEST(PipelineTrain, TheNumberOfTargetWorkersDoesNotChangeTheBits) {
   EXPECT_EQ(test::deterministic_metrics(tmp / "one"), test::deterministic_metrics(tmp / "three"));
 }
 
+// The data-parallel equivalence: D replicas of R rows train as one replica of D·R rows (the same
+// global batches, anchors and normaliser), up to float summation order. A whole epoch, so that
+// the epoch's last batch (one real row and one empty row: replica 1's share is empty) is in it.
+TEST(PipelineTrain, TwoReplicasOfOneRowTrainLikeOneReplicaOfTwoRows) {
+  test::TempDir tmp;
+  const std::vector<std::string> epoch = {"training.max_steps=0", "training.epochs=1",
+                                          "training.save_interval=0"};
+  std::vector<std::string> rows2 = epoch;
+  rows2.push_back("data.rows_per_step=2");
+  TrainOptions a;
+  a.config = config_for(tmp / "dp", 0, 1, 2, epoch);
+  const TrainResult ra = train(a);
+  TrainOptions b;
+  b.config = config_for(tmp / "rows", 0, 1, 1, rows2);
+  const TrainResult rb = train(b);
+  // 199 rows of one document: 100 global batches of 2 rows, the last with an empty row.
+  ASSERT_EQ(ra.steps_done, 100);
+  ASSERT_EQ(rb.steps_done, 100);
+  const auto ma = test::deterministic_metrics(tmp / "dp");
+  const auto mb = test::deterministic_metrics(tmp / "rows");
+  ASSERT_EQ(ma.size(), mb.size());
+  for (size_t i = 0; i < ma.size(); ++i) {
+    // The sums of floats differ by their summation order only (tighter while it has had few
+    // steps to grow); an argmax near a tie may flip, which moves an accuracy by one slot in tens.
+    EXPECT_EQ(ma[i]["step"], mb[i]["step"]);
+    const double tol = i < 10 ? 1e-4 : 1e-2;
+    for (const char* k : {"loss", "grad_norm"}) {
+      const double x = ma[i][k].get<double>(), y = mb[i][k].get<double>();
+      EXPECT_NEAR(x, y, tol * std::max(1.0, std::abs(y))) << k << " at step " << i + 1;
+    }
+    EXPECT_NEAR(ma[i]["accuracy"].get<double>(), mb[i]["accuracy"].get<double>(), 0.05)
+        << "step " << i + 1;
+  }
+  SafetensorsFile fa(tmp / "dp" / "checkpoint-100" / "trainer_state" / "optimizer.safetensors");
+  SafetensorsFile fb(tmp / "rows" / "checkpoint-100" / "trainer_state" / "optimizer.safetensors");
+  const Tensor wa = fa.get("master"), wb = fb.get("master");
+  ASSERT_EQ(wa.numel(), wb.numel());
+  double max_diff = 0;
+  for (int64_t i = 0; i < wa.numel(); ++i) {
+    max_diff = std::max(max_diff, std::abs(double(wa.data<float>()[i]) - wb.data<float>()[i]));
+  }
+  // 100 AdamW steps of lr ≤ 1e-3 move a weight by up to ~0.1; summation order by far less.
+  EXPECT_LT(max_diff, 1e-3);
+}
+
 TEST(PipelineTrain, TwoByTwoResumesBitIdenticallyAndRefusesAnotherReplicaCount) {
   test::TempDir tmp;
   TrainOptions a;
@@ -164,6 +209,10 @@ TEST(PipelineTrain, TwoByTwoResumesBitIdenticallyAndRefusesAnotherReplicaCount) 
   ASSERT_EQ(st["workers"].size(), 4u);
   EXPECT_EQ(st["workers"][3]["name"], "drafter1");
   EXPECT_EQ(st["workers"][3]["queue_capacity"], 2);
+  for (const json& w : st["workers"]) {  // the run is over: no worker has a current rate
+    EXPECT_EQ(w["phase"], "finished") << w.dump();
+    EXPECT_FALSE(w.contains("tokens_per_s")) << w.dump();
+  }
   const auto status = test::run_dflash({"status", (tmp / "a").string()});
   EXPECT_EQ(status.exit_code, 0) << status.err;
   for (const char* w : {"target0", "target1", "drafter0", "drafter1"}) {
@@ -216,7 +265,8 @@ TEST(PipelineTrain, ForcedResumeWithAnotherReplicaCountContinuesFromTheDataPosit
   EXPECT_NE(log.find("--force: continuing with 1 drafter replicas (the checkpoint had 2)"),
             std::string::npos)
       << log;
-  // Steps 1-2 took batches 0-3, steps 3-4 batches 4 and 5: the cursor ends at batch 6.
+  // Steps 1-2 took the 2-row batches 0 and 1 (4 rows); the 1-row plan continues at batch 4, so
+  // steps 3-4 take batches 4 and 5 and the cursor ends at batch 6.
   const json state =
       json::parse(test::read_file(tmp / "f" / "checkpoint-4" / "trainer_state" / "state.json"));
   EXPECT_EQ(state["data_cursor"]["batch"], 6);

@@ -87,19 +87,25 @@ uint64_t DrafterBatch::fingerprint() const {
   return hash_bytes(bytes(targets.weights), h);
 }
 
-DrafterBatch drafter_batch_from_batch(const Batch& b, const DrafterBatchOptions& o) {
+DrafterBatch drafter_batch_from_rows(const Batch& b, int64_t row_begin, int64_t row_end,
+                                     const DrafterBatchOptions& o) {
   const int64_t R = b.tokens.dim(0), L = b.row_length;
   DFLASH_CHECK(static_cast<int64_t>(b.doc_offsets.size()) == R,
                "batch {} of epoch {}: {} rows but document offsets for {}", b.index, b.epoch, R,
                b.doc_offsets.size());
+  DFLASH_CHECK(0 <= row_begin && row_begin < row_end && row_end <= R,
+               "batch {} of epoch {}: rows [{}, {}) of {}", b.index, b.epoch, row_begin, row_end,
+               R);
   DrafterBatch out(o.block_size);
-  for (int64_t r = 0; r < R; ++r) {
+  int64_t supervised = 0;
+  for (int64_t r = row_begin; r < row_end; ++r) {
     const std::vector<int32_t>& offsets = b.doc_offsets[static_cast<size_t>(r)];
     DFLASH_CHECK(!offsets.empty(), "batch {} of epoch {}: row {} has no document offsets", b.index,
                  b.epoch, r);
     const auto real = static_cast<size_t>(offsets.back());
     std::span<const int32_t> toks(b.tokens.data<int32_t>() + r * L, real);
     std::span<const uint8_t> mask(b.loss_mask.data<uint8_t>() + r * L, real);
+    for (const uint8_t m : mask) supervised += m;
     Rng rng(derive_seed(o.seed, {static_cast<uint64_t>(b.epoch), static_cast<uint64_t>(b.index),
                                  static_cast<uint64_t>(r)}));
     const std::vector<Anchor> anchors = sample_anchors(mask, offsets, o.num_anchors, rng);
@@ -109,8 +115,12 @@ DrafterBatch drafter_batch_from_batch(const Batch& b, const DrafterBatchOptions&
   out.row_length = L;
   out.epoch = b.epoch;
   out.index = b.index;
-  out.n_supervised = b.n_supervised;
+  out.n_supervised = supervised;
   return out;
+}
+
+DrafterBatch drafter_batch_from_batch(const Batch& b, const DrafterBatchOptions& o) {
+  return drafter_batch_from_rows(b, 0, b.tokens.dim(0), o);
 }
 
 void drafter_batch_context_positions(const DrafterBatch& b, std::span<int32_t> positions) {
@@ -158,7 +168,10 @@ void drafter_batch_stage_context(const DrafterBatch& b, int32_t pad_id, std::spa
   // Real tokens, then one-token padding documents.
   std::copy(b.tokens.begin(), b.tokens.end(), tokens.begin());
   drafter_batch_context_positions(b, positions.first(static_cast<size_t>(T)));
-  attention_causal_varlen_ranges(ranges.data(), b.doc_offsets.data(), b.n_docs(), T);
+  // A batch without documents (a replica's empty share of an epoch's last batch) is all padding.
+  if (b.n_docs() > 0) {
+    attention_causal_varlen_ranges(ranges.data(), b.doc_offsets.data(), b.n_docs(), T);
+  }
   for (auto t = static_cast<int32_t>(T); t < static_cast<int32_t>(T_pad); ++t) {
     tokens[static_cast<size_t>(t)] = pad_id;
     positions[static_cast<size_t>(t)] = 0;

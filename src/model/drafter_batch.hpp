@@ -90,6 +90,14 @@ struct DrafterBatchOptions {
 /// batches.
 DrafterBatch drafter_batch_from_batch(const Batch& batch, const DrafterBatchOptions& opts);
 
+/// The same for rows [row_begin, row_end) of `batch` only (one drafter replica's share of a
+/// step's global batch, train/pipeline.hpp). Row r keeps its Rng of the whole batch (r is the
+/// row's index in `batch`), so the shares of a batch hold exactly the anchors and targets of the
+/// whole batch's DrafterBatch; n_supervised counts the share's tokens. Throws dflash::Error for
+/// a range outside [0, rows] or empty, and on malformed batches.
+DrafterBatch drafter_batch_from_rows(const Batch& batch, int64_t row_begin, int64_t row_end,
+                                     const DrafterBatchOptions& opts);
+
 /// Position of every context token inside its document, [T] (0 at each document start).
 void drafter_batch_context_positions(const DrafterBatch& b, std::span<int32_t> positions);
 

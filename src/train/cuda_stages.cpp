@@ -37,6 +37,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -60,6 +61,10 @@ namespace dflash {
 namespace {
 
 constexpr size_t kBf16 = 2;
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
 
 std::optional<DeviceMemory> memory_of_current_device() {
   size_t free = 0, total = 0;
@@ -175,6 +180,8 @@ class CudaTargetStage final : public TargetStage {
       free_.push_back(static_cast<int>(i));
     }
     arena_finish(*ctx_, a, "cuda target stage");
+    ev_start_ = ctx_->new_event(true);
+    ev_end_ = ctx_->new_event(true);
   }
 
   std::unique_ptr<TargetFeatures> forward_taps(const DrafterBatch& b) override {
@@ -197,7 +204,9 @@ class CudaTargetStage final : public TargetStage {
       target_->forward_taps(taps_out_, tokens_.device<int32_t>(), pos_.device<int32_t>(),
                             ranges_.device<AttnRange>(), T, taps_);
     };
+    float ms = 0;
     try {
+      DFLASH_CUDA_CHECK(cudaEventRecord(ev_start_, s));
       if (use_graphs_) {
         graphs_.run(T, s, enqueue);
       } else {
@@ -206,13 +215,17 @@ class CudaTargetStage final : public TargetStage {
       const size_t bytes = Ts * static_cast<size_t>(cols_) * kBf16;
       DFLASH_CUDA_CHECK(cudaMemcpyAsync(pool_[static_cast<size_t>(slot)], taps_out_, bytes,
                                         cudaMemcpyDeviceToDevice, s));
+      DFLASH_CUDA_CHECK(cudaEventRecord(ev_end_, s));
       ctx_->synchronize();  // the staging buffers are reused next time; the features are complete
+      DFLASH_CUDA_CHECK(cudaEventElapsedTime(&ms, ev_start_, ev_end_));
     } catch (...) {
       release(slot);
       throw;
     }
-    return std::make_unique<CudaFeatures>(this, slot, pool_[static_cast<size_t>(slot)],
-                                          ctx_->device(), T, cols_, b.fingerprint());
+    auto f = std::make_unique<CudaFeatures>(this, slot, pool_[static_cast<size_t>(slot)],
+                                            ctx_->device(), T, cols_, b.fingerprint());
+    f->device_s = ms * 1e-3;  // the forward and the copy into the pool
+    return f;
   }
 
   void fill_nan(TargetFeatures& features) override {
@@ -254,6 +267,7 @@ class CudaTargetStage final : public TargetStage {
   bool use_graphs_;
   Staged tokens_, pos_, ranges_;
   uint16_t* taps_out_ = nullptr;
+  cudaEvent_t ev_start_ = nullptr, ev_end_ = nullptr;  // around a forward (owned by ctx_)
   cuda::GraphCache<int64_t> graphs_;
   std::vector<uint16_t*> pool_;
   std::mutex pool_mu_;
@@ -297,6 +311,9 @@ class CudaDrafterStage final : public DrafterStage {
     weights_ = Staged(a, "inputs.weights", NK * sizeof(float));
     arena_finish(*ctx_, a, "cuda drafter stage");
     if (group) collective_ = cuda_collective_member(group, replica, ctx_->stream());
+    for (cudaEvent_t* e : {&ev_step_start_, &ev_step_end_, &ev_opt_start_, &ev_opt_end_}) {
+      *e = ctx_->new_event(true);
+    }
   }
 
   void step(const DrafterBatch& b, const TargetFeatures& features) override {
@@ -326,6 +343,16 @@ class CudaDrafterStage final : public DrafterStage {
       queue_.stepped(std::move(r));
       return;
     }
+    pending_scale_ = 1.0 / b.loss_normaliser();
+    if (!(b.weight_sum > 0)) {
+      // This replica's share adds nothing to the step's gradient (e.g. the empty row of an
+      // epoch's last batch): a zero gradient joins the all-reduce, as on the CPU stage.
+      DFLASH_CUDA_CHECK(cudaMemsetAsync(drafter_->grads(), 0,
+                                        static_cast<size_t>(params_) * sizeof(float),
+                                        ctx_->stream()));
+      queue_.stepped(std::move(r));
+      return;
+    }
     stage(b, T, NK);
     cudaStream_t s = ctx_->stream();
     const size_t bytes = static_cast<size_t>(T * f->cols) * kBf16;
@@ -333,14 +360,20 @@ class CudaDrafterStage final : public DrafterStage {
     DFLASH_CUDA_CHECK(
         cudaMemcpyPeerAsync(drafter_->features(), ctx_->device(), f->data, f->device, bytes, s));
     auto enqueue = [&] { enqueue_step(T, NK); };
+    DFLASH_CUDA_CHECK(cudaEventRecord(ev_step_start_, s));
     if (use_graphs_) {
       graphs_.run(std::pair<int64_t, int64_t>(T, NK), s, enqueue);
     } else {
       enqueue();
     }
+    DFLASH_CUDA_CHECK(cudaEventRecord(ev_step_end_, s));
     // Synchronises the stream: the feature copy is complete when step() returns.
+    const auto wait0 = std::chrono::steady_clock::now();
     const DrafterCuda::Results res = drafter_->fetch_results(NK);
-    pending_scale_ = 1.0 / b.loss_normaliser();
+    r.host_wait_s = seconds_since(wait0);
+    float ms = 0;
+    DFLASH_CUDA_CHECK(cudaEventElapsedTime(&ms, ev_step_start_, ev_step_end_));
+    r.drafter_device_s = ms * 1e-3;  // forward, CE and backward (the feature copy before it)
     const size_t real_rows = static_cast<size_t>(b.N()) * static_cast<size_t>(cfg_.block_size);
     accumulate_metrics(r.metrics, b.targets, std::span<const int32_t>(res.argmax.data(), real_rows),
                        {});
@@ -360,7 +393,16 @@ class CudaDrafterStage final : public DrafterStage {
     }
     if (step_decide_update(r, clip_grad_norm_, peer_non_finite)) {
       updates_ += 1;
-      drafter_->adamw(adam_, lr, updates_, r.clip * pending_scale_);
+      cudaStream_t s = ctx_->stream();
+      DFLASH_CUDA_CHECK(cudaEventRecord(ev_opt_start_, s));
+      const auto wait0 = std::chrono::steady_clock::now();
+      drafter_->adamw(adam_, lr, updates_, r.clip * pending_scale_);  // waits for the device
+      DFLASH_CUDA_CHECK(cudaEventRecord(ev_opt_end_, s));
+      DFLASH_CUDA_CHECK(cudaEventSynchronize(ev_opt_end_));
+      float ms = 0;
+      DFLASH_CUDA_CHECK(cudaEventElapsedTime(&ms, ev_opt_start_, ev_opt_end_));
+      r.optimizer_device_s = ms * 1e-3;
+      r.host_wait_s = r.host_wait_s.value_or(0.0) + seconds_since(wait0);
     }
     queue_.finish(std::move(r));
   }
@@ -464,6 +506,9 @@ class CudaDrafterStage final : public DrafterStage {
   double clip_grad_norm_;
   int64_t updates_ = 0;
   double pending_scale_ = 1.0;             // 1/Σw of the step waiting for update()
+  // Around the step's forward/backward and around AdamW (owned by ctx_).
+  cudaEvent_t ev_step_start_ = nullptr, ev_step_end_ = nullptr;
+  cudaEvent_t ev_opt_start_ = nullptr, ev_opt_end_ = nullptr;
   std::vector<int32_t> tokens_;            // host only (the target stage uploads the context)
   std::vector<AttnRange> context_ranges_;  // host only
   Staged pos_, block_tokens_, block_ranges_, labels_, weights_;

@@ -158,6 +158,9 @@ std::vector<int> PipelineMemoryPlan::devices() const {
 
 uint64_t PipelineMemoryPlan::device_total(int device) const {
   uint64_t total = context_bytes;
+  if (std::find(nccl_devices.begin(), nccl_devices.end(), device) != nccl_devices.end()) {
+    total += nccl_bytes;
+  }
   for (const WorkerMemoryPlan& w : workers) {
     if (w.device == device) total += w.plan.arena.arena_bytes + w.plan.cublaslt_bytes;
   }
@@ -191,10 +194,13 @@ std::string PipelineMemoryPlan::table() const {
   }
   for (int d : devices()) {
     const uint64_t total = device_total(d);
+    const bool nccl =
+        std::find(nccl_devices.begin(), nccl_devices.end(), d) != nccl_devices.end();
     s += fmt::format(
-        "GPU {}: {} (arenas and cuBLASLt workspaces) + CUDA context {} = {} of {} "
+        "GPU {}: {} (arenas and cuBLASLt workspaces) + CUDA context {}{} = {} of {} "
         "(runtime.device_memory_gib): {}\n",
-        d, workers_on(*this, d), format_bytes(context_bytes), format_bytes(total),
+        d, workers_on(*this, d), format_bytes(context_bytes),
+        nccl ? " + NCCL " + format_bytes(nccl_bytes) + " (estimate)" : "", format_bytes(total),
         format_bytes(device_bytes), total <= device_bytes ? "fits" : "DOES NOT FIT");
   }
   s.pop_back();
@@ -219,6 +225,7 @@ PipelineMemoryPlan plan_pipeline_memory(const PipelineTopology& topo, const Mode
          topo.drafter_devices[static_cast<size_t>(r)],
          plan_drafter_worker_memory(target, drafter, layout, cap, device_memory_gib)});
   }
+  if (topo.uses_nccl()) out.nccl_devices = topo.drafter_devices;
   return out;
 }
 

@@ -32,6 +32,13 @@ inline constexpr int64_t kBlockRowsMultiple = 64;
 /// use after CudaContext creation, of which 32 MiB are the cuBLASLt workspace below. The train log
 /// prints the value measured at start.
 inline constexpr uint64_t kCudaContextBytes = uint64_t{529} << 20;
+/// Device memory NCCL takes on the GPU of each rank beside our allocations (channel buffers for the
+/// Simple, LL and LL128 protocols per channel and ring/tree peer, work FIFOs, proxy state). An
+/// ESTIMATE, not a measurement: NCCL_BUFFSIZE's 4 MiB Simple buffer plus about 5 MiB of LL/LL128
+/// buffers per channel and peer, 2 peers, up to 32 channels on NVLink, rounded up to 1.5 GiB; no
+/// machine with two GPUs has been lent to measure it (the train log prints the device memory in
+/// use after the communicator forms).
+inline constexpr uint64_t kNcclReserveBytes = uint64_t{1536} << 20;
 /// cuBLASLt workspace of a CudaContext (its default).
 inline constexpr uint64_t kCublasLtWorkspaceBytes = uint64_t{32} << 20;
 
@@ -167,10 +174,14 @@ struct PipelineMemoryPlan {
   std::vector<WorkerMemoryPlan> workers;       ///< targets first, then drafters, by index
   uint64_t context_bytes = kCudaContextBytes;  ///< the primary context, once per GPU
   uint64_t device_bytes = 0;                   ///< the budget of each GPU (device_memory_gib)
+  /// GPUs holding a NCCL rank (PipelineTopology::uses_nccl), each planned nccl_bytes more.
+  std::vector<int> nccl_devices;
+  uint64_t nccl_bytes = kNcclReserveBytes;
 
   /// The GPUs used, ascending.
   std::vector<int> devices() const;
-  /// What GPU `device` needs: its workers' arenas and cuBLASLt workspaces, plus context_bytes.
+  /// What GPU `device` needs: its workers' arenas and cuBLASLt workspaces, plus context_bytes,
+  /// plus nccl_bytes when it holds a NCCL rank.
   uint64_t device_total(int device) const;
   /// Every GPU's total is within device_bytes.
   bool fits() const;

@@ -144,6 +144,7 @@ struct FeatureItem {
   std::string source;  // the target worker
   DataCursor cursor;   // after the item's step
   double data_s = 0, target_s = 0;
+  std::optional<double> target_device_s;  // the forward's device time, when measured
 };
 
 // What workers tell the coordinator.
@@ -158,6 +159,8 @@ struct Event {
   std::string source;
   DataCursor cursor;
   double data_s = 0, target_s = 0, drafter_s = 0;
+  std::optional<double> target_device_s;
+  double save_s = 0;  // step_done: seconds replica 0 spent handing out its state (checkpoint)
   std::optional<DrafterState> state;
   std::optional<uint64_t> hash;
   std::string error;       // exited, final_done: the worker's error ("" none)
@@ -281,6 +284,7 @@ void target_main(std::shared_ptr<Shared> sh, int t) {
       item.features = stage->forward_taps(it->batch);
       if (fault == FaultKind::nan) stage->fill_nan(*item.features);
       item.target_s = ns_to_s(now_ns() - t0);
+      item.target_device_s = item.features->device_s;
       w.tokens.fetch_add(it->batch.T());
       w.set_memory(stage->device_memory());
       item.batch = std::move(it->batch);
@@ -336,8 +340,10 @@ Event drafter_run_step(Shared& sh, int r, int64_t s, DrafterStage& stage, Featur
   e.drafter_s = ns_to_s(now_ns() - t0);
   if (r == 0 && sh.hooks.checkpoint_after(s + 1)) {
     w.set_phase(Phase::saving_state);
+    const int64_t t_save = now_ns();
     e.state.emplace();
     stage.save_state(*e.state);
+    e.save_s = ns_to_s(now_ns() - t_save);
   }
   e.step = s;
   e.tokens = item.batch.T();
@@ -346,6 +352,7 @@ Event drafter_run_step(Shared& sh, int r, int64_t s, DrafterStage& stage, Featur
   e.cursor = item.cursor;
   e.data_s = item.data_s;
   e.target_s = item.target_s;
+  e.target_device_s = item.target_device_s;
   w.tokens.fetch_add(item.batch.T());
   w.set_memory(stage.device_memory());
   return e;
@@ -517,7 +524,12 @@ PipelineStep Coordinator::assemble(int64_t s, std::vector<Event>& evs) {
   const int64_t t = now_ns();
   p.wall_s = ns_to_s(t - last_step_ns_);
   last_step_ns_ = t;
+  bool target_device_measured = true;
+  double target_device_s = 0;
   for (Event& e : evs) {
+    target_device_measured = target_device_measured && e.target_device_s.has_value();
+    target_device_s += e.target_device_s.value_or(0.0);
+    p.save_s += e.save_s;
     p.results.push_back(std::move(e.result));
     p.tokens.push_back(e.tokens);
     p.supervised.push_back(e.supervised);
@@ -528,6 +540,7 @@ PipelineStep Coordinator::assemble(int64_t s, std::vector<Event>& evs) {
     p.cursor = e.cursor;
     if (e.state) p.state = std::move(e.state);
   }
+  if (target_device_measured && !evs.empty()) p.target_device_s = target_device_s;
   for (size_t i = 0; i < sh_->workers.size(); ++i) {
     const int64_t busy = sh_->workers[i]->busy_until(t);
     const double d = ns_to_s(busy - prev_busy_[i]);
@@ -654,7 +667,9 @@ void Coordinator::tick(bool force) {
     info.phase_s = ns_to_s(t - since);
     info.step = w.step.load();
     const int64_t tokens = w.tokens.load();
-    if (dt > 0 && ticked_) {
+    // A finished, stopped or failed worker has no current rate (absent, not 0).
+    const bool ended = phase == Phase::idle || phase == Phase::stopped || phase == Phase::failed;
+    if (dt > 0 && ticked_ && !ended) {
       info.tokens_per_s = static_cast<double>(tokens - prev_tokens_[i]) / dt;
     }
     prev_tokens_[i] = tokens;

@@ -5,10 +5,10 @@
 //   make_step(s) ─► target worker t (any free one): forward_taps ─► queue of replica r ─►
 //   drafter worker r: step, update (all-reduce, AdamW), result ─► coordinator: on_step(s)
 //
-// What a step is (docs/design-notes.md): optimizer step s (0-based) consumes D consecutive batches
-// of the global sequence, one per drafter replica (replica r takes batch s·D + r); the replicas'
-// gradients are summed and the loss is normalised by the Σw of all D batches, so one step with D
-// replicas computes what one replica would compute on the D batches packed together.
+// What a step is (docs/design-notes.md): optimizer step s (0-based) consumes global batch s of
+// D·R rows, replica r taking rows [r·R, (r+1)·R); the replicas' gradients are summed and the loss
+// is normalised by the Σw of the whole batch, so one step with D replicas computes what one
+// replica would compute on the global batch.
 //
 // Invariants:
 // - Each worker is one thread that creates, drives and destroys its own stage (its device context,
@@ -63,6 +63,11 @@ struct PipelineStep {
   double target_s = 0;   ///< target-worker seconds of the step's D forwards (summed)
   double drafter_s = 0;  ///< seconds of the slowest replica's step + update
   double wall_s = 0;     ///< seconds since the previous step finished (or the first step began)
+  /// Of wall_s: seconds replica 0 spent handing out its state for a checkpoint (device → host).
+  double save_s = 0;
+  /// Device seconds of the step's D target forwards (summed), when every target stage measured
+  /// them; absent otherwise.
+  std::optional<double> target_device_s;
   double target_busy_s = 0, drafter_busy_s = 0;  ///< worker-seconds busy since the previous step
   std::vector<int> queue_held;                   ///< per replica: feature batches queued now
   std::optional<DrafterState> state;             ///< replica 0's state, when checkpoint_after
@@ -76,7 +81,9 @@ struct WorkerInfo {
   std::string phase;                   ///< e.g. "target forward", "waiting for features"
   double phase_s = 0;                  ///< seconds in the current phase
   int64_t step = 0;                    ///< 1-based step of the work in hand (or last done)
-  std::optional<double> tokens_per_s;  ///< context tokens per second since the previous report
+  /// Context tokens per second since the previous report; absent for the first report and for a
+  /// finished, stopped or failed worker.
+  std::optional<double> tokens_per_s;
   double busy = 0;                     ///< fraction of time in working phases since start
   std::optional<int> queue_held;       ///< drafters: feature batches waiting in the input queue
   int queue_capacity = 0;

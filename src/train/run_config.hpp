@@ -33,7 +33,7 @@ struct DataSection {
   std::string template_name;         ///< "" = detect from the target folder
   int max_length = 2048;             ///< tokens per conversation (longer ones are truncated)
   int token_budget = 8192;           ///< tokens per packed row
-  int rows_per_step = 1;             ///< packed rows per optimizer step
+  int rows_per_step = 1;             ///< packed rows per drafter replica and optimizer step
   /// Training blocks per packed row: the batcher packs a row only while Σ over its documents of
   /// min(num_anchors, candidate anchors) stays ≤ this, so device memory can be planned for
   /// rows_per_step·block_budget blocks and no anchor is ever dropped. Unset in a config file:

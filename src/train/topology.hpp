@@ -11,8 +11,8 @@
 // Invariants: a PipelineTopology comes from a validated RuntimeSection, so it has at least one
 // worker of each stage, every device index is ≥ 0 on cuda and −1 (no device) on cpu, and a GPU
 // shared by both stages was allowed by `colocated`. Only the number of drafter replicas changes
-// what training computes (a step consumes one batch per replica); the target worker count, the
-// devices and the queue depth change only speed.
+// what training computes (a step's global batch has rows_per_step rows per replica); the target
+// worker count, the devices and the queue depth change only speed.
 #pragma once
 
 #include <string>
@@ -45,6 +45,9 @@ struct PipelineTopology {
   std::string device_name(WorkerStage stage, int index) const;
   /// True when some GPU holds more than one drafter replica (NCCL cannot serve such a group).
   bool drafters_share_a_device() const;
+  /// True when the drafter replicas all-reduce through NCCL: the cuda backend, more than one
+  /// replica, each on a GPU of its own (cuda_collective_group_create's choice).
+  bool uses_nccl() const { return backend == "cuda" && drafters() > 1 && !drafters_share_a_device(); }
   /// One line for the log: "cpu: 2 target workers, 2 drafter workers, queue depth 2" or
   /// "cuda: target workers on GPUs [0], drafter workers on GPUs [0, 0] (colocated), queue depth 2".
   std::string describe() const;

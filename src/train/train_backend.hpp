@@ -51,6 +51,9 @@ class TargetModel;
 class TargetFeatures {
  public:
   virtual ~TargetFeatures() = default;
+  /// Device seconds of the forward that made these features, when the stage measured it (CUDA
+  /// events); absent otherwise (never 0 for "not measured").
+  std::optional<double> device_s;
 };
 
 /// Device memory of the GPU a stage runs on (cudaMemGetInfo: the whole device, every process).

@@ -52,6 +52,7 @@ void IntervalMetrics::add_step(const DrafterStepResult& r, int64_t step_tokens,
   t_gpu_optimizer += r.optimizer_device_s.value_or(0.0);
   t_host_wait += r.host_wait_s.value_or(0.0);
   t_total += t.total;
+  t_checkpoint += t.checkpoint;
 }
 
 json IntervalMetrics::to_json() const {
@@ -74,6 +75,7 @@ json IntervalMetrics::to_json() const {
           {"t_gpu_drafter", t_gpu_drafter},
           {"t_gpu_optimizer", t_gpu_optimizer},
           {"t_host_wait", t_host_wait},
+          {"t_checkpoint", t_checkpoint},
           {"t_total", t_total}};
 }
 
@@ -125,6 +127,8 @@ IntervalMetrics IntervalMetrics::from_json(const json& j, const std::string& src
   m.t_gpu_optimizer =
       j.contains("t_gpu_optimizer") ? json_double(j, "t_gpu_optimizer", src) : 0.0;
   m.t_host_wait = j.contains("t_host_wait") ? json_double(j, "t_host_wait", src) : 0.0;
+  // Absent in checkpoints written before the pipeline measured it.
+  m.t_checkpoint = j.contains("t_checkpoint") ? json_double(j, "t_checkpoint", src) : 0.0;
   m.t_total = json_double(j, "t_total", src);
   return m;
 }
@@ -170,6 +174,9 @@ json interval_record(const IntervalMetrics& iv, int64_t step, int64_t epoch, dou
     r["s_device"] = (iv.t_target + iv.t_gpu_drafter + iv.t_gpu_optimizer) / steps;
   }
   if (iv.t_host_wait > 0) r["s_host_wait"] = iv.t_host_wait / steps;
+  // Seconds of the interval (not per step) spent handing out checkpoint state; s_per_step and
+  // tokens_per_s exclude them.
+  if (iv.t_checkpoint > 0) r["checkpoint_state_s"] = iv.t_checkpoint;
   r["rss_bytes"] = rss_bytes();
   return r;
 }

@@ -31,7 +31,8 @@ struct StepTimes {
   double data = 0;     ///< next batch and its DrafterBatch (anchors, targets)
   double target = 0;   ///< target stage (its device time when the backend measured it)
   double drafter = 0;  ///< drafter stage: step, update and result
-  double total = 0;    ///< the whole step
+  double total = 0;    ///< the whole step, checkpoint state excluded
+  double checkpoint = 0;  ///< handing the drafter state out for a checkpoint (device → host)
 };
 
 /// Accumulated figures of one log interval (saved in checkpoints as JSON).
@@ -46,6 +47,7 @@ struct IntervalMetrics {
   double t_gpu_drafter = 0;    ///< Σ device time of the drafter step (0: never measured)
   double t_gpu_optimizer = 0;  ///< Σ device time of the optimizer update (0: never measured)
   double t_host_wait = 0;      ///< Σ host time blocked on the device (0: never measured)
+  double t_checkpoint = 0;     ///< Σ StepTimes::checkpoint (0: no checkpoint in the interval)
 
   explicit IntervalMetrics(int K = 0) : obj(K) {}
   /// Steps of the interval whose update was applied.

@@ -97,12 +97,13 @@ TokenDataset prepare_data(const RunConfig& cfg, const RunDir& rd, const Tokenize
   return std::move(prep.dataset);
 }
 
-// The batcher of the run; with a block budget that can bind, it needs every document's block
-// count (what sample_anchors will take from it).
-Batcher make_batcher(const RunConfig& cfg, TokenDataset data) {
+// The batcher of the run: one batch per step, the global batch of rows_per_step rows for each of
+// the `replicas` drafter replicas (make_step splits it by rows). With a block budget that can
+// bind, it needs every document's block count (what sample_anchors will take from it).
+Batcher make_batcher(const RunConfig& cfg, TokenDataset data, int replicas) {
   BatcherOptions bo;
   bo.token_budget = cfg.data.token_budget;
-  bo.rows = cfg.data.rows_per_step;
+  bo.rows = static_cast<int64_t>(cfg.data.rows_per_step) * replicas;
   bo.sort_by_length = cfg.data.sort_by_length;
   bo.seed = cfg.training.seed;
   bo.block_budget = cfg.block_budget();
@@ -131,9 +132,9 @@ bool check_memory_plan(const RunConfig& cfg, const ModelConfig& target, const Dr
 }
 
 // Steps of the run: training.max_steps, else the epochs' batches shared out D per step.
-int64_t total_steps_of(const RunConfig& cfg, int64_t per_epoch, int replicas) {
+int64_t total_steps_of(const RunConfig& cfg, int64_t per_epoch) {
   if (cfg.training.max_steps > 0) return cfg.training.max_steps;
-  return (per_epoch * cfg.training.epochs + replicas - 1) / replicas;
+  return per_epoch * cfg.training.epochs;
 }
 
 // Pipeline figures of the log interval in progress (not checkpointed: after a resume they cover
@@ -179,9 +180,9 @@ struct Session {
         topo(topology_of(c.runtime)),
         backend_opts(backend_options_of(c)),
         planned(check_memory_plan(c, target->config(), dcfg, layout, rep)),
-        batcher(make_batcher(c, prepare_data(c, r, tok, rep))),
+        batcher(make_batcher(c, prepare_data(c, r, tok, rep), topo.drafters())),
         per_epoch(batcher.batches_in_epoch(0)),
-        total_steps(total_steps_of(c, per_epoch, topo.drafters())),
+        total_steps(total_steps_of(c, per_epoch)),
         batch_opts{c.training.block_size, c.training.num_anchors, c.training.gamma,
                    c.training.seed},
         export_dtype(dtype_from_name(c.training.export_dtype)) {
@@ -195,22 +196,38 @@ struct Session {
   }
 };
 
-// Refuses to resume with another number of drafter replicas (a step consumes one batch per
-// replica) unless forced.
-void check_resume_topology(Session& s, const RunConfig& saved, const TrainOptions& opts) {
+// Refuses to resume with another number of drafter replicas (the global batch of a step has
+// rows_per_step rows per replica) unless forced. Returns whether the count changed.
+bool check_resume_topology(Session& s, const RunConfig& saved, const TrainOptions& opts) {
   const int was = topology_of(saved.runtime).drafters(), now = s.topo.drafters();
-  if (was == now) return;
+  if (was == now) return false;
   if (!opts.force) {
     fail(
         "--resume {}: the checkpoint was trained with {} drafter replica{} and this run has {} "
-        "({}); a step consumes one batch per replica, so this would change the run (use --force "
-        "to continue anyway)",
+        "({}); a step's global batch has rows_per_step rows per replica, so this would change "
+        "the run (use --force to continue anyway)",
         s.rd.path().string(), was, was == 1 ? "" : "s", now, s.topo.drafter_key);
   }
-  s.report.log(
-      fmt::format("--force: continuing with {} drafter replicas (the checkpoint had {}); "
-                  "each step now takes {} batches from the checkpoint's data position",
-                  now, was, now));
+  s.report.log(fmt::format(
+      "--force: continuing with {} drafter replicas (the checkpoint had {}); each step's global "
+      "batch now has {} row{}",
+      now, was, static_cast<int64_t>(s.cfg.data.rows_per_step) * now,
+      s.cfg.data.rows_per_step * now == 1 ? "" : "s"));
+  return true;
+}
+
+// A forced resume cannot replay the old data plan: the position in the new plan of the epoch
+// with as many rows consumed as the checkpoint's cursor (rounded up to a whole batch; capped at
+// the epoch's end).
+DataCursor forced_cursor(Session& s, const RunConfig& saved) {
+  const int64_t old_rows = static_cast<int64_t>(saved.data.rows_per_step) *
+                           topology_of(saved.runtime).drafters();
+  const int64_t new_rows = static_cast<int64_t>(s.cfg.data.rows_per_step) * s.topo.drafters();
+  DataCursor c = s.batcher.cursor();
+  c.epoch = s.st.cursor.epoch;
+  c.batch = std::min((s.st.cursor.batch * old_rows + new_rows - 1) / new_rows,
+                     s.batcher.batches_in_epoch(s.st.cursor.epoch));
+  return c;
 }
 
 // Continues from the newest complete checkpoint (checking that the configuration still fits it),
@@ -224,21 +241,17 @@ DrafterState restore_or_init(Session& s, const TrainOptions& opts, const fs::pat
     const RunConfig saved =
         RunConfig::from_yaml(s.st.config_yaml, (checkpoint / "trainer_state/state.json").string());
     const auto diffs = resume_check(saved, s.cfg, opts.force, s.rd.path().string());
-    check_resume_topology(s, saved, opts);
+    const bool replicas_changed = check_resume_topology(s, saved, opts);
     checkpoint_read_drafter(checkpoint, s.layout, s.st, ds);
-    if (diffs.empty()) {
+    if (diffs.empty() && !replicas_changed) {
       s.batcher.restore(s.st.cursor);
     } else {
-      // Forced: the old data plan cannot be replayed; continue at the same epoch and batch
-      // index of the new plan.
-      DataCursor c = s.batcher.cursor();
-      c.epoch = s.st.cursor.epoch;
-      c.batch = std::min(s.st.cursor.batch, s.batcher.batches_in_epoch(s.st.cursor.epoch));
+      const DataCursor c = forced_cursor(s, saved);
       s.batcher.restore(c);
-      s.report.log(
-          fmt::format("--force: resuming despite changed keys; the data order continues "
-                      "at epoch {} batch {} of the new plan",
-                      c.epoch, c.batch));
+      s.report.log(fmt::format(
+          "--force: resuming despite {}; the data order continues at epoch {} batch {} of the "
+          "new plan (the rows the checkpoint had consumed, rounded up to a whole batch)",
+          diffs.empty() ? "another replica count" : "changed keys", c.epoch, c.batch));
       if (s.st.interval.obj.K != s.cfg.training.block_size) {
         // The open log interval counted slots of the old block size: it starts afresh.
         s.st.interval = IntervalMetrics(s.cfg.training.block_size);
@@ -263,13 +276,16 @@ DrafterState restore_or_init(Session& s, const TrainOptions& opts, const fs::pat
 
 // -------------------------------------------------------------------------------------- the loop
 
-// The inputs of one step: the next D batches of the global sequence, one per drafter replica,
-// normalised together (docs/design-notes.md).
+// The inputs of one step: the next global batch of the sequence, rows_per_step rows for each
+// drafter replica in row order, normalised together (docs/design-notes.md). D replicas of R rows
+// thus see exactly the rows, anchors and targets of one replica of D·R rows.
 StepInput make_step(Session& s) {
   StepInput in;
   double weight_sum = 0;
+  const Batch global = s.batcher.next();
+  const int64_t rows = s.cfg.data.rows_per_step;
   for (int r = 0; r < s.topo.drafters(); ++r) {
-    in.batches.push_back(drafter_batch_from_batch(s.batcher.next(), s.batch_opts));
+    in.batches.push_back(drafter_batch_from_rows(global, r * rows, (r + 1) * rows, s.batch_opts));
     weight_sum += in.batches.back().weight_sum;
   }
   if (s.topo.drafters() > 1) {
@@ -318,9 +334,12 @@ DrafterStepResult account_step(Session& s, const PipelineStep& p) {
   st.step += 1;
   StepTimes t;
   t.data = p.data_s;
-  t.target = p.target_s / static_cast<double>(p.results.size());  // per batch
+  // Per batch; the device time when the target stages measured it (what s_device adds up).
+  t.target = p.target_device_s.value_or(p.target_s) / static_cast<double>(p.results.size());
   t.drafter = p.drafter_s;
-  t.total = p.wall_s;
+  // The state download of a checkpoint step is not step time: it is reported as s_checkpoint.
+  t.total = std::max(0.0, p.wall_s - p.save_s);
+  t.checkpoint = p.save_s;
   int64_t tokens = 0, supervised = 0;
   for (size_t i = 0; i < p.tokens.size(); ++i) {
     tokens += p.tokens[i];

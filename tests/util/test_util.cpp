@@ -223,7 +223,8 @@ std::vector<nlohmann::json> deterministic_metrics(const fs::path& run_dir) {
     nlohmann::json j = nlohmann::json::parse(line);
     for (const char* k :
          {"tokens_per_s", "supervised_tokens_per_s", "s_per_step", "s_data", "s_target",
-          "s_drafter", "rss_bytes", "target_busy", "drafter_busy", "queue_depth"}) {
+          "s_drafter", "rss_bytes", "target_busy", "drafter_busy", "queue_depth",
+          "checkpoint_state_s"}) {
       j.erase(k);
     }
     out.push_back(j);
