@@ -527,3 +527,49 @@ TEST(PipelineMemoryPlan, GpusHoldingANcclRankPlanItsReserve) {
                                    t.config, d, layout)
                   .nccl_devices.empty());
 }
+
+TEST(MemoryPlan, TrainPlanCommandNamesWhatTheCudaKernelsCannotRun) {
+  const test::TempDir tmp;
+  const fs::path dir = tmp.path();
+  fs::create_directories(dir / "target");
+  // A Gemma-like head_dim of 256: the plan would fit, the CUDA attention cannot run it.
+  write_file_atomic(dir / "target" / "config.json", R"({
+      "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
+      "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 8,
+      "head_dim": 256, "vocab_size": 32000, "max_position_embeddings": 40960,
+      "rope_theta": 1000000, "rms_norm_eps": 1e-6, "tie_word_embeddings": false})");
+  write_file_atomic(dir / "run.yaml", fmt::format(R"(model:
+  target: {}
+  drafter_layers: 1
+  mask_token_id: 7
+  target_layer_ids: [1, 5]
+data:
+  train_file: unused.jsonl
+  max_length: 1024
+  token_budget: 1024
+training:
+  num_anchors: 64
+runtime:
+  backend: cuda
+output_dir: {}
+)",
+                                                  (dir / "target").string(),
+                                                  (dir / "run").string()));
+  const std::string config = (dir / "run.yaml").string();
+  const test::RunResult r = test::run_dflash({"train", "--config", config, "--plan"});
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  EXPECT_NE(r.err.find("the CUDA backend cannot run this model: the CUDA attention supports "
+                       "head_dim 64 or 128"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("head_dim 256"), std::string::npos) << r.err;
+  // The drafter inherits head_dim 256 from the target: named too.
+  EXPECT_NE(r.err.find("the CUDA drafter supports head_dim 64 or 128 (drafter head_dim 256)"),
+            std::string::npos)
+      << r.err;
+  // A drafter of head_dim 128 on that target still cannot run: the target's forward can't.
+  const test::RunResult d =
+      test::run_dflash({"train", "--config", config, "--plan", "model.head_dim=128"});
+  EXPECT_EQ(d.exit_code, 1) << d.out << d.err;
+  EXPECT_EQ(d.err.find("CUDA drafter"), std::string::npos) << d.err;
+}

@@ -1,5 +1,6 @@
 // `dflash bench`: the training step at real model shapes with random weights (train/bench.hpp).
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <fstream>
 
@@ -7,6 +8,7 @@
 #include "core/error.hpp"
 #include "core/fs.hpp"
 #include "model/presets.hpp"
+#include "model/step_plan.hpp"
 #include "train/bench.hpp"
 
 namespace dflash::cli {
@@ -28,6 +30,11 @@ void run_bench_command(BenchArgs& a) {
   a.o.graphs_off = a.graphs != "on";
   if (a.mask >= 0) a.o.mask_token_id = a.mask;
   const BenchSetup s = bench_setup(a.o);
+  std::vector<std::string> unsupported = cuda_target_unsupported(s.target);
+  if (!a.o.target_only) {
+    for (std::string& u : cuda_drafter_unsupported(s.drafter)) unsupported.push_back(std::move(u));
+  }
+  if (!unsupported.empty()) fail("{}", fmt::join(unsupported, "; "));
   const TrainMemoryPlan plan = bench_plan(s, a.o);
   if (a.plan && a.o.target_only) {
     fmt::print(

@@ -7,6 +7,7 @@
 #ifdef DFLASH_HAVE_CUDA
 
 #include <cuda_runtime.h>
+#include <fmt/ranges.h>
 
 #include <cmath>
 
@@ -63,8 +64,8 @@ DrafterCuda::DrafterCuda(cuda::CudaContext& ctx, const DrafterConfig& cfg,
       head_(lm_head),
       rope_scaling_(static_cast<float>(rope_attention_scaling(cfg.rope))) {
   cfg.validate();
-  DFLASH_CHECK(cfg.head_dim == 64 || cfg.head_dim == 128,
-               "the CUDA drafter supports head_dim 64 or 128 (got {})", cfg.head_dim);
+  const std::vector<std::string> unsupported = cuda_drafter_unsupported(cfg);
+  DFLASH_CHECK(unsupported.empty(), "{}", fmt::join(unsupported, "; "));
   DFLASH_CHECK(max_ctx > 0 && max_block_rows > 0 && max_block_rows % cfg.block_size == 0 &&
                    ce_chunk_rows > 0,
                "DrafterCuda: bad capacities ({} context rows, {} block rows, CE chunk {})", max_ctx,

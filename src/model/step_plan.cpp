@@ -49,6 +49,37 @@ PhaseMask step_all_phases() {
   return step_phase_range(kPhaseTarget, kPhaseOptimizer);
 }
 
+std::vector<std::string> cuda_target_unsupported(const ModelConfig& c) {
+  std::vector<std::string> out;
+  if (c.head_dim != 64 && c.head_dim != 128) {
+    out.push_back(fmt::format("the CUDA attention supports head_dim 64 or 128 ({}: head_dim {})",
+                              c.source, c.head_dim));
+  }
+  if (c.is_moe()) {
+    if (c.hidden_size % 8 != 0 || c.expert_width % 8 != 0) {
+      out.push_back(fmt::format(
+          "the CUDA expert GEMMs need hidden_size ({}) and the expert width ({}) to be multiples "
+          "of 8 ({})",
+          c.hidden_size, c.expert_width, c.source));
+    }
+    if (c.num_experts > 1024 || c.num_experts_per_tok > 32) {
+      out.push_back(fmt::format(
+          "the CUDA router supports up to 1024 experts and top-32 ({}: {} experts, top-{})",
+          c.source, c.num_experts, c.num_experts_per_tok));
+    }
+  }
+  return out;
+}
+
+std::vector<std::string> cuda_drafter_unsupported(const DrafterConfig& c) {
+  std::vector<std::string> out;
+  if (c.head_dim != 64 && c.head_dim != 128) {
+    out.push_back(fmt::format("the CUDA drafter supports head_dim 64 or 128 (drafter head_dim {})",
+                              c.head_dim));
+  }
+  return out;
+}
+
 int64_t target_layers_needed(const ModelConfig& c, const std::vector<int>& taps) {
   DFLASH_CHECK(!taps.empty(), "no target tap layers");
   int64_t n = 0;

@@ -75,6 +75,15 @@ inline constexpr const char* kGroupBackward = "backward scratch";
 inline constexpr const char* kGroupOpScratch = "op scratch pool";
 inline constexpr const char* kGroupInputs = "step inputs";
 
+/// What the CUDA kernels cannot run of this target: one line per unsupported setting, naming the
+/// config field, its value and the config's source (empty: the CUDA backend runs all of it).
+/// head_dim other than 64 or 128 (the attention kernels); for MoE targets hidden_size or the
+/// expert width not a multiple of 8 (the expert GEMMs), more than 1024 experts or top-k above 32
+/// (the router). TargetCuda refuses these at construction; the memory plans report them first.
+std::vector<std::string> cuda_target_unsupported(const ModelConfig& c);
+/// The same for a drafter: head_dim other than 64 or 128 (DrafterCuda's attention).
+std::vector<std::string> cuda_drafter_unsupported(const DrafterConfig& c);
+
 /// Number of target layers a tap forward runs: the deepest tap + 1 (layers after it are never
 /// uploaded). Throws dflash::Error for an empty list or a tap outside [0, num_hidden_layers).
 int64_t target_layers_needed(const ModelConfig& c, const std::vector<int>& taps);

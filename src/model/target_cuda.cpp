@@ -4,6 +4,7 @@
 #ifdef DFLASH_HAVE_CUDA
 
 #include <cuda_runtime.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <chrono>
@@ -92,18 +93,8 @@ cuda::DeviceArena& TargetCuda::setup(int64_t n_layers, cuda::DeviceArena* arena)
   DFLASH_CHECK(n_layers >= 0 && n_layers <= c.num_hidden_layers,
                "TargetCuda: {} layers requested of the target's {}", n_layers, c.num_hidden_layers);
   if (n_layers == 0) n_layers = c.num_hidden_layers;
-  DFLASH_CHECK(c.head_dim == 64 || c.head_dim == 128,
-               "the CUDA attention supports head_dim 64 or 128 ({}: head_dim {})", c.source,
-               c.head_dim);
-  if (c.is_moe()) {
-    DFLASH_CHECK(c.hidden_size % 8 == 0 && c.expert_width % 8 == 0,
-                 "the CUDA expert GEMMs need hidden_size ({}) and the expert width ({}) to be "
-                 "multiples of 8 ({})",
-                 c.hidden_size, c.expert_width, c.source);
-    DFLASH_CHECK(c.num_experts <= 1024 && c.num_experts_per_tok <= 32,
-                 "the CUDA router supports up to 1024 experts and top-32 ({}: {} experts, top-{})",
-                 c.source, c.num_experts, c.num_experts_per_tok);
-  }
+  const std::vector<std::string> unsupported = cuda_target_unsupported(c);
+  DFLASH_CHECK(unsupported.empty(), "{}", fmt::join(unsupported, "; "));
   DFLASH_CHECK(static_cast<int64_t>(c.moe_layers.size()) == c.num_hidden_layers &&
                    static_cast<int64_t>(c.layer_types.size()) == c.num_hidden_layers,
                "TargetCuda: config {} lists {} moe_layers and {} layer_types for {} layers",

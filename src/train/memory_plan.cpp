@@ -2,6 +2,7 @@
 #include "train/memory_plan.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -154,6 +155,12 @@ std::vector<int> PipelineMemoryPlan::devices() const {
   std::set<int> d;
   for (const WorkerMemoryPlan& w : workers) d.insert(w.device);
   return {d.begin(), d.end()};
+}
+
+std::string cuda_unsupported_message(const ModelConfig& target, const DrafterConfig& drafter) {
+  std::vector<std::string> all = cuda_target_unsupported(target);
+  for (std::string& u : cuda_drafter_unsupported(drafter)) all.push_back(std::move(u));
+  return fmt::format("{}", fmt::join(all, "; "));
 }
 
 uint64_t PipelineMemoryPlan::device_total(int device) const {

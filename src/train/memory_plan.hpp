@@ -169,6 +169,10 @@ struct WorkerMemoryPlan {
   TrainMemoryPlan plan;
 };
 
+/// What the CUDA kernels cannot run of this target and drafter (cuda_target_unsupported, then
+/// cuda_drafter_unsupported), joined with "; "; empty when they run all of it.
+std::string cuda_unsupported_message(const ModelConfig& target, const DrafterConfig& drafter);
+
 /// The arenas of every worker of a CUDA pipeline and what each GPU needs in all.
 struct PipelineMemoryPlan {
   std::vector<WorkerMemoryPlan> workers;       ///< targets first, then drafters, by index

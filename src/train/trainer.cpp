@@ -123,6 +123,8 @@ Batcher make_batcher(const RunConfig& cfg, TokenDataset data, int replicas) {
 bool check_memory_plan(const RunConfig& cfg, const ModelConfig& target, const DrafterConfig& d,
                        const DrafterLayout& layout, TrainReport& report) {
   if (cfg.runtime.backend != "cuda") return false;
+  const std::string unsupported = cuda_unsupported_message(target, d);
+  DFLASH_CHECK(unsupported.empty(), "runtime.backend cuda: {}", unsupported);
   const PipelineMemoryPlan plan = plan_pipeline_memory(cfg, target, d, layout);
   report.log(plan.table());
   DFLASH_CHECK(plan.fits(), "{}",
@@ -131,7 +133,8 @@ bool check_memory_plan(const RunConfig& cfg, const ModelConfig& target, const Dr
   return true;
 }
 
-// Steps of the run: training.max_steps, else the epochs' batches shared out D per step.
+// Steps of the run: training.max_steps, else one per batch of the epochs (a batch is a step's
+// global batch).
 int64_t total_steps_of(const RunConfig& cfg, int64_t per_epoch) {
   if (cfg.training.max_steps > 0) return cfg.training.max_steps;
   return per_epoch * cfg.training.epochs;
@@ -568,6 +571,7 @@ std::string print_train_memory_plan(const RunConfig& cfg) {
   const DrafterConfig dcfg = drafter_config_for_run(cfg, tcfg, tok ? &*tok : nullptr);
   const DrafterLayout layout(dcfg);
   const PipelineMemoryPlan plan = plan_pipeline_memory(cfg, tcfg, dcfg, layout);
+  const std::string unsupported = cuda_unsupported_message(tcfg, dcfg);
   fmt::print(
       "{}; target {} ({} layers, hidden {}), drafter {} layers "
       "({} parameters), {} row(s) x {} tokens, block budget {} per row, block size {}\n"
@@ -575,6 +579,7 @@ std::string print_train_memory_plan(const RunConfig& cfg) {
       topology_of(cfg.runtime).describe(), target_dir.string(), tcfg.num_hidden_layers,
       tcfg.hidden_size, dcfg.num_layers, layout.total, cfg.data.rows_per_step,
       cfg.data.token_budget, cfg.block_budget(), dcfg.block_size, plan.table());
+  if (!unsupported.empty()) return "the CUDA backend cannot run this model: " + unsupported;
   return plan.fits() ? std::string()
                      : pipeline_shortfall_message(
                            plan, largest_fitting_pipeline_budget(cfg, tcfg, dcfg, layout));

@@ -64,7 +64,7 @@ DrafterConfig drafter_config_for_run(const RunConfig& cfg, const ModelConfig& ta
 /// backend, the arena of each pipeline worker and each GPU's total (plan_pipeline_memory; reading
 /// only the target's config.json and tokenizer, no weights). Returns "" when every GPU fits
 /// runtime.device_memory_gib, else the message naming each GPU's shortfall and the largest token
-/// budget that fits.
+/// budget that fits; first, what the CUDA kernels cannot run (cuda_unsupported_message), if any.
 std::string print_train_memory_plan(const RunConfig& cfg);
 
 /// Installs SIGINT/SIGTERM handlers that ask a running train() to checkpoint and stop.
