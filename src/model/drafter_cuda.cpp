@@ -11,7 +11,6 @@
 #include <cmath>
 
 #include "backend/cuda/check.hpp"
-#include "backend/cuda/gemm.hpp"
 #include "core/error.hpp"
 #include "model/step_plan.hpp"
 #include "ops/attention.hpp"
@@ -30,22 +29,6 @@ namespace dflash {
 namespace {
 
 constexpr size_t kF = 4;  // bytes of an fp32 value
-
-// y[M,N] (+)= x[M,K] · W[N,K]ᵀ with bf16 x and W; y f32 or bf16.
-void mm_xwt(cuda::CudaContext& ctx, void* y, DType yt, const uint16_t* x, const uint16_t* w,
-            int64_t M, int64_t N, int64_t K, float beta) {
-  cuda::gemm_bf16(ctx, y, yt, N, x, K, false, w, K, true, M, N, K, 1.0f, beta);
-}
-// dx[M,K] (+)= dy[M,N] · W[N,K].
-void mm_dyw(cuda::CudaContext& ctx, void* dx, DType dt, const uint16_t* dy, const uint16_t* w,
-            int64_t M, int64_t N, int64_t K, float beta) {
-  cuda::gemm_bf16(ctx, dx, dt, K, dy, N, false, w, K, false, M, K, N, 1.0f, beta);
-}
-// dW[N,K] f32 += dy[M,N]ᵀ · x[M,K].
-void mm_dw(cuda::CudaContext& ctx, float* dw, const uint16_t* dy, const uint16_t* x, int64_t M,
-           int64_t N, int64_t K) {
-  cuda::gemm_bf16(ctx, dw, DType::f32, K, dy, N, true, x, K, false, N, K, M, 1.0f, 1.0f);
-}
 
 }  // namespace
 
@@ -241,7 +224,7 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   // ---- phase drafter ctx
   DFLASH_CUDA_CHECK(cudaMemsetAsync(grads_, 0, static_cast<size_t>(layout_.total) * kF, s));
   // ctx = hidden_norm(fc(features)): the first T rows of kvin, shared by every layer.
-  mm_xwt(ctx_, ctx_pre_, DType::f32, in.features, wb(layout_.fc), T, H, F, 0.0f);
+  linear_fwd_cuda(ctx_, ctx_pre_, in.features, wb(layout_.fc), T, F, H);
   rmsnorm_fwd_cuda(ctx_, kvin, nullf, ctx_pre_, pf(layout_.hidden_norm), T, H, eps);
   embedding_fwd_cuda(ctx_, h0_, embed_, in.block_tokens, NK, c.vocab_size, H);
 
@@ -251,21 +234,21 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
     LayerBuf& a = layers_[static_cast<size_t>(l)];
     const DrafterLayerOffsets& L = layer(l);
     rmsnorm_fwd_cuda(ctx_, hn, nullf, h, pf(L.input_layernorm), NK, H, eps);
-    mm_xwt(ctx_, a.q_raw, DType::bf16, hn, wb(L.q_proj), NK, QD, H, 0.0f);
+    linear_fwd_cuda(ctx_, a.q_raw, hn, wb(L.q_proj), NK, H, QD);
     norm_rope_q(a, l);
-    mm_xwt(ctx_, a.k_raw, DType::bf16, kvin, wb(L.k_proj), TK, KD, H, 0.0f);
+    linear_fwd_cuda(ctx_, a.k_raw, kvin, wb(L.k_proj), TK, H, KD);
     norm_rope_k(a, l);
-    mm_xwt(ctx_, a.v, DType::bf16, kvin, wb(L.v_proj), TK, KD, H, 0.0f);
+    linear_fwd_cuda(ctx_, a.v, kvin, wb(L.v_proj), TK, H, KD);
     attention_fwd_cuda(ctx_, a.o, a.lse, q_, k_, a.v, in.ranges, ap);
     DFLASH_CUDA_CHECK(
         cudaMemcpyAsync(a.h_mid, h, static_cast<size_t>(NK * H) * kF, cudaMemcpyDeviceToDevice, s));
-    mm_xwt(ctx_, a.h_mid, DType::f32, a.o, wb(L.o_proj), NK, H, QD, 1.0f);
+    linear_fwd_acc_cuda(ctx_, a.h_mid, a.o, wb(L.o_proj), NK, QD, H);
     rmsnorm_fwd_cuda(ctx_, hn2_, nullf, a.h_mid, pf(L.post_attention_layernorm), NK, H, eps);
-    mm_xwt(ctx_, a.gu, DType::bf16, hn2_, wb(L.gate_proj), NK, 2 * I, H, 0.0f);  // [gate | up]
+    linear_fwd_cuda(ctx_, a.gu, hn2_, wb(L.gate_proj), NK, H, 2 * I);  // [gate | up]
     swiglu(a);
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(a.h_out, a.h_mid, static_cast<size_t>(NK * H) * kF,
                                       cudaMemcpyDeviceToDevice, s));
-    mm_xwt(ctx_, a.h_out, DType::f32, act_, wb(L.down_proj), NK, H, I, 1.0f);
+    linear_fwd_acc_cuda(ctx_, a.h_out, act_, wb(L.down_proj), NK, I, H);
     h = a.h_out;
   }
 
@@ -319,12 +302,12 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
     rope_bwd_cuda(ctx_, dk_, dk_, in.pos, inv_freq, rope_scaling_, TK, NKV, D);
     rmsnorm_bwd_cuda(ctx_, dk_raw_, gf(L.k_norm), dk_, a.k_raw, pf(L.k_norm), TK * NKV, D, eps);
     // dX[TK, H] = dk_raw·Wk + dv·Wv, then rows [T, TK) += dq_raw·Wq; weight gradients.
-    mm_dyw(ctx_, dx_, DType::f32, dk_raw_, wb(L.k_proj), TK, KD, H, 0.0f);
-    mm_dyw(ctx_, dx_, DType::f32, dv_, wb(L.v_proj), TK, KD, H, 1.0f);
-    mm_dyw(ctx_, dx_ + T * H, DType::f32, dq_raw_, wb(L.q_proj), NK, QD, H, 1.0f);
-    mm_dw(ctx_, gf(L.k_proj), dk_raw_, kvin, TK, KD, H);
-    mm_dw(ctx_, gf(L.v_proj), dv_, kvin, TK, KD, H);
-    mm_dw(ctx_, gf(L.q_proj), dq_raw_, hn, NK, QD, H);
+    linear_bwd_cuda(ctx_, dx_, nullf, dk_raw_, nullptr, wb(L.k_proj), TK, H, KD);
+    linear_bwd_dx_acc_cuda(ctx_, dx_, dv_, wb(L.v_proj), TK, H, KD);
+    linear_bwd_dx_acc_cuda(ctx_, dx_ + T * H, dq_raw_, wb(L.q_proj), NK, H, QD);
+    linear_bwd_cuda(ctx_, nullf, gf(L.k_proj), dk_raw_, kvin, wb(L.k_proj), TK, H, KD);
+    linear_bwd_cuda(ctx_, nullf, gf(L.v_proj), dv_, kvin, wb(L.v_proj), TK, H, KD);
+    linear_bwd_cuda(ctx_, nullf, gf(L.q_proj), dq_raw_, hn, wb(L.q_proj), NK, H, QD);
     // input_layernorm of the block rows; ctx rows enter every layer unnormed.
     rmsnorm_bwd_cuda(ctx_, dtmp_, gf(L.input_layernorm), dx_ + T * H, x_in, pf(L.input_layernorm),
                      NK, H, eps);
@@ -341,7 +324,7 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   rmsnorm_bwd_cuda(ctx_, dctx_pre_, gf(layout_.hidden_norm), dctx_, ctx_pre_,
                    pf(layout_.hidden_norm), T, H, eps);
   cast_cuda(ctx_, dctx_bf_, dctx_pre_, T * H);
-  mm_dw(ctx_, gf(layout_.fc), dctx_bf_, in.features, T, H, F);
+  linear_bwd_cuda(ctx_, nullf, gf(layout_.fc), dctx_bf_, in.features, wb(layout_.fc), T, F, H);
 
   grad_sumsq_cuda(ctx_, sumsq_, segs_, 1);
 }

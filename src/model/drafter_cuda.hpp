@@ -28,7 +28,7 @@
 #include "backend/cuda/context.hpp"
 #include "model/drafter.hpp"
 #include "model/step_plan.hpp"
-#include "train/optimizer.hpp"
+#include "ops/adamw.hpp"
 
 namespace dflash {
 

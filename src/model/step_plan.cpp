@@ -8,11 +8,11 @@
 #include <algorithm>
 
 #include "core/error.hpp"
+#include "ops/adamw.hpp"
 #include "ops/attention.hpp"
 #include "ops/cross_entropy.hpp"
 #include "ops/moe.hpp"
 #include "ops/rmsnorm.hpp"
-#include "train/optimizer.hpp"
 
 namespace dflash {
 

@@ -188,7 +188,7 @@ std::string train_backend_describe(const TrainBackendOptions& opts);
 std::string cuda_backend_describe(const TrainBackendOptions& opts);
 
 /// The CPU backend (src/train/cpu_train.cpp): the target's forward_taps and drafter_train_step
-/// over the packed batch, AdamW of src/train/optimizer.hpp; bit-reproducible.
+/// over the packed batch, AdamW of src/ops/adamw.hpp; bit-reproducible.
 TrainBackend cpu_train_backend_create(const TrainBackendOptions& opts, const TargetModel& target,
                                       const DrafterConfig& cfg, const DrafterLayout& layout);
 /// The CPU target stage of one worker (several may share `target`, which is read-only).
