@@ -12,9 +12,9 @@
 #include "core/rng.hpp"
 #include "model/drafter_batch.hpp"
 #include "model/drafter_io.hpp"
+#include "model/objective.hpp"
 #include "model/presets.hpp"
 #include "model/step_plan.hpp"
-#include "train/objective.hpp"
 #include "train/optimizer.hpp"
 
 #ifdef DFLASH_HAVE_CUDA

@@ -35,8 +35,8 @@
 
 #include "model/drafter.hpp"
 #include "model/drafter_batch.hpp"
+#include "model/objective.hpp"
 #include "train/collective.hpp"
-#include "train/objective.hpp"
 #include "train/optimizer.hpp"
 #include "train/topology.hpp"
 

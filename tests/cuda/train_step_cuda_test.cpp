@@ -18,10 +18,10 @@
 #include "model/drafter_batch.hpp"
 #include "model/drafter_cuda.hpp"
 #include "model/drafter_io.hpp"
+#include "model/objective.hpp"
 #include "model/target.hpp"
 #include "model/target_cuda.hpp"
 #include "train/memory_plan.hpp"
-#include "train/objective.hpp"
 #include "train/optimizer.hpp"
 #include "util/test_util.hpp"
 
