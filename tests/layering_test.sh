@@ -27,7 +27,11 @@ while IFS= read -r -d '' file; do
   rel="${file#"$src"/}"
   own="${rel%%/*}"
   own_rank="$(rank_of "$own")"
-  [[ -n "$own_rank" ]] || { echo "$file: src/$own is not a layer (add it to layering_test.sh and CMakeLists.txt)"; bad=1; continue; }
+  if [[ -z "$own_rank" ]]; then
+    echo "$file: src/$own is not a layer (add it to layering_test.sh and CMakeLists.txt)"
+    bad=1
+    continue
+  fi
   while IFS=: read -r line header; do
     dir="${header%%/*}"
     rank="$(rank_of "$dir")"
@@ -39,7 +43,8 @@ while IFS= read -r -d '' file; do
     fi
   done < <(grep -n '^[[:space:]]*#[[:space:]]*include[[:space:]]*"' "$file" |
            sed -E 's/^([0-9]+):[^"]*"([^"]+)".*/\1:\2/')
-done < <(find "$src" -type f \( -name '*.cpp' -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' \) -print0)
+done < <(find "$src" -type f \( -name '*.cpp' -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' \) \
+           -print0)
 
 if ((checked == 0)); then
   echo "layering_test.sh: no project #include found under $src" >&2
