@@ -36,6 +36,7 @@
 #include "model/drafter.hpp"
 #include "model/drafter_batch.hpp"
 #include "model/objective.hpp"
+#include "model/step_plan.hpp"
 #include "train/collective.hpp"
 #include "train/optimizer.hpp"
 #include "train/topology.hpp"
@@ -156,6 +157,9 @@ struct TrainBackendOptions {
   /// token_budget − 1)): device backends plan their memory for it (train/memory_plan.hpp).
   int64_t max_blocks = 0;
   double device_memory_gib = 139.0;  ///< runtime.device_memory_gib
+  /// cuda drafter stages: recompute or keep the forward's activations for the backward (what the
+  /// run's memory plan chose from training.recompute: plan_pipeline_memory).
+  DrafterActivations drafter_activations = DrafterActivations::recompute;
   AdamWConfig adam;                ///< training.beta1/beta2/adam_eps/weight_decay
   double clip_grad_norm = 1.0;     ///< training.clip_grad_norm (≤ 0: no clipping)
 };
