@@ -482,7 +482,6 @@ BenchReport run_target_bench(const BenchOptions& o, const BenchSetup& s,
   r.planned_bytes = static_cast<double>(plan.total_bytes());
   r.arena_bytes = static_cast<double>(plan.arena.arena_bytes);
   r.tokens_per_step = s.tokens;
-  r.activations = drafter_activations_name(plan.activations);
   r.documents = o.rows * s.docs_per_row;
   r.doc_length = o.doc_length;
   r.steps = o.steps;
@@ -571,6 +570,7 @@ BenchReport run_bench(const BenchOptions& o) {
   r.planned_bytes = static_cast<double>(plan.total_bytes());
   r.arena_bytes = static_cast<double>(plan.arena.arena_bytes);
   r.tokens_per_step = s.tokens;
+  r.activations = drafter_activations_name(plan.activations);
   r.documents = o.rows * s.docs_per_row;
   r.doc_length = o.doc_length;
   r.steps = o.steps;
