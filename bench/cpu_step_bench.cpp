@@ -20,8 +20,8 @@
 #include "model/drafter.hpp"
 #include "model/drafter_batch.hpp"
 #include "model/drafter_io.hpp"
+#include "model/objective.hpp"
 #include "model/target.hpp"
-#include "train/objective.hpp"
 
 namespace {
 

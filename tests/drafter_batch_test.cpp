@@ -15,7 +15,7 @@
 #include "core/error.hpp"
 #include "data/batcher.hpp"
 #include "model/drafter.hpp"
-#include "train/objective.hpp"
+#include "model/objective.hpp"
 #include "util/test_util.hpp"
 
 using namespace dflash;

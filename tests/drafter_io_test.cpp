@@ -10,10 +10,10 @@
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
+#include "core/json_util.hpp"
 #include "core/rng.hpp"
 #include "data/tokenizer.hpp"
 #include "model/config.hpp"
-#include "model/json_util.hpp"
 #include "model/safetensors.hpp"
 #include "util/test_util.hpp"
 

@@ -8,7 +8,8 @@
 // target forward alone at Qwen2.5-32B (`dflash bench --target-only --plan`): it fits 140 GiB with
 // the weights of the layers up to the deepest tap, biases included. The pipeline's per-worker
 // arenas: a GPU's total is its workers' arenas and cuBLASLt workspaces plus one context, and a
-// shared GPU that does not hold them all is refused naming it and its workers.
+// shared GPU that does not hold them all is refused naming it and its workers. training.recompute:
+// auto keeps the drafter's forward activations exactly when that plan fits.
 #include "train/memory_plan.hpp"
 
 #include <fmt/format.h>
@@ -218,7 +219,8 @@ output_dir: unused
 
 namespace {
 // A cuda run of the Qwen3-8B reference batch with the given runtime lines.
-RunConfig qwen3_8b_run(const std::string& runtime) {
+// `runtime`: lines of the runtime section; `recompute`: training.recompute.
+RunConfig qwen3_8b_run(const std::string& runtime, const std::string& recompute = "auto") {
   return RunConfig::from_yaml(fmt::format(R"(model:
   target: unused
   drafter_layers: 5
@@ -226,12 +228,14 @@ data:
   train_file: unused.jsonl
   max_length: 2048
   token_budget: 8192
+training:
+  recompute: {}
 runtime:
   backend: cuda
 {}
 output_dir: unused
 )",
-                                          runtime),
+                                          recompute, runtime),
                               "test.yaml");
 }
 }  // namespace
@@ -277,12 +281,14 @@ TEST(PipelineMemoryPlan, AGpuThatCannotHoldItsWorkersIsNamedWithTheShortfall) {
   const DrafterConfig d = qwen3_8b_drafter();
   const DrafterLayout layout(d);
   // Two drafter replicas on GPU 1, the target on GPU 0; each GPU gets 1 GiB less than GPU 1's
-  // workers need: GPU 0 fits, GPU 1 does not.
+  // workers need: GPU 0 fits, GPU 1 does not. The replicas recompute their activations (with
+  // training.recompute=auto the plan would switch to recomputing when keeping does not fit).
   const std::string devices = "  target_devices: [0]\n  drafter_devices: [1, 1]\n";
   const uint64_t need =
-      plan_pipeline_memory(qwen3_8b_run(devices), t.config, d, layout).device_total(1);
+      plan_pipeline_memory(qwen3_8b_run(devices, "always"), t.config, d, layout).device_total(1);
   const double gib = static_cast<double>(need - kGiB) / static_cast<double>(kGiB);
-  const RunConfig cfg = qwen3_8b_run(devices + fmt::format("  device_memory_gib: {:.6f}", gib));
+  const RunConfig cfg =
+      qwen3_8b_run(devices + fmt::format("  device_memory_gib: {:.6f}", gib), "always");
   const PipelineMemoryPlan plan = plan_pipeline_memory(cfg, t.config, d, layout);
   EXPECT_EQ(plan.device_total(1), need);
   EXPECT_LE(plan.device_total(0), plan.device_bytes);
@@ -306,6 +312,79 @@ TEST(PipelineMemoryPlan, AGpuThatCannotHoldItsWorkersIsNamedWithTheShortfall) {
   const RunConfig one = qwen3_8b_run("  target_devices: [0]\n  drafter_devices: [1]\n" +
                                      fmt::format("  device_memory_gib: {:.6f}", gib));
   EXPECT_TRUE(plan_pipeline_memory(one, t.config, d, layout).fits());
+}
+
+// training.recompute: auto keeps the drafter's forward activations when that plan fits and
+// recomputes them when it does not; always and never do not look at the budget. The plan that
+// keeps them has each layer's kvin, q, k, hn2 and act of its own (and no shared layer scratch).
+TEST(MemoryPlan, RecomputeAutoKeepsActivationsWhenThePlanFits) {
+  const ModelPreset& t = model_preset("qwen3-8b");
+  const DrafterConfig d = qwen3_8b_drafter();
+  const DrafterLayout layout(d);
+  const std::string one_gpu = "  devices: [0]";
+  const TrainMemoryPlan keep = plan_train_memory(qwen3_8b_run(one_gpu, "never"), t.config, d,
+                                                 layout);
+  const TrainMemoryPlan recompute = plan_train_memory(qwen3_8b_run(one_gpu, "always"), t.config,
+                                                      d, layout);
+  ASSERT_EQ(keep.activations, DrafterActivations::keep);
+  ASSERT_EQ(recompute.activations, DrafterActivations::recompute);
+  expect_no_live_overlap(keep.arena);
+  EXPECT_EQ(keep.arena.try_find("drafter.act"), nullptr);
+  EXPECT_EQ(keep.arena.try_find("drafter.kvin"), nullptr);
+  EXPECT_EQ(recompute.arena.try_find("drafter.layers.4.act"), nullptr);
+  // Per layer: kvin [TK, H], q [NK, QD], k [TK, KD], hn2 [NK, H], act [NK, I], bf16.
+  const uint64_t T = 8192, NK = 2048 * 16, TK = T + NK, H = 4096, QD = 32 * 128, KD = 8 * 128;
+  const uint64_t I = 12288;
+  EXPECT_EQ(planned(keep, "drafter.layers.4.kvin"), TK * H * 2);
+  EXPECT_EQ(planned(keep, "drafter.layers.4.q"), NK * QD * 2);
+  EXPECT_EQ(planned(keep, "drafter.layers.4.k"), TK * KD * 2);
+  EXPECT_EQ(planned(keep, "drafter.layers.4.hn2"), NK * H * 2);
+  EXPECT_EQ(planned(keep, "drafter.layers.4.act"), NK * I * 2);
+  const uint64_t per_layer = (TK * H + NK * QD + TK * KD + NK * H + NK * I) * 2;
+  EXPECT_EQ(keep.arena.group_bytes(kGroupSaved),
+            recompute.arena.group_bytes(kGroupSaved) + 5 * per_layer);
+  EXPECT_EQ(keep.arena.group_bytes(kGroupLayerScratch), 0u);
+  EXPECT_GT(keep.total_bytes(), recompute.total_bytes());
+  std::printf("keep %s, recompute %s\n", format_bytes(keep.total_bytes()).c_str(),
+              format_bytes(recompute.total_bytes()).c_str());
+
+  // auto on 139 GiB: keeping fits, and the table says so.
+  const TrainMemoryPlan roomy = plan_train_memory(qwen3_8b_run(one_gpu), t.config, d, layout);
+  EXPECT_EQ(roomy.activations, DrafterActivations::keep);
+  EXPECT_EQ(roomy.total_bytes(), keep.total_bytes());
+  EXPECT_NE(roomy.table().find("drafter backward: keeps the forward's activations "
+                               "(training.recompute=auto: the plan that keeps them fits)"),
+            std::string::npos)
+      << roomy.table();
+  // auto on a budget between the two: recompute, and it fits; never keeps and does not fit.
+  const double gib = static_cast<double>(keep.total_bytes() - kGiB) / static_cast<double>(kGiB);
+  const std::string tight = one_gpu + fmt::format("\n  device_memory_gib: {:.6f}", gib);
+  const TrainMemoryPlan fallback = plan_train_memory(qwen3_8b_run(tight), t.config, d, layout);
+  EXPECT_EQ(fallback.activations, DrafterActivations::recompute);
+  EXPECT_TRUE(fallback.fits());
+  EXPECT_NE(fallback.table().find("recomputes the forward's activations (training.recompute=auto: "
+                                  "the plan that keeps them does not fit)"),
+            std::string::npos)
+      << fallback.table();
+  const TrainMemoryPlan never = plan_train_memory(qwen3_8b_run(tight, "never"), t.config, d,
+                                                  layout);
+  EXPECT_EQ(never.activations, DrafterActivations::keep);
+  EXPECT_FALSE(never.fits());
+  // The pipeline plan chooses the same way for its drafter workers.
+  const PipelineMemoryPlan pipe = plan_pipeline_memory(qwen3_8b_run(one_gpu), t.config, d, layout);
+  EXPECT_EQ(pipe.activations, DrafterActivations::keep);
+  EXPECT_NE(pipe.workers.back().plan.arena.try_find("drafter.layers.0.q"), nullptr);
+  EXPECT_EQ(plan_pipeline_memory(qwen3_8b_run(tight), t.config, d, layout).activations,
+            DrafterActivations::recompute);
+  // A value other than the three is refused naming the key.
+  try {
+    qwen3_8b_run(one_gpu, "sometimes");
+    ADD_FAILURE() << "training.recompute=sometimes was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("training.recompute must be auto, always or never"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(MemoryPlan, TrainPlanCommandExitsZeroWhenItFitsAndOneWithTheShortfall) {

@@ -1,4 +1,4 @@
-// Tests of src/train/objective (anchors, labels, weights, metrics), src/train/optimizer and
+// Tests of src/model/objective (anchors, labels, weights, metrics), src/train/optimizer and
 // src/core/rng: each rule of DESIGN.md §1 has a test that fails when the rule is broken.
 #include <gtest/gtest.h>
 
@@ -7,7 +7,7 @@
 
 #include "core/error.hpp"
 #include "core/rng.hpp"
-#include "train/objective.hpp"
+#include "model/objective.hpp"
 #include "train/optimizer.hpp"
 
 using namespace dflash;

@@ -14,8 +14,8 @@
 
 #include "core/error.hpp"
 #include "model/drafter_io.hpp"
+#include "model/objective.hpp"
 #include "model/target.hpp"
-#include "train/objective.hpp"
 #include "util/test_util.hpp"
 
 #ifdef DFLASH_HAVE_CUDA

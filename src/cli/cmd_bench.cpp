@@ -29,6 +29,8 @@ void run_bench_command(BenchArgs& a) {
   a.o.graphs_on = a.graphs != "off";
   a.o.graphs_off = a.graphs != "on";
   if (a.mask >= 0) a.o.mask_token_id = a.mask;
+  DFLASH_CHECK(a.o.recompute == "auto" || a.o.recompute == "always" || a.o.recompute == "never",
+               "--recompute must be auto, always or never (got '{}')", a.o.recompute);
   const BenchSetup s = bench_setup(a.o);
   std::vector<std::string> unsupported = cuda_target_unsupported(s.target);
   if (!a.o.target_only) {
@@ -89,6 +91,10 @@ void add_bench_command(CLI::App& app) {
   b->add_option("--graphs", a->graphs, "Time the step with CUDA graphs on, off or both")
       ->capture_default_str();
   b->add_option("--device", a->o.device, "CUDA device")->capture_default_str();
+  b->add_option("--recompute", a->o.recompute,
+                "Drafter backward: recompute the forward's activations (always), keep them "
+                "(never), or keep them when the plan fits (auto), as training.recompute")
+      ->capture_default_str();
   b->add_option("--device-memory-gib", a->o.device_memory_gib, "Device memory for the plan")
       ->capture_default_str();
   b->add_option("--json", a->json, "Also write the figures as JSON to this file (- = stdout)");

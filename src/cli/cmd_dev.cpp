@@ -16,11 +16,11 @@
 
 #include "cli/commands.hpp"
 #include "core/error.hpp"
+#include "core/json_util.hpp"
 #include "model/drafter.hpp"
 #include "model/drafter_io.hpp"
-#include "model/json_util.hpp"
+#include "model/objective.hpp"
 #include "model/safetensors.hpp"
-#include "train/objective.hpp"
 
 namespace dflash::cli {
 

@@ -6,8 +6,8 @@
 #include <numeric>
 
 #include "core/error.hpp"
+#include "core/json_util.hpp"
 #include "core/rng.hpp"
-#include "model/json_util.hpp"
 
 namespace dflash {
 

@@ -75,7 +75,7 @@ struct Batch {
   std::vector<DocSlot> docs;             ///< by row, then by start
   std::vector<int32_t> row_doc_offsets;  ///< rows + 1: row r holds docs [o[r], o[r+1])
   /// Per row: token offsets of its documents, n_docs_in_row + 1 entries from 0 to the row's real
-  /// token count (the `doc_offsets` of train/objective.hpp).
+  /// token count (the `doc_offsets` of model/objective.hpp).
   std::vector<std::vector<int32_t>> doc_offsets;
   int64_t n_docs = 0;
   int64_t n_tokens = 0;      ///< non-padding tokens

@@ -19,10 +19,10 @@
 #include <thread>
 
 #include "core/error.hpp"
+#include "core/json_util.hpp"
 #include "core/log.hpp"
 #include "data/conversation.hpp"
 #include "data/jsonl.hpp"
-#include "model/json_util.hpp"
 
 namespace dflash {
 

@@ -5,8 +5,8 @@
 #include <limits>
 
 #include "core/error.hpp"
+#include "core/json_util.hpp"
 #include "core/log.hpp"
-#include "model/json_util.hpp"
 
 namespace dflash {
 

@@ -25,9 +25,9 @@
 
 #include "core/rng.hpp"
 #include "model/drafter_batch.hpp"
+#include "model/objective.hpp"
 #include "ops/attention.hpp"
 #include "ops/rope.hpp"
-#include "train/objective.hpp"
 
 namespace dflash {
 

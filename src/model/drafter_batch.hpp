@@ -28,8 +28,8 @@
 #include <span>
 #include <vector>
 
+#include "model/objective.hpp"
 #include "ops/attention.hpp"
-#include "train/objective.hpp"
 
 namespace dflash {
 

@@ -12,7 +12,6 @@
 #include <cmath>
 
 #include "backend/cuda/check.hpp"
-#include "backend/cuda/gemm.hpp"
 #include "core/error.hpp"
 #include "model/step_plan.hpp"
 #include "ops/attention.hpp"
@@ -32,34 +31,19 @@ namespace {
 
 constexpr size_t kF = 4;  // bytes of an fp32 value
 
-// y[M,N] (+)= x[M,K] · W[N,K]ᵀ with bf16 x and W; y f32 or bf16.
-void mm_xwt(cuda::CudaContext& ctx, void* y, DType yt, const uint16_t* x, const uint16_t* w,
-            int64_t M, int64_t N, int64_t K, float beta) {
-  cuda::gemm_bf16(ctx, y, yt, N, x, K, false, w, K, true, M, N, K, 1.0f, beta);
-}
-// dx[M,K] (+)= dy[M,N] · W[N,K].
-void mm_dyw(cuda::CudaContext& ctx, void* dx, DType dt, const uint16_t* dy, const uint16_t* w,
-            int64_t M, int64_t N, int64_t K, float beta) {
-  cuda::gemm_bf16(ctx, dx, dt, K, dy, N, false, w, K, false, M, K, N, 1.0f, beta);
-}
-// dW[N,K] f32 += dy[M,N]ᵀ · x[M,K].
-void mm_dw(cuda::CudaContext& ctx, float* dw, const uint16_t* dy, const uint16_t* x, int64_t M,
-           int64_t N, int64_t K) {
-  cuda::gemm_bf16(ctx, dw, DType::f32, K, dy, N, true, x, K, false, N, K, M, 1.0f, 1.0f);
-}
-
 }  // namespace
 
 DrafterCuda::DrafterCuda(cuda::CudaContext& ctx, const DrafterConfig& cfg,
                          const DrafterLayout& layout, int64_t max_ctx, int64_t max_block_rows,
                          const uint16_t* embed, const uint16_t* lm_head, cuda::DeviceArena* arena,
-                         int64_t ce_chunk_rows)
+                         int64_t ce_chunk_rows, DrafterActivations activations)
     : ctx_(ctx),
       cfg_(cfg),
       layout_(layout),
       max_ctx_(max_ctx),
       max_rows_(max_block_rows),
       ce_chunk_rows_(ce_chunk_rows),
+      activations_(activations),
       embed_(embed),
       head_(lm_head),
       rope_scaling_(static_cast<float>(rope_attention_scaling(cfg.rope))) {
@@ -73,7 +57,8 @@ DrafterCuda::DrafterCuda(cuda::CudaContext& ctx, const DrafterConfig& cfg,
   DFLASH_CHECK(embed && lm_head, "DrafterCuda: null embedding or LM head");
   if (!arena) {
     ArenaPlanner p(step_phase_names());
-    plan_drafter_step(p, cfg, layout, DrafterStepSizes{max_ctx, max_block_rows, ce_chunk_rows});
+    plan_drafter_step(p, cfg, layout,
+                      DrafterStepSizes{max_ctx, max_block_rows, ce_chunk_rows, activations});
     own_arena_ = std::make_unique<cuda::DeviceArena>(ctx, p.finish());
     arena = own_arena_.get();
   }
@@ -104,8 +89,16 @@ void DrafterCuda::take_buffers(cuda::DeviceArena& a) {
   grads_ = a.get<float>("drafter.grads", P);
   features_ = a.get<uint16_t>("drafter.features", T * F);
   ctx_pre_ = a.get<float>("drafter.ctx_pre", T * H);
-  kvin_ = a.get<uint16_t>("drafter.kvin", TK * H);
   h0_ = a.get<float>("drafter.h0", NK * H);
+  const bool keep = activations_ == DrafterActivations::keep;
+  LayerBuf shared{};
+  if (!keep) {
+    shared.kvin = a.get<uint16_t>("drafter.kvin", TK * H);
+    shared.q = a.get<uint16_t>("drafter.q", NK * QD);
+    shared.k = a.get<uint16_t>("drafter.k", TK * KD);
+    shared.hn2 = a.get<uint16_t>("drafter.hn2", NK * H);
+    shared.act = a.get<uint16_t>("drafter.act", NK * I);
+  }
   layers_.clear();
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const std::string n = fmt::format("drafter.layers.{}.", l);
@@ -118,12 +111,13 @@ void DrafterCuda::take_buffers(cuda::DeviceArena& a) {
     b.h_mid = a.get<float>(n + "h_mid", NK * H);
     b.gu = a.get<uint16_t>(n + "gu", NK * 2 * I);
     b.h_out = a.get<float>(n + "h_out", NK * H);
+    b.kvin = keep ? a.get<uint16_t>(n + "kvin", TK * H) : shared.kvin;
+    b.q = keep ? a.get<uint16_t>(n + "q", NK * QD) : shared.q;
+    b.k = keep ? a.get<uint16_t>(n + "k", TK * KD) : shared.k;
+    b.hn2 = keep ? a.get<uint16_t>(n + "hn2", NK * H) : shared.hn2;
+    b.act = keep ? a.get<uint16_t>(n + "act", NK * I) : shared.act;
     layers_.push_back(b);
   }
-  q_ = a.get<uint16_t>("drafter.q", NK * QD);
-  k_ = a.get<uint16_t>("drafter.k", TK * KD);
-  hn2_ = a.get<uint16_t>("drafter.hn2", NK * H);
-  act_ = a.get<uint16_t>("drafter.act", NK * I);
   hf_ = a.get<uint16_t>("drafter.hf", NK * H);
   d_hf_ = a.get<float>("drafter.d_hf", NK * H);
   FusedCeParams cp;
@@ -224,49 +218,69 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   float* nullf = nullptr;
   const AttnParams ap{NK, TK, NH, NKV, D, 1.0 / std::sqrt(static_cast<double>(D))};
   cudaStream_t s = ctx_.stream();
-  uint16_t* kvin = kvin_;        // [ctx rows T ; block rows NK] of the k/v projections
-  uint16_t* hn = kvin_ + T * H;  // block rows: norm(x_in) of the current layer
-  // Recomputations of the backward, by the forward's kernels on the forward's inputs.
+  // A layer's kvin holds [ctx rows T ; block rows NK] of its k/v projections; its block rows are
+  // hn = norm(x_in), the input of q_proj.
+  auto hn_of = [&](const LayerBuf& a) { return a.kvin + T * H; };
+  // Activations the backward reads that the forward computes from what it saves: by the same
+  // kernels on the same inputs in the forward and, when recomputed, again in the backward.
+  const bool recompute = activations_ == DrafterActivations::recompute;
   auto norm_rope_q = [&](const LayerBuf& a, int64_t l) {
-    rmsnorm_fwd_cuda(ctx_, q_, nullf, a.q_raw, pf(layer(l).q_norm), NK * NH, D, eps);
-    rope_fwd_cuda(ctx_, q_, q_, pos_q, inv_freq, rope_scaling_, NK, NH, D);
+    rmsnorm_fwd_cuda(ctx_, a.q, nullf, a.q_raw, pf(layer(l).q_norm), NK * NH, D, eps);
+    rope_fwd_cuda(ctx_, a.q, a.q, pos_q, inv_freq, rope_scaling_, NK, NH, D);
   };
   auto norm_rope_k = [&](const LayerBuf& a, int64_t l) {
-    rmsnorm_fwd_cuda(ctx_, k_, nullf, a.k_raw, pf(layer(l).k_norm), TK * NKV, D, eps);
-    rope_fwd_cuda(ctx_, k_, k_, in.pos, inv_freq, rope_scaling_, TK, NKV, D);
+    rmsnorm_fwd_cuda(ctx_, a.k, nullf, a.k_raw, pf(layer(l).k_norm), TK * NKV, D, eps);
+    rope_fwd_cuda(ctx_, a.k, a.k, in.pos, inv_freq, rope_scaling_, TK, NKV, D);
   };
   auto swiglu = [&](const LayerBuf& a) {
-    swiglu_fwd_cuda(ctx_, act_, a.gu, a.gu + I, NK, I, 2 * I);
+    swiglu_fwd_cuda(ctx_, a.act, a.gu, a.gu + I, NK, I, 2 * I);
+  };
+  auto input_norm = [&](const LayerBuf& a, const float* x_in, int64_t l) {
+    rmsnorm_fwd_cuda(ctx_, hn_of(a), nullf, x_in, pf(layer(l).input_layernorm), NK, H, eps);
+  };
+  auto post_norm = [&](const LayerBuf& a, int64_t l) {
+    rmsnorm_fwd_cuda(ctx_, a.hn2, nullf, a.h_mid, pf(layer(l).post_attention_layernorm), NK, H,
+                     eps);
+  };
+  auto embed_blocks = [&] {
+    embedding_fwd_cuda(ctx_, h0_, embed_, in.block_tokens, NK, c.vocab_size, H);
   };
 
   // ---- phase drafter ctx
   DFLASH_CUDA_CHECK(cudaMemsetAsync(grads_, 0, static_cast<size_t>(layout_.total) * kF, s));
-  // ctx = hidden_norm(fc(features)): the first T rows of kvin, shared by every layer.
-  mm_xwt(ctx_, ctx_pre_, DType::f32, in.features, wb(layout_.fc), T, H, F, 0.0f);
-  rmsnorm_fwd_cuda(ctx_, kvin, nullf, ctx_pre_, pf(layout_.hidden_norm), T, H, eps);
-  embedding_fwd_cuda(ctx_, h0_, embed_, in.block_tokens, NK, c.vocab_size, H);
+  // ctx = hidden_norm(fc(features)): the first T rows of layer 0's kvin, copied into the other
+  // layers' kvin when each layer has its own.
+  linear_fwd_cuda(ctx_, ctx_pre_, in.features, wb(layout_.fc), T, F, H);
+  uint16_t* kvin0 = layers_.front().kvin;
+  rmsnorm_fwd_cuda(ctx_, kvin0, nullf, ctx_pre_, pf(layout_.hidden_norm), T, H, eps);
+  for (const LayerBuf& a : layers_) {
+    if (a.kvin == kvin0) continue;
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(a.kvin, kvin0, static_cast<size_t>(T * H) * sizeof(uint16_t),
+                                      cudaMemcpyDeviceToDevice, s));
+  }
+  embed_blocks();
 
   // ---- forward, layer by layer (phases fwd attn, fwd mlp)
   const float* h = h0_;
   for (int64_t l = 0; l < c.num_layers; ++l) {
     LayerBuf& a = layers_[static_cast<size_t>(l)];
     const DrafterLayerOffsets& L = layer(l);
-    rmsnorm_fwd_cuda(ctx_, hn, nullf, h, pf(L.input_layernorm), NK, H, eps);
-    mm_xwt(ctx_, a.q_raw, DType::bf16, hn, wb(L.q_proj), NK, QD, H, 0.0f);
+    input_norm(a, h, l);
+    linear_fwd_cuda(ctx_, a.q_raw, hn_of(a), wb(L.q_proj), NK, H, QD);
     norm_rope_q(a, l);
-    mm_xwt(ctx_, a.k_raw, DType::bf16, kvin, wb(L.k_proj), TK, KD, H, 0.0f);
+    linear_fwd_cuda(ctx_, a.k_raw, a.kvin, wb(L.k_proj), TK, H, KD);
     norm_rope_k(a, l);
-    mm_xwt(ctx_, a.v, DType::bf16, kvin, wb(L.v_proj), TK, KD, H, 0.0f);
-    attention_fwd_cuda(ctx_, a.o, a.lse, q_, k_, a.v, in.ranges, ap);
+    linear_fwd_cuda(ctx_, a.v, a.kvin, wb(L.v_proj), TK, H, KD);
+    attention_fwd_cuda(ctx_, a.o, a.lse, a.q, a.k, a.v, in.ranges, ap);
     DFLASH_CUDA_CHECK(
         cudaMemcpyAsync(a.h_mid, h, static_cast<size_t>(NK * H) * kF, cudaMemcpyDeviceToDevice, s));
-    mm_xwt(ctx_, a.h_mid, DType::f32, a.o, wb(L.o_proj), NK, H, QD, 1.0f);
-    rmsnorm_fwd_cuda(ctx_, hn2_, nullf, a.h_mid, pf(L.post_attention_layernorm), NK, H, eps);
-    mm_xwt(ctx_, a.gu, DType::bf16, hn2_, wb(L.gate_proj), NK, 2 * I, H, 0.0f);  // [gate | up]
+    linear_fwd_acc_cuda(ctx_, a.h_mid, a.o, wb(L.o_proj), NK, QD, H);
+    post_norm(a, l);
+    linear_fwd_cuda(ctx_, a.gu, a.hn2, wb(L.gate_proj), NK, H, 2 * I);  // [gate | up]
     swiglu(a);
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(a.h_out, a.h_mid, static_cast<size_t>(NK * H) * kF,
                                       cudaMemcpyDeviceToDevice, s));
-    mm_xwt(ctx_, a.h_out, DType::f32, act_, wb(L.down_proj), NK, H, I, 1.0f);
+    linear_fwd_acc_cuda(ctx_, a.h_out, a.act, wb(L.down_proj), NK, I, H);
     h = a.h_out;
   }
 
@@ -295,24 +309,26 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
     const DrafterLayerOffsets& L = layer(l);
     // MLP: h_out = h_mid + down(SwiGLU(gu)), gu = norm(h_mid)·Wguᵀ.
     cast_cuda(ctx_, dh_bf_, dh_, NK * H);
-    swiglu(a);
-    linear_bwd_cuda(ctx_, d_act_, gf(L.down_proj), dh_bf_, act_, wb(L.down_proj), NK, I, H);
+    if (recompute) swiglu(a);
+    linear_bwd_cuda(ctx_, d_act_, gf(L.down_proj), dh_bf_, a.act, wb(L.down_proj), NK, I, H);
     swiglu_bwd_cuda(ctx_, d_gu_, d_gu_ + I, d_act_, a.gu, a.gu + I, NK, I, 2 * I);
-    rmsnorm_fwd_cuda(ctx_, hn2_, nullf, a.h_mid, pf(L.post_attention_layernorm), NK, H, eps);
+    if (recompute) post_norm(a, l);
     // gate and up are adjacent in the layout: one [2I, H] linear.
-    linear_bwd_cuda(ctx_, dhn2_, gf(L.gate_proj), d_gu_, hn2_, wb(L.gate_proj), NK, H, 2 * I);
+    linear_bwd_cuda(ctx_, dhn2_, gf(L.gate_proj), d_gu_, a.hn2, wb(L.gate_proj), NK, H, 2 * I);
     rmsnorm_bwd_cuda(ctx_, dtmp_, gf(L.post_attention_layernorm), dhn2_, a.h_mid,
                      pf(L.post_attention_layernorm), NK, H, eps);
     residual_accumulate_cuda(ctx_, dh_, dtmp_, NK * H);  // dh = d(h_mid)
     // Attention: h_mid = x_in + o_proj(o).
     cast_cuda(ctx_, dh_bf_, dh_, NK * H);
     linear_bwd_cuda(ctx_, d_o_, gf(L.o_proj), dh_bf_, a.o, wb(L.o_proj), NK, QD, H);
-    if (l == 0) embedding_fwd_cuda(ctx_, h0_, embed_, in.block_tokens, NK, c.vocab_size, H);
     const float* x_in = l == 0 ? h0_ : layers_[static_cast<size_t>(l - 1)].h_out;
-    rmsnorm_fwd_cuda(ctx_, hn, nullf, x_in, pf(L.input_layernorm), NK, H, eps);
-    norm_rope_q(a, l);
-    norm_rope_k(a, l);
-    attention_bwd_cuda(ctx_, dq_, dk_, dv_, d_o_, q_, k_, a.v, a.o, a.lse, in.ranges, ap);
+    if (recompute) {
+      if (l == 0) embed_blocks();
+      input_norm(a, x_in, l);
+      norm_rope_q(a, l);
+      norm_rope_k(a, l);
+    }
+    attention_bwd_cuda(ctx_, dq_, dk_, dv_, d_o_, a.q, a.k, a.v, a.o, a.lse, in.ranges, ap);
     // q path: rope -> q_norm -> q_proj.
     rope_bwd_cuda(ctx_, dq_, dq_, pos_q, inv_freq, rope_scaling_, NK, NH, D);
     rmsnorm_bwd_cuda(ctx_, dq_raw_, gf(L.q_norm), dq_, a.q_raw, pf(L.q_norm), NK * NH, D, eps);
@@ -320,12 +336,12 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
     rope_bwd_cuda(ctx_, dk_, dk_, in.pos, inv_freq, rope_scaling_, TK, NKV, D);
     rmsnorm_bwd_cuda(ctx_, dk_raw_, gf(L.k_norm), dk_, a.k_raw, pf(L.k_norm), TK * NKV, D, eps);
     // dX[TK, H] = dk_raw·Wk + dv·Wv, then rows [T, TK) += dq_raw·Wq; weight gradients.
-    mm_dyw(ctx_, dx_, DType::f32, dk_raw_, wb(L.k_proj), TK, KD, H, 0.0f);
-    mm_dyw(ctx_, dx_, DType::f32, dv_, wb(L.v_proj), TK, KD, H, 1.0f);
-    mm_dyw(ctx_, dx_ + T * H, DType::f32, dq_raw_, wb(L.q_proj), NK, QD, H, 1.0f);
-    mm_dw(ctx_, gf(L.k_proj), dk_raw_, kvin, TK, KD, H);
-    mm_dw(ctx_, gf(L.v_proj), dv_, kvin, TK, KD, H);
-    mm_dw(ctx_, gf(L.q_proj), dq_raw_, hn, NK, QD, H);
+    linear_bwd_cuda(ctx_, dx_, nullf, dk_raw_, nullptr, wb(L.k_proj), TK, H, KD);
+    linear_bwd_dx_acc_cuda(ctx_, dx_, dv_, wb(L.v_proj), TK, H, KD);
+    linear_bwd_dx_acc_cuda(ctx_, dx_ + T * H, dq_raw_, wb(L.q_proj), NK, H, QD);
+    linear_bwd_cuda(ctx_, nullf, gf(L.k_proj), dk_raw_, a.kvin, wb(L.k_proj), TK, H, KD);
+    linear_bwd_cuda(ctx_, nullf, gf(L.v_proj), dv_, a.kvin, wb(L.v_proj), TK, H, KD);
+    linear_bwd_cuda(ctx_, nullf, gf(L.q_proj), dq_raw_, hn_of(a), wb(L.q_proj), NK, H, QD);
     // input_layernorm of the block rows; ctx rows enter every layer unnormed.
     rmsnorm_bwd_cuda(ctx_, dtmp_, gf(L.input_layernorm), dx_ + T * H, x_in, pf(L.input_layernorm),
                      NK, H, eps);
@@ -342,7 +358,7 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   rmsnorm_bwd_cuda(ctx_, dctx_pre_, gf(layout_.hidden_norm), dctx_, ctx_pre_,
                    pf(layout_.hidden_norm), T, H, eps);
   cast_cuda(ctx_, dctx_bf_, dctx_pre_, T * H);
-  mm_dw(ctx_, gf(layout_.fc), dctx_bf_, in.features, T, H, F);
+  linear_bwd_cuda(ctx_, nullf, gf(layout_.fc), dctx_bf_, in.features, wb(layout_.fc), T, F, H);
 
   grad_sumsq_cuda(ctx_, sumsq_, segs_, 1);
 }

@@ -28,7 +28,7 @@
 #include "backend/cuda/context.hpp"
 #include "model/drafter.hpp"
 #include "model/step_plan.hpp"
-#include "train/optimizer.hpp"
+#include "ops/adamw.hpp"
 
 namespace dflash {
 
@@ -51,12 +51,15 @@ class DrafterCuda {
   /// Takes every buffer from `arena` (the buffers of plan_drafter_step for these capacities and
   /// `ce_chunk_rows`), or from an arena of its own when `arena` is null. `embed` and `lm_head` are
   /// the target's frozen bf16 tables [V, H] on the same device (they must outlive this object).
-  /// Throws dflash::Error for head_dim other than 64/128, non-positive capacities, or an arena
-  /// whose plan lacks a buffer or plans one too small (naming it).
+  /// `activations`: whether the backward recomputes or keeps the forward's activations
+  /// (model/step_plan.hpp; the arena must be planned with the same choice). Both give the same
+  /// bits. Throws dflash::Error for head_dim other than 64/128, non-positive capacities, or an
+  /// arena whose plan lacks a buffer or plans one too small (naming it).
   DrafterCuda(cuda::CudaContext& ctx, const DrafterConfig& cfg, const DrafterLayout& layout,
               int64_t max_ctx, int64_t max_block_rows, const uint16_t* embed,
               const uint16_t* lm_head, cuda::DeviceArena* arena = nullptr,
-              int64_t ce_chunk_rows = kDrafterCeChunkRows);
+              int64_t ce_chunk_rows = kDrafterCeChunkRows,
+              DrafterActivations activations = DrafterActivations::recompute);
 
   /// Copies master weights and AdamW moments (layout.total values each) to the device and
   /// refreshes the bf16 copy. Synchronous.
@@ -111,15 +114,19 @@ class DrafterCuda {
   double grad_norm();
 
  private:
-  // Saved activations of one layer (see model/step_plan.hpp).
+  // Saved activations of one layer (see model/step_plan.hpp), and where its kvin [ctx ;
+  // norm(x_in)], q, k (after norm + RoPE), hn2 = norm(h_mid) and act = SwiGLU(gu) live: the
+  // layer's own buffers when kept, the buffers shared by every layer when recomputed.
   struct LayerBuf {
     uint16_t *q_raw, *k_raw, *v, *o, *gu;
     float *lse, *h_mid, *h_out;
+    uint16_t *kvin, *q, *k, *hn2, *act;
   };
   cuda::CudaContext& ctx_;
   DrafterConfig cfg_;
   DrafterLayout layout_;
   int64_t max_ctx_, max_rows_, ce_chunk_rows_;
+  DrafterActivations activations_;
   const uint16_t* embed_;
   const uint16_t* head_;
   float rope_scaling_;
@@ -130,8 +137,8 @@ class DrafterCuda {
   AdamWSegment* segs_;
   double *sumsq_, *sums_;
   int32_t* argmax_;
-  // Step buffers and the per-layer scratch shared by all layers.
-  uint16_t *features_, *kvin_, *q_, *k_, *hn2_, *act_, *hf_;
+  // Step buffers (per-layer buffers: LayerBuf).
+  uint16_t *features_, *hf_;
   float *ctx_pre_, *h0_, *d_hf_;
   void* ce_ws_;
   uint64_t ce_ws_bytes_;

@@ -9,9 +9,9 @@
 
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "core/json_util.hpp"
 #include "core/tensor.hpp"
 #include "data/tokenizer.hpp"
-#include "model/json_util.hpp"
 #include "model/safetensors.hpp"
 
 namespace dflash {

@@ -11,8 +11,8 @@
 #include <set>
 
 #include "core/error.hpp"
+#include "core/json_util.hpp"
 #include "core/log.hpp"
-#include "model/json_util.hpp"
 
 namespace dflash {
 

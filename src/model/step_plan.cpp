@@ -8,11 +8,11 @@
 #include <algorithm>
 
 #include "core/error.hpp"
+#include "ops/adamw.hpp"
 #include "ops/attention.hpp"
 #include "ops/cross_entropy.hpp"
 #include "ops/moe.hpp"
 #include "ops/rmsnorm.hpp"
-#include "train/optimizer.hpp"
 
 namespace dflash {
 
@@ -200,6 +200,10 @@ void plan_target_activations(ArenaPlanner& p, const ModelConfig& c, int64_t n_la
   }
 }
 
+const char* drafter_activations_name(DrafterActivations a) {
+  return a == DrafterActivations::keep ? "keep" : "recompute";
+}
+
 void plan_drafter_step(ArenaPlanner& p, const DrafterConfig& c, const DrafterLayout& layout,
                        const DrafterStepSizes& s) {
   DFLASH_CHECK(
@@ -231,13 +235,18 @@ void plan_drafter_step(ArenaPlanner& p, const DrafterConfig& c, const DrafterLay
   p.add("drafter.features", kGroupStep, T * F * kBf, step_phase_range(kPhaseTarget, kPhaseBwdCtx));
   p.add("drafter.ctx_pre", kGroupStep, T * H * kF,
         step_phase_range(kPhaseDrafterCtx, kPhaseBwdCtx));
-  // [ctx ; norm(block)] rows of the k/v GEMMs: ctx rows once per step, block rows per layer.
-  p.add("drafter.kvin", kGroupStep, TK * H * kBf,
-        step_phase_range(kPhaseDrafterCtx, kPhaseBwdAttn));
+  const bool keep = s.activations == DrafterActivations::keep;
+  // [ctx ; norm(block)] rows of the k/v GEMMs: ctx rows once per step, block rows per layer (one
+  // buffer for every layer, or with `keep` one per layer, its ctx rows copied from layer 0's).
+  if (!keep) {
+    p.add("drafter.kvin", kGroupStep, TK * H * kBf,
+          step_phase_range(kPhaseDrafterCtx, kPhaseBwdAttn));
+  }
   // Block embeddings (x_in of layer 0): written in ctx, read in layer 0's attention half, and
-  // looked up again in its backward.
+  // looked up again in its backward (kept until then with `keep`).
   p.add("drafter.h0", kGroupStep, NK * H * kF,
-        step_phases({kPhaseDrafterCtx, kPhaseFwdAttn, kPhaseBwdAttn}));
+        keep ? step_phase_range(kPhaseDrafterCtx, kPhaseBwdAttn)
+             : step_phases({kPhaseDrafterCtx, kPhaseFwdAttn, kPhaseBwdAttn}));
 
   const PhaseMask saved = step_phase_range(kPhaseFwdAttn, kPhaseBwdAttn);
   for (int64_t l = 0; l < c.num_layers; ++l) {
@@ -250,14 +259,24 @@ void plan_drafter_step(ArenaPlanner& p, const DrafterConfig& c, const DrafterLay
     p.add(n + "h_mid", kGroupSaved, NK * H * kF, saved);
     p.add(n + "gu", kGroupSaved, NK * 2 * I * kBf, saved);
     p.add(n + "h_out", kGroupSaved, NK * H * kF, saved);
+    if (keep) {
+      p.add(n + "kvin", kGroupSaved, TK * H * kBf,
+            step_phase_range(kPhaseDrafterCtx, kPhaseBwdAttn));
+      p.add(n + "q", kGroupSaved, NK * QD * kBf, saved);
+      p.add(n + "k", kGroupSaved, TK * KD * kBf, saved);
+      p.add(n + "hn2", kGroupSaved, NK * H * kBf, saved);
+      p.add(n + "act", kGroupSaved, NK * I * kBf, saved);
+    }
   }
-  // One set for all layers: written in a forward half, recomputed in the backward half.
-  const PhaseMask attn = step_phases({kPhaseFwdAttn, kPhaseBwdAttn});
-  const PhaseMask mlp = step_phases({kPhaseFwdMlp, kPhaseBwdMlp});
-  p.add("drafter.q", kGroupLayerScratch, NK * QD * kBf, attn);
-  p.add("drafter.k", kGroupLayerScratch, TK * KD * kBf, attn);
-  p.add("drafter.hn2", kGroupLayerScratch, NK * H * kBf, mlp);
-  p.add("drafter.act", kGroupLayerScratch, NK * I * kBf, mlp);
+  if (!keep) {
+    // One set for all layers: written in a forward half, recomputed in the backward half.
+    const PhaseMask attn = step_phases({kPhaseFwdAttn, kPhaseBwdAttn});
+    const PhaseMask mlp = step_phases({kPhaseFwdMlp, kPhaseBwdMlp});
+    p.add("drafter.q", kGroupLayerScratch, NK * QD * kBf, attn);
+    p.add("drafter.k", kGroupLayerScratch, TK * KD * kBf, attn);
+    p.add("drafter.hn2", kGroupLayerScratch, NK * H * kBf, mlp);
+    p.add("drafter.act", kGroupLayerScratch, NK * I * kBf, mlp);
+  }
 
   // Final norm and the fused CE.
   const PhaseMask head = step_phases({kPhaseHead});

@@ -5,13 +5,17 @@
 // classes take every buffer from an arena packed from these same entries (by name, checked against
 // the planned size), so the plan is the allocation.
 //
-// What the drafter keeps for its backward (everything else is recomputed there from what is kept,
-// by the same kernels on the same inputs, so the recomputed values have the forward's bits):
-//   per layer: q_raw, k_raw, v, o, lse (attention), h_mid and h_out (fp32 residual stream), gu
-//   (gate|up); not kept: the block rows of norm(x_in) (recomputed from x_in), q and k after
-//   norm + RoPE (from q_raw, k_raw), norm(h_mid) (from h_mid), SwiGLU(gu), and the block
-//   embeddings h0 (a table lookup). The context rows ctx = hidden_norm(fc(features)) are computed
-//   once and shared by every layer. Cost: 4 elementwise kernels and one norm per layer, no GEMM.
+// What the drafter keeps for its backward, always: per layer q_raw, k_raw, v, o, lse
+// (attention), h_mid and h_out (fp32 residual stream), gu (gate|up). The rest of what the
+// backward reads is either recomputed there from what is kept (DrafterActivations::recompute:
+// the block rows of norm(x_in) from x_in, q and k after norm + RoPE from q_raw and k_raw,
+// norm(h_mid) from h_mid, SwiGLU(gu), and the block embeddings h0, a table lookup; cost: 4
+// elementwise kernels and 3 norms per layer, no GEMM) or kept from the forward as well
+// (DrafterActivations::keep: per layer its own kvin [ctx ; norm(x_in)], q, k, hn2 and act, and h0
+// live until the backward). Recomputing runs the forward's kernels on the forward's inputs, so
+// both give the same bits; keep costs memory ((TK + NK)·H + NK·QD + TK·KD + NK·I bf16 values per
+// layer), recompute costs time. The context rows ctx = hidden_norm(fc(features)) are computed
+// once per step (copied into each layer's kvin when kept).
 //
 // Phases (StepPhase) are the order of work in one step; a buffer's phase set is every phase from
 // its first write to its last read, so buffers of disjoint sets can share memory.
@@ -54,11 +58,18 @@ PhaseMask step_all_phases();
 /// Rows per chunk of the drafter's fused LM-head CE (its workspace is rows·V·6 bytes).
 inline constexpr int64_t kDrafterCeChunkRows = 8192;
 
-/// Largest shapes a drafter step is planned for.
+/// How the drafter's backward gets the activations the forward computes but need not keep (see the
+/// file comment): recomputed in the backward, or kept from the forward.
+enum class DrafterActivations { recompute, keep };
+/// "recompute" or "keep".
+const char* drafter_activations_name(DrafterActivations a);
+
+/// Largest shapes a drafter step is planned for, and what its backward keeps.
 struct DrafterStepSizes {
   int64_t max_ctx = 0;        ///< context rows T
   int64_t max_rows = 0;       ///< block rows NK (a multiple of the block size)
   int64_t ce_chunk_rows = 0;  ///< rows per chunk of the fused LM-head CE
+  DrafterActivations activations = DrafterActivations::recompute;
 };
 
 /// Group names used in the tables.

@@ -7,8 +7,8 @@
 #include <string>
 
 #include "core/error.hpp"
+#include "core/json_util.hpp"
 #include "core/log.hpp"
-#include "model/json_util.hpp"
 #include "model/safetensors.hpp"
 #include "model/weights.hpp"
 #include "ops/attention.hpp"

@@ -11,7 +11,6 @@
 #include <cmath>
 
 #include "backend/cuda/check.hpp"
-#include "backend/cuda/gemm.hpp"
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "model/step_plan.hpp"
@@ -437,7 +436,7 @@ void TargetCuda::forward_taps(uint16_t* taps, const int32_t* tokens, const int32
     ap.sinks = L.sinks;  // null unless gpt-oss
     attention_fwd_cuda(ctx_, o, nullptr, q, k, v, L.sliding ? win_ : ranges, ap);
     // x += o · Woᵀ (+ bo) (the GEMM accumulates into the fp32 residual stream).
-    cuda::gemm_bf16(ctx_, x, DType::f32, H, o, QD, false, L.wo, QD, true, T, H, QD, 1.0f, 1.0f);
+    linear_fwd_acc_cuda(ctx_, x, o, L.wo, T, QD, H);
     if (L.bo) bias_add_cuda(ctx_, x, L.bo, T, H);
     rmsnorm_fwd_cuda(ctx_, hn, static_cast<float*>(nullptr), x, L.post_norm, T, H, eps);
     if (L.is_moe) {
@@ -446,7 +445,7 @@ void TargetCuda::forward_taps(uint16_t* taps, const int32_t* tokens, const int32
       // row t: [gate | up] (+ [bgate | bup])
       linear_fwd_cuda(ctx_, gu, hn, L.wgu, L.bgu, T, H, 2 * I);
       swiglu_fwd_cuda(ctx_, act, gu, gu + I, T, I, 2 * I);
-      cuda::gemm_bf16(ctx_, x, DType::f32, H, act, I, false, L.wdown, I, true, T, H, I, 1.0f, 1.0f);
+      linear_fwd_acc_cuda(ctx_, x, act, L.wdown, T, I, H);
       if (L.bdown) bias_add_cuda(ctx_, x, L.bdown, T, H);
     }
     bool converted = false;

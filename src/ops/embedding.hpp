@@ -32,7 +32,7 @@ namespace cuda {
 class CudaContext;
 }
 
-/// CUDA gather (src/backend/cuda/ops_cuda.cpp): device pointers, enqueued on ctx's stream.
+/// CUDA gather (src/backend/cuda/embedding_cuda.cpp): device pointers, enqueued on ctx's stream.
 /// Y, W ∈ {float, uint16_t (bf16 bits)}. Ids are NOT range-checked on the host (they live on the
 /// device; validate them where they are made): a row whose id is outside [0, V) becomes NaN, never
 /// an out-of-bounds read. No backward on CUDA (the target's tables are frozen).

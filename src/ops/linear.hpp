@@ -10,7 +10,7 @@
 // every row with the same summation order whatever T is (backend/cpu/few_rows.hpp): a token
 // decoded alone and the same token inside a verified block get bit-identical outputs. Larger T
 // (and double) go through the OpenBLAS GEMM.
-// A CUDA entry point with the same arguments will sit next to each CPU one (`linear_fwd_cuda`).
+// The CUDA entry points (bf16 x and W through cuBLASLt, fp32 accumulation) sit below the CPU ones.
 #pragma once
 
 #include <cstdint>
@@ -48,6 +48,11 @@ class CudaContext;
 template <typename Y>
 void linear_fwd_cuda(cuda::CudaContext& ctx, Y* y, const uint16_t* x, const uint16_t* w_bf16,
                      int64_t T, int64_t IN, int64_t OUT);
+/// CUDA y[T,OUT] += x[T,IN]·W[OUT,IN]ᵀ: the same GEMM with beta = 1, accumulating into y (the
+/// fp32 residual stream of an o_proj or down_proj, in fp32 before any rounding of y).
+template <typename Y>
+void linear_fwd_acc_cuda(cuda::CudaContext& ctx, Y* y, const uint16_t* x, const uint16_t* w_bf16,
+                         int64_t T, int64_t IN, int64_t OUT);
 /// CUDA y[T,OUT] = x·Wᵀ + bias[OUT]: the GEMM above, then bias_add_cuda (`bias` null: none).
 template <typename Y>
 void linear_fwd_cuda(cuda::CudaContext& ctx, Y* y, const uint16_t* x, const uint16_t* w_bf16,
@@ -63,6 +68,11 @@ template <typename DX>
 void linear_bwd_cuda(cuda::CudaContext& ctx, DX* dx, float* dw, const uint16_t* dy,
                      const uint16_t* x, const uint16_t* w_bf16, int64_t T, int64_t IN,
                      int64_t OUT);
+/// CUDA dx[T,IN] += dy[T,OUT]·W[OUT,IN] (the input-gradient GEMM of linear_bwd_cuda with beta =
+/// 1: a second linear reading the same input adds its gradient). DX ∈ {float, bf16 bits}.
+template <typename DX>
+void linear_bwd_dx_acc_cuda(cuda::CudaContext& ctx, DX* dx, const uint16_t* dy,
+                            const uint16_t* w_bf16, int64_t T, int64_t IN, int64_t OUT);
 #endif
 
 }  // namespace dflash

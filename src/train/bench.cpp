@@ -12,9 +12,9 @@
 #include "core/rng.hpp"
 #include "model/drafter_batch.hpp"
 #include "model/drafter_io.hpp"
+#include "model/objective.hpp"
 #include "model/presets.hpp"
 #include "model/step_plan.hpp"
-#include "train/objective.hpp"
 #include "train/optimizer.hpp"
 
 #ifdef DFLASH_HAVE_CUDA
@@ -85,8 +85,14 @@ TrainMemoryPlan bench_plan(const BenchSetup& s, const BenchOptions& o) {
     return plan_target_forward_memory(s.target, s.drafter.target_layer_ids, o.rows * o.token_budget,
                                       o.device_memory_gib);
   }
-  return plan_train_memory(s.target, s.drafter, DrafterLayout(s.drafter), s.capacity,
-                           o.device_memory_gib);
+  const DrafterLayout layout(s.drafter);
+  return plan_with_recompute_policy<TrainMemoryPlan>(
+      o.recompute,
+      [&](DrafterActivations a) {
+        return plan_train_memory(s.target, s.drafter, layout, s.capacity, o.device_memory_gib,
+                                 kDrafterCeChunkRows, a);
+      },
+      [](const TrainMemoryPlan& p) { return p.fits(); });
 }
 
 std::string bench_shortfall_message(const BenchSetup& s, const BenchOptions& o) {
@@ -99,8 +105,9 @@ std::string bench_shortfall_message(const BenchSetup& s, const BenchOptions& o) 
                                             o.device_memory_gib)
               .fits();
         }
-        const TrainStepCapacity cap{o.rows * budget, o.rows * blocks};
-        return plan_train_memory(s.target, s.drafter, layout, cap, o.device_memory_gib).fits();
+        BenchSetup at = s;
+        at.capacity = TrainStepCapacity{o.rows * budget, o.rows * blocks};
+        return bench_plan(at, o).fits();
       });
   if (!o.target_only) {
     return plan_shortfall_message(bench_plan(s, o), fit, "--token-budget", "blocks per row");
@@ -228,6 +235,7 @@ std::string bench_table(const BenchReport& r) {
 nlohmann::json bench_json(const BenchReport& r) {
   nlohmann::json j;
   j["header"] = r.header;
+  j["drafter_activations"] = r.activations;
   for (const BenchPhase& p : r.phases) {
     j["phases"].push_back({{"name", p.name},
                            {"ms", jnum(p.ms)},
@@ -547,7 +555,7 @@ BenchReport run_bench(const BenchOptions& o) {
   cuda::DeviceArena arena(ctx, plan.arena);
   TargetCuda target(ctx, s.target, o.seed + 1, plan.T, plan.target_layers, &arena);
   DrafterCuda drafter(ctx, s.drafter, layout, plan.T, plan.NK, target.embed(), target.lm_head(),
-                      &arena);
+                      &arena, kDrafterCeChunkRows, plan.activations);
   drafter.randomize_state(o.seed + 2);
   const auto T = static_cast<size_t>(plan.T), NK = static_cast<size_t>(plan.NK);
   Staged tokens(arena, "inputs.tokens", T * 4), tranges(arena, "inputs.target_ranges", T * 16);
@@ -562,16 +570,18 @@ BenchReport run_bench(const BenchOptions& o) {
   r.planned_bytes = static_cast<double>(plan.total_bytes());
   r.arena_bytes = static_cast<double>(plan.arena.arena_bytes);
   r.tokens_per_step = s.tokens;
+  r.activations = drafter_activations_name(plan.activations);
   r.documents = o.rows * s.docs_per_row;
   r.doc_length = o.doc_length;
   r.steps = o.steps;
   r.header = fmt::format(
       "dflash bench: {}, random weights; drafter {} layers, taps [{}], block {}; {} row(s) x {} "
       "tokens ({} documents of {} per row), {} anchors per document: {} blocks ({} block rows); "
-      "{}",
+      "the backward {} the forward's activations ({}); {}",
       s.model_name, s.drafter.num_layers, fmt::join(s.drafter.target_layer_ids, ","), o.block_size,
       o.rows, o.token_budget, s.docs_per_row, o.doc_length, o.anchors, s.blocks, plan.NK,
-      cuda::device_description(o.device));
+      plan.activations == DrafterActivations::keep ? "keeps" : "recomputes",
+      plan.activations_reason, cuda::device_description(o.device));
 
   cudaStream_t st = ctx.stream();
   HostBatch batch = make_rows(s, o);

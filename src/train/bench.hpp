@@ -55,6 +55,9 @@ struct BenchOptions {
   double device_memory_gib = 139.0;
   bool graphs_off = true, graphs_on = true;  ///< which step modes to time
   bool target_only = false;  ///< time the target's tap forward alone (no drafter, no kernels)
+  /// The drafter backward's activations, as training.recompute: auto (keep them when the plan
+  /// with them fits device_memory_gib), always (recompute), never (keep).
+  std::string recompute = "auto";
   uint64_t seed = 0;
 };
 
@@ -105,6 +108,8 @@ struct BenchReport {
   double host_ms_on = NAN, step_ms_on = NAN, device_ms_on = NAN;
   std::vector<BenchKernel> kernels;
   int64_t tokens_per_step = 0;
+  /// The drafter backward's activations: "keep" or "recompute" ("" with --target-only).
+  std::string activations;
   double planned_bytes = NAN, arena_bytes = NAN;  ///< the plan's total and arena
   double context_bytes = NAN;  ///< measured: device memory in use after context creation
   double used_bytes = NAN;     ///< measured: device memory in use after the steps (cudaMemGetInfo)

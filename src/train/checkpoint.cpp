@@ -7,8 +7,8 @@
 #include "core/digest.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "core/json_util.hpp"
 #include "model/drafter_io.hpp"
-#include "model/json_util.hpp"
 #include "model/safetensors.hpp"
 #include "train/run_config.hpp"
 

@@ -3,7 +3,7 @@
 // Target stage: TargetModel::forward_taps over the batch's packed context (f32 features).
 // Drafter stage: drafter_train_step<float> over the whole DrafterBatch (one packed sequence; equal
 // to the sum over its rows, tests/drafter_batch_test.cpp), gradient norm in double in index order
-// (sum_squares_cpu), AdamW of src/train/optimizer.hpp on fp32 master weights.
+// (sum_squares_cpu), AdamW of src/ops/adamw.hpp on fp32 master weights.
 //
 // Data parallelism: with a collective (several replicas), each replica computes the gradient of its
 // batch's Σw·CE divided by the whole step's Σw (DrafterBatch::loss_normaliser), update() sums the

@@ -300,7 +300,8 @@ class CudaDrafterStage final : public DrafterStage {
     const uint16_t* head =
         tied ? embed : upload_bf16_table(a, kDrafterWorkerLmHead, model.lm_head());
     drafter_ =
-        std::make_unique<DrafterCuda>(*ctx_, cfg, layout, max_ctx_, max_rows_, embed, head, &a);
+        std::make_unique<DrafterCuda>(*ctx_, cfg, layout, max_ctx_, max_rows_, embed, head, &a,
+                                      kDrafterCeChunkRows, plan.activations);
     const auto T = static_cast<size_t>(max_ctx_), NK = static_cast<size_t>(max_rows_);
     tokens_.resize(T);
     context_ranges_.resize(T);
@@ -552,7 +553,7 @@ std::unique_ptr<DrafterStage> cuda_drafter_stage_create(
                "cuda drafter stage: CUDA device {} does not exist ({} visible)", device, n);
   const TrainMemoryPlan plan = plan_drafter_worker_memory(
       target.config(), cfg, layout, TrainStepCapacity{opts.max_context_tokens, opts.max_blocks},
-      opts.device_memory_gib);
+      opts.device_memory_gib, kDrafterCeChunkRows, opts.drafter_activations);
   return std::make_unique<CudaDrafterStage>(device, target, cfg, layout, plan, opts.cuda_graphs,
                                             opts.adam, opts.clip_grad_norm, group, replica);
 }

@@ -106,7 +106,8 @@ CudaTrainBackend::CudaTrainBackend(int device, const TargetModel& target, const 
   arena_ = std::make_unique<cuda::DeviceArena>(*ctx_, plan.arena);
   target_ = std::make_unique<TargetCuda>(*ctx_, target, plan.T, plan.target_layers, arena_.get());
   drafter_ = std::make_unique<DrafterCuda>(*ctx_, cfg, layout, plan.T, plan.NK, target_->embed(),
-                                           target_->lm_head(), arena_.get());
+                                           target_->lm_head(), arena_.get(), kDrafterCeChunkRows,
+                                           plan.activations);
   in_ = std::make_unique<Inputs>();
   const auto T = static_cast<size_t>(plan.T), NK = static_cast<size_t>(plan.NK);
   cuda::DeviceArena& a = *arena_;
@@ -357,7 +358,7 @@ TrainBackend cuda_train_backend_create(const TrainBackendOptions& opts, const Ta
 #ifdef DFLASH_HAVE_CUDA
   const TrainMemoryPlan plan = plan_train_memory(
       target.config(), cfg, layout, TrainStepCapacity{opts.max_context_tokens, opts.max_blocks},
-      opts.device_memory_gib);
+      opts.device_memory_gib, kDrafterCeChunkRows, opts.drafter_activations);
   DFLASH_CHECK(plan.fits(),
                "the training step does not fit the device: it needs {} and "
                "runtime.device_memory_gib allows {} (dflash train --plan names the largest token "

@@ -29,12 +29,14 @@ TrainStepCapacity train_step_capacity(const RunConfig& cfg) {
 
 TrainMemoryPlan plan_train_memory(const ModelConfig& target, const DrafterConfig& drafter,
                                   const DrafterLayout& layout, const TrainStepCapacity& cap,
-                                  double device_memory_gib, int64_t ce_chunk_rows) {
+                                  double device_memory_gib, int64_t ce_chunk_rows,
+                                  DrafterActivations activations) {
   DFLASH_CHECK(cap.ctx_rows > 0 && cap.blocks > 0,
                "memory plan: {} context rows and {} blocks per step", cap.ctx_rows, cap.blocks);
   DFLASH_CHECK(device_memory_gib > 0, "runtime.device_memory_gib must be > 0, got {}",
                device_memory_gib);
   TrainMemoryPlan plan;
+  plan.activations = activations;
   plan.T = cap.ctx_rows;
   plan.NK = padded_block_rows(cap.blocks, drafter.block_size);
   plan.target_layers = target_layers_needed(target, drafter.target_layer_ids);
@@ -43,7 +45,7 @@ TrainMemoryPlan plan_train_memory(const ModelConfig& target, const DrafterConfig
   ArenaPlanner p(step_phase_names());
   plan_target_weights(p, target, plan.target_layers);
   plan_target_activations(p, target, plan.target_layers, plan.T);
-  const DrafterStepSizes sizes{plan.T, plan.NK, ce_chunk_rows};
+  const DrafterStepSizes sizes{plan.T, plan.NK, ce_chunk_rows, activations};
   plan_drafter_step(p, drafter, layout, sizes);
   plan_op_scratch(p, target, plan.target_layers, drafter, sizes);
   // Inputs of a step, staged from pinned host buffers (train/cuda_train.cpp).
@@ -124,10 +126,12 @@ TrainMemoryPlan plan_target_worker_memory(const ModelConfig& target, const Draft
 TrainMemoryPlan plan_drafter_worker_memory(const ModelConfig& target, const DrafterConfig& drafter,
                                            const DrafterLayout& layout,
                                            const TrainStepCapacity& cap, double device_memory_gib,
-                                           int64_t ce_chunk_rows) {
+                                           int64_t ce_chunk_rows,
+                                           DrafterActivations activations) {
   DFLASH_CHECK(cap.ctx_rows > 0 && cap.blocks > 0,
                "memory plan: {} context rows and {} blocks per step", cap.ctx_rows, cap.blocks);
   TrainMemoryPlan plan;
+  plan.activations = activations;
   plan.device_bytes = budget_bytes(device_memory_gib);
   plan.T = cap.ctx_rows;
   plan.NK = padded_block_rows(cap.blocks, drafter.block_size);
@@ -138,7 +142,7 @@ TrainMemoryPlan plan_drafter_worker_memory(const ModelConfig& target, const Draf
       static_cast<uint64_t>(target.vocab_size) * static_cast<uint64_t>(target.hidden_size) * 2;
   p.add(kDrafterWorkerEmbed, kGroupTargetWeights, table, all);
   if (!target.tie_word_embeddings) p.add(kDrafterWorkerLmHead, kGroupTargetWeights, table, all);
-  const DrafterStepSizes sizes{plan.T, plan.NK, ce_chunk_rows};
+  const DrafterStepSizes sizes{plan.T, plan.NK, ce_chunk_rows, activations};
   plan_drafter_step(p, drafter, layout, sizes);
   plan_op_scratch(p, target, 0, drafter, sizes);
   const auto T = static_cast<uint64_t>(plan.T), NK = static_cast<uint64_t>(plan.NK);
@@ -183,6 +187,13 @@ bool PipelineMemoryPlan::fits() const {
 
 namespace {
 
+// "drafter backward: keeps the forward's activations (<reason>)", or "recomputes ...".
+std::string activations_line(DrafterActivations a, const std::string& reason) {
+  return fmt::format("drafter backward: {} the forward's activations{}",
+                     a == DrafterActivations::keep ? "keeps" : "recomputes",
+                     reason.empty() ? std::string() : " (" + reason + ")");
+}
+
 // "target0, drafter0" on `device`.
 std::string workers_on(const PipelineMemoryPlan& plan, int device) {
   std::string s;
@@ -199,6 +210,7 @@ std::string PipelineMemoryPlan::table() const {
   for (const WorkerMemoryPlan& w : workers) {
     s += fmt::format("{} on GPU {}: {}\n", w.worker, w.device, w.plan.table(false));
   }
+  s += activations_line(activations, activations_reason) + "\n";
   for (int d : devices()) {
     const uint64_t total = device_total(d);
     const bool nccl =
@@ -216,9 +228,11 @@ std::string PipelineMemoryPlan::table() const {
 
 PipelineMemoryPlan plan_pipeline_memory(const PipelineTopology& topo, const ModelConfig& target,
                                         const DrafterConfig& drafter, const DrafterLayout& layout,
-                                        const TrainStepCapacity& cap, double device_memory_gib) {
+                                        const TrainStepCapacity& cap, double device_memory_gib,
+                                        DrafterActivations activations) {
   PipelineMemoryPlan out;
   out.device_bytes = budget_bytes(device_memory_gib);
+  out.activations = activations;
   const int64_t buffers = target_feature_buffers(topo);
   for (int t = 0; t < topo.targets(); ++t) {
     out.workers.push_back(
@@ -230,7 +244,8 @@ PipelineMemoryPlan plan_pipeline_memory(const PipelineTopology& topo, const Mode
     out.workers.push_back(
         {PipelineTopology::worker_name(WorkerStage::drafter, r),
          topo.drafter_devices[static_cast<size_t>(r)],
-         plan_drafter_worker_memory(target, drafter, layout, cap, device_memory_gib)});
+         plan_drafter_worker_memory(target, drafter, layout, cap, device_memory_gib,
+                                    kDrafterCeChunkRows, activations)});
   }
   if (topo.uses_nccl()) out.nccl_devices = topo.drafter_devices;
   return out;
@@ -238,8 +253,13 @@ PipelineMemoryPlan plan_pipeline_memory(const PipelineTopology& topo, const Mode
 
 PipelineMemoryPlan plan_pipeline_memory(const RunConfig& cfg, const ModelConfig& target,
                                         const DrafterConfig& drafter, const DrafterLayout& layout) {
-  return plan_pipeline_memory(topology_of(cfg.runtime), target, drafter, layout,
-                              train_step_capacity(cfg), cfg.runtime.device_memory_gib);
+  return plan_with_recompute_policy<PipelineMemoryPlan>(
+      cfg.training.recompute,
+      [&](DrafterActivations a) {
+        return plan_pipeline_memory(topology_of(cfg.runtime), target, drafter, layout,
+                                    train_step_capacity(cfg), cfg.runtime.device_memory_gib, a);
+      },
+      [](const PipelineMemoryPlan& p) { return p.fits(); });
 }
 
 FittingBudget largest_fitting_pipeline_budget(const RunConfig& cfg, const ModelConfig& target,
@@ -278,8 +298,18 @@ std::string pipeline_shortfall_message(const PipelineMemoryPlan& plan, const Fit
 
 TrainMemoryPlan plan_train_memory(const RunConfig& cfg, const ModelConfig& target,
                                   const DrafterConfig& drafter, const DrafterLayout& layout) {
-  return plan_train_memory(target, drafter, layout, train_step_capacity(cfg),
-                           cfg.runtime.device_memory_gib);
+  return plan_with_recompute_policy<TrainMemoryPlan>(
+      cfg.training.recompute,
+      [&](DrafterActivations a) {
+        return plan_train_memory(target, drafter, layout, train_step_capacity(cfg),
+                                 cfg.runtime.device_memory_gib, kDrafterCeChunkRows, a);
+      },
+      [](const TrainMemoryPlan& p) { return p.fits(); });
+}
+
+void check_recompute_policy(const std::string& policy) {
+  DFLASH_CHECK(policy == "auto" || policy == "always" || policy == "never",
+               "training.recompute must be auto, always or never, got '{}'", policy);
 }
 
 FittingBudget largest_fitting_budget(int64_t token_budget, int64_t block_budget,
@@ -333,6 +363,7 @@ std::string TrainMemoryPlan::table(bool device_totals) const {
       fmt::format("memory plan: {} context rows, {}, {} target layers uploaded\n", T,
                   NK > 0 ? fmt::format("{} block rows", NK) : std::string("target forward only"),
                   target_layers);
+  if (NK > 0) s += "  " + activations_line(activations, activations_reason) + "\n";
   for (const std::string& g : arena.groups()) {
     s += fmt::format("  {:<58} {:>12}\n", g, format_bytes(arena.group_bytes(g)));
   }

@@ -64,6 +64,10 @@ struct TrainMemoryPlan {
   uint64_t context_bytes = kCudaContextBytes;
   uint64_t cublaslt_bytes = kCublasLtWorkspaceBytes;
   uint64_t device_bytes = 0;  ///< the budget (runtime.device_memory_gib)
+  /// What the drafter's backward does with the forward's activations (model/step_plan.hpp).
+  DrafterActivations activations = DrafterActivations::recompute;
+  /// Why (training.recompute and, for auto, whether keeping fits); "" when no drafter is planned.
+  std::string activations_reason;
 
   /// Arena + context + cuBLASLt workspace.
   uint64_t total_bytes() const { return arena.arena_bytes + context_bytes + cublaslt_bytes; }
@@ -75,12 +79,22 @@ struct TrainMemoryPlan {
   std::string table(bool device_totals = true) const;
 };
 
-/// Plans a training step of `cap` on one device with `device_memory_gib` GiB. Throws
+/// Plans a training step of `cap` on one device with `device_memory_gib` GiB, the drafter's
+/// backward recomputing or keeping the forward's activations as `activations` says. Throws
 /// dflash::Error for capacities ≤ 0.
 TrainMemoryPlan plan_train_memory(const ModelConfig& target, const DrafterConfig& drafter,
                                   const DrafterLayout& layout, const TrainStepCapacity& cap,
                                   double device_memory_gib,
-                                  int64_t ce_chunk_rows = kDrafterCeChunkRows);
+                                  int64_t ce_chunk_rows = kDrafterCeChunkRows,
+                                  DrafterActivations activations = DrafterActivations::recompute);
+
+/// The choice of training.recompute (`policy`: "auto", "always" or "never"; anything else throws
+/// dflash::Error naming the key): `plan(a)` makes the plan with activations a and `fits(plan)`
+/// says whether it fits. always → the recompute plan; never → the keep plan (fitting or not: the
+/// caller reports a shortfall); auto → the keep plan when it fits, else the recompute plan. The
+/// chosen plan's activations_reason says which and why (its activations field is set by `plan`).
+template <typename Plan, typename MakePlan, typename Fits>
+Plan plan_with_recompute_policy(const std::string& policy, MakePlan&& plan, Fits&& fits);
 
 /// Name and group of the tap features in a plan of the target forward alone.
 inline constexpr const char* kTargetOnlyFeatures = "taps.features";
@@ -101,7 +115,7 @@ inline constexpr const char* kGroupTapFeatures = "tap features (bf16, the drafte
 TrainMemoryPlan plan_target_forward_memory(const ModelConfig& target, const std::vector<int>& taps,
                                            int64_t max_tokens, double device_memory_gib);
 
-/// The plan of `cfg` (train_step_capacity, runtime.device_memory_gib).
+/// The plan of `cfg` (train_step_capacity, runtime.device_memory_gib, training.recompute).
 TrainMemoryPlan plan_train_memory(const RunConfig& cfg, const ModelConfig& target,
                                   const DrafterConfig& drafter, const DrafterLayout& layout);
 
@@ -157,10 +171,11 @@ TrainMemoryPlan plan_target_worker_memory(const ModelConfig& target, const Draft
 /// [T + NK], "inputs.block_tokens", "inputs.labels" int32 [NK], "inputs.block_ranges" AttnRange
 /// [NK], "inputs.weights" f32 [NK]). target_layers = 0 (it holds no target layer). Throws
 /// dflash::Error for capacities ≤ 0 or device_memory_gib ≤ 0.
-TrainMemoryPlan plan_drafter_worker_memory(const ModelConfig& target, const DrafterConfig& drafter,
-                                           const DrafterLayout& layout,
-                                           const TrainStepCapacity& cap, double device_memory_gib,
-                                           int64_t ce_chunk_rows = kDrafterCeChunkRows);
+TrainMemoryPlan plan_drafter_worker_memory(
+    const ModelConfig& target, const DrafterConfig& drafter, const DrafterLayout& layout,
+    const TrainStepCapacity& cap, double device_memory_gib,
+    int64_t ce_chunk_rows = kDrafterCeChunkRows,
+    DrafterActivations activations = DrafterActivations::recompute);
 
 /// One worker's arena on its GPU.
 struct WorkerMemoryPlan {
@@ -181,6 +196,9 @@ struct PipelineMemoryPlan {
   /// GPUs holding a NCCL rank (PipelineTopology::uses_nccl), each planned nccl_bytes more.
   std::vector<int> nccl_devices;
   uint64_t nccl_bytes = kNcclReserveBytes;
+  /// The drafter workers' choice (all alike; model/step_plan.hpp) and why (training.recompute).
+  DrafterActivations activations = DrafterActivations::recompute;
+  std::string activations_reason;
 
   /// The GPUs used, ascending.
   std::vector<int> devices() const;
@@ -196,13 +214,15 @@ struct PipelineMemoryPlan {
 
 /// Plans every worker of `topo` (a cuda topology) for steps of `cap`: a target worker with
 /// plan_target_worker_memory (feature buffers: target_feature_buffers(topo)), a drafter worker
-/// with plan_drafter_worker_memory. Throws dflash::Error as those do.
-PipelineMemoryPlan plan_pipeline_memory(const PipelineTopology& topo, const ModelConfig& target,
-                                        const DrafterConfig& drafter, const DrafterLayout& layout,
-                                        const TrainStepCapacity& cap, double device_memory_gib);
+/// with plan_drafter_worker_memory (with `activations`). Throws dflash::Error as those do.
+PipelineMemoryPlan plan_pipeline_memory(
+    const PipelineTopology& topo, const ModelConfig& target, const DrafterConfig& drafter,
+    const DrafterLayout& layout, const TrainStepCapacity& cap, double device_memory_gib,
+    DrafterActivations activations = DrafterActivations::recompute);
 
 /// The pipeline plan of `cfg` (topology_of(cfg.runtime), train_step_capacity,
-/// runtime.device_memory_gib).
+/// runtime.device_memory_gib), its drafter activations chosen by training.recompute
+/// (plan_with_recompute_policy: auto keeps them when every GPU fits with them).
 PipelineMemoryPlan plan_pipeline_memory(const RunConfig& cfg, const ModelConfig& target,
                                         const DrafterConfig& drafter, const DrafterLayout& layout);
 
@@ -216,5 +236,30 @@ FittingBudget largest_fitting_pipeline_budget(const RunConfig& cfg, const ModelC
 /// runtime.device_memory_gib allows Y (short by Z)" for each GPU that does not fit, then the
 /// largest token budget that fits (or that none does).
 std::string pipeline_shortfall_message(const PipelineMemoryPlan& plan, const FittingBudget& fit);
+
+/// "training.recompute must be auto, always or never, got '<policy>'" unless it is one of them.
+void check_recompute_policy(const std::string& policy);
+
+template <typename Plan, typename MakePlan, typename Fits>
+Plan plan_with_recompute_policy(const std::string& policy, MakePlan&& plan, Fits&& fits) {
+  check_recompute_policy(policy);
+  if (policy == "always") {
+    Plan p = plan(DrafterActivations::recompute);
+    p.activations_reason = "training.recompute=always";
+    return p;
+  }
+  Plan keep = plan(DrafterActivations::keep);
+  if (policy == "never") {
+    keep.activations_reason = "training.recompute=never";
+    return keep;
+  }
+  if (fits(keep)) {
+    keep.activations_reason = "training.recompute=auto: the plan that keeps them fits";
+    return keep;
+  }
+  Plan p = plan(DrafterActivations::recompute);
+  p.activations_reason = "training.recompute=auto: the plan that keeps them does not fit";
+  return p;
+}
 
 }  // namespace dflash

@@ -153,6 +153,7 @@ const std::vector<Field>& schema() {
     f.push_back(make_field("training", "max_consecutive_skips", T,
                            &TrainingSection::max_consecutive_skips, false));
     f.push_back(make_field("training", "export_dtype", T, &TrainingSection::export_dtype, false));
+    f.push_back(make_field("training", "recompute", T, &TrainingSection::recompute, false));
     auto U = &R::runtime;
     f.push_back(make_field("runtime", "backend", U, &RuntimeSection::backend, false));
     f.push_back(make_field("runtime", "devices", U, &RuntimeSection::devices, false));
@@ -359,6 +360,9 @@ void RunConfig::validate() const {
   positive("training.max_consecutive_skips", training.max_consecutive_skips);
   DFLASH_CHECK(training.export_dtype == "bf16" || training.export_dtype == "f32",
                "training.export_dtype must be bf16 or f32, got '{}'", training.export_dtype);
+  DFLASH_CHECK(training.recompute == "auto" || training.recompute == "always" ||
+                   training.recompute == "never",
+               "training.recompute must be auto, always or never, got '{}'", training.recompute);
   DFLASH_CHECK(runtime.backend == "cpu" || runtime.backend == "cuda",
                "runtime.backend must be cpu or cuda, got '{}'", runtime.backend);
   DFLASH_CHECK(!runtime.devices.empty(), "runtime.devices must list at least one device");

@@ -68,6 +68,11 @@ struct TrainingSection {
   int64_t eval_interval = 0;         ///< 0 = no periodic eval
   int max_consecutive_skips = 10;    ///< non-finite steps in a row before the run stops
   std::string export_dtype = "bf16"; ///< drafter weights in checkpoints: bf16 or f32
+  /// cuda backend: what the drafter's backward does with the activations the forward computes
+  /// beyond what it must save (model/step_plan.hpp): "always" recomputes them, "never" keeps them
+  /// (more memory; the run stops when that plan does not fit), "auto" keeps them when the memory
+  /// plan with them fits runtime.device_memory_gib, else recomputes. Same results either way.
+  std::string recompute = "auto";
 };
 
 /// `runtime` section: the backend and the topology of the pipeline (train/topology.hpp).

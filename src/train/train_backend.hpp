@@ -35,8 +35,9 @@
 
 #include "model/drafter.hpp"
 #include "model/drafter_batch.hpp"
+#include "model/objective.hpp"
+#include "model/step_plan.hpp"
 #include "train/collective.hpp"
-#include "train/objective.hpp"
 #include "train/optimizer.hpp"
 #include "train/topology.hpp"
 
@@ -159,6 +160,9 @@ struct TrainBackendOptions {
   /// token_budget − 1)): device backends plan their memory for it (train/memory_plan.hpp).
   int64_t max_blocks = 0;
   double device_memory_gib = 139.0;  ///< runtime.device_memory_gib
+  /// cuda drafter stages: recompute or keep the forward's activations for the backward (what the
+  /// run's memory plan chose from training.recompute: plan_pipeline_memory).
+  DrafterActivations drafter_activations = DrafterActivations::recompute;
   AdamWConfig adam;                ///< training.beta1/beta2/adam_eps/weight_decay
   double clip_grad_norm = 1.0;     ///< training.clip_grad_norm (≤ 0: no clipping)
 };
@@ -191,7 +195,7 @@ std::string train_backend_describe(const TrainBackendOptions& opts);
 std::string cuda_backend_describe(const TrainBackendOptions& opts);
 
 /// The CPU backend (src/train/cpu_train.cpp): the target's forward_taps and drafter_train_step
-/// over the packed batch, AdamW of src/train/optimizer.hpp; bit-reproducible.
+/// over the packed batch, AdamW of src/ops/adamw.hpp; bit-reproducible.
 TrainBackend cpu_train_backend_create(const TrainBackendOptions& opts, const TargetModel& target,
                                       const DrafterConfig& cfg, const DrafterLayout& layout);
 /// The CPU target stage of one worker (several may share `target`, which is read-only).

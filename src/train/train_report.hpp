@@ -20,7 +20,7 @@
 #include <string>
 
 #include "data/dataset.hpp"
-#include "train/objective.hpp"
+#include "model/objective.hpp"
 #include "train/run_dir.hpp"
 #include "train/train_backend.hpp"
 

@@ -21,10 +21,10 @@
 #include "model/drafter.hpp"
 #include "model/drafter_batch.hpp"
 #include "model/drafter_io.hpp"
+#include "model/objective.hpp"
 #include "model/target.hpp"
 #include "train/checkpoint.hpp"
 #include "train/memory_plan.hpp"
-#include "train/objective.hpp"
 #include "train/optimizer.hpp"
 #include "train/pipeline.hpp"
 #include "train/run_dir.hpp"
@@ -118,14 +118,17 @@ Batcher make_batcher(const RunConfig& cfg, TokenDataset data, int replicas) {
 }
 
 // The cuda backend's memory plan: the arena of every worker (train/cuda_stages.cpp allocates
-// these same plans), logged and checked per GPU before anything is allocated on a device. Returns
-// whether a plan was made.
+// these same plans), logged and checked per GPU before anything is allocated on a device; its
+// choice of drafter activations (training.recompute) goes into `opts`. Returns whether a plan was
+// made.
 bool check_memory_plan(const RunConfig& cfg, const ModelConfig& target, const DrafterConfig& d,
-                       const DrafterLayout& layout, TrainReport& report) {
+                       const DrafterLayout& layout, TrainReport& report,
+                       TrainBackendOptions& opts) {
   if (cfg.runtime.backend != "cuda") return false;
   const std::string unsupported = cuda_unsupported_message(target, d);
   DFLASH_CHECK(unsupported.empty(), "runtime.backend cuda: {}", unsupported);
   const PipelineMemoryPlan plan = plan_pipeline_memory(cfg, target, d, layout);
+  opts.drafter_activations = plan.activations;
   report.log(plan.table());
   DFLASH_CHECK(plan.fits(), "{}",
                pipeline_shortfall_message(
@@ -182,7 +185,7 @@ struct Session {
         layout(dcfg),
         topo(topology_of(c.runtime)),
         backend_opts(backend_options_of(c)),
-        planned(check_memory_plan(c, target->config(), dcfg, layout, rep)),
+        planned(check_memory_plan(c, target->config(), dcfg, layout, rep, backend_opts)),
         batcher(make_batcher(c, prepare_data(c, r, tok, rep), topo.drafters())),
         per_epoch(batcher.batches_in_epoch(0)),
         total_steps(total_steps_of(c, per_epoch)),

@@ -3,7 +3,8 @@
 // padding), and DrafterCuda's forward/backward over a packed step (a DrafterBatch staged as
 // CudaTrainBackend stages it) against drafter_train_step summed over the rows (loss, Σw, every
 // parameter gradient, the gradient norm and the argmax), plus an AdamW step, determinism of the
-// whole GPU step, and that sharing the memory plan's arena by phase changes no bit of a step.
+// whole GPU step, that sharing the memory plan's arena by phase changes no bit of a step, and that
+// keeping the forward's activations for the backward instead of recomputing them changes none.
 // Weights, tables and features are rounded to bf16 first so that the only
 // differences are the GPU's bf16 activations and summation order.
 #include <cuda_runtime.h>
@@ -18,10 +19,10 @@
 #include "model/drafter_batch.hpp"
 #include "model/drafter_cuda.hpp"
 #include "model/drafter_io.hpp"
+#include "model/objective.hpp"
 #include "model/target.hpp"
 #include "model/target_cuda.hpp"
 #include "train/memory_plan.hpp"
-#include "train/objective.hpp"
 #include "train/optimizer.hpp"
 #include "util/test_util.hpp"
 
@@ -350,4 +351,87 @@ TEST(TrainStepCuda, SharingTheArenaByPhaseChangesNoBit) {
   EXPECT_EQ(a.r.grad_norm, u.r.grad_norm);
   EXPECT_TRUE(same_bits(a.grads, u.grads));
   EXPECT_TRUE(same_bits(a.r.argmax, u.r.argmax));
+}
+
+// The drafter's backward either recomputes the activations the forward computes beyond what it
+// saves, or keeps them from the forward (training.recompute, model/step_plan.hpp). Recomputing
+// runs the forward's kernels on the forward's inputs, so both must give the same bits: loss,
+// gradient norm, every parameter gradient and the argmax; and the keep plan's phase sets must hold
+// (the same step in an arena where every buffer has its own bytes agrees too).
+TEST(TrainStepCuda, KeepingTheForwardActivationsChangesNoBit) {
+  DFLASH_REQUIRE_GPU();
+  const TargetModel target = TargetModel::load(assets_dir() / "tiny-qwen3");
+  const ModelConfig& tc = target.config();
+  DrafterSizes sizes;
+  sizes.intermediate_size = 160;
+  sizes.block_size = 4;
+  const DrafterConfig c = drafter_config_for_target(tc, 3, sizes, 8000, std::vector<int>{1, 3});
+  const DrafterLayout layout(c);
+  HostBatch b = make_batch({{1, 40, 30}, {97}, {20, 20, 20}}, 97, tc.vocab_size, 4, 8, 5);
+  const Staged s = stage(drafter_batch_of(b, 4), 8000, 16);
+  const TrainStepCapacity cap{s.T, s.N};
+  double total_w = 0;
+  for (float w : s.weights) total_w += w;
+  std::vector<float> params(static_cast<size_t>(layout.total));
+  drafter_init(params, layout, 11);
+  const std::vector<float> zeros(params.size(), 0.0f);
+
+  struct Out {
+    DrafterCuda::Results r;
+    std::vector<float> grads;
+  };
+  auto run = [&](const TrainMemoryPlan& plan, const ArenaPlan& ap) {
+    cuda::CudaContext ctx(0);
+    cuda::DeviceArena arena(ctx, ap);
+    TargetCuda tcu(ctx, target, plan.T, plan.target_layers, &arena);
+    DrafterCuda dc(ctx, c, layout, plan.T, plan.NK, tcu.embed(), tcu.lm_head(), &arena,
+                   kDrafterCeChunkRows, plan.activations);
+    dc.upload_state(params, zeros, zeros);
+    const uint64_t pool = arena.planned_bytes("workspace.op_scratch");
+    ctx.allocator().use_pool(arena.get_bytes("workspace.op_scratch", pool), pool);
+    auto put = [&](const char* name, const auto& v) {
+      using T = typename std::decay_t<decltype(v)>::value_type;
+      T* d = arena.get<T>(name, static_cast<int64_t>(v.size()));
+      DFLASH_CUDA_CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+      return d;
+    };
+    const int32_t* tokens = put("inputs.tokens", s.tokens);
+    const AttnRange* tranges = put("inputs.target_ranges", s.context_ranges);
+    DrafterCudaInputs in;
+    in.T = s.T;
+    in.NK = s.NK;
+    in.features = dc.features();
+    in.pos = put("inputs.pos", s.pos);
+    in.block_tokens = put("inputs.block_tokens", s.block_tokens);
+    in.ranges = put("inputs.block_ranges", s.block_ranges);
+    in.labels = put("inputs.labels", s.labels);
+    in.weights = put("inputs.weights", s.weights);
+    DFLASH_CUDA_CHECK(cudaDeviceSynchronize());  // the pageable copies, before the ops' stream
+    tcu.forward_taps(dc.features(), tokens, in.pos, tranges, s.T, c.target_layer_ids);
+    dc.forward_backward(in, 1.0 / total_w);
+    Out o;
+    o.r = dc.fetch_results(s.NK);
+    o.grads.resize(params.size());
+    dc.download_grads(o.grads);
+    return o;
+  };
+  const TrainMemoryPlan recompute = plan_train_memory(tc, c, layout, cap, 139.0,
+                                                      kDrafterCeChunkRows,
+                                                      DrafterActivations::recompute);
+  const TrainMemoryPlan keep =
+      plan_train_memory(tc, c, layout, cap, 139.0, kDrafterCeChunkRows, DrafterActivations::keep);
+  ASSERT_GE(recompute.NK, s.NK);
+  ASSERT_NE(keep.arena.try_find("drafter.layers.2.act"), nullptr);
+  const Out r = run(recompute, recompute.arena);
+  const Out k = run(keep, keep.arena);
+  const Out u = run(keep, arena_plan_without_sharing(keep.arena));
+  EXPECT_GT(r.r.weight_sum, 0);
+  EXPECT_TRUE(std::isfinite(r.r.loss_sum));
+  for (const Out* o : {&k, &u}) {
+    EXPECT_EQ(o->r.loss_sum, r.r.loss_sum);
+    EXPECT_EQ(o->r.weight_sum, r.r.weight_sum);
+    EXPECT_EQ(o->r.grad_norm, r.r.grad_norm);
+    EXPECT_TRUE(same_bits(o->grads, r.grads));
+    EXPECT_TRUE(same_bits(o->r.argmax, r.r.argmax));
+  }
 }

@@ -20,6 +20,7 @@
 #include <string_view>
 
 #include "core/error.hpp"
+#include "core/json_util.hpp"
 #include "core/tensor.hpp"
 #include "data/batcher.hpp"
 #include "data/chat_template.hpp"
@@ -31,7 +32,6 @@
 #include "model/config.hpp"
 #include "model/drafter.hpp"
 #include "model/drafter_io.hpp"
-#include "model/json_util.hpp"
 #include "model/safetensors.hpp"
 #include "model/target.hpp"
 #include "ops/rope.hpp"

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "backend/cuda/check.hpp"
+#include "core/dtype.hpp"
 
 namespace dflash::cuda {
 
@@ -62,6 +63,20 @@ __device__ __forceinline__ S block_sum(S v, S* sh) {
   __syncthreads();
   S r = lane < nw ? sh[lane] : S(0);
   return warp_sum(r);
+}
+
+/// Threads per block of the grid-stride elementwise kernels (embedding, RMSNorm's dw, RoPE,
+/// SwiGLU, residual, cast, fill, AdamW).
+constexpr int kElementwiseThreads = 256;
+
+/// Calls fn(T{}) with T = uint16_t (bf16 bits) for DType::bf16 and T = float otherwise: the
+/// launchers' way from a runtime dtype tag to a kernel template argument.
+template <typename Fn>
+void dispatch_dtype(DType t, Fn&& fn) {
+  if (t == DType::bf16)
+    fn(uint16_t{});
+  else
+    fn(float{});
 }
 
 inline unsigned grid_for(int64_t n, int threads, int64_t cap = 65535LL * 8) {

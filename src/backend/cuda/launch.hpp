@@ -1,5 +1,7 @@
-// dflash.cpp — raw-pointer launchers of the CUDA kernels (defined in the .cu files). Internal to the
-// backend: model code calls the checked entry points declared in src/ops/*.hpp instead.
+// dflash.cpp — raw-pointer launchers of the CUDA kernels, one section per op family: the kernels
+// and launchers of family F live in backend/cuda/F.cu, its checked entry points (declared in
+// src/ops/F.hpp) in backend/cuda/F_cuda.cpp. Internal to the backend: model code calls the checked
+// entry points instead.
 // Each launcher enqueues on `stream` and checks the launch (throws dflash::Error via
 // backend/cuda/check.hpp). Float arrays are f32 or bf16 (raw uint16_t bits) as tagged by a DType;
 // statistics (rstd, lse, Δ, losses) are always f32. No fmt in this header.
@@ -10,8 +12,8 @@
 #include <cstdint>
 
 #include "core/dtype.hpp"
+#include "ops/adamw.hpp"
 #include "ops/attention.hpp"
-#include "train/optimizer.hpp"
 
 namespace dflash::cuda {
 
@@ -32,9 +34,11 @@ namespace dflash::cuda::launch {
 /// p[r][i] = s for every rank. Every array must be readable and writable from `s`'s device.
 void sum_ranks(const RankBuffers& bufs, int64_t begin, int64_t end, cudaStream_t s);
 
-// ---- elementwise.cu
+// ---- embedding.cu
 void embedding_fwd(void* y, DType yt, const void* table, DType wt, const int32_t* ids, int64_t T,
                    int64_t V, int64_t H, cudaStream_t s);
+
+// ---- rmsnorm.cu
 void rmsnorm_fwd(void* y, DType yt, float* rstd, const void* x, DType xt, const float* w,
                  int64_t R, int64_t D, float eps, cudaStream_t s);
 /// rstd_ws [R] and part_ws [rmsnorm_dw_chunks(R)·D] are scratch (part_ws only when dw).
@@ -42,21 +46,31 @@ void rmsnorm_bwd(void* dx, const void* dy, DType gt, float* dw, const void* x, D
                  const float* w, int64_t R, int64_t D, float eps, float* rstd_ws, float* part_ws,
                  cudaStream_t s);
 int64_t rmsnorm_dw_chunks(int64_t R);
+
+// ---- rope.cu
 void rope(void* y, const void* x, DType t, const int32_t* pos, const float* inv_freq,
           float scaling, float sign, int64_t T, int64_t NH, int64_t D, cudaStream_t s);
+
+// ---- swiglu.cu
 void swiglu_fwd(void* y, const void* gate, const void* up, DType t, int64_t T, int64_t I,
                 int64_t ld_in, cudaStream_t s);
 void swiglu_bwd(void* dgate, void* dup, const void* dy, const void* gate, const void* up, DType t,
                 int64_t T, int64_t I, int64_t ld_in, cudaStream_t s);
+
+// ---- residual.cu
 void residual_fwd(void* y, const void* a, const void* b, DType t, int64_t n, cudaStream_t s);
 void residual_accumulate(void* y, DType yt, const void* b, DType bt, int64_t n, cudaStream_t s);
+
+// ---- cast.cu
 /// dst = src converted (f32 <-> bf16, or a same-type copy).
 void cast(void* dst, DType dt, const void* src, DType st, int64_t n, cudaStream_t s);
+
+// ---- fill.cu
 /// y = offset + bound·(2u − 1), u from the hash of ops/fill.hpp.
 void fill_uniform(void* y, DType t, int64_t n, float offset, float bound, uint64_t seed,
                   cudaStream_t s);
 
-// ---- optim.cu
+// ---- adamw.cu
 void adamw(const AdamWSegment* segs, int n_segs, int64_t max_n, float b1, float b2, float eps,
            float decay, float step_size, float inv_sqrt_bc2, const float* grad_scale,
            const int32_t* skip, cudaStream_t s);

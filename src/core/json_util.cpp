@@ -1,4 +1,4 @@
-#include "model/json_util.hpp"
+#include "core/json_util.hpp"
 
 #include <cmath>
 #include <fstream>

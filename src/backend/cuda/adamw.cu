@@ -1,7 +1,8 @@
-// dflash.cpp — CUDA optimizer kernels: fused multi-tensor AdamW, the deterministic global
-// gradient sum of squares (fixed-order two-pass reduction in double), the clip factor and the
-// non-finite check. AdamW uses round-to-nearest intrinsics (no FMA contraction), IEEE sqrt and
-// division, so with the same float scalars it is bit-identical to adamw_step_cpu.
+// dflash.cpp — CUDA kernels of the AdamW op family (contract: src/ops/adamw.hpp): fused
+// multi-tensor AdamW, the deterministic global gradient sum of squares (fixed-order two-pass
+// reduction in double), the clip factor and the non-finite check. AdamW uses round-to-nearest
+// intrinsics (no FMA contraction), IEEE sqrt and division, so with the same float scalars it is
+// bit-identical to adamw_step_cpu (backend/cpu/adamw.cpp). No fmt in this file (nvcc).
 #include <cmath>
 
 #include "backend/cuda/common.cuh"

@@ -1,4 +1,4 @@
-#include "train/objective.hpp"
+#include "model/objective.hpp"
 
 #include <algorithm>
 #include <cmath>

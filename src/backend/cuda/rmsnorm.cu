@@ -1,0 +1,128 @@
+// dflash.cpp — CUDA kernels of RMSNorm, full-width and per-head (semantics: src/ops/rmsnorm.hpp).
+// One warp per row; arithmetic in fp32 whatever the storage type. The weight gradient is summed
+// over fixed row chunks, then the chunks in order (no atomics): bit-reproducible. No fmt (nvcc).
+#include <cmath>
+
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/launch.hpp"
+#include "ops/rmsnorm.hpp"
+
+namespace dflash::cuda {
+namespace {
+
+constexpr int kRowsPerBlock = 8;
+
+template <typename X>
+__device__ float row_rstd(const X* x, int64_t D, float eps) {
+  float ss = 0.f;
+  for (int64_t j = threadIdx.x & 31; j < D; j += 32) {
+    const float v = to_f32(x[j]);
+    ss += v * v;
+  }
+  ss = warp_sum(ss);
+  return 1.0f / sqrtf(ss / static_cast<float>(D) + eps);
+}
+
+template <typename Y, typename X>
+__global__ void rmsnorm_fwd_kernel(Y* y, float* rstd, const X* x, const float* w, int64_t R,
+                                   int64_t D, float eps) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5);
+  if (r >= R) return;
+  const X* xr = x + r * D;
+  const float rs = row_rstd(xr, D, eps);
+  for (int64_t j = threadIdx.x & 31; j < D; j += 32)
+    y[r * D + j] = from_f32<Y>(w[j] * (to_f32(xr[j]) * rs));
+  if (rstd && (threadIdx.x & 31) == 0) rstd[r] = rs;
+}
+
+template <typename G, typename X>
+__global__ void rmsnorm_bwd_dx_kernel(G* dx, const G* dy, const X* x, const float* w, int64_t R,
+                                      int64_t D, float eps, float* rstd_out) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5);
+  if (r >= R) return;
+  const X* xr = x + r * D;
+  const G* dyr = dy + r * D;
+  const float rr = row_rstd(xr, D, eps);
+  if ((threadIdx.x & 31) == 0) rstd_out[r] = rr;
+  if (!dx) return;
+  float dot = 0.f;
+  for (int64_t j = threadIdx.x & 31; j < D; j += 32) dot += w[j] * to_f32(dyr[j]) * to_f32(xr[j]);
+  dot = warp_sum(dot);
+  const float c = rr * rr * rr * dot / static_cast<float>(D);
+  for (int64_t j = threadIdx.x & 31; j < D; j += 32)
+    dx[r * D + j] = from_f32<G>(rr * w[j] * to_f32(dyr[j]) - c * to_f32(xr[j]));
+}
+
+// dw partials: chunk c of rows, one thread per column, rows in order.
+template <typename G, typename X>
+__global__ void rmsnorm_dw_part_kernel(float* part, const G* dy, const X* x, const float* rstd,
+                                       int64_t R, int64_t D, int64_t rows_per_chunk) {
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= D) return;
+  const int64_t c = blockIdx.y, r0 = c * rows_per_chunk;
+  const int64_t r1 = r0 + rows_per_chunk < R ? r0 + rows_per_chunk : R;
+  float s = 0.f;
+  for (int64_t r = r0; r < r1; ++r) s += to_f32(dy[r * D + j]) * (to_f32(x[r * D + j]) * rstd[r]);
+  part[c * D + j] = s;
+}
+
+__global__ void rmsnorm_dw_final_kernel(float* dw, const float* part, int64_t chunks, int64_t D) {
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= D) return;
+  float s = 0.f;
+  for (int64_t c = 0; c < chunks; ++c) s += part[c * D + j];
+  dw[j] += s;
+}
+
+}  // namespace
+
+namespace launch {
+
+void rmsnorm_fwd(void* y, DType yt, float* rstd, const void* x, DType xt, const float* w, int64_t R,
+                 int64_t D, float eps, cudaStream_t s) {
+  if (R == 0) return;
+  const unsigned grid = static_cast<unsigned>((R + kRowsPerBlock - 1) / kRowsPerBlock);
+  dispatch_dtype(yt, [&](auto yv) {
+    dispatch_dtype(xt, [&](auto xv) {
+      using Y = decltype(yv);
+      using X = decltype(xv);
+      rmsnorm_fwd_kernel<Y, X><<<grid, 32 * kRowsPerBlock, 0, s>>>(
+          static_cast<Y*>(y), rstd, static_cast<const X*>(x), w, R, D, eps);
+    });
+  });
+  DFLASH_CUDA_LAUNCH_CHECK();
+}
+
+int64_t rmsnorm_dw_chunks(int64_t R) {
+  return rmsnorm_cuda_dw_chunks(R);
+}
+
+void rmsnorm_bwd(void* dx, const void* dy, DType gt, float* dw, const void* x, DType xt,
+                 const float* w, int64_t R, int64_t D, float eps, float* rstd_ws, float* part_ws,
+                 cudaStream_t s) {
+  if (R == 0) return;
+  constexpr int kThreads = kElementwiseThreads;
+  const unsigned grid = static_cast<unsigned>((R + kRowsPerBlock - 1) / kRowsPerBlock);
+  dispatch_dtype(gt, [&](auto gv) {
+    dispatch_dtype(xt, [&](auto xv) {
+      using G = decltype(gv);
+      using X = decltype(xv);
+      rmsnorm_bwd_dx_kernel<G, X>
+          <<<grid, 32 * kRowsPerBlock, 0, s>>>(static_cast<G*>(dx), static_cast<const G*>(dy),
+                                               static_cast<const X*>(x), w, R, D, eps, rstd_ws);
+      if (dw) {
+        const int64_t rows = rmsnorm_cuda_dw_rows_per_chunk(R), chunks = rmsnorm_dw_chunks(R);
+        dim3 g2(static_cast<unsigned>((D + kThreads - 1) / kThreads),
+                static_cast<unsigned>(chunks));
+        rmsnorm_dw_part_kernel<G, X><<<g2, kThreads, 0, s>>>(
+            part_ws, static_cast<const G*>(dy), static_cast<const X*>(x), rstd_ws, R, D, rows);
+        rmsnorm_dw_final_kernel<<<static_cast<unsigned>((D + kThreads - 1) / kThreads), kThreads, 0,
+                                  s>>>(dw, part_ws, chunks, D);
+      }
+    });
+  });
+  DFLASH_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace launch
+}  // namespace dflash::cuda
