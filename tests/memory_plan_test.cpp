@@ -322,10 +322,10 @@ TEST(MemoryPlan, RecomputeAutoKeepsActivationsWhenThePlanFits) {
   const DrafterConfig d = qwen3_8b_drafter();
   const DrafterLayout layout(d);
   const std::string one_gpu = "  devices: [0]";
-  const TrainMemoryPlan keep = plan_train_memory(qwen3_8b_run(one_gpu, "never"), t.config, d,
-                                                 layout);
-  const TrainMemoryPlan recompute = plan_train_memory(qwen3_8b_run(one_gpu, "always"), t.config,
-                                                      d, layout);
+  const TrainMemoryPlan keep =
+      plan_train_memory(qwen3_8b_run(one_gpu, "never"), t.config, d, layout);
+  const TrainMemoryPlan recompute =
+      plan_train_memory(qwen3_8b_run(one_gpu, "always"), t.config, d, layout);
   ASSERT_EQ(keep.activations, DrafterActivations::keep);
   ASSERT_EQ(recompute.activations, DrafterActivations::recompute);
   expect_no_live_overlap(keep.arena);
@@ -366,8 +366,8 @@ TEST(MemoryPlan, RecomputeAutoKeepsActivationsWhenThePlanFits) {
                                   "the plan that keeps them does not fit)"),
             std::string::npos)
       << fallback.table();
-  const TrainMemoryPlan never = plan_train_memory(qwen3_8b_run(tight, "never"), t.config, d,
-                                                  layout);
+  const TrainMemoryPlan never =
+      plan_train_memory(qwen3_8b_run(tight, "never"), t.config, d, layout);
   EXPECT_EQ(never.activations, DrafterActivations::keep);
   EXPECT_FALSE(never.fits());
   // The pipeline plan chooses the same way for its drafter workers.

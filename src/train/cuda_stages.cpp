@@ -299,9 +299,8 @@ class CudaDrafterStage final : public DrafterStage {
     const bool tied = model.config().tie_word_embeddings;
     const uint16_t* head =
         tied ? embed : upload_bf16_table(a, kDrafterWorkerLmHead, model.lm_head());
-    drafter_ =
-        std::make_unique<DrafterCuda>(*ctx_, cfg, layout, max_ctx_, max_rows_, embed, head, &a,
-                                      kDrafterCeChunkRows, plan.activations);
+    drafter_ = std::make_unique<DrafterCuda>(*ctx_, cfg, layout, max_ctx_, max_rows_, embed, head,
+                                             &a, kDrafterCeChunkRows, plan.activations);
     const auto T = static_cast<size_t>(max_ctx_), NK = static_cast<size_t>(max_rows_);
     tokens_.resize(T);
     context_ranges_.resize(T);

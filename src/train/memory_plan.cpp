@@ -126,8 +126,7 @@ TrainMemoryPlan plan_target_worker_memory(const ModelConfig& target, const Draft
 TrainMemoryPlan plan_drafter_worker_memory(const ModelConfig& target, const DrafterConfig& drafter,
                                            const DrafterLayout& layout,
                                            const TrainStepCapacity& cap, double device_memory_gib,
-                                           int64_t ce_chunk_rows,
-                                           DrafterActivations activations) {
+                                           int64_t ce_chunk_rows, DrafterActivations activations) {
   DFLASH_CHECK(cap.ctx_rows > 0 && cap.blocks > 0,
                "memory plan: {} context rows and {} blocks per step", cap.ctx_rows, cap.blocks);
   TrainMemoryPlan plan;

@@ -415,9 +415,8 @@ TEST(TrainStepCuda, KeepingTheForwardActivationsChangesNoBit) {
     dc.download_grads(o.grads);
     return o;
   };
-  const TrainMemoryPlan recompute = plan_train_memory(tc, c, layout, cap, 139.0,
-                                                      kDrafterCeChunkRows,
-                                                      DrafterActivations::recompute);
+  const TrainMemoryPlan recompute = plan_train_memory(
+      tc, c, layout, cap, 139.0, kDrafterCeChunkRows, DrafterActivations::recompute);
   const TrainMemoryPlan keep =
       plan_train_memory(tc, c, layout, cap, 139.0, kDrafterCeChunkRows, DrafterActivations::keep);
   ASSERT_GE(recompute.NK, s.NK);
