@@ -35,6 +35,10 @@ void add_generate_command(CLI::App& app);
 /// (src/cli/cmd_eval.cpp).
 void add_eval_command(CLI::App& app);
 
+/// `dflash regenerate --target DIR --data IN.jsonl --out OUT.jsonl [--drafter DIR] ...`: the
+/// corpus's assistant turns replaced by the target's answers (src/cli/cmd_regenerate.cpp).
+void add_regenerate_command(CLI::App& app);
+
 /// `dflash train [--config FILE] [overrides]` and `dflash init-config --target DIR`
 /// (src/cli/cmd_train.cpp).
 void add_train_command(CLI::App& app);
