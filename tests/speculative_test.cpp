@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -416,6 +417,27 @@ TEST(Speculative, CliGenerateAndEval) {
   EXPECT_EQ(rep["total"]["batch_size"], 3);
   EXPECT_EQ(rep["settings"]["batch_size"], 3);
   EXPECT_EQ(rep["per_source"].size(), 4u);
+
+  // Any JSONL of conversations: prompt-only records (a trailing user turn), either message form,
+  // integer ids, records without `source` (grouped as "(none)").
+  const auto bench = dir / "bench.jsonl";
+  {
+    std::ofstream f(bench);
+    f << R"({"id": 1, "source": "gsm8k", "messages": [{"role": "user", "content": "What is 3 + 4?"}]})"
+      << "\n"
+      << R"({"id": "b", "conversations": [{"from": "human", "value": "Define the word dog."}]})"
+      << "\n"
+      << R"({"id": 3, "source": "gsm8k", "messages": [{"role": "system", "content": "Be brief."}, )"
+      << R"({"role": "user", "content": "What is 9 - 2?"}]})"
+      << "\n";
+  }
+  auto eb = test::run_dflash({"eval", "--target", tdir, "--drafter", ddir, "--prompts",
+                              bench.string(), "--max-new-tokens", "4", "--batch-size", "2"});
+  ASSERT_EQ(eb.exit_code, 0) << eb.err;
+  EXPECT_NE(eb.out.find("tau[gsm8k]: "), std::string::npos) << eb.out;
+  EXPECT_NE(eb.out.find("(2 prompts, "), std::string::npos) << eb.out;
+  EXPECT_NE(eb.out.find("tau[(none)]: "), std::string::npos) << eb.out;
+  EXPECT_NE(eb.out.find("lossless: true (3/3 prompts)"), std::string::npos) << eb.out;
 
   auto bad = test::run_dflash({"eval", "--target", tdir, "--drafter", ddir, "--prompts",
                                (test::assets_dir() / "data" / "eval_prompts.jsonl").string(),
