@@ -302,8 +302,11 @@ TEST(Speculative, EvalReportFigures) {
   o.max_new_tokens = 9;
   o.stop_ids = generation_eos_ids(tiny_dir(), tiny().config());
   std::vector<std::pair<std::string, size_t>> done;
-  const EvalRun run = run_eval(dec, prompts, o, 2, true,
-                               [&](const char* phase, size_t i) { done.emplace_back(phase, i); });
+  std::string phase;
+  EvalProgress progress;
+  progress.phase_start = [&](const char* p) { phase = p; };
+  progress.request_done = [&](size_t i) { done.emplace_back(phase, i); };
+  const EvalRun run = run_eval(dec, prompts, o, 2, true, progress);
   const auto& res = run.results;
   // Every request of both phases is reported done once.
   ASSERT_EQ(done.size(), 2 * prompts.size());

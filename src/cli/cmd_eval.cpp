@@ -60,16 +60,13 @@ void run_eval_command(const EvalArgs& a) {
 
   // One bar per decoding mode (each is one batched call over all prompts).
   std::optional<ProgressBar> bar;
-  std::string phase;
-  const EvalRun run =
-      run_eval(dec, prompts, opts, a.d.batch_size, baseline, [&](const char* p, size_t) {
-        if (phase != p) {
-          if (bar) bar->finish();
-          phase = p;
-          bar.emplace(fmt::format("eval ({})", p), static_cast<int64_t>(prompts.size()), "prompts");
-        }
-        bar->advance();
-      });
+  EvalProgress progress;
+  progress.phase_start = [&](const char* phase) {
+    if (bar) bar->finish();
+    bar.emplace(fmt::format("eval ({})", phase), static_cast<int64_t>(prompts.size()), "prompts");
+  };
+  progress.request_done = [&](size_t) { bar->advance(); };
+  const EvalRun run = run_eval(dec, prompts, opts, a.d.batch_size, baseline, progress);
   if (bar) bar->finish();
   int64_t bad = 0;
   for (const EvalPromptResult& r : run.results) {

@@ -83,33 +83,34 @@ std::vector<EvalPrompt> load_eval_prompts(const std::filesystem::path& file,
 }
 
 EvalRun run_eval(Decoder& dec, const std::vector<EvalPrompt>& prompts, const DecodeOptions& opts,
-                 int batch_size, bool baseline,
-                 const std::function<void(const char*, size_t)>& on_done) {
+                 int batch_size, bool baseline, const EvalProgress& progress) {
   std::vector<std::vector<int32_t>> tokens;
   tokens.reserve(prompts.size());
   for (const EvalPrompt& p : prompts) tokens.push_back(p.tokens);
-  // A request has ended when its stream reaches max_new_tokens or a stop token (speculative.hpp).
-  auto done_watch = [&](const char* phase) -> BatchTokenCallback {
-    if (!on_done) return {};
+  // Starts a phase; its token callback sees a request end at max_new_tokens or a stop token.
+  auto phase = [&](const char* name) -> BatchTokenCallback {
+    if (progress.phase_start) progress.phase_start(name);
+    if (!progress.request_done) return {};
     auto counts = std::make_shared<std::vector<int64_t>>(prompts.size(), 0);
-    return [&on_done, &opts, counts, phase](size_t i, std::span<const int32_t> t) {
+    return [&progress, &opts, counts](size_t i, std::span<const int32_t> t) {
       (*counts)[i] += static_cast<int64_t>(t.size());
       const bool stop = std::find(opts.stop_ids.begin(), opts.stop_ids.end(),
                                   static_cast<int64_t>(t.back())) != opts.stop_ids.end();
-      if (stop || (*counts)[i] >= opts.max_new_tokens) on_done(phase, i);
+      if (stop || (*counts)[i] >= opts.max_new_tokens) progress.request_done(i);
     };
   };
   using Clock = std::chrono::steady_clock;
   EvalRun run;
   run.batch_size = batch_size;
+  const BatchTokenCallback spec_cb = phase("speculative");
   auto t0 = Clock::now();
-  std::vector<DecodeResult> spec =
-      dec.generate(tokens, opts, batch_size, done_watch("speculative"));
+  std::vector<DecodeResult> spec = dec.generate(tokens, opts, batch_size, spec_cb);
   run.seconds_spec = std::chrono::duration<double>(Clock::now() - t0).count();
   std::vector<DecodeResult> target;
   if (baseline) {
+    const BatchTokenCallback target_cb = phase("target");
     t0 = Clock::now();
-    target = dec.target_generate(tokens, opts, batch_size, done_watch("target"));
+    target = dec.target_generate(tokens, opts, batch_size, target_cb);
     run.seconds_target = std::chrono::duration<double>(Clock::now() - t0).count();
   }
   run.results.resize(prompts.size());

@@ -61,15 +61,20 @@ struct EvalRun {
   double seconds_target = 0;              ///< wall time of the target-only call (0: no baseline)
 };
 
+/// Progress callbacks of run_eval (each may be empty).
+struct EvalProgress {
+  std::function<void(const char*)> phase_start;  ///< "speculative", then "target" (baseline)
+  /// Request i of the current phase produced its last token, seen from the token stream (which
+  /// ends with a stop token or at max_new_tokens).
+  std::function<void(size_t)> request_done;
+};
+
 /// Decodes every prompt speculatively with `dec.generate` (one call, `batch_size` in flight; seed
 /// opts.seed + prompt index), then, when `baseline`, by the target alone with
-/// `dec.target_generate` (one call; lossless and speedup figures). `on_done(phase, i)` is called
-/// when request i of a phase ("speculative", "target") has produced its last token (progress):
-/// seen from the token stream, which ends with a stop token or at max_new_tokens. Throws what the
-/// decoder throws (dflash::Error naming the request index).
+/// `dec.target_generate` (one call; lossless and speedup figures). Throws what the decoder throws
+/// (dflash::Error naming the request index).
 EvalRun run_eval(Decoder& dec, const std::vector<EvalPrompt>& prompts, const DecodeOptions& opts,
-                 int batch_size, bool baseline = true,
-                 const std::function<void(const char*, size_t)>& on_done = {});
+                 int batch_size, bool baseline = true, const EvalProgress& progress = {});
 
 /// The JSON report of a run: {"settings": ..., "prompts": [{id, source, prompt_tokens,
 /// new_tokens, steps, tau, accept_histogram [K counts for lengths 1..K], stopped, seconds_spec,
