@@ -252,6 +252,11 @@ TEST(Regenerate, BadRecordsStopTheRunOrAreSkipped) {
   e = error_of([&] { run(dir / "in2.jsonl", dir / "out2.jsonl", o); });
   EXPECT_NE(e.find((dir / "in2.jsonl").string() + ":9: id: '"), std::string::npos) << e;
   EXPECT_NE(e.find("on line 1 too"), std::string::npos) << e;
+  // A missing input, and an output that is the input.
+  e = error_of([&] { run(dir / "none.jsonl", dir / "out3.jsonl", o); });
+  EXPECT_NE(e.find("none.jsonl: no such file"), std::string::npos) << e;
+  e = error_of([&] { run(dir / "in2.jsonl", dir / "in2.jsonl", o); });
+  EXPECT_NE(e.find("is the input file"), std::string::npos) << e;
 }
 
 TEST(Regenerate, Cli) {

@@ -210,6 +210,8 @@ RegenerateStats regenerate(Decoder& dec, const Tokenizer& tok, const ChatTemplat
                            const std::function<void(int64_t)>& on_record) {
   DFLASH_CHECK(opts.batch_size >= 1, "batch size must be >= 1 (got {})", opts.batch_size);
   DFLASH_CHECK(opts.window >= 1, "regenerate window must be >= 1 (got {})", opts.window);
+  DFLASH_CHECK(std::filesystem::is_regular_file(in), "{}: no such file (the input records)",
+               in.string());
   DFLASH_CHECK(!(std::filesystem::exists(out) && std::filesystem::equivalent(in, out)),
                "the output file {} is the input file", out.string());
   RegenerateStats stats;
