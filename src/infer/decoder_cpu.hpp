@@ -4,15 +4,17 @@
 // Scheduling: up to batch_size requests are in flight, each in its own slot with its own state
 // (target and drafter caches, RNG, output). A round gives every active slot one unit of work —
 // a newly admitted request its prefill and first token, any other one speculative step (or one
-// target token) — and the slots of a round run on the thread pool (core/parallel.hpp), one slot per
-// chunk. When a request ends its slot takes the next request of the queue in the next round (its
-// buffers are kept: caches, drafter workspace and scratch only grow). Token callbacks are made on
-// the calling thread after each round, in slot order.
+// target token) — and the active slots of a round are split into contiguous chunks run on the
+// thread pool (core/parallel.hpp). When a request ends its slot takes the next request of the
+// queue in the next round (its buffers are kept: caches, drafter workspace and scratch only
+// grow). Token callbacks are made on the calling thread after each round, in slot order.
 //
-// Invariants: a request's computation reads only its own state and the immutable models, and every
-// op it calls computes each output the same way whatever thread runs it (parallel.hpp), so its
-// output does not depend on batch_size, on the other requests or on the thread count: request i
-// decodes exactly as SpeculativeDecoder::generate / target_generate with seed opts.seed + i.
+// Invariants: a request's computation reads only its own state and the immutable models. An op
+// called inside a chunk runs its parallel_for chunks inline, the same chunks it would hand to the
+// pool (parallel.hpp), so it computes the same bits as when the request runs alone: a request's
+// output does not depend on batch_size nor on the other requests. Request i decodes exactly as
+// SpeculativeDecoder::generate / target_generate with seed opts.seed + i (on a given machine:
+// the chunking of the prefill's GEMMs follows the thread count, see backend/cpu/gemm.hpp).
 // Results come back in request order; a request's DecodeResult seconds are its own wall time from
 // admission (the start of the round that prefilled it) to the end of the round it finished in.
 #pragma once
