@@ -50,7 +50,8 @@ void run_eval_command(const EvalArgs& a) {
       load_eval_prompts(a.prompts, tmpl, tok, a.limit, a.per_source);
   const TargetModel target = TargetModel::load(a.d.target, target_load_options());
   DecoderCpu dec(target, &drafter);
-  const int K = dec.speculative()->config_for_block(opts.block_size).block_size;
+  // The run-time block size (checked against the trained one by check_decoding_inputs).
+  const int K = opts.block_size > 0 ? opts.block_size : drafter.config.block_size;
   const bool greedy = opts.sampling.greedy(), baseline = !a.no_baseline;
   spdlog::info("eval: {} prompts, block size {}, max {} new tokens, batch size {}, {} backend, {}",
                prompts.size(), K, opts.max_new_tokens, a.d.batch_size, dec.backend(),
