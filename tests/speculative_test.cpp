@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -16,6 +17,7 @@
 #include "core/error.hpp"
 #include "data/chat_template.hpp"
 #include "data/tokenizer.hpp"
+#include "infer/decoder_cpu.hpp"
 #include "infer/eval.hpp"
 #include "model/drafter_io.hpp"
 #include "util/test_util.hpp"
@@ -294,14 +296,31 @@ TEST(Speculative, DrafterTargetMismatchNamed) {
 TEST(Speculative, EvalReportFigures) {
   TempDir dir;
   const LoadedDrafter d = random_drafter(dir, 1, 4, 15);
-  const SpeculativeDecoder dec(tiny(), d);
+  DecoderCpu dec(tiny(), &d);
   const auto prompts = eval_subset(1);
   DecodeOptions o;
   o.max_new_tokens = 9;
   o.stop_ids = generation_eos_ids(tiny_dir(), tiny().config());
-  const auto res = run_eval(dec, prompts, o);
-  const nlohmann::json rep = eval_report(res, 4, true, true, {{"x", 1}});
+  std::vector<std::pair<std::string, size_t>> done;
+  std::string phase;
+  EvalProgress progress;
+  progress.phase_start = [&](const char* p) { phase = p; };
+  progress.request_done = [&](size_t i) { done.emplace_back(phase, i); };
+  const EvalRun run = run_eval(dec, prompts, o, 2, true, progress);
+  const auto& res = run.results;
+  // Every request of both phases is reported done once.
+  ASSERT_EQ(done.size(), 2 * prompts.size());
+  std::set<std::pair<std::string, size_t>> unique(done.begin(), done.end());
+  EXPECT_EQ(unique.size(), done.size());
+  const nlohmann::json rep = eval_report(run, 4, true, true, {{"x", 1}});
   EXPECT_EQ(rep["settings"]["x"], 1);
+  // Totals: the calls' wall times, tokens/s over them.
+  EXPECT_EQ(rep["total"]["batch_size"], 2);
+  EXPECT_DOUBLE_EQ(rep["total"]["seconds_spec"].get<double>(), run.seconds_spec);
+  EXPECT_DOUBLE_EQ(rep["total"]["seconds_target"].get<double>(), run.seconds_target);
+  EXPECT_DOUBLE_EQ(rep["total"]["tokens_per_s_spec"].get<double>(),
+                   rep["total"]["new_tokens"].get<double>() / run.seconds_spec);
+  EXPECT_DOUBLE_EQ(rep["total"]["speedup"].get<double>(), run.seconds_target / run.seconds_spec);
   ASSERT_EQ(rep["prompts"].size(), prompts.size());
   int64_t steps = 0, acc = 0;
   std::vector<int64_t> hist(4, 0);
@@ -371,16 +390,57 @@ TEST(Speculative, CliGenerateAndEval) {
             std::string::npos)
       << gs.out;
 
+  // Several prompts decoded together: each output after its header, in prompt order, each the
+  // target's greedy continuation of its prompt.
+  auto g2 = test::run_dflash({"generate", "--target", tdir, "--drafter", ddir, "--prompt",
+                              "What is 10 times 6?", "--prompt", "Define the word cat.", "--chat",
+                              "--max-new-tokens", "12", "--batch-size", "2"});
+  ASSERT_EQ(g2.exit_code, 0) << g2.err;
+  const auto ids2 =
+      tok.encode("<|im_start|>user\nDefine the word cat.<|im_end|>\n<|im_start|>assistant\n");
+  const auto ref2 =
+      greedy_generate(tiny(), ids2, 12, generation_eos_ids(tiny_dir(), tiny().config()), true);
+  EXPECT_EQ(g2.out.rfind("[prompt 1]\n" + tok.decode(ref) + "\n\n[prompt 2]\n" + tok.decode(ref2) +
+                             "\n\ntokens: " + std::to_string(ref.size() + ref2.size()) + "\n",
+                         0),
+            0u)
+      << g2.out;
+
   const std::string out = (dir / "report.json").string();
   auto e = test::run_dflash({"eval", "--target", tdir, "--drafter", ddir, "--prompts",
                              (test::assets_dir() / "data" / "eval_prompts.jsonl").string(),
-                             "--per-source", "1", "--max-new-tokens", "6", "--output", out});
+                             "--per-source", "1", "--max-new-tokens", "6", "--output", out,
+                             "--batch-size", "3"});
   ASSERT_EQ(e.exit_code, 0) << e.err;
+  EXPECT_NE(e.out.find("batch size: 3\n"), std::string::npos) << e.out;
   EXPECT_NE(e.out.find("lossless: true (4/4 prompts)"), std::string::npos) << e.out;
   EXPECT_NE(e.out.find("tau[math]: "), std::string::npos) << e.out;
   const auto rep = nlohmann::json::parse(test::read_file(out));
   EXPECT_EQ(rep["total"]["prompts"], 4);
+  EXPECT_EQ(rep["total"]["batch_size"], 3);
+  EXPECT_EQ(rep["settings"]["batch_size"], 3);
   EXPECT_EQ(rep["per_source"].size(), 4u);
+
+  // Any JSONL of conversations: prompt-only records (a trailing user turn), either message form,
+  // integer ids, records without `source` (grouped as "(none)").
+  const auto bench = dir / "bench.jsonl";
+  {
+    std::ofstream f(bench);
+    f << R"({"id": 1, "source": "gsm8k", "messages": [{"role": "user", "content": "What is 3 + 4?"}]})"
+      << "\n"
+      << R"({"id": "b", "conversations": [{"from": "human", "value": "Define the word dog."}]})"
+      << "\n"
+      << R"({"id": 3, "source": "gsm8k", "messages": [{"role": "system", "content": "Be brief."}, )"
+      << R"({"role": "user", "content": "What is 9 - 2?"}]})"
+      << "\n";
+  }
+  auto eb = test::run_dflash({"eval", "--target", tdir, "--drafter", ddir, "--prompts",
+                              bench.string(), "--max-new-tokens", "4", "--batch-size", "2"});
+  ASSERT_EQ(eb.exit_code, 0) << eb.err;
+  EXPECT_NE(eb.out.find("tau[gsm8k]: "), std::string::npos) << eb.out;
+  EXPECT_NE(eb.out.find("(2 prompts, "), std::string::npos) << eb.out;
+  EXPECT_NE(eb.out.find("tau[(none)]: "), std::string::npos) << eb.out;
+  EXPECT_NE(eb.out.find("lossless: true (3/3 prompts)"), std::string::npos) << eb.out;
 
   auto bad = test::run_dflash({"eval", "--target", tdir, "--drafter", ddir, "--prompts",
                                (test::assets_dir() / "data" / "eval_prompts.jsonl").string(),

@@ -1,10 +1,13 @@
 // `dflash eval --target DIR --drafter DIR --prompts FILE.jsonl [--max-new-tokens N] [--limit N]
-// [--output FILE]`: speculative decoding of every prompt of a record file, and target-only
-// decoding of the same prompts (infer/eval.hpp). Prints τ (mean acceptance length, bonus token
-// included), its histogram over 1..K, τ per `source`, tokens/s both ways and the speedup; writes
+// [--output FILE] [--batch-size N]`: speculative decoding of every prompt of a record file, and
+// target-only decoding of the same prompts (infer/eval.hpp), N requests in flight. Prints τ (mean
+// acceptance length, bonus token included), its histogram over 1..K, τ per `source`, the batch
+// size, tokens/s both ways over each mode's wall time and the speedup; writes
 // the JSON report to --output. In greedy mode every prompt's speculative output must equal the
 // target-only output: otherwise the command fails (after writing the report) naming the count.
 #include <fmt/format.h>
+
+#include <optional>
 
 #include "cli/cli_util.hpp"
 #include "cli/commands.hpp"
@@ -12,6 +15,7 @@
 #include "core/error.hpp"
 #include "core/fs.hpp"
 #include "core/log.hpp"
+#include "infer/decoder_cpu.hpp"
 #include "infer/eval.hpp"
 #include "model/drafter_io.hpp"
 
@@ -45,28 +49,33 @@ void run_eval_command(const EvalArgs& a) {
   const std::vector<EvalPrompt> prompts =
       load_eval_prompts(a.prompts, tmpl, tok, a.limit, a.per_source);
   const TargetModel target = TargetModel::load(a.d.target, target_load_options());
-  const SpeculativeDecoder dec(target, drafter);
-  const int K = dec.config_for_block(opts.block_size).block_size;
+  DecoderCpu dec(target, &drafter);
+  // The run-time block size (checked against the trained one by check_decoding_inputs).
+  const int K = opts.block_size > 0 ? opts.block_size : drafter.config.block_size;
   const bool greedy = opts.sampling.greedy(), baseline = !a.no_baseline;
-  spdlog::info("eval: {} prompts, block size {}, max {} new tokens, {}", prompts.size(), K,
-               opts.max_new_tokens,
+  spdlog::info("eval: {} prompts, block size {}, max {} new tokens, batch size {}, {} backend, {}",
+               prompts.size(), K, opts.max_new_tokens, a.d.batch_size, dec.backend(),
                greedy ? std::string("greedy")
                       : fmt::format("temperature {}, top-k {}, top-p {}", opts.sampling.temperature,
                                     opts.sampling.top_k, opts.sampling.top_p));
 
-  ProgressBar bar("eval", static_cast<int64_t>(prompts.size()), "prompts");
-  int64_t steps = 0, acc = 0, bad = 0;
-  const auto results = run_eval(dec, prompts, opts, baseline, [&](const EvalPromptResult& r) {
-    for (int x : r.spec.accept_lengths) acc += x;
-    steps += static_cast<int64_t>(r.spec.accept_lengths.size());
+  // One bar per decoding mode (each is one batched call over all prompts).
+  std::optional<ProgressBar> bar;
+  EvalProgress progress;
+  progress.phase_start = [&](const char* phase) {
+    if (bar) bar->finish();
+    bar.emplace(fmt::format("eval ({})", phase), static_cast<int64_t>(prompts.size()), "prompts");
+  };
+  progress.request_done = [&](size_t) { bar->advance(); };
+  const EvalRun run = run_eval(dec, prompts, opts, a.d.batch_size, baseline, progress);
+  if (bar) bar->finish();
+  int64_t bad = 0;
+  for (const EvalPromptResult& r : run.results) {
     if (baseline && greedy && !r.lossless) {
       ++bad;
       spdlog::error("prompt {}: speculative output differs from the target-only output", r.id);
     }
-    bar.set_suffix(fmt::format("τ {:.2f}", steps ? static_cast<double>(acc) / steps : 0.0));
-    bar.advance();
-  });
-  bar.finish();
+  }
 
   nlohmann::json settings = {{"target", a.d.target},
                              {"drafter", a.d.drafter},
@@ -74,6 +83,8 @@ void run_eval_command(const EvalArgs& a) {
                              {"limit", a.limit},
                              {"per_source", a.per_source},
                              {"block_size", K},
+                             {"batch_size", a.d.batch_size},
+                             {"backend", dec.backend()},
                              {"max_new_tokens", opts.max_new_tokens},
                              {"temperature", opts.sampling.temperature},
                              {"top_k", opts.sampling.top_k},
@@ -83,7 +94,7 @@ void run_eval_command(const EvalArgs& a) {
                              {"template", tmpl.name()},
                              {"greedy", greedy},
                              {"baseline", baseline}};
-  const nlohmann::json rep = eval_report(results, K, greedy, baseline, settings);
+  const nlohmann::json rep = eval_report(run, K, greedy, baseline, settings);
   if (!a.output.empty()) write_file_atomic(a.output, rep.dump(2) + "\n");
 
   const auto& t = rep["total"];
@@ -97,9 +108,12 @@ void run_eval_command(const EvalArgs& a) {
     fmt::print("tau[{}]: {:.3f}; {:.3f} mean over prompts ({} prompts, {} steps)\n", src,
                s["tau"].get<double>(), s["tau_prompt_mean"].get<double>(),
                s["prompts"].get<int64_t>(), s["steps"].get<int64_t>());
-  fmt::print("tokens/s speculative: {:.1f}\n", t["tokens_per_s_spec"].get<double>());
+  fmt::print("batch size: {}\n", t["batch_size"].get<int>());
+  fmt::print("tokens/s speculative: {:.1f} ({:.2f} s wall)\n", t["tokens_per_s_spec"].get<double>(),
+             t["seconds_spec"].get<double>());
   if (baseline) {
-    fmt::print("tokens/s target: {:.1f}\n", t["tokens_per_s_target"].get<double>());
+    fmt::print("tokens/s target: {:.1f} ({:.2f} s wall)\n", t["tokens_per_s_target"].get<double>(),
+               t["seconds_target"].get<double>());
     fmt::print("speedup: {:.3f}\n", t["speedup"].get<double>());
     if (greedy)
       fmt::print("lossless: {} ({}/{} prompts)\n", t["lossless"].get<bool>() ? "true" : "false",

@@ -1,13 +1,16 @@
-// `dflash generate --target DIR --drafter DIR --prompt TEXT [--chat]`: speculative decoding of one
-// prompt with a DFlash drafter. The text is streamed to stdout as tokens are accepted (special
-// tokens included; a partial UTF-8 character is held back until complete), then one summary line
-// per figure: "tokens", "steps", "tau", "tokens/s" (stable keys, tests grep them).
+// `dflash generate --target DIR --drafter DIR --prompt TEXT [--chat] [--batch-size N]`:
+// speculative decoding with a DFlash drafter. One prompt: the text is streamed to stdout as tokens
+// are accepted (special tokens included; a partial UTF-8 character is held back until complete).
+// Several --prompt: decoded together (N in flight), each output printed in order after a
+// "[prompt I]" line. Then one summary line per figure over all prompts: "tokens", "steps", "tau"
+// (over steps), "tokens/s" (over the wall time of the decoding) (stable keys, tests grep them).
 // With --chat the prompt is one user turn rendered with the chat template and the generation
 // prompt; without it the prompt is raw text. With --show-steps each speculative step also prints
 // one line to stderr: its acceptance length, the anchor and the drafted tokens (accepted ones in
 // [brackets]) and the token the target put in their place.
 #include <fmt/format.h>
 
+#include <chrono>
 #include <cstdio>
 #include <optional>
 
@@ -17,7 +20,7 @@
 #include "data/chat_template.hpp"
 #include "data/conversation.hpp"
 #include "data/tokenizer.hpp"
-#include "infer/speculative.hpp"
+#include "infer/decoder_cpu.hpp"
 #include "model/drafter_io.hpp"
 
 namespace dflash::cli {
@@ -26,7 +29,7 @@ namespace {
 
 struct GenerateArgs {
   DecodeArgs d;
-  std::string prompt;
+  std::vector<std::string> prompts;
   bool chat = false;
   bool show_steps = false;
 };
@@ -47,8 +50,24 @@ std::string token_text(const Tokenizer& tok, int32_t id) {
   return out + "'";
 }
 
+// The summary lines of a call (stable keys): tokens, steps, τ over steps, tokens/s over the wall
+// time of the call.
+void print_summary(std::span<const DecodeResult> results, double seconds) {
+  int64_t tokens = 0, steps = 0, accepted = 0;
+  for (const DecodeResult& r : results) {
+    tokens += static_cast<int64_t>(r.tokens.size());
+    steps += static_cast<int64_t>(r.accept_lengths.size());
+    for (int x : r.accept_lengths) accepted += x;
+  }
+  fmt::print("\n\ntokens: {}\nsteps: {}\ntau: {:.3f}\ntokens/s: {:.1f}\n", tokens, steps,
+             steps ? static_cast<double>(accepted) / static_cast<double>(steps) : 0.0,
+             static_cast<double>(tokens) / seconds);
+}
+
 void run_generate(const GenerateArgs& a) {
   // Every argument is checked before the target's weights are loaded.
+  DFLASH_CHECK(!a.show_steps || a.prompts.size() == 1,
+               "--show-steps traces one prompt ({} --prompt given)", a.prompts.size());
   const ModelConfig target_cfg = model_config_load(a.d.target);
   const DecodeOptions opts = decode_options_from(a.d, target_cfg);
   const LoadedDrafter drafter = drafter_load(a.d.drafter);
@@ -56,17 +75,23 @@ void run_generate(const GenerateArgs& a) {
   std::optional<ChatTemplate> tmpl;
   if (a.chat) tmpl = resolve_chat_template(a.d.target, a.d.chat_template);
   check_decoding_inputs(a.d, target_cfg, drafter.config, tok, tmpl ? &*tmpl : nullptr);
-  std::string text = a.prompt;
-  if (tmpl) {
-    Conversation conv;
-    conv.messages.push_back(Message{Role::user, a.prompt});
-    text = render_chat(*tmpl, conv, /*add_generation_prompt=*/true).text;
+  std::vector<std::vector<int32_t>> prompts;
+  for (size_t i = 0; i < a.prompts.size(); ++i) {
+    std::string text = a.prompts[i];
+    if (tmpl) {
+      Conversation conv;
+      conv.messages.push_back(Message{Role::user, a.prompts[i]});
+      text = render_chat(*tmpl, conv, /*add_generation_prompt=*/true).text;
+    }
+    prompts.push_back(tok.encode(text));
+    DFLASH_CHECK(!prompts.back().empty(),
+                 "--prompt {} (of {}): the prompt is empty (it encodes to no token)", i + 1,
+                 a.prompts.size());
   }
-  const std::vector<int32_t> ids = tok.encode(text);
-  DFLASH_CHECK(!ids.empty(), "--prompt: the prompt is empty (it encodes to no token)");
   const TargetModel target = TargetModel::load(a.d.target, target_load_options());
-  const SpeculativeDecoder dec(target, drafter);
+  DecoderCpu dec(target, &drafter);
 
+  // One prompt: its text streams as tokens are accepted.
   std::vector<int32_t> out;
   size_t printed = 0;
   auto flush_text = [&](bool final) {
@@ -84,28 +109,45 @@ void run_generate(const GenerateArgs& a) {
     out.insert(out.end(), toks.begin(), toks.end());
     flush_text(false);
   };
-  SpecState st = dec.start(ids, opts, on_tokens);
-  while (!st.done) {
-    const int32_t anchor = st.anchor;
-    const size_t before = out.size();
-    dec.step(st, opts, on_tokens);
-    if (!a.show_steps) continue;
-    const int n = st.result.accept_lengths.back() - 1;  // accepted drafts
-    std::string line =
-        fmt::format("step {}: accepted {}/{}, anchor {}, drafts", st.result.accept_lengths.size(),
-                    n, st.last_proposals.size(), token_text(tok, anchor));
-    for (size_t k = 0; k < st.last_proposals.size(); ++k) {
-      const std::string t = token_text(tok, st.last_proposals[k]);
-      line += static_cast<int>(k) < n ? " [" + t + "]" : " " + t;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto elapsed = [&t0] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  if (a.show_steps) {  // step by step on the CPU decoder, tracing each step
+    const SpeculativeDecoder& sd = *dec.speculative();
+    SpecState st = sd.start(prompts[0], opts, on_tokens);
+    while (!st.done) {
+      const int32_t anchor = st.anchor;
+      const size_t before = out.size();
+      sd.step(st, opts, on_tokens);
+      const int n = st.result.accept_lengths.back() - 1;  // accepted drafts
+      std::string line =
+          fmt::format("step {}: accepted {}/{}, anchor {}, drafts", st.result.accept_lengths.size(),
+                      n, st.last_proposals.size(), token_text(tok, anchor));
+      for (size_t k = 0; k < st.last_proposals.size(); ++k) {
+        const std::string t = token_text(tok, st.last_proposals[k]);
+        line += static_cast<int>(k) < n ? " [" + t + "]" : " " + t;
+      }
+      if (before + n < out.size()) line += ", target " + token_text(tok, out[before + n]);
+      fmt::print(stderr, "{}\n", line);
     }
-    if (before + n < out.size()) line += ", target " + token_text(tok, out[before + n]);
-    fmt::print(stderr, "{}\n", line);
+    flush_text(true);
+    print_summary(std::span<const DecodeResult>(&st.result, 1), elapsed());
+    return;
   }
-  flush_text(true);
-  const DecodeResult& r = st.result;
-  const double secs = r.prefill_seconds + r.decode_seconds;
-  fmt::print("\n\ntokens: {}\nsteps: {}\ntau: {:.3f}\ntokens/s: {:.1f}\n", r.tokens.size(),
-             r.accept_lengths.size(), r.tau(), secs > 0 ? r.tokens.size() / secs : 0.0);
+  if (prompts.size() == 1) {
+    const auto r = dec.generate(prompts, opts, a.d.batch_size,
+                                [&](size_t, std::span<const int32_t> t) { on_tokens(t); });
+    flush_text(true);
+    print_summary(r, elapsed());
+    return;
+  }
+  // Several prompts: decoded together, each output printed after its header, in prompt order.
+  const auto r = dec.generate(prompts, opts, a.d.batch_size);
+  const double seconds = elapsed();
+  for (size_t i = 0; i < r.size(); ++i)
+    fmt::print("{}[prompt {}]\n{}", i ? "\n\n" : "", i + 1, tok.decode(r[i].tokens));
+  print_summary(r, seconds);
 }
 
 }  // namespace
@@ -115,7 +157,10 @@ void add_generate_command(CLI::App& app) {
       "generate", "Speculative decoding of one prompt with a DFlash drafter (streams the text)");
   auto a = std::make_shared<GenerateArgs>();
   add_decode_args(sub, a->d);
-  sub->add_option("--prompt", a->prompt, "Prompt text")->required();
+  sub->add_option("--prompt", a->prompts,
+                  "Prompt text (repeatable: the prompts are decoded together, --batch-size at a "
+                  "time, and printed in order after a '[prompt N]' line)")
+      ->required();
   sub->add_flag("--chat", a->chat,
                 "Render the prompt as a user turn with the chat template and generation prompt");
   sub->add_flag("--show-steps", a->show_steps,

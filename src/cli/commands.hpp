@@ -25,13 +25,19 @@ void add_tokenize_command(CLI::App& app);
 /// `dflash dev drafter-step IN OUT`: developer tools used by the reference tests (internal).
 void add_dev_command(CLI::App& app);
 
-/// `dflash generate --target DIR --drafter DIR --prompt TEXT [--chat]`: speculative decoding of
-/// one prompt, streamed; then tokens, steps, τ, tokens/s (src/cli/cmd_generate.cpp).
+/// `dflash generate --target DIR --drafter DIR --prompt TEXT [--chat] [--batch-size N]`:
+/// speculative decoding of one prompt, streamed, or of several together; then tokens, steps, τ,
+/// tokens/s (src/cli/cmd_generate.cpp).
 void add_generate_command(CLI::App& app);
 
 /// `dflash eval --target DIR --drafter DIR --prompts FILE.jsonl`: τ, histogram, τ per source,
-/// tokens/s, speedup, losslessness, JSON report (src/cli/cmd_eval.cpp).
+/// tokens/s, speedup, losslessness, JSON report; `--batch-size N` requests in flight
+/// (src/cli/cmd_eval.cpp).
 void add_eval_command(CLI::App& app);
+
+/// `dflash regenerate --target DIR --data IN.jsonl --out OUT.jsonl [--drafter DIR] ...`: the
+/// corpus's assistant turns replaced by the target's answers (src/cli/cmd_regenerate.cpp).
+void add_regenerate_command(CLI::App& app);
 
 /// `dflash train [--config FILE] [overrides]` and `dflash init-config --target DIR`
 /// (src/cli/cmd_train.cpp).

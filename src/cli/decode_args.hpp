@@ -1,5 +1,5 @@
 // dflash.cpp — command-line options shared by `dflash generate` and `dflash eval` (internal to
-// src/cli): model folders, block size, sampling, stop tokens, seed.
+// src/cli): model folders, block size, batch size, sampling, stop tokens, seed.
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -25,6 +25,7 @@ struct DecodeArgs {
   std::string target, drafter, chat_template;
   int64_t max_new_tokens = 128;
   int block_size = 0;
+  int batch_size = 1;
   double temperature = 0.0, top_p = 1.0;
   int64_t top_k = 0;
   uint64_t seed = 0;
@@ -53,6 +54,11 @@ inline void add_decode_args(CLI::App* sub, DecodeArgs& a) {
                   "Block size at run time, in [2, trained block_size] (0: the trained one)")
       ->capture_default_str()
       ->check(at_least(0));
+  sub->add_option("--batch-size", a.batch_size,
+                  "Requests decoded at once (each with its own acceptance; outputs do not depend "
+                  "on it)")
+      ->capture_default_str()
+      ->check(at_least(1));
   sub->add_option("--temperature", a.temperature,
                   "0: greedy (lossless, compared token for "
                   "token); > 0: speculative sampling")

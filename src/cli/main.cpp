@@ -35,6 +35,7 @@ int main(int argc, char** argv) {
   dflash::cli::add_train_command(app);
   dflash::cli::add_generate_command(app);
   dflash::cli::add_eval_command(app);
+  dflash::cli::add_regenerate_command(app);
   dflash::cli::add_bench_command(app);
 
   try {

@@ -1,7 +1,10 @@
 // dflash.cpp — prompt loading, the two decodings per prompt and the JSON report of `dflash eval`.
 #include "infer/eval.hpp"
 
+#include <algorithm>
+#include <chrono>
 #include <map>
+#include <memory>
 
 #include "core/error.hpp"
 #include "data/conversation.hpp"
@@ -79,37 +82,59 @@ std::vector<EvalPrompt> load_eval_prompts(const std::filesystem::path& file,
   return out;
 }
 
-std::vector<EvalPromptResult> run_eval(
-    const SpeculativeDecoder& dec, const std::vector<EvalPrompt>& prompts,
-    const DecodeOptions& opts, bool baseline,
-    const std::function<void(const EvalPromptResult&)>& on_prompt) {
-  std::vector<EvalPromptResult> out;
-  out.reserve(prompts.size());
+EvalRun run_eval(Decoder& dec, const std::vector<EvalPrompt>& prompts, const DecodeOptions& opts,
+                 int batch_size, bool baseline, const EvalProgress& progress) {
+  std::vector<std::vector<int32_t>> tokens;
+  tokens.reserve(prompts.size());
+  for (const EvalPrompt& p : prompts) tokens.push_back(p.tokens);
+  // Starts a phase; its token callback sees a request end at max_new_tokens or a stop token.
+  auto phase = [&](const char* name) -> BatchTokenCallback {
+    if (progress.phase_start) progress.phase_start(name);
+    if (!progress.request_done) return {};
+    auto counts = std::make_shared<std::vector<int64_t>>(prompts.size(), 0);
+    return [&progress, &opts, counts](size_t i, std::span<const int32_t> t) {
+      (*counts)[i] += static_cast<int64_t>(t.size());
+      const bool stop = std::find(opts.stop_ids.begin(), opts.stop_ids.end(),
+                                  static_cast<int64_t>(t.back())) != opts.stop_ids.end();
+      if (stop || (*counts)[i] >= opts.max_new_tokens) progress.request_done(i);
+    };
+  };
+  using Clock = std::chrono::steady_clock;
+  EvalRun run;
+  run.batch_size = batch_size;
+  const BatchTokenCallback spec_cb = phase("speculative");
+  auto t0 = Clock::now();
+  std::vector<DecodeResult> spec = dec.generate(tokens, opts, batch_size, spec_cb);
+  run.seconds_spec = std::chrono::duration<double>(Clock::now() - t0).count();
+  std::vector<DecodeResult> target;
+  if (baseline) {
+    const BatchTokenCallback target_cb = phase("target");
+    t0 = Clock::now();
+    target = dec.target_generate(tokens, opts, batch_size, target_cb);
+    run.seconds_target = std::chrono::duration<double>(Clock::now() - t0).count();
+  }
+  run.results.resize(prompts.size());
   for (size_t i = 0; i < prompts.size(); ++i) {
-    DecodeOptions o = opts;
-    o.seed = opts.seed + i;
-    EvalPromptResult r;
+    EvalPromptResult& r = run.results[i];
     r.id = prompts[i].id;
     r.source = prompts[i].source;
     r.prompt_tokens = static_cast<int64_t>(prompts[i].tokens.size());
-    r.spec = dec.generate(prompts[i].tokens, o);
+    r.spec = std::move(spec[i]);
     if (baseline) {
-      r.target = target_generate(dec.target(), prompts[i].tokens, o);
+      r.target = std::move(target[i]);
       r.lossless = r.spec.tokens == r.target.tokens;
     }
-    if (on_prompt) on_prompt(r);
-    out.push_back(std::move(r));
   }
-  return out;
+  return run;
 }
 
-nlohmann::json eval_report(const std::vector<EvalPromptResult>& results, int block_size,
-                           bool greedy, bool baseline, const nlohmann::json& settings) {
+nlohmann::json eval_report(const EvalRun& run, int block_size, bool greedy, bool baseline,
+                           const nlohmann::json& settings) {
   using nlohmann::json;
+  const std::vector<EvalPromptResult>& results = run.results;
   json rows = json::array();
   Tally total(block_size);
   std::map<std::string, Tally> by_source;
-  double spec_s = 0, target_s = 0;
   int64_t target_tokens = 0, lossless_n = 0;
   for (const EvalPromptResult& r : results) {
     Tally t(block_size);
@@ -119,8 +144,6 @@ nlohmann::json eval_report(const std::vector<EvalPromptResult>& results, int blo
     it->second.add(r.spec);
     const double ss = r.spec.prefill_seconds + r.spec.decode_seconds;
     const double ts = r.target.prefill_seconds + r.target.decode_seconds;
-    spec_s += ss;
-    target_s += ts;
     target_tokens += static_cast<int64_t>(r.target.tokens.size());
     json row = {{"id", r.id},
                 {"source", r.source},
@@ -141,7 +164,9 @@ nlohmann::json eval_report(const std::vector<EvalPromptResult>& results, int blo
     if (baseline && greedy && r.lossless) ++lossless_n;
     rows.push_back(std::move(row));
   }
+  const double spec_s = run.seconds_spec, target_s = run.seconds_target;
   json tot = {{"prompts", total.prompts},
+              {"batch_size", run.batch_size},
               {"new_tokens", total.new_tokens},
               {"steps", total.steps},
               {"tau", total.tau()},

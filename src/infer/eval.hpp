@@ -7,9 +7,13 @@
 // optional system message and the first user turn, rendered with the chat template and the
 // generation prompt (render_chat(..., add_generation_prompt = true)), then tokenized.
 //
-// Invariants: τ of a group is the step-weighted mean (Σ acceptance lengths / Σ steps); tokens/s
-// counts the generated tokens over the wall time of prefill + decode of that mode; speedup =
-// target-only time / speculative time over the same prompts.
+// Each mode is one call of a Decoder (infer/decoder.hpp) over all prompts with up to batch_size
+// requests in flight.
+//
+// Invariants: τ of a group is the step-weighted mean (Σ acceptance lengths / Σ steps); the total
+// tokens/s of a mode counts the generated tokens over the wall time of that mode's call (prefill
+// and decode of every prompt); speedup = target-only wall time / speculative wall time over the
+// same prompts and batch size.
 #pragma once
 
 #include <cstdint>
@@ -21,7 +25,7 @@
 
 #include "data/chat_template.hpp"
 #include "data/tokenizer.hpp"
-#include "infer/speculative.hpp"
+#include "infer/decoder.hpp"
 
 namespace dflash {
 
@@ -49,21 +53,41 @@ struct EvalPromptResult {
   bool lossless = false;      ///< spec.tokens == target.tokens (meaningful in greedy mode)
 };
 
-/// Decodes every prompt both ways with `opts` (seed opts.seed + prompt index for sampling).
-/// `on_prompt` is called after each prompt (progress). `baseline` false skips the target-only
-/// decoding (no lossless / speedup figures then).
-std::vector<EvalPromptResult> run_eval(
-    const SpeculativeDecoder& dec, const std::vector<EvalPrompt>& prompts,
-    const DecodeOptions& opts, bool baseline = true,
-    const std::function<void(const EvalPromptResult&)>& on_prompt = {});
+/// Outcome of run_eval: the prompts' results and the wall time of each decoding call.
+struct EvalRun {
+  std::vector<EvalPromptResult> results;  ///< in prompt order
+  int batch_size = 1;                     ///< requests in flight per call
+  double seconds_spec = 0;                ///< wall time of the speculative call
+  double seconds_target = 0;              ///< wall time of the target-only call (0: no baseline)
+};
 
-/// The JSON report of run_eval results: {"settings": ..., "prompts": [{id, source,
-/// prompt_tokens, new_tokens, steps, tau, accept_histogram [K counts for lengths 1..K],
-/// tokens_per_s_spec, tokens_per_s_target, lossless (greedy only), target_new_tokens}],
-/// "total": {prompts, new_tokens, steps, tau, accept_histogram, tokens_per_s_spec,
-/// tokens_per_s_target, speedup, lossless (greedy), lossless_prompts}, "per_source": {source:
-/// {prompts, steps, tau, accept_histogram}}}. `settings` is copied in as given.
-nlohmann::json eval_report(const std::vector<EvalPromptResult>& results, int block_size,
-                           bool greedy, bool baseline, const nlohmann::json& settings);
+/// Progress callbacks of run_eval (each may be empty).
+struct EvalProgress {
+  std::function<void(const char*)> phase_start;  ///< "speculative", then "target" (baseline)
+  /// Request i of the current phase produced its last token, seen from the token stream (which
+  /// ends with a stop token or at max_new_tokens).
+  std::function<void(size_t)> request_done;
+};
+
+/// Decodes every prompt speculatively with `dec.generate` (one call, `batch_size` in flight; seed
+/// opts.seed + prompt index), then, when `baseline`, by the target alone with
+/// `dec.target_generate` (one call; lossless and speedup figures). Throws what the decoder throws
+/// (dflash::Error naming the request index).
+EvalRun run_eval(Decoder& dec, const std::vector<EvalPrompt>& prompts, const DecodeOptions& opts,
+                 int batch_size, bool baseline = true, const EvalProgress& progress = {});
+
+/// The JSON report of a run: {"settings": ..., "prompts": [{id, source, prompt_tokens,
+/// new_tokens, steps, tau, accept_histogram [K counts for lengths 1..K], stopped, seconds_spec,
+/// tokens_per_s_spec, and with a baseline target_new_tokens, seconds_target, tokens_per_s_target,
+/// lossless (greedy)}], "total": {prompts, batch_size, new_tokens, steps, tau, tau_prompt_mean,
+/// accept_histogram, seconds_spec, tokens_per_s_spec, and with a baseline target_new_tokens,
+/// seconds_target, tokens_per_s_target, speedup, lossless and lossless_prompts (greedy)},
+/// "per_source": {source: {prompts, new_tokens, steps, tau, tau_prompt_mean, accept_histogram}}}.
+/// A prompt's seconds are its request's own wall time (decoder.hpp); the totals' seconds are the
+/// calls' wall times, and their tokens/s and speedup are aggregates over those (with several
+/// requests in flight the per-prompt seconds overlap and do not add up to the wall time).
+/// `settings` is copied in as given.
+nlohmann::json eval_report(const EvalRun& run, int block_size, bool greedy, bool baseline,
+                           const nlohmann::json& settings);
 
 }  // namespace dflash

@@ -92,11 +92,24 @@ void SpeculativeDecoder::emit(SpecState& s, std::span<const int32_t> toks,
 
 SpecState SpeculativeDecoder::start(std::span<const int32_t> prompt, const DecodeOptions& opts,
                                     const TokenCallback& on_tokens) const {
+  SpecState s(target_.config());
+  start_into(s, prompt, opts, on_tokens);
+  return s;
+}
+
+void SpeculativeDecoder::start_into(SpecState& s, std::span<const int32_t> prompt,
+                                    const DecodeOptions& opts,
+                                    const TokenCallback& on_tokens) const {
+  s.target_cache.clear();
+  s.drafter_cache.truncate(0);
+  s.prompt.clear();
+  s.result = DecodeResult{};
+  s.last_proposals.clear();
+  s.done = true;  // until the prefill succeeded
   check_options(opts);
   (void)config_for_block(opts.block_size);  // validates the block size before any work
   DFLASH_CHECK(!prompt.empty(), "speculative decoding: empty prompt");
   const auto t0 = std::chrono::steady_clock::now();
-  SpecState s(target_.config());
   s.prompt.assign(prompt.begin(), prompt.end());
   s.rng.reseed(opts.seed);
   const ForwardResult r =
@@ -107,8 +120,8 @@ SpecState SpeculativeDecoder::start(std::span<const int32_t> prompt, const Decod
   s.anchor = sample_token(std::span<const float>(r.logits.data<float>(), static_cast<size_t>(V)),
                           opts.sampling, s.rng, s.sample_scratch);
   s.result.prefill_seconds = seconds_since(t0);
+  s.done = false;
   emit(s, std::span<const int32_t>(&s.anchor, 1), opts, on_tokens);
-  return s;
 }
 
 void SpeculativeDecoder::step(SpecState& s, const DecodeOptions& opts,
@@ -231,35 +244,59 @@ DecodeResult SpeculativeDecoder::generate(std::span<const int32_t> prompt,
   return std::move(s.result);
 }
 
-DecodeResult target_generate(const TargetModel& target, std::span<const int32_t> prompt,
-                             const DecodeOptions& opts, const TokenCallback& on_tokens) {
+namespace {
+
+// The next token of target-only decoding from the final-norm row `normed` [H] of the last
+// position: its logits (lm_head_rows: the bits of a LogitsRows::last forward) into s.logits,
+// then argmax or a draw; appended to the output (trimmed), marking the state done at the end.
+void target_state_emit_next(const TargetModel& target, TargetState& s, const float* normed,
+                            const DecodeOptions& opts, const TokenCallback& on_tokens) {
+  const int64_t V = target.vocab_size();
+  s.logits.resize(static_cast<size_t>(V));
+  target.lm_head_rows(s.logits.data(), normed, 1);
+  const int32_t t = sample_token(s.logits, opts.sampling, s.rng, s.sample_scratch);
+  bool done = false;
+  const size_t n = append_trimmed(s.result, std::span<const int32_t>(&t, 1), opts, done);
+  if (on_tokens && n > 0) on_tokens(std::span<const int32_t>(&t, 1));
+  if (done) s.done = true;
+}
+
+}  // namespace
+
+void target_state_start(const TargetModel& target, TargetState& s, std::span<const int32_t> prompt,
+                        const DecodeOptions& opts, const TokenCallback& on_tokens) {
+  s.cache.clear();
+  s.result = DecodeResult{};
+  s.done = true;  // until the prefill succeeded
   check_options(opts);
   DFLASH_CHECK(!prompt.empty(), "target decoding: empty prompt");
   const auto t0 = std::chrono::steady_clock::now();
-  const int64_t V = target.vocab_size();
-  TargetKvCache cache = target.new_cache();
-  Rng rng(opts.seed);
-  std::vector<double> scratch;
-  DecodeResult res;
-  const ForwardOptions last{{}, LogitsRows::last, false};
-  ForwardResult r = target.prefill(cache, prompt, last);
-  bool first = true;
-  for (;;) {
-    const int32_t t =
-        sample_token(std::span<const float>(r.logits.data<float>(), static_cast<size_t>(V)),
-                     opts.sampling, rng, scratch);
-    if (first) {
-      res.prefill_seconds = seconds_since(t0);
-      first = false;
-    }
-    bool done = false;
-    append_trimmed(res, std::span<const int32_t>(&t, 1), opts, done);
-    if (on_tokens) on_tokens(std::span<const int32_t>(&t, 1));
-    if (done) break;
-    r = target.append(cache, std::span<const int32_t>(&res.tokens.back(), 1), last);
-  }
-  res.decode_seconds = seconds_since(t0) - res.prefill_seconds;
-  return res;
+  s.rng.reseed(opts.seed);
+  const ForwardResult r =
+      target.prefill(s.cache, prompt, ForwardOptions{{}, LogitsRows::none, true});
+  const int64_t H = target.hidden_size(), T = static_cast<int64_t>(prompt.size());
+  s.done = false;
+  target_state_emit_next(target, s, r.final_norm.data<float>() + (T - 1) * H, opts, on_tokens);
+  s.result.prefill_seconds = seconds_since(t0);
+}
+
+void target_state_step(const TargetModel& target, TargetState& s, const DecodeOptions& opts,
+                       const TokenCallback& on_tokens) {
+  if (s.done) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  const ForwardResult r =
+      target.append(s.cache, std::span<const int32_t>(&s.result.tokens.back(), 1),
+                    ForwardOptions{{}, LogitsRows::none, true});
+  target_state_emit_next(target, s, r.final_norm.data<float>(), opts, on_tokens);
+  s.result.decode_seconds += seconds_since(t0);
+}
+
+DecodeResult target_generate(const TargetModel& target, std::span<const int32_t> prompt,
+                             const DecodeOptions& opts, const TokenCallback& on_tokens) {
+  TargetState s(target.config());
+  target_state_start(target, s, prompt, opts, on_tokens);
+  while (!s.done) target_state_step(target, s, opts, on_tokens);
+  return std::move(s.result);
 }
 
 }  // namespace dflash

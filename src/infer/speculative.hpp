@@ -101,6 +101,13 @@ class SpeculativeDecoder {
   SpecState start(std::span<const int32_t> prompt, const DecodeOptions& opts,
                   const TokenCallback& on_tokens = {}) const;
 
+  /// start() into an existing state (of this decoder's target), which is emptied first and keeps
+  /// its buffers (caches, workspace, scratch): a batched loop refills a finished request's slot
+  /// without allocating what the slot already holds. Same errors as start(); on error the state
+  /// is empty (done, no output).
+  void start_into(SpecState& state, std::span<const int32_t> prompt, const DecodeOptions& opts,
+                  const TokenCallback& on_tokens = {}) const;
+
   /// One draft-verify-accept step (file comment). No-op when state.done.
   void step(SpecState& state, const DecodeOptions& opts, const TokenCallback& on_tokens = {}) const;
 
@@ -131,9 +138,33 @@ class SpeculativeDecoder {
   std::vector<int> taps_;
 };
 
-/// Target-only decoding with the same options (block size ignored): prefill, then one token per
-/// step over the KV cache, greedy or sampled from the request's Rng(seed) with the same
-/// processing. The baseline of `dflash eval` (tokens/s, speedup, losslessness).
+/// The loop state of one target-only request: its cache, RNG, output, and the buffers kept between
+/// steps (the last position's final-norm row and logits, the sampling scratch).
+struct TargetState {
+  TargetKvCache cache;
+  Rng rng;
+  DecodeResult result;
+  bool done = false;
+  std::vector<float> logits;  ///< [V] logits of the last position
+  std::vector<double> sample_scratch;
+  explicit TargetState(const ModelConfig& c) : cache(c) {}
+};
+
+/// Starts target-only decoding of `prompt` (≥ 1 token) in `s` (emptied first, buffers kept):
+/// prefill, then the first token from the last position's logits (argmax, or drawn from
+/// Rng(opts.seed) with the processing of infer/sampling.hpp). Throws dflash::Error for an empty
+/// prompt, a token outside the vocabulary or bad options; on error `s` is empty and done.
+void target_state_start(const TargetModel& target, TargetState& s, std::span<const int32_t> prompt,
+                        const DecodeOptions& opts, const TokenCallback& on_tokens = {});
+
+/// One target-only step: appends the last output token to the cache and picks the next token from
+/// its logits (as target_state_start). No-op when s.done.
+void target_state_step(const TargetModel& target, TargetState& s, const DecodeOptions& opts,
+                       const TokenCallback& on_tokens = {});
+
+/// Target-only decoding with the same options (block size ignored): target_state_start, then
+/// target_state_step until done. The baseline of `dflash eval` (tokens/s, speedup,
+/// losslessness).
 DecodeResult target_generate(const TargetModel& target, std::span<const int32_t> prompt,
                              const DecodeOptions& opts, const TokenCallback& on_tokens = {});
 
