@@ -15,6 +15,7 @@
 #include "core/error.hpp"
 #include "model/step_plan.hpp"
 #include "ops/cast.hpp"
+#include "ops/decode.hpp"
 #include "ops/embedding.hpp"
 #include "ops/fill.hpp"
 #include "ops/linear.hpp"
@@ -408,7 +409,6 @@ void TargetCuda::moe_forward(const Moe& m, float* x, const uint16_t* hn, int64_t
 
 void TargetCuda::forward_taps(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
                               const AttnRange* ranges, int64_t T, std::span<const int> layer_ids) {
-  const ModelConfig& c = cfg_;
   DFLASH_CHECK(T > 0 && T <= max_tokens_,
                "TargetCuda::forward_taps: {} tokens for a workspace of {}", T, max_tokens_);
   DFLASH_CHECK(!layer_ids.empty(), "TargetCuda::forward_taps: no tap layers");
@@ -418,6 +418,34 @@ void TargetCuda::forward_taps(uint16_t* taps, const int32_t* tokens, const int32
                  "tap layer {} is outside the uploaded target layers [0, {})", l, num_layers());
     n_run = std::max<int64_t>(n_run, l + 1);
   }
+  run_layers(taps, tokens, pos, ranges, T, layer_ids, n_run, nullptr, nullptr);
+}
+
+void TargetCuda::forward_cached(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
+                                const int32_t* slots, const AttnRange* ranges, int64_t T,
+                                std::span<const int> layer_ids, const TargetCacheCuda& cache) {
+  DFLASH_CHECK(T > 0 && T <= max_tokens_,
+               "TargetCuda::forward_cached: {} tokens for a workspace of {}", T, max_tokens_);
+  DFLASH_CHECK(num_layers() == cfg_.num_hidden_layers,
+               "TargetCuda::forward_cached: {} of the target's {} layers were uploaded (decoding "
+               "runs them all)",
+               num_layers(), cfg_.num_hidden_layers);
+  DFLASH_CHECK(static_cast<int64_t>(cache.k.size()) == num_layers() &&
+                   static_cast<int64_t>(cache.v.size()) == num_layers() && cache.rows > 0,
+               "TargetCuda::forward_cached: a cache of {}/{} layers and {} rows for {} layers",
+               cache.k.size(), cache.v.size(), cache.rows, num_layers());
+  DFLASH_CHECK(slots, "TargetCuda::forward_cached: null slots");
+  for (int l : layer_ids)
+    DFLASH_CHECK(l >= 0 && l < num_layers(), "tap layer {} is outside the target layers [0, {})", l,
+                 num_layers());
+  DFLASH_CHECK(layer_ids.empty() || taps, "TargetCuda::forward_cached: taps asked, no buffer");
+  run_layers(taps, tokens, pos, ranges, T, layer_ids, num_layers(), &cache, slots);
+}
+
+void TargetCuda::run_layers(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
+                            const AttnRange* ranges, int64_t T, std::span<const int> layer_ids,
+                            int64_t n_run, const TargetCacheCuda* cache, const int32_t* slots) {
+  const ModelConfig& c = cfg_;
   const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
   const int64_t NH = c.num_attention_heads, NKV = c.num_key_value_heads;
   const int64_t QD = NH * D, KD = NKV * D, n_taps = static_cast<int64_t>(layer_ids.size());
@@ -444,7 +472,17 @@ void TargetCuda::forward_taps(uint16_t* taps, const int32_t* tokens, const int32
     rope_fwd_cuda(ctx_, q, q, pos, inv_freq, rope_scaling_, T, NH, D);
     rope_fwd_cuda(ctx_, k, k, pos, inv_freq, rope_scaling_, T, NKV, D);
     ap.sinks = L.sinks;  // null unless gpt-oss
-    attention_fwd_cuda(ctx_, o, nullptr, q, k, v, L.sliding ? win_ : ranges, ap);
+    const uint16_t *keys = k, *values = v;
+    ap.Tk = T;
+    if (cache) {  // decoding: the rows join the cache first, then attend to it
+      const auto li = static_cast<size_t>(l);
+      kv_scatter_cuda(ctx_, cache->k[li], k, slots, T, KD);
+      kv_scatter_cuda(ctx_, cache->v[li], v, slots, T, KD);
+      keys = cache->k[li];
+      values = cache->v[li];
+      ap.Tk = cache->rows;
+    }
+    attention_fwd_cuda(ctx_, o, nullptr, q, keys, values, L.sliding ? win_ : ranges, ap);
     // x += o · Woᵀ (+ bo) (the GEMM accumulates into the fp32 residual stream).
     cuda::gemm_bf16(ctx_, x, DType::f32, H, o, QD, false, L.wo, QD, true, T, H, QD, 1.0f, 1.0f);
     if (L.bo) bias_add_cuda(ctx_, x, L.bo, T, H);
