@@ -36,6 +36,12 @@ std::string hist_str(const nlohmann::json& h) {
 void run_eval_command(const EvalArgs& a) {
   // Every argument is checked before the target's weights are loaded and a prompt is decoded.
   if (!a.output.empty()) check_file_writable(a.output, "--output");
+  // The CUDA decoder (infer/decoder_cuda.hpp) plugs into the batched eval of the Decoder
+  // contract (infer/eval.hpp's run_eval over a Decoder), which this eval does not have yet.
+  DFLASH_CHECK(a.d.backend == "cpu",
+               "dflash eval --backend cuda is not available in this build yet (the batched eval "
+               "over infer/decoder.hpp is not merged); use --backend cpu, or dflash generate "
+               "--backend cuda");
   const ModelConfig target_cfg = model_config_load(a.d.target);
   const DecodeOptions opts = decode_options_from(a.d, target_cfg);
   const LoadedDrafter drafter = drafter_load(a.d.drafter);
