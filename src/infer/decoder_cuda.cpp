@@ -53,6 +53,17 @@ size_t take_tokens(DecodeResult& r, std::span<const int32_t> toks, const DecodeO
   return n;
 }
 
+// Rows of every cache per request: max_context rounded up to this, the key-tile width of the
+// tensor-core attention (backend/cuda/attention_tc.cuh, kKeys). A CTA of the attention cuts the
+// union of its rows' key ranges into tiles from the union's start; with every request's first
+// row on a tile boundary, a request's keys fall into the same tiles in any batch slot, so its
+// online-softmax sums run in the same order and batch N gives batch 1's bits (with an unaligned
+// stride a near-tie token of the tiny fixture flipped between slots on the H200).
+constexpr int64_t kSlotAlign = 64;
+
+// The largest multiple pad_gemm_rows accepts (the step buffers hold that many rows more).
+constexpr int64_t kMaxRowPad = 16;
+
 // One buffer of the decoder's plan and where its pointer goes.
 struct Want {
   std::string name;
@@ -125,11 +136,14 @@ void SpeculativeDecoderCuda::check_setup() {
   DFLASH_CHECK(dcfg_.head_dim == 64 || dcfg_.head_dim == 128,
                "the CUDA attention supports head_dim 64 or 128 (drafter: head_dim {})",
                dcfg_.head_dim);
-  DFLASH_CHECK(
-      int64_t{limits_.max_batch} * limits_.max_context <= std::numeric_limits<int32_t>::max(),
-      "SpeculativeDecoderCuda: {} requests × {} tokens of context overflow int32 slots",
-      limits_.max_batch, limits_.max_context);
-  max_rows_ = std::max<int64_t>(limits_.max_prefill, int64_t{limits_.max_batch} * dcfg_.block_size);
+  DFLASH_CHECK(int64_t{limits_.max_batch} * (limits_.max_context + kSlotAlign) <=
+                   std::numeric_limits<int32_t>::max(),
+               "SpeculativeDecoderCuda: {} requests × {} tokens of context overflow int32 slots",
+               limits_.max_batch, limits_.max_context);
+  step_rows_ =
+      (int64_t{limits_.max_batch} * dcfg_.block_size + kMaxRowPad - 1) / kMaxRowPad * kMaxRowPad;
+  max_rows_ = std::max<int64_t>(limits_.max_prefill, step_rows_);
+  stride_ = (limits_.max_context + kSlotAlign - 1) / kSlotAlign * kSlotAlign;
 }
 
 void SpeculativeDecoderCuda::init() {
@@ -153,8 +167,8 @@ void SpeculativeDecoderCuda::plan_and_take() {
   const int64_t KD = tcfg_.num_key_value_heads * tcfg_.head_dim;
   const int64_t QDd = dcfg_.num_heads * dcfg_.head_dim, KDd = dcfg_.num_kv_heads * dcfg_.head_dim;
   const int64_t Id = dcfg_.intermediate_size, F = dcfg_.n_taps() * H;
-  const int64_t S = int64_t{limits_.max_batch} * limits_.max_context;  // cache rows
-  const int64_t R = max_rows_, BK = int64_t{limits_.max_batch} * Kmax, B = limits_.max_batch;
+  const int64_t S = int64_t{limits_.max_batch} * stride_;  // cache rows
+  const int64_t R = max_rows_, BK = step_rows_, B = limits_.max_batch;
   std::vector<Want> w;
   const int64_t NL = tcfg_.num_hidden_layers, NLd = dcfg_.num_layers;
   tcache_.k.assign(static_cast<size_t>(NL), nullptr);
@@ -292,14 +306,25 @@ void SpeculativeDecoderCuda::random_drafter(uint64_t seed) {
   up.finish();
 }
 
+void SpeculativeDecoderCuda::pad_gemm_rows(int multiple) {
+  DFLASH_CHECK(multiple >= 1 && multiple <= kMaxRowPad,
+               "pad_gemm_rows: a multiple of {} rows is outside [1, {}]", multiple, kMaxRowPad);
+  row_pad_ = multiple;
+}
+
+int64_t SpeculativeDecoderCuda::gemm_rows(int64_t rows) const {
+  return (rows + row_pad_ - 1) / row_pad_ * row_pad_;
+}
+
 // ---- device work ----
 
-void SpeculativeDecoderCuda::target_logits_argmax(int32_t* out, int64_t first_row, int64_t rows) {
+void SpeculativeDecoderCuda::target_logits_argmax(int32_t* out, int64_t first_row, int64_t rows,
+                                                  int64_t gemm_rows) {
   const int64_t H = tcfg_.hidden_size, V = tcfg_.vocab_size;
   rmsnorm_fwd_cuda(ctx_, fnorm_, static_cast<float*>(nullptr), target_->residual() + first_row * H,
                    final_norm_, rows, H, tcfg_.rms_norm_eps);
-  cuda::gemm_bf16(ctx_, logits_, DType::f32, V, fnorm_, H, false, target_->lm_head(), H, true, rows,
-                  V, H);
+  cuda::gemm_bf16(ctx_, logits_, DType::f32, V, fnorm_, H, false, target_->lm_head(), H, true,
+                  gemm_rows, V, H);
   argmax_rows_cuda(ctx_, out, logits_, rows, V);
 }
 
@@ -361,13 +386,14 @@ void SpeculativeDecoderCuda::draft_block(int B, int K) {
 
 void SpeculativeDecoderCuda::enqueue_step_eager(int B, int K, bool speculative) {
   const int64_t R = int64_t{B} * K;
-  decode_rows_cuda(ctx_, pos_, slots_, causal_, brange_, lens_, B, K, 0, limits_.max_context);
+  decode_rows_cuda(ctx_, pos_, slots_, causal_, brange_, lens_, B, K, 0, stride_);
   if (speculative) draft_block(B, K);
   const std::span<const int> taps =
       speculative ? std::span<const int>(taps_ids_) : std::span<const int>();
-  target_->forward_cached(speculative ? taps_ : nullptr, block_, pos_, slots_, causal_, R, taps,
+  const int64_t Rg = gemm_rows(R);
+  target_->forward_cached(speculative ? taps_ : nullptr, block_, pos_, slots_, causal_, R, Rg, taps,
                           tcache_);
-  target_logits_argmax(targ_, 0, R);
+  target_logits_argmax(targ_, 0, R, Rg);
   if (speculative) drafter_extend(R);
   greedy_accept_cuda(ctx_, out_, lens_, block_, targ_, active_, B, K, dcfg_.mask_token_id);
   DFLASH_CUDA_CHECK(cudaMemcpyAsync(out_h_.as<int32_t>(), out_,
@@ -380,7 +406,7 @@ void SpeculativeDecoderCuda::enqueue_step(int B, int K, bool speculative) {
     enqueue_step_eager(B, K, speculative);
     return;
   }
-  graphs_.run(std::make_tuple(B, K, speculative ? 1 : 0), ctx_.stream(),
+  graphs_.run(std::make_tuple(B, K, speculative ? 1 : 0, row_pad_), ctx_.stream(),
               [&] { enqueue_step_eager(B, K, speculative); });
 }
 
@@ -392,12 +418,12 @@ int32_t SpeculativeDecoderCuda::prefill(int b, std::span<const int32_t> prompt, 
                                     prompt.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
                                     ctx_.stream()));
   // Rows of request b from an empty cache (lens read as 0 from zero_).
-  decode_rows_cuda(ctx_, pos_, slots_, causal_, nullptr, zero_, 1, P, b, limits_.max_context);
+  decode_rows_cuda(ctx_, pos_, slots_, causal_, nullptr, zero_, 1, P, b, stride_);
   const std::span<const int> taps =
       speculative ? std::span<const int>(taps_ids_) : std::span<const int>();
-  target_->forward_cached(speculative ? taps_ : nullptr, tokens_, pos_, slots_, causal_, P, taps,
+  target_->forward_cached(speculative ? taps_ : nullptr, tokens_, pos_, slots_, causal_, P, P, taps,
                           tcache_);
-  target_logits_argmax(first_, P - 1, 1);
+  target_logits_argmax(first_, P - 1, 1, 1);
   if (speculative) drafter_extend(P);
   decode_admit_cuda(ctx_, lens_, active_, block_, first_, b, K, P, dcfg_.mask_token_id);
   DFLASH_CUDA_CHECK(cudaMemcpyAsync(first_h_.as<int32_t>(), first_, sizeof(int32_t),
@@ -554,7 +580,7 @@ std::vector<float> SpeculativeDecoderCuda::draft_logits(std::span<const int32_t>
                "block {})",
                prompt.size(), K, limits_.max_prefill, limits_.max_context, dcfg_.block_size);
   first = prefill(0, prompt, K, true);
-  decode_rows_cuda(ctx_, pos_, slots_, causal_, brange_, lens_, 1, K, 0, limits_.max_context);
+  decode_rows_cuda(ctx_, pos_, slots_, causal_, brange_, lens_, 1, K, 0, stride_);
   draft_block(1, K);
   std::vector<float> out(static_cast<size_t>(K * tcfg_.vocab_size));
   DFLASH_CUDA_CHECK(cudaMemcpyAsync(out.data(), logits_, out.size() * sizeof(float),
@@ -570,21 +596,22 @@ void SpeculativeDecoderCuda::bench_enqueue(BenchPart part, int B, int K) {
                limits_.max_batch, dcfg_.block_size);
   auto work = [this, part, B, K] {
     const int64_t R = int64_t{B} * K;
-    decode_rows_cuda(ctx_, pos_, slots_, causal_, brange_, lens_, B, K, 0, limits_.max_context);
+    decode_rows_cuda(ctx_, pos_, slots_, causal_, brange_, lens_, B, K, 0, stride_);
     if (part != BenchPart::target_step) draft_block(B, K);
     if (part == BenchPart::draft) return;
     const bool taps = part == BenchPart::spec_step;
-    target_->forward_cached(taps ? taps_ : nullptr, block_, pos_, slots_, causal_, R,
+    const int64_t Rg = gemm_rows(R);
+    target_->forward_cached(taps ? taps_ : nullptr, block_, pos_, slots_, causal_, R, Rg,
                             taps ? std::span<const int>(taps_ids_) : std::span<const int>(),
                             tcache_);
-    target_logits_argmax(targ_, 0, R);
+    target_logits_argmax(targ_, 0, R, Rg);
     if (taps) drafter_extend(R);
   };
   if (!use_graphs_) {
     work();
     return;
   }
-  graphs_.run(std::make_tuple(B, K, 2 + static_cast<int>(part)), ctx_.stream(), work);
+  graphs_.run(std::make_tuple(B, K, 2 + static_cast<int>(part), row_pad_), ctx_.stream(), work);
 }
 
 }  // namespace dflash

@@ -90,6 +90,12 @@ class SpeculativeDecoderCuda final : public Decoder {
 
   /// Capture steps as CUDA graphs (default) or launch them one by one (the same results).
   void use_graphs(bool on) { use_graphs_ = on; }
+  /// Runs the target's projection GEMMs and LM head of a step on its row count rounded up to a
+  /// multiple of `multiple` (1 to 16; default 1: none) — the padded rows change no real row
+  /// (TargetCuda::forward_cached) — so that cuBLASLt runs the kernel it picks for that row count
+  /// (bench/cuda/decode_cuda_bench measures both). Throws dflash::Error outside [1, 16]. Takes
+  /// effect for the following steps (the padding is part of a graph's key).
+  void pad_gemm_rows(int multiple);
   /// Step graphs captured so far.
   size_t graphs_captured() const { return graphs_.size(); }
   /// Bytes of the decoder's own device plan (caches, drafter, step buffers; the target's weights
@@ -145,8 +151,11 @@ class SpeculativeDecoderCuda final : public Decoder {
   /// Enqueues one whole step of (B, K) (graph or eager).
   void enqueue_step(int B, int K, bool speculative);
   void enqueue_step_eager(int B, int K, bool speculative);
-  /// Final norm, LM head and argmax of `rows` target rows starting at residual row `first_row`.
-  void target_logits_argmax(int32_t* out, int64_t first_row, int64_t rows);
+  /// Final norm, LM head (on `gemm_rows` ≥ rows rows) and argmax of `rows` target rows starting
+  /// at residual row `first_row`.
+  void target_logits_argmax(int32_t* out, int64_t first_row, int64_t rows, int64_t gemm_rows);
+  /// `rows` rounded up to the padding multiple.
+  int64_t gemm_rows(int64_t rows) const;
   void draft_block(int B, int K);
   void drafter_extend(int64_t R);
 
@@ -154,7 +163,10 @@ class SpeculativeDecoderCuda final : public Decoder {
   ModelConfig tcfg_;
   DrafterConfig dcfg_;
   DecoderCudaLimits limits_;
-  int64_t max_rows_ = 0;  // max(max_prefill, max_batch·trained K)
+  int64_t max_rows_ = 0;   // max(max_prefill, max_batch·trained K)
+  int64_t stride_ = 0;     // cache rows per request: max_context rounded up to a key tile
+  int64_t step_rows_ = 0;  // max_batch·trained K rounded up to 16 (the padded GEMM rows)
+  int row_pad_ = 1;
   std::unique_ptr<TargetCuda> target_;
   std::unique_ptr<cuda::DeviceArena> arena_;
   std::vector<int> taps_ids_;
@@ -178,7 +190,8 @@ class SpeculativeDecoderCuda final : public Decoder {
   // Pinned host mirrors.
   cuda::PinnedBuffer out_h_, first_h_, active_h_, tokens_h_;
   bool use_graphs_ = true;
-  cuda::GraphCache<std::tuple<int, int, int>> graphs_;
+  // Keyed by (B, K, what: 0 target-only, 1 speculative, 2+ a BenchPart, GEMM row padding).
+  cuda::GraphCache<std::tuple<int, int, int, int>> graphs_;
 };
 
 }  // namespace dflash

@@ -1,14 +1,16 @@
 // Tests of speculative decoding on the GPU (infer/decoder_cuda.hpp, ops/decode.hpp) on the tiny
 // fixture: the decoding ops against hand-made cases (greedy acceptance at every length, argmax
 // ties), the target's cached forward (a prefill, and a prefill then an appended block) against
-// the CPU target's logits, greedy speculative output == CUDA target-only output == CPU
-// target-only output, batch N == batch 1 per request, graphs == eager launches, and the errors.
+// the CPU target's logits, greedy speculative output == CUDA target-only output (bit for bit) ==
+// CPU target-only output (up to a bf16 near-tie, checked), batch N == batch 1 per request,
+// graphs == eager launches, the CLI, and the errors.
 // Skipped without a GPU.
 #include "infer/decoder_cuda.hpp"
 
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <optional>
 
@@ -70,6 +72,33 @@ DecodeOptions greedy_opts(int64_t max_new) {
   DecodeOptions o;
   o.max_new_tokens = max_new;
   return o;
+}
+
+// The CUDA target (bf16 weights and activations) may leave the CPU target's (fp32 activations)
+// greedy path where two logits nearly tie. Where `gpu` first differs from `cpu`, the CPU's logits
+// of the two tokens must be within the bf16 tolerance of whole target forwards
+// (tol::kTargetTaps × the row's largest |logit|): a tie flipped by rounding, not a wrong token.
+void expect_equal_or_near_tie(const std::vector<int32_t>& prompt, const std::vector<int32_t>& gpu,
+                              const std::vector<int32_t>& cpu, size_t request) {
+  size_t j = 0;
+  while (j < gpu.size() && j < cpu.size() && gpu[j] == cpu[j]) ++j;
+  if (j == gpu.size() && j == cpu.size()) return;
+  ASSERT_TRUE(j < gpu.size() && j < cpu.size())
+      << "request " << request << ": one output is a prefix of the other";
+  std::vector<int32_t> seq = prompt;
+  seq.insert(seq.end(), cpu.begin(), cpu.begin() + static_cast<std::ptrdiff_t>(j));
+  const auto n = static_cast<int64_t>(seq.size()), V = tiny().vocab_size();
+  const std::vector<int32_t> off = {0, static_cast<int32_t>(n)};
+  const std::vector<float> all = tiny().forward_logits(seq, off).to_f32_vector();
+  const float* row = all.data() + (n - 1) * V;
+  float top = 0;
+  for (int64_t v = 0; v < V; ++v) top = std::max(top, std::fabs(row[v]));
+  const double gap = row[cpu[j]] - row[gpu[j]];
+  std::printf(
+      "request %zu: the CUDA target leaves the CPU's tokens at output token %zu (CPU %d, "
+      "CUDA %d; CPU logit gap %.4f, row max |logit| %.2f)\n",
+      request, j, cpu[j], gpu[j], gap, top);
+  EXPECT_LE(gap, test::tol::kTargetTaps * top) << "request " << request << " token " << j;
 }
 
 TEST(DecodeOpsCuda, GreedyAcceptTakesTheLongestAgreeingPrefixAndTheBonus) {
@@ -183,7 +212,7 @@ TEST(DecoderCuda, CachedTargetForwardMatchesTheCpuLogits) {
     lens.upload({0, static_cast<int32_t>(t0)});
     decode_rows_cuda(ctx, pos.get(), slots.get(), ranges.get(), nullptr, lens.get() + first, 1, T,
                      first, C);
-    tc.forward_cached(nullptr, d_toks.get() + t0, pos.get(), slots.get(), ranges.get(), T, {},
+    tc.forward_cached(nullptr, d_toks.get() + t0, pos.get(), slots.get(), ranges.get(), T, T, {},
                       cache);
     head(t0, T);
   };
@@ -252,7 +281,7 @@ TEST_F(DecoderCudaTiny, GreedySpeculativeEqualsTargetOnlyOnGpuAndCpu) {
   for (size_t i = 0; i < ps_.size(); ++i) {
     const DecodeResult cpu = target_generate(tiny(), ps_[i], o);
     EXPECT_EQ(spec[i].tokens, tgt[i].tokens) << "request " << i;
-    EXPECT_EQ(tgt[i].tokens, cpu.tokens) << "request " << i << " (CUDA bf16 vs CPU target)";
+    expect_equal_or_near_tie(ps_[i], tgt[i].tokens, cpu.tokens, i);
     EXPECT_EQ(static_cast<int64_t>(tgt[i].tokens.size()), kMaxNew);
     EXPECT_TRUE(tgt[i].accept_lengths.empty());
     int sum = 0;
@@ -318,6 +347,26 @@ TEST_F(DecoderCudaTiny, GraphReplaysEqualEagerLaunches) {
   for (size_t i = 0; i < ps_.size(); ++i) {
     EXPECT_EQ(g[i].tokens, e[i].tokens) << "request " << i;
     EXPECT_EQ(g[i].accept_lengths, e[i].accept_lengths) << "request " << i;
+  }
+}
+
+// Padding the GEMMs' rows to 16 leaks nothing into the real rows: padded speculative output
+// equals padded target-only output, and that one the CPU target's up to a bf16 near-tie (a row
+// count may pick another cuBLASLt kernel, so bits may move, never by more than rounding).
+TEST_F(DecoderCudaTiny, PaddedGemmRowsChangeNoToken) {
+  const DecodeOptions o = greedy_opts(kMaxNew);
+  dec_->pad_gemm_rows(16);
+  const std::vector<DecodeResult> spec = dec_->generate(ps_, o, 2);
+  const std::vector<DecodeResult> tgt = dec_->target_generate(ps_, o, 2);
+  for (size_t i = 0; i < ps_.size(); ++i) {
+    EXPECT_EQ(spec[i].tokens, tgt[i].tokens) << "request " << i;
+    expect_equal_or_near_tie(ps_[i], tgt[i].tokens, target_generate(tiny(), ps_[i], o).tokens, i);
+  }
+  try {
+    dec_->pad_gemm_rows(17);
+    ADD_FAILURE() << "no error for a padding of 17";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("outside [1, 16]"), std::string::npos) << e.what();
   }
 }
 
