@@ -418,14 +418,16 @@ void TargetCuda::forward_taps(uint16_t* taps, const int32_t* tokens, const int32
                  "tap layer {} is outside the uploaded target layers [0, {})", l, num_layers());
     n_run = std::max<int64_t>(n_run, l + 1);
   }
-  run_layers(taps, tokens, pos, ranges, T, layer_ids, n_run, nullptr, nullptr);
+  run_layers(taps, tokens, pos, ranges, T, T, layer_ids, n_run, nullptr, nullptr);
 }
 
 void TargetCuda::forward_cached(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
                                 const int32_t* slots, const AttnRange* ranges, int64_t T,
-                                std::span<const int> layer_ids, const TargetCacheCuda& cache) {
-  DFLASH_CHECK(T > 0 && T <= max_tokens_,
-               "TargetCuda::forward_cached: {} tokens for a workspace of {}", T, max_tokens_);
+                                int64_t gemm_rows, std::span<const int> layer_ids,
+                                const TargetCacheCuda& cache) {
+  DFLASH_CHECK(T > 0 && T <= gemm_rows && gemm_rows <= max_tokens_,
+               "TargetCuda::forward_cached: {} tokens ({} GEMM rows) for a workspace of {}", T,
+               gemm_rows, max_tokens_);
   DFLASH_CHECK(num_layers() == cfg_.num_hidden_layers,
                "TargetCuda::forward_cached: {} of the target's {} layers were uploaded (decoding "
                "runs them all)",
@@ -439,12 +441,13 @@ void TargetCuda::forward_cached(uint16_t* taps, const int32_t* tokens, const int
     DFLASH_CHECK(l >= 0 && l < num_layers(), "tap layer {} is outside the target layers [0, {})", l,
                  num_layers());
   DFLASH_CHECK(layer_ids.empty() || taps, "TargetCuda::forward_cached: taps asked, no buffer");
-  run_layers(taps, tokens, pos, ranges, T, layer_ids, num_layers(), &cache, slots);
+  run_layers(taps, tokens, pos, ranges, T, gemm_rows, layer_ids, num_layers(), &cache, slots);
 }
 
 void TargetCuda::run_layers(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
-                            const AttnRange* ranges, int64_t T, std::span<const int> layer_ids,
-                            int64_t n_run, const TargetCacheCuda* cache, const int32_t* slots) {
+                            const AttnRange* ranges, int64_t T, int64_t Tg,
+                            std::span<const int> layer_ids, int64_t n_run,
+                            const TargetCacheCuda* cache, const int32_t* slots) {
   const ModelConfig& c = cfg_;
   const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
   const int64_t NH = c.num_attention_heads, NKV = c.num_key_value_heads;
@@ -462,9 +465,9 @@ void TargetCuda::run_layers(uint16_t* taps, const int32_t* tokens, const int32_t
   for (int64_t l = 0; l < n_run; ++l) {
     const Layer& L = layers_[static_cast<size_t>(l)];
     rmsnorm_fwd_cuda(ctx_, hn, static_cast<float*>(nullptr), x, L.in_norm, T, H, eps);
-    linear_fwd_cuda(ctx_, q, hn, L.wq, L.bq, T, H, QD);
-    linear_fwd_cuda(ctx_, k, hn, L.wk, L.bk, T, H, KD);
-    linear_fwd_cuda(ctx_, v, hn, L.wv, L.bv, T, H, KD);
+    linear_fwd_cuda(ctx_, q, hn, L.wq, L.bq, Tg, H, QD);
+    linear_fwd_cuda(ctx_, k, hn, L.wk, L.bk, Tg, H, KD);
+    linear_fwd_cuda(ctx_, v, hn, L.wv, L.bv, Tg, H, KD);
     if (L.q_norm) {
       rmsnorm_fwd_cuda(ctx_, q, static_cast<float*>(nullptr), q, L.q_norm, T * NH, D, eps);
       rmsnorm_fwd_cuda(ctx_, k, static_cast<float*>(nullptr), k, L.k_norm, T * NKV, D, eps);
@@ -483,17 +486,20 @@ void TargetCuda::run_layers(uint16_t* taps, const int32_t* tokens, const int32_t
       ap.Tk = cache->rows;
     }
     attention_fwd_cuda(ctx_, o, nullptr, q, keys, values, L.sliding ? win_ : ranges, ap);
-    // x += o · Woᵀ (+ bo) (the GEMM accumulates into the fp32 residual stream).
-    cuda::gemm_bf16(ctx_, x, DType::f32, H, o, QD, false, L.wo, QD, true, T, H, QD, 1.0f, 1.0f);
+    // x += o · Woᵀ (+ bo) (the GEMM accumulates into the fp32 residual stream). The projection
+    // GEMMs run Tg ≥ T rows: rows [T, Tg) hold whatever the workspace held and are never read
+    // for rows < T (a GEMM row depends on its own input row only).
+    cuda::gemm_bf16(ctx_, x, DType::f32, H, o, QD, false, L.wo, QD, true, Tg, H, QD, 1.0f, 1.0f);
     if (L.bo) bias_add_cuda(ctx_, x, L.bo, T, H);
     rmsnorm_fwd_cuda(ctx_, hn, static_cast<float*>(nullptr), x, L.post_norm, T, H, eps);
     if (L.is_moe) {
       moe_forward(L.moe, x, hn, T);
     } else {
       // row t: [gate | up] (+ [bgate | bup])
-      linear_fwd_cuda(ctx_, gu, hn, L.wgu, L.bgu, T, H, 2 * I);
+      linear_fwd_cuda(ctx_, gu, hn, L.wgu, L.bgu, Tg, H, 2 * I);
       swiglu_fwd_cuda(ctx_, act, gu, gu + I, T, I, 2 * I);
-      cuda::gemm_bf16(ctx_, x, DType::f32, H, act, I, false, L.wdown, I, true, T, H, I, 1.0f, 1.0f);
+      cuda::gemm_bf16(ctx_, x, DType::f32, H, act, I, false, L.wdown, I, true, Tg, H, I, 1.0f,
+                      1.0f);
       if (L.bdown) bias_add_cuda(ctx_, x, L.bdown, T, H);
     }
     bool converted = false;

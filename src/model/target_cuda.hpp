@@ -78,13 +78,16 @@ class TargetCuda {
   /// (kv_scatter_cuda), then the T queries attend to the cache rows of their `ranges` [T] (the
   /// request's committed rows and the new rows up to their own; decode_rows_cuda makes them).
   /// `tokens`, `pos` [T] as forward_taps; the taps of `layer_ids` go to `taps` bf16 [T, n_taps·H]
-  /// (may be null when layer_ids is empty). Afterwards residual() holds the last layer's output
+  /// (may be null when layer_ids is empty). The projection GEMMs run `gemm_rows` rows (in
+  /// [T, max_tokens]): rows [T, gemm_rows) compute garbage from whatever the workspace holds and
+  /// change no row < T (padding to a row count where cuBLASLt's kernel is faster, or the same
+  /// for every batch size). Afterwards residual() holds the last layer's output
   /// [T, H] f32 (before the final norm, which this class does not hold). All device pointers;
   /// enqueued on ctx's stream, allocates nothing: graph-capturable. Throws dflash::Error when
   /// not all of the target's layers were uploaded, the cache lacks layers, T is outside
   /// [1, max_tokens] or a tap is outside the layers.
   void forward_cached(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
-                      const int32_t* slots, const AttnRange* ranges, int64_t T,
+                      const int32_t* slots, const AttnRange* ranges, int64_t T, int64_t gemm_rows,
                       std::span<const int> layer_ids, const TargetCacheCuda& cache);
   /// The residual stream f32 [max_tokens, H] (rows [0, T) of the last forward).
   const float* residual() const { return x_; }
@@ -164,9 +167,10 @@ class TargetCuda {
   /// Layers [0, n_run) over T tokens, the taps of `layer_ids` to `taps`; with `cache`, each
   /// layer's k/v rows go to cache rows `slots` and the attention reads the cache (forward_cached),
   /// else the T rows attend to each other (forward_taps).
+  /// The projection GEMMs run Tg ≥ T rows (forward_cached's gemm_rows).
   void run_layers(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
-                  const AttnRange* ranges, int64_t T, std::span<const int> layer_ids, int64_t n_run,
-                  const TargetCacheCuda* cache, const int32_t* slots);
+                  const AttnRange* ranges, int64_t T, int64_t Tg, std::span<const int> layer_ids,
+                  int64_t n_run, const TargetCacheCuda* cache, const int32_t* slots);
 };
 
 }  // namespace dflash
