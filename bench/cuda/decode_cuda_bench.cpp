@@ -4,7 +4,12 @@
 //            (K = 1) and its 16-row verify step (K = 16) — target forward over the KV cache,
 //            final norm, LM head and argmax —, the drafter's block forward with its proposals, and
 //            a whole speculative step without acceptance, at batch 1 and 8. Each is a captured
-//            CUDA graph replayed; GPU time from CUDA events over `kReps` replays (manual time).
+//            CUDA graph replayed; GPU time of each replay from CUDA events (manual time; kIters).
+//            TargetStep1Pad16 is the one-token step with its GEMMs run on 16 rows
+//            (SpeculativeDecoderCuda::pad_gemm_rows).
+//   Gemm/…:  the cuBLASLt GEMM (backend/cuda/gemm.hpp) of each 8B weight shape at M = 1, 8, 16
+//            and 128 rows (bf16 in, f32 out), with the weight bytes read per second: what the steps
+//            above are made of.
 //   Tiny/…:  the tiny fixture (tiny-qwen3, a random 2-layer drafter of block 16, so τ ≈ 1) over
 //            62 eval prompts (the first 22 of each source), 128 new tokens each, greedy: aggregate
 //            tokens/s of target-only and speculative decoding at batch 1 and 64 (wall time of the
@@ -25,6 +30,7 @@
 #include "backend/cuda/check.hpp"
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/device.hpp"
+#include "backend/cuda/gemm.hpp"
 #include "data/chat_template.hpp"
 #include "data/tokenizer.hpp"
 #include "infer/decoder_cuda.hpp"
@@ -36,7 +42,7 @@ using namespace dflash;
 
 namespace {
 
-constexpr int kContext = 512, kBlock = 16, kMaxBatch = 8, kReps = 50;
+constexpr int kContext = 512, kBlock = 16, kMaxBatch = 8, kIters = 30;
 
 std::filesystem::path source_dir() {
   const char* s = std::getenv("DFLASH_TEST_SOURCE_DIR");
@@ -63,13 +69,14 @@ SpeculativeDecoderCuda& big() {
   return *dec;
 }
 
-void run_part(benchmark::State& st, SpeculativeDecoderCuda::BenchPart part, int K) {
+void run_part(benchmark::State& st, SpeculativeDecoderCuda::BenchPart part, int K, int pad = 1) {
   if (cuda::device_count() == 0) {
     st.SkipWithError("no CUDA device");
     return;
   }
   const int B = static_cast<int>(st.range(0));
   SpeculativeDecoderCuda& dec = big();
+  dec.pad_gemm_rows(pad);
   cudaStream_t s = dec.context().stream();
   dec.bench_enqueue(part, B, K);  // capture + warm-up
   dec.context().synchronize();
@@ -78,17 +85,19 @@ void run_part(benchmark::State& st, SpeculativeDecoderCuda::BenchPart part, int 
   DFLASH_CUDA_CHECK(cudaEventCreate(&e1));
   for (auto _ : st) {
     DFLASH_CUDA_CHECK(cudaEventRecord(e0, s));
-    for (int i = 0; i < kReps; ++i) dec.bench_enqueue(part, B, K);
+    dec.bench_enqueue(part, B, K);
     DFLASH_CUDA_CHECK(cudaEventRecord(e1, s));
     DFLASH_CUDA_CHECK(cudaEventSynchronize(e1));
     float ms = 0;
     DFLASH_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    st.SetIterationTime(ms / 1e3 / kReps);
+    st.SetIterationTime(ms / 1e3);
   }
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
+  dec.pad_gemm_rows(1);
   st.counters["batch"] = B;
   st.counters["rows"] = B * K;
+  st.counters["gemm_pad"] = pad;
   st.counters["context"] = kContext;
 }
 
@@ -98,11 +107,52 @@ void BM_TargetStep1(benchmark::State& st) {
 void BM_TargetVerify16(benchmark::State& st) {
   run_part(st, SpeculativeDecoderCuda::BenchPart::target_step, kBlock);
 }
+void BM_TargetStep1Pad16(benchmark::State& st) {
+  run_part(st, SpeculativeDecoderCuda::BenchPart::target_step, 1, 16);
+}
 void BM_DrafterBlock16(benchmark::State& st) {
   run_part(st, SpeculativeDecoderCuda::BenchPart::draft, kBlock);
 }
 void BM_SpecStep16(benchmark::State& st) {
   run_part(st, SpeculativeDecoderCuda::BenchPart::spec_step, kBlock);
+}
+
+// ---- the GEMMs of the steps
+
+void BM_Gemm(benchmark::State& st) {
+  if (cuda::device_count() == 0) {
+    st.SkipWithError("no CUDA device");
+    return;
+  }
+  static cuda::CudaContext ctx(0);
+  const int64_t M = st.range(0), N = st.range(1), K = st.range(2);
+  cuda::DeviceBuffer a = ctx.scratch(static_cast<size_t>(M * K) * 2);
+  cuda::DeviceBuffer w = ctx.scratch(static_cast<size_t>(N * K) * 2);
+  cuda::DeviceBuffer c = ctx.scratch(static_cast<size_t>(M * N) * 4);
+  DFLASH_CUDA_CHECK(cudaMemsetAsync(a.data(), 0, a.bytes(), ctx.stream()));
+  DFLASH_CUDA_CHECK(cudaMemsetAsync(w.data(), 0, w.bytes(), ctx.stream()));
+  auto gemm = [&] {
+    cuda::gemm_bf16(ctx, c.data(), DType::f32, N, a.as<uint16_t>(), K, false, w.as<uint16_t>(), K,
+                    true, M, N, K);
+  };
+  gemm();
+  ctx.synchronize();
+  cudaEvent_t e0, e1;
+  DFLASH_CUDA_CHECK(cudaEventCreate(&e0));
+  DFLASH_CUDA_CHECK(cudaEventCreate(&e1));
+  for (auto _ : st) {
+    DFLASH_CUDA_CHECK(cudaEventRecord(e0, ctx.stream()));
+    gemm();
+    DFLASH_CUDA_CHECK(cudaEventRecord(e1, ctx.stream()));
+    DFLASH_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    DFLASH_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    st.SetIterationTime(ms / 1e3);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  st.counters["weight_GB_per_s"] = benchmark::Counter(
+      static_cast<double>(N * K * 2) / 1e9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 // ---- tiny fixture tokens/s
@@ -177,10 +227,23 @@ void BM_TinySpeculative(benchmark::State& st) {
 
 }  // namespace
 
-BENCHMARK(BM_TargetStep1)->Arg(1)->Arg(8)->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_TargetVerify16)->Arg(1)->Arg(8)->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_DrafterBlock16)->Arg(1)->Arg(8)->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_SpecStep16)->Arg(1)->Arg(8)->UseManualTime()->Unit(benchmark::kMillisecond);
+#define DFLASH_STEP_BENCH(fn) \
+  BENCHMARK(fn)->Arg(1)->Arg(8)->UseManualTime()->Iterations(kIters)->Unit(benchmark::kMillisecond)
+DFLASH_STEP_BENCH(BM_TargetStep1);
+DFLASH_STEP_BENCH(BM_TargetStep1Pad16);
+DFLASH_STEP_BENCH(BM_TargetVerify16);
+DFLASH_STEP_BENCH(BM_DrafterBlock16);
+DFLASH_STEP_BENCH(BM_SpecStep16);
+// {M, N, K}: q/o (4096²), k/v (1024 × 4096), gate+up (24576 × 4096), down (4096 × 12288), LM head.
+BENCHMARK(BM_Gemm)
+    ->ArgsProduct({{1, 8, 16, 128}, {4096}, {4096}})
+    ->ArgsProduct({{1, 8, 16, 128}, {1024}, {4096}})
+    ->ArgsProduct({{1, 8, 16, 128}, {24576}, {4096}})
+    ->ArgsProduct({{1, 8, 16, 128}, {4096}, {12288}})
+    ->ArgsProduct({{1, 8, 16, 128}, {151936}, {4096}})
+    ->UseManualTime()
+    ->Iterations(kIters)
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_TinyTarget)
     ->Arg(1)
     ->Arg(64)
