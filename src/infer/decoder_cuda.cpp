@@ -61,8 +61,17 @@ size_t take_tokens(DecodeResult& r, std::span<const int32_t> toks, const DecodeO
 // stride a near-tie token of the tiny fixture flipped between slots on the H200).
 constexpr int64_t kSlotAlign = 64;
 
-// The largest multiple pad_gemm_rows accepts (the step buffers hold that many rows more).
+// The largest multiple pad_gemm_rows accepts.
 constexpr int64_t kMaxRowPad = 16;
+// Query rows of one tile of the tensor-core attention (attention_tc.cuh, kRows): a step whose
+// requests' rows do not fill whole tiles runs its attention on the spread layout
+// (decode_spread_rows_cuda), each request's rows in tiles of their own. The step buffers hold
+// max_batch · round_up(K, kQueryTile) rows (≥ any padding of pad_gemm_rows).
+constexpr int64_t kQueryTile = 16;
+
+int64_t round_up(int64_t n, int64_t m) {
+  return (n + m - 1) / m * m;
+}
 
 // One buffer of the decoder's plan and where its pointer goes.
 struct Want {
@@ -140,10 +149,9 @@ void SpeculativeDecoderCuda::check_setup() {
                    std::numeric_limits<int32_t>::max(),
                "SpeculativeDecoderCuda: {} requests × {} tokens of context overflow int32 slots",
                limits_.max_batch, limits_.max_context);
-  step_rows_ =
-      (int64_t{limits_.max_batch} * dcfg_.block_size + kMaxRowPad - 1) / kMaxRowPad * kMaxRowPad;
+  step_rows_ = int64_t{limits_.max_batch} * round_up(dcfg_.block_size, kQueryTile);
   max_rows_ = std::max<int64_t>(limits_.max_prefill, step_rows_);
-  stride_ = (limits_.max_context + kSlotAlign - 1) / kSlotAlign * kSlotAlign;
+  stride_ = round_up(limits_.max_context, kSlotAlign);
 }
 
 void SpeculativeDecoderCuda::init() {
@@ -159,12 +167,16 @@ void SpeculativeDecoderCuda::init() {
   DFLASH_CUDA_CHECK(cudaMemsetAsync(active_, 0, active_h_.bytes(), ctx_.stream()));
   DFLASH_CUDA_CHECK(cudaMemsetAsync(lens_, 0, active_h_.bytes(), ctx_.stream()));
   DFLASH_CUDA_CHECK(cudaMemsetAsync(zero_, 0, sizeof(int32_t), ctx_.stream()));
+  // The spread layout's padding rows are read by the attention (and never used): keep them finite.
+  DFLASH_CUDA_CHECK(
+      cudaMemsetAsync(q_pad_, 0, arena_->planned_bytes("decode.step.spread_q"), ctx_.stream()));
 }
 
 // Every buffer of the decoder in one plan (one phase: all live for the whole decoding).
 void SpeculativeDecoderCuda::plan_and_take() {
   const int64_t H = tcfg_.hidden_size, V = tcfg_.vocab_size, Kmax = dcfg_.block_size;
   const int64_t KD = tcfg_.num_key_value_heads * tcfg_.head_dim;
+  const int64_t QD = tcfg_.num_attention_heads * tcfg_.head_dim;
   const int64_t QDd = dcfg_.num_heads * dcfg_.head_dim, KDd = dcfg_.num_kv_heads * dcfg_.head_dim;
   const int64_t Id = dcfg_.intermediate_size, F = dcfg_.n_taps() * H;
   const int64_t S = int64_t{limits_.max_batch} * stride_;  // cache rows
@@ -216,6 +228,10 @@ void SpeculativeDecoderCuda::plan_and_take() {
   w.push_back(want("decode.step.out", B * (Kmax + 1), &out_));
   w.push_back(want("decode.step.first", 1, &first_));
   w.push_back(want("decode.step.zero", 1, &zero_));
+  w.push_back(want("decode.step.spread_rows", BK, &spread_rows_));
+  w.push_back(want("decode.step.spread_ranges", BK, &spread_ranges_));
+  w.push_back(want("decode.step.spread_q", BK * QD, &q_pad_));
+  w.push_back(want("decode.step.spread_o", BK * QD, &o_pad_));
   w.push_back(want("decode.step.taps", R * F, &taps_));
   w.push_back(want("decode.step.final_rows", BK * H, &fnorm_));
   w.push_back(want("decode.step.logits", BK * V, &logits_));
@@ -313,7 +329,15 @@ void SpeculativeDecoderCuda::pad_gemm_rows(int multiple) {
 }
 
 int64_t SpeculativeDecoderCuda::gemm_rows(int64_t rows) const {
-  return (rows + row_pad_ - 1) / row_pad_ * row_pad_;
+  return round_up(rows, row_pad_);
+}
+
+const AttnRowSpread* SpeculativeDecoderCuda::step_spread(int B, int K, AttnRowSpread& sp) {
+  if (B == 1 || K % kQueryTile == 0) return nullptr;  // each tile already holds one request
+  const int64_t Kp = round_up(K, kQueryTile);
+  decode_spread_rows_cuda(ctx_, spread_rows_, spread_ranges_, causal_, B, K, Kp);
+  sp = AttnRowSpread{spread_rows_, spread_ranges_, B * Kp, q_pad_, o_pad_};
+  return &sp;
 }
 
 // ---- device work ----
@@ -601,9 +625,10 @@ void SpeculativeDecoderCuda::bench_enqueue(BenchPart part, int B, int K) {
     if (part == BenchPart::draft) return;
     const bool taps = part == BenchPart::spec_step;
     const int64_t Rg = gemm_rows(R);
+    AttnRowSpread sp;
     target_->forward_cached(taps ? taps_ : nullptr, block_, pos_, slots_, causal_, R, Rg,
                             taps ? std::span<const int>(taps_ids_) : std::span<const int>(),
-                            tcache_);
+                            tcache_, step_spread(B, K, sp));
     target_logits_argmax(targ_, 0, R, Rg);
     if (taps) drafter_extend(R);
   };

@@ -156,6 +156,9 @@ class SpeculativeDecoderCuda final : public Decoder {
   void target_logits_argmax(int32_t* out, int64_t first_row, int64_t rows, int64_t gemm_rows);
   /// `rows` rounded up to the padding multiple.
   int64_t gemm_rows(int64_t rows) const;
+  /// The spread layout of a step of (B, K) for the target's attention (enqueues its rows and
+  /// ranges into `sp`), or null when every query tile already holds one request's rows.
+  const AttnRowSpread* step_spread(int B, int K, AttnRowSpread& sp);
   void draft_block(int B, int K);
   void drafter_extend(int64_t R);
 
@@ -183,6 +186,9 @@ class SpeculativeDecoderCuda final : public Decoder {
   int32_t *lens_ = nullptr, *active_ = nullptr, *targ_ = nullptr, *out_ = nullptr;
   int32_t *first_ = nullptr, *zero_ = nullptr;
   uint16_t *taps_ = nullptr, *fnorm_ = nullptr;
+  int32_t* spread_rows_ = nullptr;
+  AttnRange* spread_ranges_ = nullptr;
+  uint16_t *q_pad_ = nullptr, *o_pad_ = nullptr;
   float* logits_ = nullptr;
   float *dh_ = nullptr, *dctx_pre_ = nullptr;
   uint16_t *dhn_ = nullptr, *dq_ = nullptr, *dk_ = nullptr, *dv_ = nullptr, *do_ = nullptr;

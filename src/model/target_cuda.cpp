@@ -418,13 +418,13 @@ void TargetCuda::forward_taps(uint16_t* taps, const int32_t* tokens, const int32
                  "tap layer {} is outside the uploaded target layers [0, {})", l, num_layers());
     n_run = std::max<int64_t>(n_run, l + 1);
   }
-  run_layers(taps, tokens, pos, ranges, T, T, layer_ids, n_run, nullptr, nullptr);
+  run_layers(taps, tokens, pos, ranges, T, T, layer_ids, n_run, nullptr, nullptr, nullptr);
 }
 
 void TargetCuda::forward_cached(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
                                 const int32_t* slots, const AttnRange* ranges, int64_t T,
                                 int64_t gemm_rows, std::span<const int> layer_ids,
-                                const TargetCacheCuda& cache) {
+                                const TargetCacheCuda& cache, const AttnRowSpread* spread) {
   DFLASH_CHECK(T > 0 && T <= gemm_rows && gemm_rows <= max_tokens_,
                "TargetCuda::forward_cached: {} tokens ({} GEMM rows) for a workspace of {}", T,
                gemm_rows, max_tokens_);
@@ -441,13 +441,20 @@ void TargetCuda::forward_cached(uint16_t* taps, const int32_t* tokens, const int
     DFLASH_CHECK(l >= 0 && l < num_layers(), "tap layer {} is outside the target layers [0, {})", l,
                  num_layers());
   DFLASH_CHECK(layer_ids.empty() || taps, "TargetCuda::forward_cached: taps asked, no buffer");
-  run_layers(taps, tokens, pos, ranges, T, gemm_rows, layer_ids, num_layers(), &cache, slots);
+  DFLASH_CHECK(
+      !spread || (spread->rows && spread->ranges && spread->q && spread->o && spread->padded >= T &&
+                  spread->padded <= max_tokens_),
+      "TargetCuda::forward_cached: a spread layout of {} rows for {} tokens (workspace {})",
+      spread ? spread->padded : 0, T, max_tokens_);
+  run_layers(taps, tokens, pos, ranges, T, gemm_rows, layer_ids, num_layers(), &cache, slots,
+             spread);
 }
 
 void TargetCuda::run_layers(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
                             const AttnRange* ranges, int64_t T, int64_t Tg,
                             std::span<const int> layer_ids, int64_t n_run,
-                            const TargetCacheCuda* cache, const int32_t* slots) {
+                            const TargetCacheCuda* cache, const int32_t* slots,
+                            const AttnRowSpread* spread) {
   const ModelConfig& c = cfg_;
   const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
   const int64_t NH = c.num_attention_heads, NKV = c.num_key_value_heads;
@@ -457,9 +464,13 @@ void TargetCuda::run_layers(uint16_t* taps, const int32_t* tokens, const int32_t
   uint16_t *hn = hn_, *q = q_, *k = k_, *v = v_, *o = o_, *gu = gu_, *act = act_, *tap = tap_;
   const float* inv_freq = inv_freq_;
   AttnParams ap{T, T, NH, NKV, D, 1.0 / std::sqrt(static_cast<double>(D))};
+  // The attention's query rows: the T rows, or their spread layout (AttnRowSpread).
+  const AttnRange* attn_ranges = spread ? spread->ranges : ranges;
+  const int64_t Tq = spread ? spread->padded : T;
+  ap.Tq = Tq;
   // Sliding layers see the last `sliding_window` keys of each causal range (HF
   // sliding_window_overlay), derived on the device once per forward.
-  if (win_) attention_window_ranges_cuda(ctx_, win_, ranges, T, c.sliding_window);
+  if (win_) attention_window_ranges_cuda(ctx_, win_, attn_ranges, Tq, c.sliding_window);
 
   embedding_fwd_cuda(ctx_, x, embed(), tokens, T, c.vocab_size, H);
   for (int64_t l = 0; l < n_run; ++l) {
@@ -485,7 +496,14 @@ void TargetCuda::run_layers(uint16_t* taps, const int32_t* tokens, const int32_t
       values = cache->v[li];
       ap.Tk = cache->rows;
     }
-    attention_fwd_cuda(ctx_, o, nullptr, q, keys, values, L.sliding ? win_ : ranges, ap);
+    const AttnRange* visible = L.sliding ? win_ : attn_ranges;
+    if (spread) {
+      kv_scatter_cuda(ctx_, spread->q, q, spread->rows, T, QD);
+      attention_fwd_cuda(ctx_, spread->o, nullptr, spread->q, keys, values, visible, ap);
+      rows_gather_cuda(ctx_, o, spread->o, spread->rows, T, QD);
+    } else {
+      attention_fwd_cuda(ctx_, o, nullptr, q, keys, values, visible, ap);
+    }
     // x += o · Woᵀ (+ bo) (the GEMM accumulates into the fp32 residual stream). The projection
     // GEMMs run Tg ≥ T rows: rows [T, Tg) hold whatever the workspace held and are never read
     // for rows < T (a GEMM row depends on its own input row only).

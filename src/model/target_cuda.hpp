@@ -43,6 +43,18 @@ struct TargetCacheCuda {
   int64_t rows = 0;
 };
 
+/// A spread layout of the cached attention's query rows (ops/decode.hpp,
+/// decode_spread_rows_cuda): query row r is computed as row rows[r] of a padded array of `padded`
+/// rows with `ranges` [padded], whose other rows see no key, so that no 16-row query tile of the
+/// tensor-core attention mixes requests. `q` and `o` are bf16 [padded, NH·D] device buffers (their
+/// padding rows are read, never used; keep them finite, e.g. zeroed once).
+struct AttnRowSpread {
+  const int32_t* rows = nullptr;
+  const AttnRange* ranges = nullptr;
+  int64_t padded = 0;
+  uint16_t *q = nullptr, *o = nullptr;
+};
+
 /// Device copy of a TargetModel and the workspace of its tap forward.
 class TargetCuda {
  public:
@@ -85,10 +97,13 @@ class TargetCuda {
   /// [T, H] f32 (before the final norm, which this class does not hold). All device pointers;
   /// enqueued on ctx's stream, allocates nothing: graph-capturable. Throws dflash::Error when
   /// not all of the target's layers were uploaded, the cache lacks layers, T is outside
-  /// [1, max_tokens] or a tap is outside the layers.
+  /// [1, max_tokens] or a tap is outside the layers. With `spread` (may be null) the attention
+  /// runs on the spread layout (its q rows scattered there, its o rows gathered back); the
+  /// results are those of the plain layout up to the key tiles each query tile streams.
   void forward_cached(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
                       const int32_t* slots, const AttnRange* ranges, int64_t T, int64_t gemm_rows,
-                      std::span<const int> layer_ids, const TargetCacheCuda& cache);
+                      std::span<const int> layer_ids, const TargetCacheCuda& cache,
+                      const AttnRowSpread* spread = nullptr);
   /// The residual stream f32 [max_tokens, H] (rows [0, T) of the last forward).
   const float* residual() const { return x_; }
   /// The config of the model.
@@ -167,10 +182,12 @@ class TargetCuda {
   /// Layers [0, n_run) over T tokens, the taps of `layer_ids` to `taps`; with `cache`, each
   /// layer's k/v rows go to cache rows `slots` and the attention reads the cache (forward_cached),
   /// else the T rows attend to each other (forward_taps).
-  /// The projection GEMMs run Tg ≥ T rows (forward_cached's gemm_rows).
+  /// The projection GEMMs run Tg ≥ T rows (forward_cached's gemm_rows); `spread` as
+  /// forward_cached's.
   void run_layers(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
                   const AttnRange* ranges, int64_t T, int64_t Tg, std::span<const int> layer_ids,
-                  int64_t n_run, const TargetCacheCuda* cache, const int32_t* slots);
+                  int64_t n_run, const TargetCacheCuda* cache, const int32_t* slots,
+                  const AttnRowSpread* spread);
 };
 
 }  // namespace dflash
