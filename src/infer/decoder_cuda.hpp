@@ -23,9 +23,12 @@
 // for max_batch × max_context tokens, the step's buffers) is planned and allocated at
 // construction; a step allocates nothing. Each (B, K, speculative) step is captured once as a
 // CUDA graph and replayed (use_graphs(false) runs the same launches eagerly). Greedy only:
-// sampling is refused with an error (no silent fallback to the CPU). Results do not depend on
-// batch_size up to the GEMMs' choice of kernels per row count (see docs/perf.md), and greedy
-// speculative output equals greedy target-only output of this class.
+// sampling is refused with an error (no silent fallback to the CPU). A request's attention sees
+// the same key tiles in any batch slot (its cache rows start on a key tile; no query tile mixes
+// requests: the spread layout), so its output does not depend on batch_size as long as
+// cuBLASLt's GEMM gives a row the same bits for any row count (true on the H200 for the tiny
+// fixture at 1 to 32 rows; docs/design-notes.md); greedy speculative output equals greedy
+// target-only output of this class (bit for bit on the H200, tests/cuda/decoder_cuda_test).
 #pragma once
 
 #ifdef DFLASH_HAVE_CUDA
