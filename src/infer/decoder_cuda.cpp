@@ -415,8 +415,9 @@ void SpeculativeDecoderCuda::enqueue_step_eager(int B, int K, bool speculative) 
   const std::span<const int> taps =
       speculative ? std::span<const int>(taps_ids_) : std::span<const int>();
   const int64_t Rg = gemm_rows(R);
+  AttnRowSpread sp;
   target_->forward_cached(speculative ? taps_ : nullptr, block_, pos_, slots_, causal_, R, Rg, taps,
-                          tcache_);
+                          tcache_, step_spread(B, K, sp));
   target_logits_argmax(targ_, 0, R, Rg);
   if (speculative) drafter_extend(R);
   greedy_accept_cuda(ctx_, out_, lens_, block_, targ_, active_, B, K, dcfg_.mask_token_id);
