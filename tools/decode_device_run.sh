@@ -18,7 +18,7 @@
 #
 # One device call of ≈ 1 min (+ the machine's start): carry DIR and the LIBS tarballs.
 # What to look for in $OUT/summary.txt:
-#   decoder_cuda_test rc=0, 13 tests passed; the "leaves the CPU's tokens" lines name the
+#   decoder_cuda_test rc=0, 12 tests passed; the "leaves the CPU's tokens" lines name the
 #     requests whose bf16 greedy path leaves the fp32 CPU target's at a near-tie (the gap printed
 #     must be far below the row's largest logit; the test checks ≤ 2e-2 of it);
 #   target_families_cuda_test rc=0;
