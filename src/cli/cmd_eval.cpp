@@ -7,9 +7,11 @@
 // target-only output: otherwise the command fails (after writing the report) naming the count.
 #include <fmt/format.h>
 
+#include <memory>
 #include <optional>
 
 #include "cli/cli_util.hpp"
+#include "cli/cuda_decoder.hpp"
 #include "cli/commands.hpp"
 #include "cli/decode_args.hpp"
 #include "core/error.hpp"
@@ -40,6 +42,7 @@ std::string hist_str(const nlohmann::json& h) {
 void run_eval_command(const EvalArgs& a) {
   // Every argument is checked before the target's weights are loaded and a prompt is decoded.
   if (!a.output.empty()) check_file_writable(a.output, "--output");
+  if (a.d.backend == "cuda") check_cuda_backend();
   const ModelConfig target_cfg = model_config_load(a.d.target);
   const DecodeOptions opts = decode_options_from(a.d, target_cfg);
   const LoadedDrafter drafter = drafter_load(a.d.drafter);
@@ -49,7 +52,18 @@ void run_eval_command(const EvalArgs& a) {
   const std::vector<EvalPrompt> prompts =
       load_eval_prompts(a.prompts, tmpl, tok, a.limit, a.per_source);
   const TargetModel target = TargetModel::load(a.d.target, target_load_options());
-  DecoderCpu dec(target, &drafter);
+  // The CPU decoder, or the CUDA one planned for these prompts and the batch size.
+  std::optional<DecoderCpu> cpu;
+  std::unique_ptr<Decoder> cuda;
+  if (a.d.backend == "cuda") {
+    std::vector<std::vector<int32_t>> ids;
+    ids.reserve(prompts.size());
+    for (const EvalPrompt& p : prompts) ids.push_back(p.tokens);
+    cuda = make_cuda_decoder(target, drafter, ids, opts.max_new_tokens, a.d.batch_size);
+  } else {
+    cpu.emplace(target, &drafter);
+  }
+  Decoder& dec = cuda ? *cuda : static_cast<Decoder&>(*cpu);
   // The run-time block size (checked against the trained one by check_decoding_inputs).
   const int K = opts.block_size > 0 ? opts.block_size : drafter.config.block_size;
   const bool greedy = opts.sampling.greedy(), baseline = !a.no_baseline;

@@ -7,7 +7,8 @@
 // With --chat the prompt is one user turn rendered with the chat template and the generation
 // prompt; without it the prompt is raw text. With --show-steps each speculative step also prints
 // one line to stderr: its acceptance length, the anchor and the drafted tokens (accepted ones in
-// [brackets]) and the token the target put in their place.
+// [brackets]) and the token the target put in their place (CPU backend only). With --backend cuda
+// the decoding runs on GPU 0 (infer/decoder_cuda.hpp) and streams the same text.
 #include <fmt/format.h>
 
 #include <chrono>
@@ -15,6 +16,7 @@
 #include <optional>
 
 #include "cli/commands.hpp"
+#include "cli/cuda_decoder.hpp"
 #include "cli/decode_args.hpp"
 #include "core/error.hpp"
 #include "data/chat_template.hpp"
@@ -66,6 +68,11 @@ void print_summary(std::span<const DecodeResult> results, double seconds) {
 
 void run_generate(const GenerateArgs& a) {
   // Every argument is checked before the target's weights are loaded.
+  if (a.d.backend == "cuda") {
+    DFLASH_CHECK(!a.show_steps,
+                 "--show-steps is not available with --backend cuda (the steps run on the device)");
+    check_cuda_backend();
+  }
   DFLASH_CHECK(!a.show_steps || a.prompts.size() == 1,
                "--show-steps traces one prompt ({} --prompt given)", a.prompts.size());
   const ModelConfig target_cfg = model_config_load(a.d.target);
@@ -89,7 +96,14 @@ void run_generate(const GenerateArgs& a) {
                  a.prompts.size());
   }
   const TargetModel target = TargetModel::load(a.d.target, target_load_options());
-  DecoderCpu dec(target, &drafter);
+  std::optional<DecoderCpu> cpu;
+  std::unique_ptr<Decoder> cuda;
+  if (a.d.backend == "cuda") {
+    cuda = make_cuda_decoder(target, drafter, prompts, opts.max_new_tokens, a.d.batch_size);
+  } else {
+    cpu.emplace(target, &drafter);
+  }
+  Decoder& dec = cuda ? *cuda : static_cast<Decoder&>(*cpu);
 
   // One prompt: its text streams as tokens are accepted.
   std::vector<int32_t> out;
@@ -114,7 +128,7 @@ void run_generate(const GenerateArgs& a) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
   if (a.show_steps) {  // step by step on the CPU decoder, tracing each step
-    const SpeculativeDecoder& sd = *dec.speculative();
+    const SpeculativeDecoder& sd = *cpu->speculative();
     SpecState st = sd.start(prompts[0], opts, on_tokens);
     while (!st.done) {
       const int32_t anchor = st.anchor;

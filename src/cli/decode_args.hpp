@@ -1,5 +1,5 @@
 // dflash.cpp — command-line options shared by `dflash generate` and `dflash eval` (internal to
-// src/cli): model folders, block size, batch size, sampling, stop tokens, seed.
+// src/cli): model folders, block size, batch size, sampling, stop tokens, seed, backend.
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -23,6 +23,7 @@ namespace dflash::cli {
 /// Raw values of the shared decoding flags.
 struct DecodeArgs {
   std::string target, drafter, chat_template;
+  std::string backend = "cpu";  ///< "cpu" or "cuda" (cli/cuda_decoder.hpp)
   int64_t max_new_tokens = 128;
   int block_size = 0;
   int batch_size = 1;
@@ -37,7 +38,9 @@ struct DecodeArgs {
 /// checkpoint). Decoding's forwards of at most 16 rows read bf16 weights directly (the few-rows
 /// kernel of ops/linear.hpp: half the bytes of f32 copies, the same bits, since bf16 → f32 is
 /// exact); the prompt's prefill converts them tile by tile.
-inline TargetLoadOptions target_load_options() { return TargetLoadOptions{}; }
+inline TargetLoadOptions target_load_options() {
+  return TargetLoadOptions{};
+}
 
 /// Registers the shared flags on `sub`, writing into `a` (which must outlive the app).
 inline void add_decode_args(CLI::App* sub, DecodeArgs& a) {
@@ -75,6 +78,10 @@ inline void add_decode_args(CLI::App* sub, DecodeArgs& a) {
       ->check(at_least(0));
   sub->add_flag("--no-default-stop", a.no_default_stop,
                 "Do not stop on the model's eos_token_id (only on --stop-id)");
+  sub->add_option("--backend", a.backend,
+                  "Where to decode: cpu, or cuda (GPU 0; greedy only for now)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   sub->add_option("--template", a.chat_template,
                   "Chat template (chatml, qwen3, llama3); default: detected from the target "
                   "folder");

@@ -15,6 +15,7 @@
 #include "core/error.hpp"
 #include "model/step_plan.hpp"
 #include "ops/cast.hpp"
+#include "ops/decode.hpp"
 #include "ops/embedding.hpp"
 #include "ops/fill.hpp"
 #include "ops/linear.hpp"
@@ -398,7 +399,6 @@ void TargetCuda::moe_forward(const Moe& m, float* x, const uint16_t* hn, int64_t
 
 void TargetCuda::forward_taps(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
                               const AttnRange* ranges, int64_t T, std::span<const int> layer_ids) {
-  const ModelConfig& c = cfg_;
   DFLASH_CHECK(T > 0 && T <= max_tokens_,
                "TargetCuda::forward_taps: {} tokens for a workspace of {}", T, max_tokens_);
   DFLASH_CHECK(!layer_ids.empty(), "TargetCuda::forward_taps: no tap layers");
@@ -408,6 +408,44 @@ void TargetCuda::forward_taps(uint16_t* taps, const int32_t* tokens, const int32
                  "tap layer {} is outside the uploaded target layers [0, {})", l, num_layers());
     n_run = std::max<int64_t>(n_run, l + 1);
   }
+  run_layers(taps, tokens, pos, ranges, T, T, layer_ids, n_run, nullptr, nullptr, nullptr);
+}
+
+void TargetCuda::forward_cached(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
+                                const int32_t* slots, const AttnRange* ranges, int64_t T,
+                                int64_t gemm_rows, std::span<const int> layer_ids,
+                                const TargetCacheCuda& cache, const AttnRowSpread* spread) {
+  DFLASH_CHECK(T > 0 && T <= gemm_rows && gemm_rows <= max_tokens_,
+               "TargetCuda::forward_cached: {} tokens ({} GEMM rows) for a workspace of {}", T,
+               gemm_rows, max_tokens_);
+  DFLASH_CHECK(num_layers() == cfg_.num_hidden_layers,
+               "TargetCuda::forward_cached: {} of the target's {} layers were uploaded (decoding "
+               "runs them all)",
+               num_layers(), cfg_.num_hidden_layers);
+  DFLASH_CHECK(static_cast<int64_t>(cache.k.size()) == num_layers() &&
+                   static_cast<int64_t>(cache.v.size()) == num_layers() && cache.rows > 0,
+               "TargetCuda::forward_cached: a cache of {}/{} layers and {} rows for {} layers",
+               cache.k.size(), cache.v.size(), cache.rows, num_layers());
+  DFLASH_CHECK(slots, "TargetCuda::forward_cached: null slots");
+  for (int l : layer_ids)
+    DFLASH_CHECK(l >= 0 && l < num_layers(), "tap layer {} is outside the target layers [0, {})", l,
+                 num_layers());
+  DFLASH_CHECK(layer_ids.empty() || taps, "TargetCuda::forward_cached: taps asked, no buffer");
+  DFLASH_CHECK(
+      !spread || (spread->rows && spread->ranges && spread->q && spread->o && spread->padded >= T &&
+                  spread->padded <= max_tokens_),
+      "TargetCuda::forward_cached: a spread layout of {} rows for {} tokens (workspace {})",
+      spread ? spread->padded : 0, T, max_tokens_);
+  run_layers(taps, tokens, pos, ranges, T, gemm_rows, layer_ids, num_layers(), &cache, slots,
+             spread);
+}
+
+void TargetCuda::run_layers(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
+                            const AttnRange* ranges, int64_t T, int64_t Tg,
+                            std::span<const int> layer_ids, int64_t n_run,
+                            const TargetCacheCuda* cache, const int32_t* slots,
+                            const AttnRowSpread* spread) {
+  const ModelConfig& c = cfg_;
   const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
   const int64_t NH = c.num_attention_heads, NKV = c.num_key_value_heads;
   const int64_t QD = NH * D, KD = NKV * D, n_taps = static_cast<int64_t>(layer_ids.size());
@@ -416,17 +454,21 @@ void TargetCuda::forward_taps(uint16_t* taps, const int32_t* tokens, const int32
   uint16_t *hn = hn_, *q = q_, *k = k_, *v = v_, *o = o_, *gu = gu_, *act = act_, *tap = tap_;
   const float* inv_freq = inv_freq_;
   AttnParams ap{T, T, NH, NKV, D, 1.0 / std::sqrt(static_cast<double>(D))};
+  // The attention's query rows: the T rows, or their spread layout (AttnRowSpread).
+  const AttnRange* attn_ranges = spread ? spread->ranges : ranges;
+  const int64_t Tq = spread ? spread->padded : T;
+  ap.Tq = Tq;
   // Sliding layers see the last `sliding_window` keys of each causal range (HF
   // sliding_window_overlay), derived on the device once per forward.
-  if (win_) attention_window_ranges_cuda(ctx_, win_, ranges, T, c.sliding_window);
+  if (win_) attention_window_ranges_cuda(ctx_, win_, attn_ranges, Tq, c.sliding_window);
 
   embedding_fwd_cuda(ctx_, x, embed(), tokens, T, c.vocab_size, H);
   for (int64_t l = 0; l < n_run; ++l) {
     const Layer& L = layers_[static_cast<size_t>(l)];
     rmsnorm_fwd_cuda(ctx_, hn, static_cast<float*>(nullptr), x, L.in_norm, T, H, eps);
-    linear_fwd_cuda(ctx_, q, hn, L.wq, L.bq, T, H, QD);
-    linear_fwd_cuda(ctx_, k, hn, L.wk, L.bk, T, H, KD);
-    linear_fwd_cuda(ctx_, v, hn, L.wv, L.bv, T, H, KD);
+    linear_fwd_cuda(ctx_, q, hn, L.wq, L.bq, Tg, H, QD);
+    linear_fwd_cuda(ctx_, k, hn, L.wk, L.bk, Tg, H, KD);
+    linear_fwd_cuda(ctx_, v, hn, L.wv, L.bv, Tg, H, KD);
     if (L.q_norm) {
       rmsnorm_fwd_cuda(ctx_, q, static_cast<float*>(nullptr), q, L.q_norm, T * NH, D, eps);
       rmsnorm_fwd_cuda(ctx_, k, static_cast<float*>(nullptr), k, L.k_norm, T * NKV, D, eps);
@@ -434,18 +476,37 @@ void TargetCuda::forward_taps(uint16_t* taps, const int32_t* tokens, const int32
     rope_fwd_cuda(ctx_, q, q, pos, inv_freq, rope_scaling_, T, NH, D);
     rope_fwd_cuda(ctx_, k, k, pos, inv_freq, rope_scaling_, T, NKV, D);
     ap.sinks = L.sinks;  // null unless gpt-oss
-    attention_fwd_cuda(ctx_, o, nullptr, q, k, v, L.sliding ? win_ : ranges, ap);
-    // x += o · Woᵀ (+ bo) (the GEMM accumulates into the fp32 residual stream).
-    linear_fwd_acc_cuda(ctx_, x, o, L.wo, T, QD, H);
+    const uint16_t *keys = k, *values = v;
+    ap.Tk = T;
+    if (cache) {  // decoding: the rows join the cache first, then attend to it
+      const auto li = static_cast<size_t>(l);
+      kv_scatter_cuda(ctx_, cache->k[li], k, slots, T, KD);
+      kv_scatter_cuda(ctx_, cache->v[li], v, slots, T, KD);
+      keys = cache->k[li];
+      values = cache->v[li];
+      ap.Tk = cache->rows;
+    }
+    const AttnRange* visible = L.sliding ? win_ : attn_ranges;
+    if (spread) {
+      kv_scatter_cuda(ctx_, spread->q, q, spread->rows, T, QD);
+      attention_fwd_cuda(ctx_, spread->o, nullptr, spread->q, keys, values, visible, ap);
+      rows_gather_cuda(ctx_, o, spread->o, spread->rows, T, QD);
+    } else {
+      attention_fwd_cuda(ctx_, o, nullptr, q, keys, values, visible, ap);
+    }
+    // x += o · Woᵀ (+ bo) (the GEMM accumulates into the fp32 residual stream). The projection
+    // GEMMs run Tg ≥ T rows: rows [T, Tg) hold whatever the workspace held and are never read
+    // for rows < T (a GEMM row depends on its own input row only).
+    linear_fwd_acc_cuda(ctx_, x, o, L.wo, Tg, QD, H);
     if (L.bo) bias_add_cuda(ctx_, x, L.bo, T, H);
     rmsnorm_fwd_cuda(ctx_, hn, static_cast<float*>(nullptr), x, L.post_norm, T, H, eps);
     if (L.is_moe) {
       moe_forward(L.moe, x, hn, T);
     } else {
       // row t: [gate | up] (+ [bgate | bup])
-      linear_fwd_cuda(ctx_, gu, hn, L.wgu, L.bgu, T, H, 2 * I);
+      linear_fwd_cuda(ctx_, gu, hn, L.wgu, L.bgu, Tg, H, 2 * I);
       swiglu_fwd_cuda(ctx_, act, gu, gu + I, T, I, 2 * I);
-      linear_fwd_acc_cuda(ctx_, x, act, L.wdown, T, I, H);
+      linear_fwd_acc_cuda(ctx_, x, act, L.wdown, Tg, I, H);
       if (L.bdown) bias_add_cuda(ctx_, x, L.bdown, T, H);
     }
     bool converted = false;

@@ -34,6 +34,27 @@
 
 namespace dflash {
 
+/// The per-layer KV caches of decoding on the device (owned by the caller, e.g.
+/// SpeculativeDecoderCuda): k[l] and v[l] bf16 [rows, NKV·D], the normed and roped k rows and the
+/// v rows of layer l, for every layer of the target. Which rows belong to which request is the
+/// caller's layout (ops/decode.hpp).
+struct TargetCacheCuda {
+  std::vector<uint16_t*> k, v;
+  int64_t rows = 0;
+};
+
+/// A spread layout of the cached attention's query rows (ops/decode.hpp,
+/// decode_spread_rows_cuda): query row r is computed as row rows[r] of a padded array of `padded`
+/// rows with `ranges` [padded], whose other rows see no key, so that no 16-row query tile of the
+/// tensor-core attention mixes requests. `q` and `o` are bf16 [padded, NH·D] device buffers (their
+/// padding rows are read, never used; keep them finite, e.g. zeroed once).
+struct AttnRowSpread {
+  const int32_t* rows = nullptr;
+  const AttnRange* ranges = nullptr;
+  int64_t padded = 0;
+  uint16_t *q = nullptr, *o = nullptr;
+};
+
 /// Device copy of a TargetModel and the workspace of its tap forward.
 class TargetCuda {
  public:
@@ -63,6 +84,32 @@ class TargetCuda {
   /// layer). Enqueued on ctx's stream; nothing is copied to the host.
   void forward_taps(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
                     const AttnRange* ranges, int64_t T, std::span<const int> layer_ids);
+
+  /// Decoding forward over KV caches (the causal attention of a prefill or of a verified block):
+  /// every layer runs; its k/v rows of the T tokens are first written to cache rows `slots` [T]
+  /// (kv_scatter_cuda), then the T queries attend to the cache rows of their `ranges` [T] (the
+  /// request's committed rows and the new rows up to their own; decode_rows_cuda makes them).
+  /// `tokens`, `pos` [T] as forward_taps; the taps of `layer_ids` go to `taps` bf16 [T, n_taps·H]
+  /// (may be null when layer_ids is empty). The projection GEMMs run `gemm_rows` rows (in
+  /// [T, max_tokens]): rows [T, gemm_rows) compute garbage from whatever the workspace holds and
+  /// change no row < T (padding to a row count where cuBLASLt's kernel is faster, or the same
+  /// for every batch size). Afterwards residual() holds the last layer's output
+  /// [T, H] f32 (before the final norm, which this class does not hold). All device pointers;
+  /// enqueued on ctx's stream, allocates nothing: graph-capturable. Throws dflash::Error when
+  /// not all of the target's layers were uploaded, the cache lacks layers, T is outside
+  /// [1, max_tokens] or a tap is outside the layers. With `spread` (may be null) the attention
+  /// runs on the spread layout (its q rows scattered there, its o rows gathered back); the
+  /// results are those of the plain layout up to the key tiles each query tile streams.
+  void forward_cached(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
+                      const int32_t* slots, const AttnRange* ranges, int64_t T, int64_t gemm_rows,
+                      std::span<const int> layer_ids, const TargetCacheCuda& cache,
+                      const AttnRowSpread* spread = nullptr);
+  /// The residual stream f32 [max_tokens, H] (rows [0, T) of the last forward).
+  const float* residual() const { return x_; }
+  /// The config of the model.
+  const ModelConfig& config() const { return cfg_; }
+  /// Tokens a forward may hold.
+  int64_t max_tokens() const { return max_tokens_; }
 
   /// The embedding table and LM head on the device, bf16 [V, H] (the same array when tied).
   const uint16_t* embed() const { return embed_; }
@@ -132,6 +179,15 @@ class TargetCuda {
   /// Writes the per-expert pointer arrays of every MoE layer (pointers into its stacked weights).
   void upload_expert_pointers(cuda::PinnedUploader& up);
   void moe_forward(const Moe& m, float* x, const uint16_t* hn, int64_t T);
+  /// Layers [0, n_run) over T tokens, the taps of `layer_ids` to `taps`; with `cache`, each
+  /// layer's k/v rows go to cache rows `slots` and the attention reads the cache (forward_cached),
+  /// else the T rows attend to each other (forward_taps).
+  /// The projection GEMMs run Tg ≥ T rows (forward_cached's gemm_rows); `spread` as
+  /// forward_cached's.
+  void run_layers(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
+                  const AttnRange* ranges, int64_t T, int64_t Tg, std::span<const int> layer_ids,
+                  int64_t n_run, const TargetCacheCuda* cache, const int32_t* slots,
+                  const AttnRowSpread* spread);
 };
 
 }  // namespace dflash

@@ -1,0 +1,645 @@
+// dflash.cpp — SpeculativeDecoderCuda (see decoder_cuda.hpp): the memory plan, the drafter on the
+// device, prefill/admission, the captured step and the host loop over a batch of requests.
+#include "infer/decoder_cuda.hpp"
+
+#ifdef DFLASH_HAVE_CUDA
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "backend/cuda/check.hpp"
+#include "backend/cuda/gemm.hpp"
+#include "core/dtype.hpp"
+#include "core/error.hpp"
+#include "ops/decode.hpp"
+#include "ops/embedding.hpp"
+#include "ops/fill.hpp"
+#include "ops/linear.hpp"
+#include "ops/rmsnorm.hpp"
+#include "ops/rope.hpp"
+#include "ops/swiglu.hpp"
+
+namespace dflash {
+
+namespace {
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+bool is_stop(const DecodeOptions& opts, int32_t t) {
+  return std::find(opts.stop_ids.begin(), opts.stop_ids.end(), static_cast<int64_t>(t)) !=
+         opts.stop_ids.end();
+}
+
+// Appends the step's tokens to `r` up to the first stop token (included) and max_new_tokens;
+// returns how many were taken and sets `done` when the request is over (the rule of
+// SpeculativeDecoder's output, speculative.hpp).
+size_t take_tokens(DecodeResult& r, std::span<const int32_t> toks, const DecodeOptions& opts,
+                   bool& done) {
+  size_t n = 0;
+  while (n < toks.size() && static_cast<int64_t>(r.tokens.size()) < opts.max_new_tokens &&
+         !r.stopped) {
+    r.tokens.push_back(toks[n]);
+    r.stopped = is_stop(opts, toks[n]);
+    ++n;
+  }
+  done = r.stopped || static_cast<int64_t>(r.tokens.size()) >= opts.max_new_tokens;
+  return n;
+}
+
+// Rows of every cache per request: max_context rounded up to this, the key-tile width of the
+// tensor-core attention (backend/cuda/attention_tc.cuh, kKeys). A CTA of the attention cuts the
+// union of its rows' key ranges into tiles from the union's start; with every request's first
+// row on a tile boundary, a request's keys fall into the same tiles in any batch slot, so its
+// online-softmax sums run in the same order and batch N gives batch 1's bits (with an unaligned
+// stride a near-tie token of the tiny fixture flipped between slots on the H200).
+constexpr int64_t kSlotAlign = 64;
+
+// The largest multiple pad_gemm_rows accepts.
+constexpr int64_t kMaxRowPad = 16;
+// Query rows of one tile of the tensor-core attention (attention_tc.cuh, kRows): a step whose
+// requests' rows do not fill whole tiles runs its attention on the spread layout
+// (decode_spread_rows_cuda), each request's rows in tiles of their own. The step buffers hold
+// max_batch · round_up(K, kQueryTile) rows (≥ any padding of pad_gemm_rows).
+constexpr int64_t kQueryTile = 16;
+
+int64_t round_up(int64_t n, int64_t m) {
+  return (n + m - 1) / m * m;
+}
+
+// One buffer of the decoder's plan and where its pointer goes.
+struct Want {
+  std::string name;
+  uint64_t bytes;
+  void** dst;
+};
+
+template <typename T>
+Want want(std::string name, int64_t count, T** dst) {
+  return Want{std::move(name), static_cast<uint64_t>(count) * sizeof(T),
+              reinterpret_cast<void**>(dst)};
+}
+
+}  // namespace
+
+DecoderCudaLimits decoder_cuda_limits(std::span<const std::vector<int32_t>> prompts,
+                                      int64_t max_new_tokens, int block_size, int batch) {
+  DecoderCudaLimits l;
+  l.max_batch = std::max(1, std::min<int>(batch, static_cast<int>(prompts.size())));
+  for (const auto& p : prompts) {
+    const auto n = static_cast<int64_t>(p.size());
+    l.max_prefill = std::max(l.max_prefill, n);
+    l.max_context = std::max(l.max_context, n + max_new_tokens + block_size);
+  }
+  l.max_prefill = std::max<int64_t>(l.max_prefill, 1);
+  l.max_context = std::max<int64_t>(l.max_context, 2);
+  return l;
+}
+
+SpeculativeDecoderCuda::SpeculativeDecoderCuda(cuda::CudaContext& ctx, const TargetModel& target,
+                                               const LoadedDrafter& drafter,
+                                               const DecoderCudaLimits& limits)
+    : ctx_(ctx), tcfg_(target.config()), dcfg_(drafter.config), limits_(limits) {
+  check_setup();
+  target_ = std::make_unique<TargetCuda>(ctx, target, max_rows_);
+  DFLASH_CHECK(static_cast<int64_t>(drafter.params.size()) == drafter.layout.total,
+               "drafter holds {} parameters, its layout needs {}", drafter.params.size(),
+               drafter.layout.total);
+  init();
+  upload_drafter(drafter);
+  cuda::PinnedUploader up(ctx_);
+  const std::vector<float>& fn = target.final_norm_weight();
+  DFLASH_CHECK(static_cast<int64_t>(fn.size()) == tcfg_.hidden_size,
+               "target final norm 'model.norm.weight' has {} values, hidden_size is {}", fn.size(),
+               tcfg_.hidden_size);
+  up.upload(final_norm_, fn.data(), fn.size() * sizeof(float));
+  up.finish();
+}
+
+SpeculativeDecoderCuda::SpeculativeDecoderCuda(cuda::CudaContext& ctx,
+                                               const ModelConfig& target_cfg,
+                                               const DrafterConfig& drafter_cfg, uint64_t seed,
+                                               const DecoderCudaLimits& limits)
+    : ctx_(ctx), tcfg_(target_cfg), dcfg_(drafter_cfg), limits_(limits) {
+  check_setup();
+  target_ = std::make_unique<TargetCuda>(ctx, target_cfg, seed, max_rows_);
+  init();
+  random_drafter(seed + 1000003);
+  fill_uniform_cuda(ctx_, final_norm_, tcfg_.hidden_size, 1.0f, 0.0f, seed);
+  ctx_.synchronize();
+}
+
+SpeculativeDecoderCuda::~SpeculativeDecoderCuda() = default;
+
+void SpeculativeDecoderCuda::check_setup() {
+  drafter_check_target(dcfg_, tcfg_);
+  DFLASH_CHECK(limits_.max_batch >= 1 && limits_.max_context >= 2 && limits_.max_prefill >= 1,
+               "SpeculativeDecoderCuda: bad limits (max_batch {}, max_context {}, max_prefill {})",
+               limits_.max_batch, limits_.max_context, limits_.max_prefill);
+  DFLASH_CHECK(dcfg_.head_dim == 64 || dcfg_.head_dim == 128,
+               "the CUDA attention supports head_dim 64 or 128 (drafter: head_dim {})",
+               dcfg_.head_dim);
+  DFLASH_CHECK(int64_t{limits_.max_batch} * (limits_.max_context + kSlotAlign) <=
+                   std::numeric_limits<int32_t>::max(),
+               "SpeculativeDecoderCuda: {} requests × {} tokens of context overflow int32 slots",
+               limits_.max_batch, limits_.max_context);
+  step_rows_ = int64_t{limits_.max_batch} * round_up(dcfg_.block_size, kQueryTile);
+  max_rows_ = std::max<int64_t>(limits_.max_prefill, step_rows_);
+  stride_ = round_up(limits_.max_context, kSlotAlign);
+}
+
+void SpeculativeDecoderCuda::init() {
+  taps_ids_.assign(dcfg_.target_layer_ids.begin(), dcfg_.target_layer_ids.end());
+  dscaling_ = static_cast<float>(rope_attention_scaling(dcfg_.rope));
+  plan_and_take();
+  const int64_t KB = int64_t{limits_.max_batch} * (dcfg_.block_size + 1);
+  out_h_ = cuda::PinnedBuffer(static_cast<size_t>(KB) * sizeof(int32_t));
+  first_h_ = cuda::PinnedBuffer(sizeof(int32_t));
+  active_h_ = cuda::PinnedBuffer(static_cast<size_t>(limits_.max_batch) * sizeof(int32_t));
+  tokens_h_ = cuda::PinnedBuffer(static_cast<size_t>(max_rows_) * sizeof(int32_t));
+  std::memset(active_h_.as<int32_t>(), 0, active_h_.bytes());
+  DFLASH_CUDA_CHECK(cudaMemsetAsync(active_, 0, active_h_.bytes(), ctx_.stream()));
+  DFLASH_CUDA_CHECK(cudaMemsetAsync(lens_, 0, active_h_.bytes(), ctx_.stream()));
+  DFLASH_CUDA_CHECK(cudaMemsetAsync(zero_, 0, sizeof(int32_t), ctx_.stream()));
+  // The spread layout's padding rows are read by the attention (and never used): keep them finite.
+  DFLASH_CUDA_CHECK(
+      cudaMemsetAsync(q_pad_, 0, arena_->planned_bytes("decode.step.spread_q"), ctx_.stream()));
+}
+
+// Every buffer of the decoder in one plan (one phase: all live for the whole decoding).
+void SpeculativeDecoderCuda::plan_and_take() {
+  const int64_t H = tcfg_.hidden_size, V = tcfg_.vocab_size, Kmax = dcfg_.block_size;
+  const int64_t KD = tcfg_.num_key_value_heads * tcfg_.head_dim;
+  const int64_t QD = tcfg_.num_attention_heads * tcfg_.head_dim;
+  const int64_t QDd = dcfg_.num_heads * dcfg_.head_dim, KDd = dcfg_.num_kv_heads * dcfg_.head_dim;
+  const int64_t Id = dcfg_.intermediate_size, F = dcfg_.n_taps() * H;
+  const int64_t S = int64_t{limits_.max_batch} * stride_;  // cache rows
+  const int64_t R = max_rows_, BK = step_rows_, B = limits_.max_batch;
+  std::vector<Want> w;
+  const int64_t NL = tcfg_.num_hidden_layers, NLd = dcfg_.num_layers;
+  tcache_.k.assign(static_cast<size_t>(NL), nullptr);
+  tcache_.v.assign(static_cast<size_t>(NL), nullptr);
+  tcache_.rows = S;
+  for (int64_t l = 0; l < NL; ++l) {
+    const auto i = static_cast<size_t>(l);
+    w.push_back(want(fmt::format("decode.target_cache.{}.k", l), S * KD, &tcache_.k[i]));
+    w.push_back(want(fmt::format("decode.target_cache.{}.v", l), S * KD, &tcache_.v[i]));
+  }
+  dk_cache_.assign(static_cast<size_t>(NLd), nullptr);
+  dv_cache_.assign(static_cast<size_t>(NLd), nullptr);
+  dlayers_.resize(static_cast<size_t>(NLd));
+  for (int64_t l = 0; l < NLd; ++l) {
+    const auto i = static_cast<size_t>(l);
+    const std::string n = fmt::format("decode.drafter.layers.{}.", l);
+    w.push_back(want(fmt::format("decode.drafter_cache.{}.k", l), S * KDd, &dk_cache_[i]));
+    w.push_back(want(fmt::format("decode.drafter_cache.{}.v", l), S * KDd, &dv_cache_[i]));
+    DrafterLayer& d = dlayers_[i];
+    w.push_back(want(n + "in_norm", H, &d.in_norm));
+    w.push_back(want(n + "post_norm", H, &d.post_norm));
+    w.push_back(want(n + "q_norm", dcfg_.head_dim, &d.q_norm));
+    w.push_back(want(n + "k_norm", dcfg_.head_dim, &d.k_norm));
+    w.push_back(want(n + "wq", QDd * H, &d.wq));
+    w.push_back(want(n + "wk", KDd * H, &d.wk));
+    w.push_back(want(n + "wv", KDd * H, &d.wv));
+    w.push_back(want(n + "wo", H * QDd, &d.wo));
+    w.push_back(want(n + "wgu", 2 * Id * H, &d.wgu));
+    w.push_back(want(n + "wdown", H * Id, &d.wdown));
+  }
+  w.push_back(want("decode.target.final_norm", H, &final_norm_));
+  w.push_back(want("decode.drafter.fc", H * F, &fc_));
+  w.push_back(want("decode.drafter.hidden_norm", H, &hidden_norm_));
+  w.push_back(want("decode.drafter.norm", H, &dnorm_));
+  w.push_back(want("decode.drafter.inv_freq", dcfg_.head_dim / 2, &dinv_freq_));
+  w.push_back(want("decode.step.tokens", R, &tokens_));
+  w.push_back(want("decode.step.block", BK, &block_));
+  w.push_back(want("decode.step.pos", R, &pos_));
+  w.push_back(want("decode.step.slots", R, &slots_));
+  w.push_back(want("decode.step.causal", R, &causal_));
+  w.push_back(want("decode.step.block_ranges", BK, &brange_));
+  w.push_back(want("decode.step.lens", B, &lens_));
+  w.push_back(want("decode.step.active", B, &active_));
+  w.push_back(want("decode.step.target_argmax", BK, &targ_));
+  w.push_back(want("decode.step.out", B * (Kmax + 1), &out_));
+  w.push_back(want("decode.step.first", 1, &first_));
+  w.push_back(want("decode.step.zero", 1, &zero_));
+  w.push_back(want("decode.step.spread_rows", BK, &spread_rows_));
+  w.push_back(want("decode.step.spread_ranges", BK, &spread_ranges_));
+  w.push_back(want("decode.step.spread_q", BK * QD, &q_pad_));
+  w.push_back(want("decode.step.spread_o", BK * QD, &o_pad_));
+  w.push_back(want("decode.step.taps", R * F, &taps_));
+  w.push_back(want("decode.step.final_rows", BK * H, &fnorm_));
+  w.push_back(want("decode.step.logits", BK * V, &logits_));
+  w.push_back(want("decode.drafter.h", BK * H, &dh_));
+  w.push_back(want("decode.drafter.ctx_pre", R * H, &dctx_pre_));
+  w.push_back(want("decode.drafter.hn", R * H, &dhn_));
+  w.push_back(want("decode.drafter.q", BK * QDd, &dq_));
+  w.push_back(want("decode.drafter.k", R * KDd, &dk_));
+  w.push_back(want("decode.drafter.v", R * KDd, &dv_));
+  w.push_back(want("decode.drafter.o", BK * QDd, &do_));
+  w.push_back(want("decode.drafter.gu", BK * 2 * Id, &dgu_));
+  w.push_back(want("decode.drafter.act", BK * Id, &dact_));
+  ArenaPlanner p({"decode"});
+  for (const Want& x : w) p.add(x.name, "decode", x.bytes, PhaseMask{1});
+  arena_ = std::make_unique<cuda::DeviceArena>(ctx_, p.finish());
+  for (const Want& x : w) *x.dst = arena_->get_bytes(x.name, x.bytes);
+}
+
+void SpeculativeDecoderCuda::upload_drafter(const LoadedDrafter& drafter) {
+  const DrafterLayout& L = drafter.layout;
+  const float* P = drafter.params.data();
+  const int64_t H = dcfg_.hidden_size, Id = dcfg_.intermediate_size, D = dcfg_.head_dim;
+  const int64_t QDd = dcfg_.num_heads * D, KDd = dcfg_.num_kv_heads * D;
+  cuda::PinnedUploader up(ctx_);
+  auto bf16 = [&](uint16_t* dst, int64_t offset, int64_t n) {
+    up.upload(dst, static_cast<size_t>(n) * 2, [P, offset](void* out, size_t off, size_t bytes) {
+      auto* o = static_cast<uint16_t*>(out);
+      const float* src = P + offset + static_cast<int64_t>(off / 2);
+      for (size_t i = 0; i < bytes / 2; ++i) o[i] = f32_to_bf16_bits(src[i]);
+    });
+  };
+  auto f32 = [&](float* dst, int64_t offset, int64_t n) {
+    up.upload(dst, P + offset, static_cast<size_t>(n) * sizeof(float));
+  };
+  bf16(fc_, L.fc, H * dcfg_.n_taps() * H);
+  f32(hidden_norm_, L.hidden_norm, H);
+  f32(dnorm_, L.norm, H);
+  for (size_t l = 0; l < dlayers_.size(); ++l) {
+    const DrafterLayerOffsets& o = L.layers[l];
+    const DrafterLayer& d = dlayers_[l];
+    f32(d.in_norm, o.input_layernorm, H);
+    f32(d.post_norm, o.post_attention_layernorm, H);
+    f32(d.q_norm, o.q_norm, D);
+    f32(d.k_norm, o.k_norm, D);
+    bf16(d.wq, o.q_proj, QDd * H);
+    bf16(d.wk, o.k_proj, KDd * H);
+    bf16(d.wv, o.v_proj, KDd * H);
+    bf16(d.wo, o.o_proj, H * QDd);
+    DFLASH_CHECK(o.up_proj == o.gate_proj + Id * H,
+                 "drafter layout: layer {} up_proj does not follow gate_proj", l);
+    bf16(d.wgu, o.gate_proj, 2 * Id * H);  // [gate; up]
+    bf16(d.wdown, o.down_proj, H * Id);
+  }
+  const std::vector<double> f = rope_inv_freq(dcfg_.rope, D);
+  const std::vector<float> ff(f.begin(), f.end());
+  up.upload(dinv_freq_, ff.data(), ff.size() * sizeof(float));
+  up.finish();
+}
+
+void SpeculativeDecoderCuda::random_drafter(uint64_t seed) {
+  const int64_t H = dcfg_.hidden_size, Id = dcfg_.intermediate_size, D = dcfg_.head_dim;
+  const int64_t QDd = dcfg_.num_heads * D, KDd = dcfg_.num_kv_heads * D;
+  const float bound = 0.02f * std::sqrt(3.0f);  // uniform with standard deviation 0.02
+  uint64_t stream = seed;
+  auto matrix = [&](uint16_t* w, int64_t n) {
+    fill_uniform_cuda(ctx_, w, n, 0.0f, bound, ++stream);
+  };
+  auto ones = [&](float* w, int64_t n) { fill_uniform_cuda(ctx_, w, n, 1.0f, 0.0f, ++stream); };
+  matrix(fc_, H * dcfg_.n_taps() * H);
+  ones(hidden_norm_, H);
+  ones(dnorm_, H);
+  for (const DrafterLayer& d : dlayers_) {
+    ones(d.in_norm, H);
+    ones(d.post_norm, H);
+    ones(d.q_norm, D);
+    ones(d.k_norm, D);
+    matrix(d.wq, QDd * H);
+    matrix(d.wk, KDd * H);
+    matrix(d.wv, KDd * H);
+    matrix(d.wo, H * QDd);
+    matrix(d.wgu, 2 * Id * H);
+    matrix(d.wdown, H * Id);
+  }
+  const std::vector<double> f = rope_inv_freq(dcfg_.rope, D);
+  const std::vector<float> ff(f.begin(), f.end());
+  cuda::PinnedUploader up(ctx_);
+  up.upload(dinv_freq_, ff.data(), ff.size() * sizeof(float));
+  up.finish();
+}
+
+void SpeculativeDecoderCuda::pad_gemm_rows(int multiple) {
+  DFLASH_CHECK(multiple >= 1 && multiple <= kMaxRowPad,
+               "pad_gemm_rows: a multiple of {} rows is outside [1, {}]", multiple, kMaxRowPad);
+  row_pad_ = multiple;
+}
+
+int64_t SpeculativeDecoderCuda::gemm_rows(int64_t rows) const {
+  return round_up(rows, row_pad_);
+}
+
+const AttnRowSpread* SpeculativeDecoderCuda::step_spread(int B, int K, AttnRowSpread& sp) {
+  if (B == 1 || K % kQueryTile == 0) return nullptr;  // each tile already holds one request
+  const int64_t Kp = round_up(K, kQueryTile);
+  decode_spread_rows_cuda(ctx_, spread_rows_, spread_ranges_, causal_, B, K, Kp);
+  sp = AttnRowSpread{spread_rows_, spread_ranges_, B * Kp, q_pad_, o_pad_};
+  return &sp;
+}
+
+// ---- device work ----
+
+void SpeculativeDecoderCuda::target_logits_argmax(int32_t* out, int64_t first_row, int64_t rows,
+                                                  int64_t gemm_rows) {
+  const int64_t H = tcfg_.hidden_size, V = tcfg_.vocab_size;
+  rmsnorm_fwd_cuda(ctx_, fnorm_, static_cast<float*>(nullptr), target_->residual() + first_row * H,
+                   final_norm_, rows, H, tcfg_.rms_norm_eps);
+  cuda::gemm_bf16(ctx_, logits_, DType::f32, V, fnorm_, H, false, target_->lm_head(), H, true,
+                  gemm_rows, V, H);
+  argmax_rows_cuda(ctx_, out, logits_, rows, V);
+}
+
+// The drafter's context rows: ctx = hidden_norm(fc(taps)) → per layer k (k_norm, RoPE) and v
+// into the drafter cache at slots_ (positions pos_), for rows [0, R) of taps_.
+void SpeculativeDecoderCuda::drafter_extend(int64_t R) {
+  const int64_t H = dcfg_.hidden_size, D = dcfg_.head_dim, NKV = dcfg_.num_kv_heads;
+  const int64_t KDd = NKV * D, F = dcfg_.n_taps() * H;
+  const double eps = dcfg_.rms_norm_eps;
+  linear_fwd_cuda(ctx_, dctx_pre_, taps_, fc_, R, F, H);
+  rmsnorm_fwd_cuda(ctx_, dhn_, static_cast<float*>(nullptr), dctx_pre_, hidden_norm_, R, H, eps);
+  for (size_t l = 0; l < dlayers_.size(); ++l) {
+    const DrafterLayer& d = dlayers_[l];
+    linear_fwd_cuda(ctx_, dk_, dhn_, d.wk, R, H, KDd);
+    rmsnorm_fwd_cuda(ctx_, dk_, static_cast<float*>(nullptr), dk_, d.k_norm, R * NKV, D, eps);
+    rope_fwd_cuda(ctx_, dk_, dk_, pos_, dinv_freq_, dscaling_, R, NKV, D);
+    linear_fwd_cuda(ctx_, dv_, dhn_, d.wv, R, H, KDd);
+    kv_scatter_cuda(ctx_, dk_cache_[l], dk_, slots_, R, KDd);
+    kv_scatter_cuda(ctx_, dv_cache_[l], dv_, slots_, R, KDd);
+  }
+}
+
+// The drafter's block forward over [anchor, MASK × (K−1)] of requests [0, B) (block_), attending
+// to each request's context rows and its own block (brange_), then its proposals into block_.
+void SpeculativeDecoderCuda::draft_block(int B, int K) {
+  const int64_t H = dcfg_.hidden_size, D = dcfg_.head_dim, V = dcfg_.vocab_size;
+  const int64_t NH = dcfg_.num_heads, NKV = dcfg_.num_kv_heads, Id = dcfg_.intermediate_size;
+  const int64_t QD = NH * D, KD = NKV * D, R = int64_t{B} * K;
+  const double eps = dcfg_.rms_norm_eps;
+  AttnParams ap{R, tcache_.rows, NH, NKV, D, 1.0 / std::sqrt(static_cast<double>(D))};
+  embedding_fwd_cuda(ctx_, dh_, target_->embed(), block_, R, V, H);
+  for (size_t l = 0; l < dlayers_.size(); ++l) {
+    const DrafterLayer& d = dlayers_[l];
+    rmsnorm_fwd_cuda(ctx_, dhn_, static_cast<float*>(nullptr), dh_, d.in_norm, R, H, eps);
+    linear_fwd_cuda(ctx_, dq_, dhn_, d.wq, R, H, QD);
+    linear_fwd_cuda(ctx_, dk_, dhn_, d.wk, R, H, KD);
+    linear_fwd_cuda(ctx_, dv_, dhn_, d.wv, R, H, KD);
+    rmsnorm_fwd_cuda(ctx_, dq_, static_cast<float*>(nullptr), dq_, d.q_norm, R * NH, D, eps);
+    rmsnorm_fwd_cuda(ctx_, dk_, static_cast<float*>(nullptr), dk_, d.k_norm, R * NKV, D, eps);
+    rope_fwd_cuda(ctx_, dq_, dq_, pos_, dinv_freq_, dscaling_, R, NH, D);
+    rope_fwd_cuda(ctx_, dk_, dk_, pos_, dinv_freq_, dscaling_, R, NKV, D);
+    // The block's k/v rows sit after the context in the cache for this forward only (the extend
+    // of the step overwrites them with the accepted context rows).
+    kv_scatter_cuda(ctx_, dk_cache_[l], dk_, slots_, R, KD);
+    kv_scatter_cuda(ctx_, dv_cache_[l], dv_, slots_, R, KD);
+    attention_fwd_cuda(ctx_, do_, nullptr, dq_, dk_cache_[l], dv_cache_[l], brange_, ap);
+    cuda::gemm_bf16(ctx_, dh_, DType::f32, H, do_, QD, false, d.wo, QD, true, R, H, QD, 1.0f, 1.0f);
+    rmsnorm_fwd_cuda(ctx_, dhn_, static_cast<float*>(nullptr), dh_, d.post_norm, R, H, eps);
+    linear_fwd_cuda(ctx_, dgu_, dhn_, d.wgu, R, H, 2 * Id);
+    swiglu_fwd_cuda(ctx_, dact_, dgu_, dgu_ + Id, R, Id, 2 * Id);
+    cuda::gemm_bf16(ctx_, dh_, DType::f32, H, dact_, Id, false, d.wdown, Id, true, R, H, Id, 1.0f,
+                    1.0f);
+  }
+  rmsnorm_fwd_cuda(ctx_, fnorm_, static_cast<float*>(nullptr), dh_, dnorm_, R, H, eps);
+  cuda::gemm_bf16(ctx_, logits_, DType::f32, V, fnorm_, H, false, target_->lm_head(), H, true, R, V,
+                  H);
+  draft_propose_cuda(ctx_, block_, logits_, B, K, V);
+}
+
+void SpeculativeDecoderCuda::enqueue_step_eager(int B, int K, bool speculative) {
+  const int64_t R = int64_t{B} * K;
+  decode_rows_cuda(ctx_, pos_, slots_, causal_, brange_, lens_, B, K, 0, stride_);
+  if (speculative) draft_block(B, K);
+  const std::span<const int> taps =
+      speculative ? std::span<const int>(taps_ids_) : std::span<const int>();
+  const int64_t Rg = gemm_rows(R);
+  AttnRowSpread sp;
+  target_->forward_cached(speculative ? taps_ : nullptr, block_, pos_, slots_, causal_, R, Rg, taps,
+                          tcache_, step_spread(B, K, sp));
+  target_logits_argmax(targ_, 0, R, Rg);
+  if (speculative) drafter_extend(R);
+  greedy_accept_cuda(ctx_, out_, lens_, block_, targ_, active_, B, K, dcfg_.mask_token_id);
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(out_h_.as<int32_t>(), out_,
+                                    static_cast<size_t>(B) * (K + 1) * sizeof(int32_t),
+                                    cudaMemcpyDeviceToHost, ctx_.stream()));
+}
+
+void SpeculativeDecoderCuda::enqueue_step(int B, int K, bool speculative) {
+  if (!use_graphs_) {
+    enqueue_step_eager(B, K, speculative);
+    return;
+  }
+  graphs_.run(std::make_tuple(B, K, speculative ? 1 : 0, row_pad_), ctx_.stream(),
+              [&] { enqueue_step_eager(B, K, speculative); });
+}
+
+int32_t SpeculativeDecoderCuda::prefill(int b, std::span<const int32_t> prompt, int K,
+                                        bool speculative) {
+  const auto P = static_cast<int64_t>(prompt.size());
+  std::memcpy(tokens_h_.as<int32_t>(), prompt.data(), prompt.size() * sizeof(int32_t));
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(tokens_, tokens_h_.as<int32_t>(),
+                                    prompt.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                    ctx_.stream()));
+  // Rows of request b from an empty cache (lens read as 0 from zero_).
+  decode_rows_cuda(ctx_, pos_, slots_, causal_, nullptr, zero_, 1, P, b, stride_);
+  const std::span<const int> taps =
+      speculative ? std::span<const int>(taps_ids_) : std::span<const int>();
+  target_->forward_cached(speculative ? taps_ : nullptr, tokens_, pos_, slots_, causal_, P, P, taps,
+                          tcache_);
+  target_logits_argmax(first_, P - 1, 1, 1);
+  if (speculative) drafter_extend(P);
+  decode_admit_cuda(ctx_, lens_, active_, block_, first_, b, K, P, dcfg_.mask_token_id);
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(first_h_.as<int32_t>(), first_, sizeof(int32_t),
+                                    cudaMemcpyDeviceToHost, ctx_.stream()));
+  ctx_.synchronize();
+  return *first_h_.as<int32_t>();
+}
+
+// ---- host loop ----
+
+int SpeculativeDecoderCuda::check_call(std::span<const std::vector<int32_t>> prompts,
+                                       const DecodeOptions& opts, int batch_size,
+                                       bool speculative) const {
+  DFLASH_CHECK(batch_size >= 1, "batch size must be >= 1 (got {})", batch_size);
+  DFLASH_CHECK(opts.max_new_tokens >= 1, "max_new_tokens must be >= 1 (got {})",
+               opts.max_new_tokens);
+  opts.sampling.validate();
+  DFLASH_CHECK(opts.sampling.greedy(),
+               "sampling (temperature {}) is not implemented on --backend cuda yet: use "
+               "--temperature 0 (greedy) or --backend cpu",
+               opts.sampling.temperature);
+  int K = 1;
+  if (speculative) {
+    K = opts.block_size == 0 ? dcfg_.block_size : opts.block_size;
+    DFLASH_CHECK(K >= 2 && K <= dcfg_.block_size,
+                 "block size {} is outside [2, {}] (the drafter was trained with block_size {})",
+                 opts.block_size, dcfg_.block_size, dcfg_.block_size);
+  }
+  const int B = std::min<int>(batch_size, static_cast<int>(prompts.size()));
+  DFLASH_CHECK(B <= limits_.max_batch,
+               "batch size {} exceeds the {} requests the CUDA decoder was planned for", B,
+               limits_.max_batch);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const auto P = static_cast<int64_t>(prompts[i].size());
+    DFLASH_CHECK(P >= 1, "request {}: empty prompt", i);
+    for (int32_t t : prompts[i])
+      DFLASH_CHECK(t >= 0 && t < tcfg_.vocab_size,
+                   "request {}: token {} is outside the vocabulary [0, {})", i, t,
+                   tcfg_.vocab_size);
+    DFLASH_CHECK(P <= limits_.max_prefill,
+                 "request {}: prompt of {} tokens, the CUDA decoder was planned for {}", i, P,
+                 limits_.max_prefill);
+    DFLASH_CHECK(P + opts.max_new_tokens + K <= limits_.max_context,
+                 "request {}: prompt {} + max_new_tokens {} + block {} tokens exceed the {} "
+                 "tokens of context the CUDA decoder was planned for",
+                 i, P, opts.max_new_tokens, K, limits_.max_context);
+  }
+  return K;
+}
+
+std::vector<DecodeResult> SpeculativeDecoderCuda::run(std::span<const std::vector<int32_t>> prompts,
+                                                      const DecodeOptions& opts, int batch_size,
+                                                      const BatchTokenCallback& on_tokens,
+                                                      bool speculative) {
+  const int K = check_call(prompts, opts, batch_size, speculative);
+  std::vector<DecodeResult> results(prompts.size());
+  if (prompts.empty()) return results;
+  const int B = std::min<int>(batch_size, static_cast<int>(prompts.size()));
+  std::vector<Slot> slots(static_cast<size_t>(B));
+  int32_t* active = active_h_.as<int32_t>();
+  size_t next = 0;
+  bool active_dirty = true;
+  // Emits `toks` for the request in slot b; on its end, the slot takes the next request.
+  auto finish = [&](int b) {
+    Slot& s = slots[static_cast<size_t>(b)];
+    DecodeResult& r = results[static_cast<size_t>(s.request)];
+    r.decode_seconds = now_seconds() - s.t_first;
+    s.request = -1;
+    active[b] = 0;
+    active_dirty = true;
+  };
+  auto emit = [&](int b, std::span<const int32_t> toks) {
+    Slot& s = slots[static_cast<size_t>(b)];
+    DecodeResult& r = results[static_cast<size_t>(s.request)];
+    const size_t before = r.tokens.size();
+    bool done = false;
+    const size_t n = take_tokens(r, toks, opts, done);
+    if (on_tokens && n > 0)
+      on_tokens(static_cast<size_t>(s.request), std::span<const int32_t>(r.tokens).subspan(before));
+    return done;
+  };
+  auto admit = [&](int b) {
+    while (next < prompts.size()) {
+      Slot& s = slots[static_cast<size_t>(b)];
+      s.request = static_cast<int64_t>(next++);
+      s.t_start = now_seconds();
+      const int32_t first = prefill(b, prompts[static_cast<size_t>(s.request)], K, speculative);
+      s.t_first = now_seconds();
+      results[static_cast<size_t>(s.request)].prefill_seconds = s.t_first - s.t_start;
+      active[b] = 1;
+      active_dirty = true;
+      if (!emit(b, std::span<const int32_t>(&first, 1))) return;
+      finish(b);  // done on its first token: the slot takes the next request
+    }
+  };
+  for (int b = 0; b < B; ++b) {
+    active[b] = 0;
+    admit(b);
+  }
+  const int32_t* out = out_h_.as<int32_t>();
+  for (;;) {
+    if (std::none_of(active, active + B, [](int32_t a) { return a != 0; })) break;
+    if (active_dirty) {
+      DFLASH_CUDA_CHECK(cudaMemcpyAsync(active_, active, static_cast<size_t>(B) * sizeof(int32_t),
+                                        cudaMemcpyHostToDevice, ctx_.stream()));
+      active_dirty = false;
+    }
+    enqueue_step(B, K, speculative);
+    ctx_.synchronize();
+    for (int b = 0; b < B; ++b) {
+      if (!active[b]) continue;
+      const int32_t* o = out + static_cast<size_t>(b) * (K + 1);
+      DFLASH_CHECK(o[0] >= 1 && o[0] <= K, "CUDA decoder: step output count {} for slot {}", o[0],
+                   b);
+      if (speculative)
+        results[static_cast<size_t>(slots[static_cast<size_t>(b)].request)]
+            .accept_lengths.push_back(o[0]);
+      if (!emit(b, std::span<const int32_t>(o + 1, static_cast<size_t>(o[0])))) continue;
+      finish(b);
+      admit(b);
+    }
+  }
+  return results;
+}
+
+std::vector<DecodeResult> SpeculativeDecoderCuda::generate(
+    std::span<const std::vector<int32_t>> prompts, const DecodeOptions& opts, int batch_size,
+    const BatchTokenCallback& on_tokens) {
+  return run(prompts, opts, batch_size, on_tokens, true);
+}
+
+std::vector<DecodeResult> SpeculativeDecoderCuda::target_generate(
+    std::span<const std::vector<int32_t>> prompts, const DecodeOptions& opts, int batch_size,
+    const BatchTokenCallback& on_tokens) {
+  return run(prompts, opts, batch_size, on_tokens, false);
+}
+
+// ---- bench hooks ----
+
+void SpeculativeDecoderCuda::bench_prefill(int B, std::span<const int32_t> prompt) {
+  DFLASH_CHECK(B >= 1 && B <= limits_.max_batch && !prompt.empty() &&
+                   static_cast<int64_t>(prompt.size()) <= limits_.max_prefill,
+               "bench_prefill: {} requests of {} tokens for limits of {} × {}", B, prompt.size(),
+               limits_.max_batch, limits_.max_prefill);
+  for (int b = 0; b < B; ++b) prefill(b, prompt, dcfg_.block_size, true);
+}
+
+std::vector<float> SpeculativeDecoderCuda::draft_logits(std::span<const int32_t> prompt, int K,
+                                                        int32_t& first) {
+  DFLASH_CHECK(K >= 2 && K <= dcfg_.block_size && !prompt.empty() &&
+                   static_cast<int64_t>(prompt.size()) <= limits_.max_prefill &&
+                   static_cast<int64_t>(prompt.size()) + K <= limits_.max_context,
+               "draft_logits: a prompt of {} tokens, block size {} (limits: prompt {}, context {}, "
+               "block {})",
+               prompt.size(), K, limits_.max_prefill, limits_.max_context, dcfg_.block_size);
+  first = prefill(0, prompt, K, true);
+  decode_rows_cuda(ctx_, pos_, slots_, causal_, brange_, lens_, 1, K, 0, stride_);
+  draft_block(1, K);
+  std::vector<float> out(static_cast<size_t>(K * tcfg_.vocab_size));
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(out.data(), logits_, out.size() * sizeof(float),
+                                    cudaMemcpyDeviceToHost, ctx_.stream()));
+  ctx_.synchronize();
+  return out;
+}
+
+void SpeculativeDecoderCuda::bench_enqueue(BenchPart part, int B, int K) {
+  DFLASH_CHECK(B >= 1 && B <= limits_.max_batch && K >= 1 && K <= dcfg_.block_size &&
+                   (part == BenchPart::target_step || K >= 2),
+               "bench_enqueue: B={} K={} for limits of {} requests, block size {}", B, K,
+               limits_.max_batch, dcfg_.block_size);
+  auto work = [this, part, B, K] {
+    const int64_t R = int64_t{B} * K;
+    decode_rows_cuda(ctx_, pos_, slots_, causal_, brange_, lens_, B, K, 0, stride_);
+    if (part != BenchPart::target_step) draft_block(B, K);
+    if (part == BenchPart::draft) return;
+    const bool taps = part == BenchPart::spec_step;
+    const int64_t Rg = gemm_rows(R);
+    AttnRowSpread sp;
+    target_->forward_cached(taps ? taps_ : nullptr, block_, pos_, slots_, causal_, R, Rg,
+                            taps ? std::span<const int>(taps_ids_) : std::span<const int>(),
+                            tcache_, step_spread(B, K, sp));
+    target_logits_argmax(targ_, 0, R, Rg);
+    if (taps) drafter_extend(R);
+  };
+  if (!use_graphs_) {
+    work();
+    return;
+  }
+  graphs_.run(std::make_tuple(B, K, 2 + static_cast<int>(part), row_pad_), ctx_.stream(), work);
+}
+
+}  // namespace dflash
+
+#endif  // DFLASH_HAVE_CUDA

@@ -1,0 +1,208 @@
+// dflash.cpp — speculative decoding on the CUDA backend: the Decoder contract (infer/decoder.hpp)
+// with the target, the drafter, their KV caches, greedy acceptance and rollback on the GPU.
+//
+// One step of a batch of B requests with block size K (speculative.hpp describes it for one
+// request; here every request of the batch takes it at once, each with its own length):
+//   rows:    positions lens[b] + j, cache slots and key ranges of the B·K rows (ops/decode.hpp);
+//   draft:   the drafter's block [anchor, MASK × (K−1)] over its context cache → proposals (argmax
+//            on the device) written into the block;
+//   verify:  the target over [anchor, d_1 … d_{K−1}] with its KV cache (causal), the taps of its
+//            tap layers, final norm and LM head of the K rows, argmax;
+//   extend:  the drafter's context cache gets the K rows' projected taps at their positions;
+//   accept:  greedy_accept_cuda: n accepted, the bonus, lens[b] += n + 1 (rollback is the
+//            length: rows past it are overwritten by the next step), the next block [bonus,
+//            MASK…];
+//   copy:    the B·(K+1) ints of the step's output (count and tokens) to pinned host memory, the
+//            step's only host transfer.
+// Target-only decoding is the same step with K = 1 and no draft/extend.
+// A request is admitted into a free batch slot with its own prefill (the prompt through the target
+// with the causal attention over its empty cache, the first token by argmax, the prompt's taps
+// into the drafter's cache); the others' state stays on the device untouched.
+//
+// Invariants: all device memory (target weights and activations, drafter weights, both KV caches
+// for max_batch × max_context tokens, the step's buffers) is planned and allocated at
+// construction; a step allocates nothing. Each (B, K, speculative) step is captured once as a
+// CUDA graph and replayed (use_graphs(false) runs the same launches eagerly). Greedy only:
+// sampling is refused with an error (no silent fallback to the CPU). A request's attention sees
+// the same key tiles in any batch slot (its cache rows start on a key tile; no query tile mixes
+// requests: the spread layout), so its output does not depend on batch_size as long as
+// cuBLASLt's GEMM gives a row the same bits for any row count (true on the H200 for the tiny
+// fixture at 1 to 32 rows; docs/design-notes.md); greedy speculative output equals greedy
+// target-only output of this class (bit for bit on the H200, tests/cuda/decoder_cuda_test).
+#pragma once
+
+#ifdef DFLASH_HAVE_CUDA
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <tuple>
+#include <vector>
+
+#include "backend/cuda/arena.hpp"
+#include "backend/cuda/context.hpp"
+#include "backend/cuda/graph.hpp"
+#include "backend/cuda/pinned.hpp"
+#include "infer/decoder.hpp"
+#include "model/target_cuda.hpp"
+
+namespace dflash {
+
+/// What the device memory of a SpeculativeDecoderCuda is planned for.
+struct DecoderCudaLimits {
+  int max_batch = 1;        ///< requests in flight at once (≥ 1)
+  int64_t max_context = 0;  ///< tokens per request: prompt + max_new_tokens + block size (≥ 2)
+  int64_t max_prefill = 0;  ///< longest prompt (≥ 1)
+};
+
+/// The limits that fit `prompts` decoded with up to `max_new_tokens` tokens and block size
+/// `block_size` (the trained one when speculative; 1 for target-only), `batch` in flight.
+DecoderCudaLimits decoder_cuda_limits(std::span<const std::vector<int32_t>> prompts,
+                                      int64_t max_new_tokens, int block_size, int batch);
+
+/// Speculative and target-only decoding of a target with a DFlash drafter on one GPU.
+class SpeculativeDecoderCuda final : public Decoder {
+ public:
+  /// Uploads `target` (every layer) and `drafter` to ctx's device and allocates everything for
+  /// `limits`. Throws dflash::Error when the drafter does not fit the target
+  /// (drafter_check_target), for what the kernels cannot run (TargetCuda's errors; a drafter
+  /// head_dim other than 64/128), bad limits, or when the device lacks the memory (naming the
+  /// bytes asked and free).
+  SpeculativeDecoderCuda(cuda::CudaContext& ctx, const TargetModel& target,
+                         const LoadedDrafter& drafter, const DecoderCudaLimits& limits);
+  /// The same with random weights made on the device from `seed` (no checkpoint; for the decode
+  /// bench): the target of `target_cfg`'s shapes (TargetCuda's random constructor; final norm
+  /// 1) and a drafter of `drafter_cfg`'s (matrices uniform with standard deviation 0.02, norms
+  /// 1, as TargetCuda's random weights).
+  SpeculativeDecoderCuda(cuda::CudaContext& ctx, const ModelConfig& target_cfg,
+                         const DrafterConfig& drafter_cfg, uint64_t seed,
+                         const DecoderCudaLimits& limits);
+  ~SpeculativeDecoderCuda() override;
+
+  /// Decoder::generate on the GPU. Throws dflash::Error, besides the contract's errors, for
+  /// sampling (temperature > 0: not implemented on CUDA), batch_size above the limits' max_batch,
+  /// and a request whose prompt or context exceeds the limits (naming its index and sizes).
+  std::vector<DecodeResult> generate(std::span<const std::vector<int32_t>> prompts,
+                                     const DecodeOptions& opts, int batch_size,
+                                     const BatchTokenCallback& on_tokens = {}) override;
+  /// Decoder::target_generate on the GPU (errors as generate).
+  std::vector<DecodeResult> target_generate(std::span<const std::vector<int32_t>> prompts,
+                                            const DecodeOptions& opts, int batch_size,
+                                            const BatchTokenCallback& on_tokens = {}) override;
+  const char* backend() const override { return "cuda"; }
+
+  /// Capture steps as CUDA graphs (default) or launch them one by one (the same results).
+  void use_graphs(bool on) { use_graphs_ = on; }
+  /// Runs the target's projection GEMMs and LM head of a step on its row count rounded up to a
+  /// multiple of `multiple` (1 to 16; default 1: none) — the padded rows change no real row
+  /// (TargetCuda::forward_cached) — so that cuBLASLt runs the kernel it picks for that row count
+  /// (bench/cuda/decode_cuda_bench measures both). Throws dflash::Error outside [1, 16]. Takes
+  /// effect for the following steps (the padding is part of a graph's key).
+  void pad_gemm_rows(int multiple);
+  /// Step graphs captured so far.
+  size_t graphs_captured() const { return graphs_.size(); }
+  /// Bytes of the decoder's own device plan (caches, drafter, step buffers; the target's weights
+  /// and activations are TargetCuda's arena).
+  uint64_t state_bytes() const { return arena_->bytes(); }
+
+  /// For `dflash bench`: the parts of a step, run on requests [0, B) whose caches hold what
+  /// bench_prefill put there; nothing is accepted, so repeated runs see the same lengths.
+  enum class BenchPart {
+    target_step,  ///< verify of K rows (K = 1: the one-token step): target + LM head + argmax
+    draft,        ///< the drafter's block forward + proposals
+    spec_step,    ///< a whole speculative step, acceptance excluded
+  };
+  /// Prefills requests [0, B) with `prompt` each (lengths as a real prefill).
+  void bench_prefill(int B, std::span<const int32_t> prompt);
+  /// Enqueues `part` for (B, K) on the context's stream (graph when use_graphs) without waiting.
+  void bench_enqueue(BenchPart part, int B, int K);
+  cuda::CudaContext& context() { return ctx_; }
+
+  /// For tests: prefills `prompt` into batch slot 0 (speculative, block size K) and returns the
+  /// drafter's block logits [K, V] f32 of its first step (block [first token, MASK × (K−1)] at
+  /// positions P..P+K−1 over the prompt's context rows), and the first token in `first`. Throws
+  /// dflash::Error for a prompt outside the limits or K outside [2, trained block size].
+  std::vector<float> draft_logits(std::span<const int32_t> prompt, int K, int32_t& first);
+
+ private:
+  struct DrafterLayer {
+    float *in_norm = nullptr, *post_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
+    uint16_t *wq = nullptr, *wk = nullptr, *wv = nullptr, *wo = nullptr;
+    uint16_t *wgu = nullptr, *wdown = nullptr;  // [2I, H] = [gate; up], [H, I]
+  };
+  /// One request's host-side progress.
+  struct Slot {
+    int64_t request = -1;
+    double t_start = 0, t_first = 0;  // seconds on the steady clock
+  };
+
+  /// The constructors' checks (drafter vs target, limits, head_dim); sets max_rows_.
+  void check_setup();
+  /// The plan and the pinned mirrors (the target is already up).
+  void init();
+  void random_drafter(uint64_t seed);
+  void plan_and_take();
+  void upload_drafter(const LoadedDrafter& drafter);
+  /// Checks the options and the requests against the limits; returns K.
+  int check_call(std::span<const std::vector<int32_t>> prompts, const DecodeOptions& opts,
+                 int batch_size, bool speculative) const;
+  std::vector<DecodeResult> run(std::span<const std::vector<int32_t>> prompts,
+                                const DecodeOptions& opts, int batch_size,
+                                const BatchTokenCallback& on_tokens, bool speculative);
+  /// Prefill of `prompt` into batch slot b (block size K); returns the first token.
+  int32_t prefill(int b, std::span<const int32_t> prompt, int K, bool speculative);
+  /// Enqueues one whole step of (B, K) (graph or eager).
+  void enqueue_step(int B, int K, bool speculative);
+  void enqueue_step_eager(int B, int K, bool speculative);
+  /// Final norm, LM head (on `gemm_rows` ≥ rows rows) and argmax of `rows` target rows starting
+  /// at residual row `first_row`.
+  void target_logits_argmax(int32_t* out, int64_t first_row, int64_t rows, int64_t gemm_rows);
+  /// `rows` rounded up to the padding multiple.
+  int64_t gemm_rows(int64_t rows) const;
+  /// The spread layout of a step of (B, K) for the target's attention (enqueues its rows and
+  /// ranges into `sp`), or null when every query tile already holds one request's rows.
+  const AttnRowSpread* step_spread(int B, int K, AttnRowSpread& sp);
+  void draft_block(int B, int K);
+  void drafter_extend(int64_t R);
+
+  cuda::CudaContext& ctx_;
+  ModelConfig tcfg_;
+  DrafterConfig dcfg_;
+  DecoderCudaLimits limits_;
+  int64_t max_rows_ = 0;   // max(max_prefill, max_batch·trained K)
+  int64_t stride_ = 0;     // cache rows per request: max_context rounded up to a key tile
+  int64_t step_rows_ = 0;  // max_batch·trained K rounded up to 16 (the padded GEMM rows)
+  int row_pad_ = 1;
+  std::unique_ptr<TargetCuda> target_;
+  std::unique_ptr<cuda::DeviceArena> arena_;
+  std::vector<int> taps_ids_;
+  TargetCacheCuda tcache_;
+  std::vector<uint16_t*> dk_cache_, dv_cache_;
+  float* final_norm_ = nullptr;
+  uint16_t* fc_ = nullptr;
+  float *hidden_norm_ = nullptr, *dnorm_ = nullptr, *dinv_freq_ = nullptr;
+  float dscaling_ = 1.0f;
+  std::vector<DrafterLayer> dlayers_;
+  // Step buffers (device).
+  int32_t *tokens_ = nullptr, *block_ = nullptr, *pos_ = nullptr, *slots_ = nullptr;
+  AttnRange *causal_ = nullptr, *brange_ = nullptr;
+  int32_t *lens_ = nullptr, *active_ = nullptr, *targ_ = nullptr, *out_ = nullptr;
+  int32_t *first_ = nullptr, *zero_ = nullptr;
+  uint16_t *taps_ = nullptr, *fnorm_ = nullptr;
+  int32_t* spread_rows_ = nullptr;
+  AttnRange* spread_ranges_ = nullptr;
+  uint16_t *q_pad_ = nullptr, *o_pad_ = nullptr;
+  float* logits_ = nullptr;
+  float *dh_ = nullptr, *dctx_pre_ = nullptr;
+  uint16_t *dhn_ = nullptr, *dq_ = nullptr, *dk_ = nullptr, *dv_ = nullptr, *do_ = nullptr;
+  uint16_t *dgu_ = nullptr, *dact_ = nullptr;
+  // Pinned host mirrors.
+  cuda::PinnedBuffer out_h_, first_h_, active_h_, tokens_h_;
+  bool use_graphs_ = true;
+  // Keyed by (B, K, what: 0 target-only, 1 speculative, 2+ a BenchPart, GEMM row padding).
+  cuda::GraphCache<std::tuple<int, int, int, int>> graphs_;
+};
+
+}  // namespace dflash
+
+#endif  // DFLASH_HAVE_CUDA

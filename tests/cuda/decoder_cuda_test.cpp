@@ -1,0 +1,470 @@
+// Tests of speculative decoding on the GPU (infer/decoder_cuda.hpp, ops/decode.hpp) on the tiny
+// fixture: the decoding ops against hand-made cases (greedy acceptance at every length, argmax
+// ties), the target's cached forward (a prefill, and a prefill then an appended block) against
+// the CPU target's logits, greedy speculative output == CUDA target-only output (bit for bit) ==
+// CPU target-only output (up to a bf16 near-tie, checked), batch N == batch 1 per request,
+// graphs == eager launches, the CLI, and the errors.
+// Skipped without a GPU.
+#include "infer/decoder_cuda.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <optional>
+
+#include "backend/cuda/context.hpp"
+#include "backend/cuda/gemm.hpp"
+#include "core/error.hpp"
+#include "cuda_test_util.hpp"
+#include "data/tokenizer.hpp"
+#include "model/drafter_io.hpp"
+#include "model/target_cuda.hpp"
+#include "ops/decode.hpp"
+#include "ops/rmsnorm.hpp"
+#include "tolerances.hpp"
+#include "util/test_util.hpp"
+
+namespace dflash {
+namespace {
+
+using test::DeviceGuarded;
+
+const TargetModel& tiny() {
+  static const TargetModel m = TargetModel::load(test::assets_dir() / "tiny-qwen3");
+  return m;
+}
+
+// An untrained drafter (seeded init) of `layers` layers and block size `block`, its matrices
+// scaled by 4 (standard deviation 0.08): the attention over the context then moves the logits
+// enough for the drafter comparison to see a wrong position or context row.
+LoadedDrafter random_drafter(int layers, int block, uint64_t seed) {
+  DrafterSizes sizes;
+  sizes.block_size = block;
+  sizes.intermediate_size = 256;
+  const DrafterConfig c = drafter_config_for_target(tiny().config(), layers, sizes, 8000);
+  LoadedDrafter d{c, DrafterLayout(c), {}};
+  d.params.resize(static_cast<size_t>(d.layout.total));
+  drafter_init(d.params, d.layout, seed);
+  for (const ParamInfo& p : d.layout.params)
+    if (!p.is_norm)
+      for (int64_t i = 0; i < p.numel; ++i) d.params[static_cast<size_t>(p.offset + i)] *= 4.0f;
+  return d;
+}
+
+// Prompts of different lengths from corpus-like text.
+std::vector<std::vector<int32_t>> prompts() {
+  const Tokenizer tok = Tokenizer::load(test::assets_dir() / "tiny-qwen3");
+  const char* texts[] = {
+      "What is 17 plus 25? Let us add the tens first.",
+      "Call me Ishmael. Some years ago",
+      "Define the word harbor.",
+      "Mr. Speaker, Mr. Vice President, members of Congress, the state of our union",
+      "A farmer has 12 cows and buys 7 more. Then he sells 5. How many cows",
+  };
+  std::vector<std::vector<int32_t>> out;
+  for (const char* t : texts) out.push_back(tok.encode(t));
+  return out;
+}
+
+DecodeOptions greedy_opts(int64_t max_new) {
+  DecodeOptions o;
+  o.max_new_tokens = max_new;
+  return o;
+}
+
+// The CUDA target (bf16 weights and activations) may leave the CPU target's (fp32 activations)
+// greedy path where two logits nearly tie. Where `gpu` first differs from `cpu`, the CPU's logits
+// of the two tokens must be within the bf16 tolerance of whole target forwards
+// (tol::kTargetTaps × the row's largest |logit|): a tie flipped by rounding, not a wrong token.
+void expect_equal_or_near_tie(const std::vector<int32_t>& prompt, const std::vector<int32_t>& gpu,
+                              const std::vector<int32_t>& cpu, size_t request) {
+  size_t j = 0;
+  while (j < gpu.size() && j < cpu.size() && gpu[j] == cpu[j]) ++j;
+  if (j == gpu.size() && j == cpu.size()) return;
+  ASSERT_TRUE(j < gpu.size() && j < cpu.size())
+      << "request " << request << ": one output is a prefix of the other";
+  std::vector<int32_t> seq = prompt;
+  seq.insert(seq.end(), cpu.begin(), cpu.begin() + static_cast<std::ptrdiff_t>(j));
+  const auto n = static_cast<int64_t>(seq.size()), V = tiny().vocab_size();
+  const std::vector<int32_t> off = {0, static_cast<int32_t>(n)};
+  const std::vector<float> all = tiny().forward_logits(seq, off).to_f32_vector();
+  const float* row = all.data() + (n - 1) * V;
+  float top = 0;
+  for (int64_t v = 0; v < V; ++v) top = std::max(top, std::fabs(row[v]));
+  const double gap = row[cpu[j]] - row[gpu[j]];
+  std::printf(
+      "request %zu: the CUDA target leaves the CPU's tokens at output token %zu (CPU %d, "
+      "CUDA %d; CPU logit gap %.4f, row max |logit| %.2f)\n",
+      request, j, cpu[j], gpu[j], gap, top);
+  EXPECT_LE(gap, test::tol::kTargetTaps * top) << "request " << request << " token " << j;
+}
+
+TEST(DecodeOpsCuda, GreedyAcceptTakesTheLongestAgreeingPrefixAndTheBonus) {
+  DFLASH_REQUIRE_GPU();
+  cuda::CudaContext ctx(0);
+  const int B = 7, K = 5;
+  const int32_t mask = 999;
+  // Request b agrees on its first b proposals (b = 5, 6 agree on all K − 1); request 6 inactive.
+  std::vector<int32_t> block(B * K), target(B * K), lens(B), active(B, 1);
+  for (int b = 0; b < B; ++b) {
+    lens[b] = 10 * b + 3;
+    for (int k = 0; k < K; ++k) {
+      block[b * K + k] = 100 * b + k;          // anchor, d_1 … d_4
+      target[b * K + k] = 100 * b + k + 1;     // the target's token after row k
+      if (k + 1 > b) target[b * K + k] += 50;  // first mismatch at proposal b + 1
+    }
+  }
+  active[6] = 0;
+  DeviceGuarded<int32_t> d_block(block), d_target(target), d_lens(lens), d_active(active);
+  DeviceGuarded<int32_t> d_out(static_cast<size_t>(B * (K + 1)));
+  greedy_accept_cuda(ctx, d_out.get(), d_lens.get(), d_block.get(), d_target.get(), d_active.get(),
+                     B, K, mask);
+  const std::vector<int32_t> out = d_out.download(), nl = d_lens.download(),
+                             nb = d_block.download();
+  for (int b = 0; b < 6; ++b) {
+    const int n = std::min(b, K - 1);
+    const int32_t* o = &out[static_cast<size_t>(b * (K + 1))];
+    ASSERT_EQ(o[0], n + 1) << "request " << b;
+    for (int i = 0; i < n; ++i) EXPECT_EQ(o[1 + i], 100 * b + i + 1) << "request " << b;
+    const int32_t bonus = target[b * K + n];
+    EXPECT_EQ(o[1 + n], bonus) << "request " << b;
+    EXPECT_EQ(nl[b], lens[b] + n + 1);
+    EXPECT_EQ(nb[b * K], bonus);
+    for (int k = 1; k < K; ++k) EXPECT_EQ(nb[b * K + k], mask);
+  }
+  EXPECT_EQ(out[6 * (K + 1)], 0);
+  EXPECT_EQ(nl[6], lens[6]);
+  for (int k = 0; k < K; ++k) EXPECT_EQ(nb[6 * K + k], block[6 * K + k]);
+  EXPECT_TRUE(d_out.guard_intact() && d_lens.guard_intact() && d_block.guard_intact());
+
+  // K = 1: target-only decoding takes the target's token.
+  DeviceGuarded<int32_t> one_block(std::vector<int32_t>{4}), one_target(std::vector<int32_t>{9});
+  DeviceGuarded<int32_t> one_lens(std::vector<int32_t>{2}), one_active(std::vector<int32_t>{1});
+  DeviceGuarded<int32_t> one_out(2);
+  greedy_accept_cuda(ctx, one_out.get(), one_lens.get(), one_block.get(), one_target.get(),
+                     one_active.get(), 1, 1, mask);
+  EXPECT_EQ(one_out.download(), (std::vector<int32_t>{1, 9}));
+  EXPECT_EQ(one_lens.download(), (std::vector<int32_t>{3}));
+  EXPECT_EQ(one_block.download(), (std::vector<int32_t>{9}));
+}
+
+TEST(DecodeOpsCuda, ArgmaxTakesTheSmallestIndexOfTheMaximum) {
+  DFLASH_REQUIRE_GPU();
+  cuda::CudaContext ctx(0);
+  const int64_t R = 4, V = 1001;
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> logits(static_cast<size_t>(R * V));
+  for (int64_t i = 0; i < R * V; ++i) logits[i] = std::sin(0.37f * static_cast<float>(i));
+  logits[0 * V + 700] = 5.0f;  // row 0: a tie between 300 and 700 → 300
+  logits[0 * V + 300] = 5.0f;
+  logits[1 * V + 1000] = 9.0f;  // row 1: the last column
+  logits[1 * V + 2] = std::nanf("");
+  for (int64_t i = 0; i < V; ++i) logits[2 * V + i] = -inf;  // row 2: nothing finite → 0
+  logits[3 * V + 0] = 3.0f;                                  // row 3: the first column
+  DeviceGuarded<float> d_logits(logits);
+  DeviceGuarded<int32_t> d_out(static_cast<size_t>(R));
+  argmax_rows_cuda(ctx, d_out.get(), d_logits.get(), R, V);
+  EXPECT_EQ(d_out.download(), (std::vector<int32_t>{300, 1000, 0, 0}));
+  EXPECT_TRUE(d_out.guard_intact());
+}
+
+// The spread layout: every request's K rows start a group of Kp; padding rows see no key; a
+// gather of the scattered rows gives them back.
+TEST(DecodeOpsCuda, SpreadRowsGiveEveryRequestTilesOfItsOwn) {
+  DFLASH_REQUIRE_GPU();
+  cuda::CudaContext ctx(0);
+  const int64_t B = 3, K = 5, Kp = 16, W = 7;
+  std::vector<AttnRange> causal(B * K);
+  for (int64_t r = 0; r < B * K; ++r)
+    causal[r] = AttnRange{static_cast<int32_t>(r), static_cast<int32_t>(2 * r + 1), 0, 0};
+  DeviceGuarded<AttnRange> d_causal(causal), d_ranges(static_cast<size_t>(B * Kp));
+  DeviceGuarded<int32_t> d_rows(static_cast<size_t>(B * K));
+  decode_spread_rows_cuda(ctx, d_rows.get(), d_ranges.get(), d_causal.get(), B, K, Kp);
+  const std::vector<int32_t> rows = d_rows.download();
+  const std::vector<AttnRange> ranges = d_ranges.download();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t j = 0; j < Kp; ++j) {
+      const AttnRange& g = ranges[static_cast<size_t>(b * Kp + j)];
+      if (j < K) {
+        EXPECT_EQ(rows[b * K + j], b * Kp + j);
+        EXPECT_EQ(g.lo1, causal[b * K + j].lo1);
+        EXPECT_EQ(g.hi1, causal[b * K + j].hi1);
+      } else {
+        EXPECT_TRUE(g.lo1 == 0 && g.hi1 == 0 && g.lo2 == 0 && g.hi2 == 0) << b << " " << j;
+      }
+    }
+  }
+  EXPECT_TRUE(d_rows.guard_intact() && d_ranges.guard_intact());
+  // Scatter B·K rows of W values to the spread rows, gather them back.
+  std::vector<uint16_t> vals(static_cast<size_t>(B * K * W));
+  for (size_t i = 0; i < vals.size(); ++i) vals[i] = static_cast<uint16_t>(i * 3 + 1);
+  DeviceGuarded<uint16_t> src(vals), spread(static_cast<size_t>(B * Kp * W)),
+      back(static_cast<size_t>(B * K * W));
+  kv_scatter_cuda(ctx, spread.get(), src.get(), d_rows.get(), B * K, W);
+  rows_gather_cuda(ctx, back.get(), spread.get(), d_rows.get(), B * K, W);
+  EXPECT_EQ(back.download(), vals);
+  const std::vector<uint16_t> sp = spread.download();
+  EXPECT_EQ(sp[static_cast<size_t>((1 * Kp + 2) * W + 3)],
+            vals[static_cast<size_t>((1 * K + 2) * W + 3)]);
+  EXPECT_TRUE(spread.guard_intact() && back.guard_intact());
+}
+
+// The target's cached forward: all rows' logits of a prefill of P tokens, and of a prefill of P1
+// followed by a block of P − P1 appended over the cache, against the CPU target's logits of the
+// whole sequence (the bf16 tolerance of whole target forwards).
+TEST(DecoderCuda, CachedTargetForwardMatchesTheCpuLogits) {
+  DFLASH_REQUIRE_GPU();
+  cuda::CudaContext ctx(0);
+  const TargetModel& m = tiny();
+  const ModelConfig& c = m.config();
+  const std::vector<int32_t> toks = prompts()[3];
+  const auto P = static_cast<int64_t>(toks.size());
+  const int64_t P1 = P - 7, H = c.hidden_size, V = c.vocab_size;
+  const int64_t KD = c.num_key_value_heads * c.head_dim, C = P + 9, first = 1;  // request 1 of 2
+  ASSERT_GT(P1, 1);
+  const std::vector<int32_t> off = {0, static_cast<int32_t>(P)};
+  const std::vector<float> ref = m.forward_logits(toks, off).to_f32_vector();
+
+  TargetCuda tc(ctx, m, P);
+  std::vector<std::unique_ptr<DeviceGuarded<uint16_t>>> kv;
+  TargetCacheCuda cache;
+  cache.rows = 2 * C;
+  for (int64_t l = 0; l < 2 * c.num_hidden_layers; ++l) {
+    kv.push_back(std::make_unique<DeviceGuarded<uint16_t>>(static_cast<size_t>(2 * C * KD)));
+    (l % 2 ? cache.v : cache.k).push_back(kv.back()->get());
+  }
+  DeviceGuarded<int32_t> d_toks(toks), pos(static_cast<size_t>(P)), slots(static_cast<size_t>(P));
+  DeviceGuarded<AttnRange> ranges(static_cast<size_t>(P));
+  DeviceGuarded<int32_t> lens(std::vector<int32_t>{0, 0});
+  DeviceGuarded<float> fnorm_w(m.final_norm_weight());
+  DeviceGuarded<uint16_t> normed(static_cast<size_t>(P * H));
+  DeviceGuarded<float> logits(static_cast<size_t>(P * V));
+  // Logits of residual rows [0, T) into rows [row0, row0 + T) of `logits`.
+  auto head = [&](int64_t row0, int64_t T) {
+    rmsnorm_fwd_cuda(ctx, normed.get(), static_cast<float*>(nullptr), tc.residual(), fnorm_w.get(),
+                     T, H, c.rms_norm_eps);
+    cuda::gemm_bf16(ctx, logits.get() + row0 * V, DType::f32, V, normed.get(), H, false,
+                    tc.lm_head(), H, true, T, V, H);
+  };
+  // One forward of T tokens starting at token t0, with request 1 holding t0 tokens.
+  auto forward = [&](int64_t t0, int64_t T) {
+    lens.upload({0, static_cast<int32_t>(t0)});
+    decode_rows_cuda(ctx, pos.get(), slots.get(), ranges.get(), nullptr, lens.get() + first, 1, T,
+                     first, C);
+    tc.forward_cached(nullptr, d_toks.get() + t0, pos.get(), slots.get(), ranges.get(), T, T, {},
+                      cache);
+    head(t0, T);
+  };
+  forward(0, P);
+  const std::vector<float> whole = logits.download();
+  EXPECT_LT(test::rel_error(whole, ref), test::tol::kTargetTaps);
+  forward(0, P1);
+  forward(P1, P - P1);
+  const std::vector<float> split = logits.download();
+  EXPECT_LT(test::rel_error(split, ref), test::tol::kTargetTaps);
+  // The last rows (those of the appended block) alone.
+  const std::vector<float> tail_ref(ref.begin() + P1 * V, ref.end());
+  const std::vector<float> tail(split.begin() + P1 * V, split.end());
+  EXPECT_LT(test::rel_error(tail, tail_ref), test::tol::kTargetTaps);
+  for (const auto& b : kv) EXPECT_TRUE(b->guard_intact());
+}
+
+class DecoderCudaTiny : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+    ctx_ = std::make_unique<cuda::CudaContext>(0);
+    drafter_ = random_drafter(2, 8, 7);
+    ps_ = prompts();
+    limits_ = decoder_cuda_limits(ps_, kMaxNew, drafter_->config.block_size, 4);
+    dec_ = std::make_unique<SpeculativeDecoderCuda>(*ctx_, tiny(), *drafter_, limits_);
+  }
+  static constexpr int64_t kMaxNew = 40;
+  std::unique_ptr<cuda::CudaContext> ctx_;
+  std::optional<LoadedDrafter> drafter_;
+  std::vector<std::vector<int32_t>> ps_;
+  DecoderCudaLimits limits_;
+  std::unique_ptr<SpeculativeDecoderCuda> dec_;
+};
+
+// The drafter on the GPU (context rows from the target's bf16 taps, block forward over its cache)
+// against the CPU drafter over the CPU target's taps: the block logits of the first step.
+TEST_F(DecoderCudaTiny, DrafterBlockLogitsMatchTheCpuDrafter) {
+  const SpeculativeDecoder cpu(tiny(), *drafter_);
+  for (int K : {8, 3}) {
+    for (size_t i : {size_t{0}, size_t{3}}) {
+      DecodeOptions o = greedy_opts(kMaxNew);
+      o.block_size = K;
+      SpecState st = cpu.start(ps_[i], o);
+      const DrafterConfig c = cpu.config_for_block(K);
+      const std::vector<float> embed = tiny().embedding_f32();
+      const DrafterTables<float> tables{embed.data(), embed.data()};  // tiny-qwen3 ties them
+      const std::span<const float> ref =
+          drafter_draft_block(st.drafter_cache, c, drafter_->layout, drafter_->params.data(),
+                              tables, st.anchor, st.drafter_ws);
+      int32_t first = -1;
+      const std::vector<float> got = dec_->draft_logits(ps_[i], K, first);
+      EXPECT_EQ(first, st.anchor) << "prompt " << i;
+      EXPECT_LT(test::rel_error(got, std::vector<float>(ref.begin(), ref.end())),
+                test::tol::kTargetTaps)
+          << "prompt " << i << ", block " << K;
+    }
+  }
+}
+
+TEST_F(DecoderCudaTiny, GreedySpeculativeEqualsTargetOnlyOnGpuAndCpu) {
+  const DecodeOptions o = greedy_opts(kMaxNew);
+  const std::vector<DecodeResult> spec = dec_->generate(ps_, o, 1);
+  const std::vector<DecodeResult> tgt = dec_->target_generate(ps_, o, 1);
+  ASSERT_EQ(spec.size(), ps_.size());
+  for (size_t i = 0; i < ps_.size(); ++i) {
+    const DecodeResult cpu = target_generate(tiny(), ps_[i], o);
+    EXPECT_EQ(spec[i].tokens, tgt[i].tokens) << "request " << i;
+    expect_equal_or_near_tie(ps_[i], tgt[i].tokens, cpu.tokens, i);
+    EXPECT_EQ(static_cast<int64_t>(tgt[i].tokens.size()), kMaxNew);
+    EXPECT_TRUE(tgt[i].accept_lengths.empty());
+    int sum = 0;
+    for (int a : spec[i].accept_lengths) {
+      EXPECT_GE(a, 1);
+      EXPECT_LE(a, 8);
+      sum += a;
+    }
+    // The first token comes from the prefill; a last step may overshoot max_new_tokens.
+    EXPECT_GE(sum + 1, static_cast<int>(spec[i].tokens.size())) << "request " << i;
+    EXPECT_GT(spec[i].prefill_seconds, 0.0);
+  }
+  // Block size 3 changes the steps, not the output.
+  DecodeOptions o3 = o;
+  o3.block_size = 3;
+  const std::vector<DecodeResult> spec3 = dec_->generate(ps_, o3, 1);
+  for (size_t i = 0; i < ps_.size(); ++i) EXPECT_EQ(spec3[i].tokens, tgt[i].tokens);
+}
+
+TEST_F(DecoderCudaTiny, StopTokensEndTheOutputAsOnTheCpu) {
+  DecodeOptions o = greedy_opts(kMaxNew);
+  const DecodeResult cpu_free = target_generate(tiny(), ps_[0], o);
+  ASSERT_GE(cpu_free.tokens.size(), 6u);
+  o.stop_ids = {cpu_free.tokens[5]};  // a token of the output: it ends there (or earlier)
+  const DecodeResult cpu = target_generate(tiny(), ps_[0], o);
+  const std::vector<std::vector<int32_t>> one = {ps_[0]};
+  const std::vector<DecodeResult> spec = dec_->generate(one, o, 1);
+  const std::vector<DecodeResult> tgt = dec_->target_generate(one, o, 1);
+  EXPECT_EQ(spec[0].tokens, cpu.tokens);
+  EXPECT_EQ(tgt[0].tokens, cpu.tokens);
+  EXPECT_TRUE(spec[0].stopped && tgt[0].stopped);
+}
+
+TEST_F(DecoderCudaTiny, BatchOutputEqualsBatchOneOutputPerRequest) {
+  const DecodeOptions o = greedy_opts(kMaxNew);
+  const std::vector<DecodeResult> one = dec_->generate(ps_, o, 1);
+  const std::vector<DecodeResult> t_one = dec_->target_generate(ps_, o, 1);
+  for (int batch : {3, 4}) {  // 5 requests: slots are reused after the first ones end
+    std::vector<std::vector<int32_t>> streamed(ps_.size());
+    const std::vector<DecodeResult> many =
+        dec_->generate(ps_, o, batch, [&](size_t i, std::span<const int32_t> t) {
+          streamed[i].insert(streamed[i].end(), t.begin(), t.end());
+        });
+    const std::vector<DecodeResult> t_many = dec_->target_generate(ps_, o, batch);
+    for (size_t i = 0; i < ps_.size(); ++i) {
+      EXPECT_EQ(many[i].tokens, one[i].tokens) << "batch " << batch << " request " << i;
+      EXPECT_EQ(many[i].accept_lengths, one[i].accept_lengths) << "batch " << batch;
+      EXPECT_EQ(streamed[i], many[i].tokens) << "batch " << batch << " request " << i;
+      EXPECT_EQ(t_many[i].tokens, t_one[i].tokens) << "batch " << batch << " request " << i;
+    }
+  }
+}
+
+TEST_F(DecoderCudaTiny, GraphReplaysEqualEagerLaunches) {
+  const DecodeOptions o = greedy_opts(kMaxNew);
+  const std::vector<DecodeResult> g = dec_->generate(ps_, o, 2);
+  EXPECT_GE(dec_->graphs_captured(), 1u);
+  const size_t captured = dec_->graphs_captured();
+  (void)dec_->generate(ps_, o, 2);
+  EXPECT_EQ(dec_->graphs_captured(), captured) << "a second call captured again";
+  dec_->use_graphs(false);
+  const std::vector<DecodeResult> e = dec_->generate(ps_, o, 2);
+  for (size_t i = 0; i < ps_.size(); ++i) {
+    EXPECT_EQ(g[i].tokens, e[i].tokens) << "request " << i;
+    EXPECT_EQ(g[i].accept_lengths, e[i].accept_lengths) << "request " << i;
+  }
+}
+
+// Padding the GEMMs' rows to 16 leaks nothing into the real rows: padded speculative output
+// equals padded target-only output, and that one the CPU target's up to a bf16 near-tie (a row
+// count may pick another cuBLASLt kernel, so bits may move, never by more than rounding).
+TEST_F(DecoderCudaTiny, PaddedGemmRowsChangeNoToken) {
+  const DecodeOptions o = greedy_opts(kMaxNew);
+  dec_->pad_gemm_rows(16);
+  const std::vector<DecodeResult> spec = dec_->generate(ps_, o, 2);
+  const std::vector<DecodeResult> tgt = dec_->target_generate(ps_, o, 2);
+  for (size_t i = 0; i < ps_.size(); ++i) {
+    EXPECT_EQ(spec[i].tokens, tgt[i].tokens) << "request " << i;
+    expect_equal_or_near_tie(ps_[i], tgt[i].tokens, target_generate(tiny(), ps_[i], o).tokens, i);
+  }
+  try {
+    dec_->pad_gemm_rows(17);
+    ADD_FAILURE() << "no error for a padding of 17";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("outside [1, 16]"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(DecoderCudaTiny, RefusesWhatItCannotDoNamingIt) {
+  auto expect_error = [](auto&& f, const std::string& part) {
+    try {
+      f();
+      ADD_FAILURE() << "no error thrown (expected '" << part << "')";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  DecodeOptions o = greedy_opts(kMaxNew);
+  o.sampling.temperature = 0.7;
+  expect_error([&] { dec_->generate(ps_, o, 1); }, "not implemented on --backend cuda");
+  expect_error([&] { dec_->target_generate(ps_, o, 1); }, "not implemented on --backend cuda");
+  const DecodeOptions g = greedy_opts(kMaxNew);
+  expect_error([&] { dec_->generate(ps_, g, 5); }, "batch size 5 exceeds the 4 requests");
+  expect_error([&] { dec_->generate(ps_, g, 0); }, "batch size must be >= 1");
+  std::vector<std::vector<int32_t>> long_one = ps_;
+  long_one[1].resize(static_cast<size_t>(limits_.max_prefill) + 1, 5);
+  expect_error([&] { dec_->generate(long_one, g, 1); }, "request 1: prompt of");
+  expect_error([&] { dec_->generate(ps_, greedy_opts(kMaxNew + 50), 1); }, "request 0: prompt");
+  std::vector<std::vector<int32_t>> bad = ps_;
+  bad[2][0] = 9000;
+  expect_error([&] { dec_->generate(bad, g, 1); }, "request 2: token 9000");
+  DecodeOptions b9 = g;
+  b9.block_size = 9;
+  expect_error([&] { dec_->generate(ps_, b9, 1); }, "block size 9 is outside [2, 8]");
+}
+
+// `dflash generate --backend cuda` prints the text and the step count of the CPU backend (greedy:
+// the same tokens; the drafter's τ may differ in bf16, so only "tokens:" is compared); sampling is
+// refused on cuda.
+TEST(DecoderCudaCli, GenerateOnCudaPrintsTheCpuText) {
+  DFLASH_REQUIRE_GPU();
+  const test::TempDir dir;
+  const LoadedDrafter d = random_drafter(2, 8, 11);
+  drafter_save(dir / "drafter", d.config, d.layout, d.params, DType::f32);
+  const std::string target = (test::assets_dir() / "tiny-qwen3").string();
+  auto gen = [&](const std::string& backend, const std::string& temperature) {
+    return test::run_dflash({"generate", "--target", target, "--drafter",
+                             (dir / "drafter").string(), "--prompt", "Call me Ishmael.",
+                             "--max-new-tokens", "24", "--backend", backend, "--temperature",
+                             temperature});
+  };
+  const test::RunResult cpu = gen("cpu", "0"), gpu = gen("cuda", "0");
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
+  ASSERT_EQ(gpu.exit_code, 0) << gpu.err;
+  auto text = [](const std::string& out) { return out.substr(0, out.find("\nsteps:")); };
+  EXPECT_EQ(text(gpu.out), text(cpu.out));
+  EXPECT_NE(gpu.out.find("tokens: "), std::string::npos) << gpu.out;
+  const test::RunResult sampled = gen("cuda", "0.8");
+  EXPECT_NE(sampled.exit_code, 0);
+  EXPECT_NE(sampled.err.find("not implemented on --backend cuda"), std::string::npos)
+      << sampled.err;
+}
+
+}  // namespace
+}  // namespace dflash

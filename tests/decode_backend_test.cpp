@@ -1,0 +1,89 @@
+// Tests of the decoding commands' `--backend` flag where no GPU decodes (src/cli/cuda_decoder.hpp):
+// `--backend cuda` fails with a clear error naming the backend (built without CUDA, or no device
+// visible), before any weight is loaded; an unknown backend and `--show-steps` with cuda are
+// refused; `eval --backend cuda` is refused until the batched eval lands. The GPU path itself is
+// tested in tests/cuda/decoder_cuda_test.cpp.
+#include <gtest/gtest.h>
+
+#include "model/drafter_io.hpp"
+#include "model/target.hpp"
+#include "util/test_util.hpp"
+
+#ifdef DFLASH_HAVE_CUDA
+#include "backend/cuda/device.hpp"
+#endif
+
+namespace dflash {
+namespace {
+
+bool gpu_visible() {
+#ifdef DFLASH_HAVE_CUDA
+  return cuda::device_count() > 0;
+#else
+  return false;
+#endif
+}
+
+class DecodeBackendCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const ModelConfig tc = model_config_load(test::assets_dir() / "tiny-qwen3");
+    DrafterSizes sizes;
+    sizes.block_size = 4;
+    sizes.intermediate_size = 64;
+    const DrafterConfig c = drafter_config_for_target(tc, 1, sizes, 8000);
+    const DrafterLayout layout(c);
+    std::vector<float> params(static_cast<size_t>(layout.total));
+    drafter_init(params, layout, 3);
+    drafter_save(dir_ / "drafter", c, layout, params, DType::f32);
+  }
+  test::RunResult run(const std::string& cmd, std::vector<std::string> extra) {
+    std::vector<std::string> args = {cmd,
+                                     "--target",
+                                     (test::assets_dir() / "tiny-qwen3").string(),
+                                     "--drafter",
+                                     (dir_ / "drafter").string(),
+                                     "--max-new-tokens",
+                                     "4"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return test::run_dflash(args);
+  }
+  test::TempDir dir_;
+};
+
+TEST_F(DecodeBackendCli, CudaWithoutAGpuIsAClearError) {
+  if (gpu_visible()) GTEST_SKIP() << "a GPU is visible: tests/cuda/decoder_cuda_test covers it";
+  const test::RunResult r = run("generate", {"--prompt", "hi", "--backend", "cuda"});
+  EXPECT_NE(r.exit_code, 0);
+#ifdef DFLASH_HAVE_CUDA
+  EXPECT_NE(r.err.find("--backend cuda: no CUDA device is visible"), std::string::npos) << r.err;
+#else
+  EXPECT_NE(r.err.find("--backend cuda: this dflash was built without CUDA"), std::string::npos)
+      << r.err;
+#endif
+  EXPECT_EQ(r.out, "") << "nothing may be decoded";
+}
+
+TEST_F(DecodeBackendCli, BadBackendsAndCombinationsAreRefused) {
+  const test::RunResult tpu = run("generate", {"--prompt", "hi", "--backend", "tpu"});
+  EXPECT_NE(tpu.exit_code, 0);
+  EXPECT_NE(tpu.err.find("--backend"), std::string::npos) << tpu.err;
+  const test::RunResult steps =
+      run("generate", {"--prompt", "hi", "--backend", "cuda", "--show-steps"});
+  EXPECT_NE(steps.exit_code, 0);
+  EXPECT_NE(steps.err.find("--show-steps is not available with --backend cuda"), std::string::npos)
+      << steps.err;
+  const test::RunResult ev =
+      run("eval", {"--prompts", (test::assets_dir() / "data" / "eval_prompts.jsonl").string(),
+                   "--limit", "1", "--backend", "cuda"});
+  EXPECT_NE(ev.exit_code, 0);
+  EXPECT_NE(ev.err.find("dflash eval --backend cuda is not available"), std::string::npos)
+      << ev.err;
+  // The CPU backend is the default and still decodes.
+  const test::RunResult cpu = run("generate", {"--prompt", "hi", "--backend", "cpu"});
+  EXPECT_EQ(cpu.exit_code, 0) << cpu.err;
+  EXPECT_NE(cpu.out.find("tokens: "), std::string::npos) << cpu.out;
+}
+
+}  // namespace
+}  // namespace dflash
