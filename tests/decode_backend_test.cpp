@@ -1,8 +1,8 @@
 // Tests of the decoding commands' `--backend` flag where no GPU decodes (src/cli/cuda_decoder.hpp):
 // `--backend cuda` fails with a clear error naming the backend (built without CUDA, or no device
 // visible), before any weight is loaded; an unknown backend and `--show-steps` with cuda are
-// refused; `eval --backend cuda` is refused until the batched eval lands. The GPU path itself is
-// tested in tests/cuda/decoder_cuda_test.cpp.
+// refused; `eval --backend cuda` fails the same way as generate. The GPU path itself is tested in
+// tests/cuda/decoder_cuda_test.cpp.
 #include <gtest/gtest.h>
 
 #include "model/drafter_io.hpp"
@@ -53,15 +53,21 @@ class DecodeBackendCli : public ::testing::Test {
 
 TEST_F(DecodeBackendCli, CudaWithoutAGpuIsAClearError) {
   if (gpu_visible()) GTEST_SKIP() << "a GPU is visible: tests/cuda/decoder_cuda_test covers it";
-  const test::RunResult r = run("generate", {"--prompt", "hi", "--backend", "cuda"});
-  EXPECT_NE(r.exit_code, 0);
+  const std::string prompts = (test::assets_dir() / "data" / "eval_prompts.jsonl").string();
+  for (const auto& [cmd, extra] : std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {"generate", {"--prompt", "hi", "--backend", "cuda"}},
+           {"eval", {"--prompts", prompts, "--limit", "1", "--backend", "cuda"}}}) {
+    const test::RunResult r = run(cmd, extra);
+    EXPECT_NE(r.exit_code, 0) << cmd;
 #ifdef DFLASH_HAVE_CUDA
-  EXPECT_NE(r.err.find("--backend cuda: no CUDA device is visible"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("--backend cuda: no CUDA device is visible"), std::string::npos)
+        << cmd << ": " << r.err;
 #else
-  EXPECT_NE(r.err.find("--backend cuda: this dflash was built without CUDA"), std::string::npos)
-      << r.err;
+    EXPECT_NE(r.err.find("--backend cuda: this dflash was built without CUDA"), std::string::npos)
+        << cmd << ": " << r.err;
 #endif
-  EXPECT_EQ(r.out, "") << "nothing may be decoded";
+    EXPECT_EQ(r.out, "") << cmd << ": nothing may be decoded";
+  }
 }
 
 TEST_F(DecodeBackendCli, BadBackendsAndCombinationsAreRefused) {
@@ -73,12 +79,6 @@ TEST_F(DecodeBackendCli, BadBackendsAndCombinationsAreRefused) {
   EXPECT_NE(steps.exit_code, 0);
   EXPECT_NE(steps.err.find("--show-steps is not available with --backend cuda"), std::string::npos)
       << steps.err;
-  const test::RunResult ev =
-      run("eval", {"--prompts", (test::assets_dir() / "data" / "eval_prompts.jsonl").string(),
-                   "--limit", "1", "--backend", "cuda"});
-  EXPECT_NE(ev.exit_code, 0);
-  EXPECT_NE(ev.err.find("dflash eval --backend cuda is not available"), std::string::npos)
-      << ev.err;
   // The CPU backend is the default and still decodes.
   const test::RunResult cpu = run("generate", {"--prompt", "hi", "--backend", "cpu"});
   EXPECT_EQ(cpu.exit_code, 0) << cpu.err;
