@@ -92,7 +92,10 @@ std::vector<DecodeResult> expect_batch_independent(const F& fn, size_t n) {
 
 TEST(DecoderCpu, GreedyBatchesEqualBatchOneAndTheTargetAlone) {
   const auto ps = prompts(2);  // 8 prompts: 2 per source
-  const DecodeOptions o = options(0.0);
+  DecodeOptions o = options(0.0);
+  // Requests must end at different rounds (slots refilled mid-batch): the third token of the first
+  // request's answer becomes a stop token too, so that request ends early.
+  o.stop_ids.push_back(greedy_generate(tiny(), ps[0], 3, o.stop_ids, true).back());
   DecoderCpu dec(tiny(), &random_drafter());
   const auto spec = expect_batch_independent(
       [&](int b) {
