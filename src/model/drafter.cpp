@@ -344,8 +344,8 @@ DrafterTrainResult drafter_train_step(const DrafterConfig& cfg, const DrafterLay
   fit(ws.ce_grad, R * d.H);
   fit(ws.lse_out, R);
   CrossEntropyStats st = cross_entropy_fused_cpu(
-      grads ? ws.ce_grad.data() : nullptr, ws.lse_out.data(), ws.ce_argmax.data(), ws.ce_in.data(),
-      tables.lm_head, ws.labels.data(), ws.weights.data(), cp);
+      grads ? ws.ce_grad.data() : nullptr, ws.lse_out.data(), ws.ce_argmax.data(), nullptr,
+      ws.ce_in.data(), tables.lm_head, ws.labels.data(), ws.weights.data(), cp);
   for (int64_t j = 0; j < R; ++j) res.argmax[ws.ce_rows[j]] = ws.ce_argmax[j];
   res.loss_sum = st.loss_sum;
   res.weight_sum = st.weight_sum;
