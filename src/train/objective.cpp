@@ -94,6 +94,53 @@ BlockTargets block_targets(std::span<const int32_t> tokens, std::span<const uint
   return t;
 }
 
+std::optional<LossType> loss_type_parse(std::string_view name) {
+  for (LossType t : {LossType::dflash, LossType::dpace, LossType::dpace_cumulative_confidence_only,
+                     LossType::dpace_continuation_value_only}) {
+    if (name == loss_type_name(t)) return t;
+  }
+  return std::nullopt;
+}
+
+const char* loss_type_name(LossType t) {
+  switch (t) {
+    case LossType::dflash:
+      return "dflash";
+    case LossType::dpace:
+      return "dpace";
+    case LossType::dpace_cumulative_confidence_only:
+      return "dpace-cumulative-confidence-only";
+    case LossType::dpace_continuation_value_only:
+      return "dpace-continuation-value-only";
+  }
+  fail("loss type {} is not a LossType", static_cast<int>(t));
+}
+
+void dpace_block_weights(std::span<double> w, std::span<const double> ce,
+                         std::span<const uint8_t> supervised, const Objective& obj) {
+  DFLASH_CHECK(w.size() == ce.size() && w.size() == supervised.size(),
+               "dpace_block_weights: {} weights, {} CE values and {} mask entries", w.size(),
+               ce.size(), supervised.size());
+  DFLASH_CHECK(obj.dpace(), "dpace_block_weights: loss type dflash has no D-PACE weights");
+  const double alpha = obj.dpace_alpha;
+  DFLASH_CHECK(alpha >= 0 && alpha <= 1, "dpace_block_weights: alpha {} is outside [0, 1]", alpha);
+  const size_t K = w.size();
+  // Forward pass: w holds P_k; backward pass: R accumulates Σ_{j≥k} m_j·P_j.
+  double prefix = 1.0;
+  for (size_t k = 0; k < K; ++k) {
+    if (supervised[k]) prefix *= (1.0 - alpha) * std::exp(-ce[k]) + alpha;
+    w[k] = prefix;
+  }
+  if (obj.loss == LossType::dpace_cumulative_confidence_only) return;
+  double suffix = 0.0;
+  for (size_t k = K; k-- > 0;) {
+    const double P = w[k];
+    if (supervised[k]) suffix += P;
+    w[k] = obj.loss == LossType::dpace ? suffix
+                                       : suffix / std::max(P, std::numeric_limits<double>::min());
+  }
+}
+
 double ObjectiveMetrics::accuracy() const {
   int64_t c = 0, n = 0;
   for (int k = 0; k < K; ++k) {

@@ -1,5 +1,7 @@
-// dflash.cpp — the DFlash training objective around the drafter: anchors, labels, weights, metrics.
-// Formulas: DESIGN.md §1 ("Training").
+// dflash.cpp — the DFlash training objective around the drafter: anchors, labels, weights, metrics,
+// and the loss types of `training.loss_type` (DFlash's static slot weights, D-PACE's weights
+// computed from the step's own CE). Formulas: DESIGN.md §1 ("Training"), ../shared/OBJECTIVES.md
+// §1.1 (D-PACE).
 //
 // Invariants: positions are indices into one packed row of T tokens; `doc_offsets` has n_docs+1
 // entries, starts at 0, is non-decreasing and ends at the number of real tokens (padding, if any,
@@ -8,7 +10,9 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "core/rng.hpp"
@@ -61,17 +65,58 @@ BlockTargets block_targets(std::span<const int32_t> tokens, std::span<const uint
                            std::span<const int32_t> doc_offsets, std::span<const Anchor> anchors,
                            int K, double gamma);
 
+/// The loss of a training step (`training.loss_type`, OBJECTIVES.md §1.1). `dflash`: Σ w·CE / Σ w
+/// with DESIGN.md §1's static slot weights. The three D-PACE losses weigh each supervised slot by a
+/// function of the drafter's own per-slot confidences in the step (dpace_block_weights) and divide
+/// by the number of sequences instead of Σ w; γ is ignored. Inference and export are the same for
+/// all four.
+enum class LossType {
+  dflash,
+  dpace,                             ///< w_k = R_k (continuation value)
+  dpace_cumulative_confidence_only,  ///< w_k = P_k (cumulative confidence)
+  dpace_continuation_value_only,     ///< w_k = R_k / max(P_k, tiny)
+};
+
+/// The LossType named by a `training.loss_type` value (`dflash`, `dpace`,
+/// `dpace-cumulative-confidence-only`, `dpace-continuation-value-only`); nullopt for any other.
+std::optional<LossType> loss_type_parse(std::string_view name);
+/// The config spelling of `t` (the inverse of loss_type_parse).
+const char* loss_type_name(LossType t);
+
+/// What a step optimises: the loss type and D-PACE's smoothing α ∈ [0, 1] (unused by dflash).
+struct Objective {
+  LossType loss = LossType::dflash;
+  double dpace_alpha = 0.5;
+  /// True for the three D-PACE losses.
+  bool dpace() const { return loss != LossType::dflash; }
+  bool operator==(const Objective&) const = default;
+};
+
+/// D-PACE weights of one block of K slots (OBJECTIVES.md §1.1; SpecForge `_dpace_weight`):
+///   q_k = exp(−ce_k), s_k = (1−α)·q_k + α where supervised[k], else 1,
+///   P_k = Π_{j≤k} s_j,  R_k = Σ_{j≥k} [supervised_j]·P_j,
+///   w_k = R_k (dpace) | P_k (…cumulative-confidence-only) | R_k / max(P_k, tiny)
+///   (…continuation-value-only; tiny = the smallest normal double).
+/// `ce` [K] is read only where `supervised` is set; `w` [K] is written for every slot (the loss
+/// multiplies it by the mask, so an unsupervised slot's weight is never used). Computed in double
+/// in slot order. The weights are constants of the step (no gradient flows through them).
+/// Throws dflash::Error when the spans differ in size, for `dflash`, or α outside [0, 1].
+void dpace_block_weights(std::span<double> w, std::span<const double> ce,
+                         std::span<const uint8_t> supervised, const Objective& obj);
+
 /// Accumulated metrics over blocks (one batch, or a log interval).
 struct ObjectiveMetrics {
   int K = 0;
-  double loss_weighted_sum = 0;  ///< Σ w·CE
-  double weight_sum = 0;         ///< Σ w
+  double loss_weighted_sum = 0;  ///< Σ w·CE (w: the step's loss weights, D-PACE's included)
+  /// Σ of the loss's denominators: Σ w for dflash, the number of sequences (documents) for the
+  /// D-PACE losses, so that loss() is the loss the steps optimised.
+  double weight_sum = 0;
   std::vector<int64_t> slot_correct, slot_count;  ///< per slot k (k = 0 never counted)
   double accept_len_sum = 0;  ///< Σ over blocks of (1 + leading correct supervised slots)
   int64_t blocks = 0;
 
   explicit ObjectiveMetrics(int K_ = 0) : K(K_), slot_correct(K_, 0), slot_count(K_, 0) {}
-  /// Σw·CE / Σw (0 when Σw = 0).
+  /// loss_weighted_sum / weight_sum (0 when weight_sum = 0).
   double loss() const { return weight_sum > 0 ? loss_weighted_sum / weight_sum : 0.0; }
   /// Accuracy over all supervised slots.
   double accuracy() const;
