@@ -129,12 +129,11 @@ TEST(RunConfig, LossTypeAndDPaceAlphaAreValidatedNamingTheKey) {
               RunConfig::from_yaml(y, "run.yaml");
             }).find("run.yaml:12: training.dpace_alpha must be a number"),
             std::string::npos);
-  // No silent fallback: the cuda drafter step computes the dflash loss only.
-  EXPECT_NE(error_of([&] {
-              RunConfig::from_yaml(kYaml, "run.yaml",
-                                   {"training.loss_type=dpace", "runtime.backend=cuda"});
-            }).find("training.loss_type dpace runs on the cpu backend only"),
-            std::string::npos);
+  // Both backends compute the D-PACE losses.
+  EXPECT_EQ(
+      RunConfig::from_yaml(kYaml, "run.yaml", {"training.loss_type=dpace", "runtime.backend=cuda"})
+          .training.loss_type,
+      "dpace");
 }
 
 TEST(RunConfig, OverridesApplyAndUnknownPathsFail) {

@@ -64,7 +64,7 @@ struct TrainingSection {
   int block_size = 16;
   double gamma = 7.0;  ///< ≤ 0: all slot weights 1 (dflash only)
   /// dflash | dpace | dpace-cumulative-confidence-only | dpace-continuation-value-only
-  /// (OBJECTIVES.md §1.1; LossType); the D-PACE losses run on the cpu backend only.
+  /// (OBJECTIVES.md §1.1; LossType), on either backend.
   std::string loss_type = "dflash";
   double dpace_alpha = 0.5;  ///< D-PACE smoothing α of s_k = (1−α)q_k + α, in [0, 1]
   uint64_t seed = 0;
