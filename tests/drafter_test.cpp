@@ -461,3 +461,130 @@ TEST(Drafter, ReproducesTheReferenceTrainingStep) {
   std::printf("golden step: loss %.6f (reference %.6f), worst gradient rel. error %.2e\n",
               loss_sum / weight_sum, golden_loss, worst);
 }
+
+// ------------------------------------------------------------------------------------- D-PACE
+
+namespace {
+
+// Per-slot CE [N·K] of the supervised slots of `b` from the drafter's logits (computed here from
+// drafter_block_logits, not by the training step); 0 on unsupervised slots.
+std::vector<double> slot_ce(const Problem<double>& p, const DrafterBatch& b) {
+  DrafterWorkspace<double> ws;
+  const auto logits = drafter_block_logits<double>(p.cfg, *p.layout, p.params.data(), p.tables(), b,
+                                                   p.features.data(), ws);
+  const int64_t V = p.cfg.vocab_size, NK = b.N() * b.block_size;
+  std::vector<double> ce(static_cast<size_t>(NK), 0.0);
+  for (int64_t i = 0; i < NK; ++i) {
+    if (!b.targets.counted[i]) continue;
+    const double* z = logits.data() + i * V;
+    const double m = *std::max_element(z, z + V);
+    double sum = 0;
+    for (int64_t v = 0; v < V; ++v) sum += std::exp(z[v] - m);
+    ce[i] = m + std::log(sum) - z[b.targets.labels[i]];
+  }
+  return ce;
+}
+
+// The D-PACE weights [N·K] of every block of `b` for the CE values `ce` (0 on unsupervised slots).
+std::vector<double> block_weights(const DrafterBatch& b, const std::vector<double>& ce) {
+  const size_t K = static_cast<size_t>(b.block_size);
+  std::vector<double> w(ce.size(), 0.0);
+  for (size_t i = 0; i < ce.size(); i += K) {
+    std::span<double> out(w.data() + i, K);
+    dpace_block_weights(out, std::span<const double>(ce.data() + i, K),
+                        std::span<const uint8_t>(b.targets.counted.data() + i, K), b.objective);
+    for (size_t k = 0; k < K; ++k) out[k] *= b.targets.counted[i + k];
+  }
+  return w;
+}
+
+// Σ w·CE / n with the weights `w` held fixed: the D-PACE loss as a function of the parameters
+// when no gradient flows through the weights.
+double frozen_loss(const Problem<double>& p, const DrafterBatch& b, const std::vector<double>& w) {
+  const std::vector<double> ce = slot_ce(p, b);
+  double sum = 0;
+  for (size_t i = 0; i < ce.size(); ++i) sum += w[i] * ce[i];
+  return sum / b.loss_normaliser();
+}
+
+}  // namespace
+
+// OBJECTIVES.md §4: the D-PACE gradient is the gradient of Σ w·CE / (sequences) with the weights
+// frozen at the step's values (finite differences in float64), for each variant; the step's loss
+// equals that sum computed from the logits.
+TEST(Drafter, DPaceGradientIsTheGradientWithTheWeightsFrozen) {
+  for (LossType loss : {LossType::dpace, LossType::dpace_cumulative_confidence_only,
+                        LossType::dpace_continuation_value_only}) {
+    SCOPED_TRACE(loss_type_name(loss));
+    auto p = make_problem<double>(3, 2, 4, 2, 8, 5, 0.0, {0, 9, 17}, {{2, 0}, {4, 0}, {12, 1}});
+    DrafterBatch b = p.batch();
+    b.objective = Objective{loss, 0.3};
+    ASSERT_EQ(b.loss_normaliser(), 3.0);  // two documents and the padding document
+    const std::vector<double> w0 = block_weights(b, slot_ce(p, b));
+    std::vector<double> g(static_cast<size_t>(p.layout->total), 0.0);
+    DrafterWorkspace<double> ws;
+    const auto res =
+        drafter_train_step<double>(p.cfg, *p.layout, p.params.data(), g.data(), p.tables(), b,
+                                   p.features.data(), 1.0 / b.loss_normaliser(), ws);
+    const double want = frozen_loss(p, b, w0);
+    EXPECT_NEAR(res.loss_sum / b.loss_normaliser(), want, 1e-12 * want);
+    double wsum = 0;
+    for (double x : w0) wsum += x;
+    EXPECT_NEAR(res.weight_sum, wsum, 1e-12 * wsum);
+    Rng pick(11);
+    for (const auto& info : p.layout->params) {
+      for (int s = 0; s < 3; ++s) {
+        const int64_t i = info.offset + static_cast<int64_t>(pick.below(info.numel));
+        const double h = 1e-5, old = p.params[i];
+        p.params[i] = old + h;
+        const double lp = frozen_loss(p, b, w0);
+        p.params[i] = old - h;
+        const double lm = frozen_loss(p, b, w0);
+        p.params[i] = old;
+        const double fd = (lp - lm) / (2 * h);
+        const double err = std::abs(fd - g[i]) / std::max(1e-6, std::abs(fd) + std::abs(g[i]));
+        EXPECT_LT(err, 1e-5) << info.name << " fd " << fd << " analytic " << g[i];
+      }
+    }
+  }
+}
+
+// α = 1 makes every s_k = 1: P ≡ 1 and w_k = R_k = the number of supervised slots at or after k.
+// The loss is then Σ_k R_k·CE_k = Σ_j Σ_{k ≤ j} CE_k over supervised j and k, i.e. Σ_j −log Π_{k≤j}
+// q_k: the negative log-probability, slots taken as independent, that each supervised prefix is
+// accepted whole. A D-PACE step at α = 1 must equal a dflash step whose static weights are those
+// counts, divided by the sequences.
+TEST(Drafter, DPaceAtAlphaOneIsDFlashWeighedByTheSupervisedSlotsAhead) {
+  auto p = make_problem<double>(4, 1, 4, 2, 8, 6, 0.0, {0, 11, 23}, {{1, 0}, {5, 0}, {13, 1}});
+  DrafterBatch dp = p.batch();
+  dp.objective = Objective{LossType::dpace, 1.0};
+  DrafterBatch fixed = p.batch();  // dflash with weights R_k
+  const int64_t K = fixed.block_size, N = fixed.N();
+  int masked_inside = 0;
+  for (int64_t blk = 0; blk < N; ++blk) {
+    float ahead = 0;
+    for (int64_t k = K - 1; k >= 0; --k) {
+      const size_t i = static_cast<size_t>(blk * K + k);
+      ahead += fixed.targets.counted[i];
+      fixed.targets.weights[i] = fixed.targets.counted[i] ? ahead : 0.0f;
+      masked_inside += k > 0 && !fixed.targets.counted[i] && ahead > 0;
+    }
+  }
+  EXPECT_GT(masked_inside, 0);  // the mask has gaps inside blocks, not only at their ends
+  const double scale = 1.0 / dp.loss_normaliser();
+  std::vector<double> ga(static_cast<size_t>(p.layout->total), 0.0), gb = ga;
+  DrafterWorkspace<double> ws;
+  const auto ra = drafter_train_step<double>(p.cfg, *p.layout, p.params.data(), ga.data(),
+                                             p.tables(), dp, p.features.data(), scale, ws);
+  const auto rb = drafter_train_step<double>(p.cfg, *p.layout, p.params.data(), gb.data(),
+                                             p.tables(), fixed, p.features.data(), scale, ws);
+  EXPECT_NEAR(ra.loss_sum, rb.loss_sum, 1e-12 * rb.loss_sum);
+  EXPECT_EQ(ra.weight_sum, rb.weight_sum);
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < ga.size(); ++i) {
+    diff += (ga[i] - gb[i]) * (ga[i] - gb[i]);
+    norm += gb[i] * gb[i];
+  }
+  EXPECT_GT(norm, 0.0);
+  EXPECT_LT(std::sqrt(diff / norm), 1e-12);
+}

@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <random>
 
@@ -286,7 +287,10 @@ TEST(PipelineMemoryPlan, AGpuThatCannotHoldItsWorkersIsNamedWithTheShortfall) {
   const std::string devices = "  target_devices: [0]\n  drafter_devices: [1, 1]\n";
   const uint64_t need =
       plan_pipeline_memory(qwen3_8b_run(devices, "always"), t.config, d, layout).device_total(1);
-  const double gib = static_cast<double>(need - kGiB) / static_cast<double>(kGiB);
+  // Rounded down to the 6 decimals written: the budget is at most need − 1 GiB (by < 2 KiB), so
+  // the shortfall reads 1.00 GiB whatever the plan's total.
+  const double gib =
+      std::floor(static_cast<double>(need - kGiB) / static_cast<double>(kGiB) * 1e6) / 1e6;
   const RunConfig cfg =
       qwen3_8b_run(devices + fmt::format("  device_memory_gib: {:.6f}", gib), "always");
   const PipelineMemoryPlan plan = plan_pipeline_memory(cfg, t.config, d, layout);

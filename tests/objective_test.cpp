@@ -3,11 +3,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <set>
 
 #include "core/error.hpp"
 #include "core/rng.hpp"
 #include "model/objective.hpp"
+#include "ops/loss_weights.hpp"
 #include "train/optimizer.hpp"
 
 using namespace dflash;
@@ -180,4 +182,102 @@ TEST(Objective, DocumentBlocksCountWhatSampleAnchorsTakes) {
   Rng rng(1);
   const std::vector<int32_t> off = {0, 6};
   EXPECT_EQ(static_cast<int32_t>(sample_anchors(m, off, 2, rng).size()), document_blocks(m, 2));
+}
+
+// ------------------------------------------------------------------------------------- D-PACE
+
+namespace {
+
+// dpace_block_weights of one block given the confidences q_k (CE = −log q_k) and the mask.
+std::vector<double> dpace_weights_of(LossType loss, double alpha, const std::vector<double>& q,
+                                     const std::vector<uint8_t>& mask) {
+  std::vector<double> ce(q.size()), w(q.size());
+  for (size_t k = 0; k < q.size(); ++k) ce[k] = -std::log(q[k]);
+  dpace_block_weights(w, ce, mask, Objective{loss, alpha});
+  return w;
+}
+
+}  // namespace
+
+TEST(DPace, LossTypeNamesRoundTripAndOthersAreRefused) {
+  for (LossType t : {LossType::dflash, LossType::dpace, LossType::dpace_cumulative_confidence_only,
+                     LossType::dpace_continuation_value_only}) {
+    EXPECT_EQ(loss_type_parse(loss_type_name(t)), t);
+  }
+  EXPECT_STREQ(loss_type_name(LossType::dpace_continuation_value_only),
+               "dpace-continuation-value-only");
+  EXPECT_FALSE(loss_type_parse("DPACE").has_value());
+  EXPECT_FALSE(loss_type_parse("dpace_cumulative_confidence_only").has_value());
+  EXPECT_FALSE(loss_type_parse("").has_value());
+}
+
+// OBJECTIVES.md §4: three supervised slots with q = 0.5 and α = 0.5 give s = 0.75, so
+// P = (0.75, 0.5625, 0.421875) and R = (1.734375, 0.984375, 0.421875); slot 0 is the anchor.
+TEST(DPace, ClosedFormWeightsOfThreeSupervisedSlots) {
+  const std::vector<double> q = {0.5, 0.5, 0.5, 0.5};
+  const std::vector<uint8_t> m = {0, 1, 1, 1};
+  const std::vector<double> R = {1.734375, 1.734375, 0.984375, 0.421875};
+  const std::vector<double> P = {1.0, 0.75, 0.5625, 0.421875};
+  const auto wr = dpace_weights_of(LossType::dpace, 0.5, q, m);
+  const auto wp = dpace_weights_of(LossType::dpace_cumulative_confidence_only, 0.5, q, m);
+  const auto wc = dpace_weights_of(LossType::dpace_continuation_value_only, 0.5, q, m);
+  for (int k = 1; k < 4; ++k) {
+    EXPECT_NEAR(wr[k], R[k], 1e-15) << "dpace slot " << k;
+    EXPECT_NEAR(wp[k], P[k], 1e-15) << "cumulative-confidence slot " << k;
+    EXPECT_NEAR(wc[k], R[k] / P[k], 1e-14) << "continuation-value slot " << k;
+  }
+  EXPECT_NEAR(wc[1], 2.3125, 1e-14);
+  EXPECT_NEAR(wc[3], 1.0, 1e-14);
+}
+
+// A masked slot inside the block multiplies the prefix by 1 and is left out of the suffix sums;
+// its CE is never read (NaN here). α = 0.25, q = (·, 0.8, ·, 0.4, 0.6): s = (·, 0.85, 1, 0.55,
+// 0.7), P = (1, 0.85, 0.85, 0.4675, 0.32725), R = (·, 1.64475, ·, 0.79475, 0.32725).
+TEST(DPace, AMaskedSlotInTheMiddleIsANoOpInTheProductAndLeftOutOfTheSum) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const std::vector<double> ce = {nan, -std::log(0.8), nan, -std::log(0.4), -std::log(0.6)};
+  const std::vector<uint8_t> m = {0, 1, 0, 1, 1};
+  auto weights = [&](LossType t) {
+    std::vector<double> w(5);
+    dpace_block_weights(w, ce, m, Objective{t, 0.25});
+    return w;
+  };
+  const auto wr = weights(LossType::dpace);
+  const auto wp = weights(LossType::dpace_cumulative_confidence_only);
+  const auto wc = weights(LossType::dpace_continuation_value_only);
+  const std::vector<double> R = {0, 1.64475, 0, 0.79475, 0.32725};
+  const std::vector<double> P = {0, 0.85, 0, 0.4675, 0.32725};
+  const std::vector<double> C = {0, 1.935, 0, 1.7, 1.0};
+  for (int k : {1, 3, 4}) {
+    EXPECT_NEAR(wr[k], R[k], 1e-14) << "dpace slot " << k;
+    EXPECT_NEAR(wp[k], P[k], 1e-14) << "cumulative-confidence slot " << k;
+    EXPECT_NEAR(wc[k], C[k], 1e-13) << "continuation-value slot " << k;
+  }
+  for (double w : wr) EXPECT_TRUE(std::isfinite(w));
+}
+
+// α = 1: every s_k = 1, so P ≡ 1 and R_k = the number of supervised slots at or after k; with a
+// fully supervised block of K slots, R_k = K − k (see DPace in tests/drafter_test.cpp).
+TEST(DPace, AlphaOneGivesTheCountOfSupervisedSlotsFromK) {
+  const std::vector<double> q = {0.9, 0.1, 0.3, 0.7, 0.2, 0.05};
+  const std::vector<uint8_t> m = {0, 1, 0, 1, 1, 1};
+  const auto wr = dpace_weights_of(LossType::dpace, 1.0, q, m);
+  const auto wp = dpace_weights_of(LossType::dpace_cumulative_confidence_only, 1.0, q, m);
+  const auto wc = dpace_weights_of(LossType::dpace_continuation_value_only, 1.0, q, m);
+  const std::vector<double> count = {4, 4, 3, 3, 2, 1};
+  for (int k = 0; k < 6; ++k) {
+    EXPECT_EQ(wr[k], count[k]) << k;
+    EXPECT_EQ(wp[k], 1.0) << k;
+    EXPECT_EQ(wc[k], count[k]) << k;
+  }
+}
+
+TEST(DPace, BadArgumentsAreErrors) {
+  std::vector<double> w(3), ce = {1, 1, 1};
+  const std::vector<uint8_t> m = {0, 1, 1};
+  EXPECT_THROW(dpace_block_weights(w, ce, m, Objective{LossType::dflash, 0.5}), Error);
+  EXPECT_THROW(dpace_block_weights(w, ce, m, Objective{LossType::dpace, 1.5}), Error);
+  EXPECT_THROW(dpace_block_weights(w, ce, m, Objective{LossType::dpace, -0.1}), Error);
+  std::vector<double> short_w(2);
+  EXPECT_THROW(dpace_block_weights(short_w, ce, m, Objective{LossType::dpace, 0.5}), Error);
 }

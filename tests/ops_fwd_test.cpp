@@ -735,11 +735,17 @@ TEST(CrossEntropyFused, ChunkedEqualsUnfusedForEveryChunkSize) {
   }
   for (int64_t chunk : {1, 7, 64, 1000}) {
     SCOPED_TRACE(chunk);
-    GuardedBuffer dh(R * H), lse(R);
+    GuardedBuffer dh(R * H), lse(R), row_loss(R);
     std::vector<int32_t> am(R);
     FusedCeParams fp{R, H, V, chunk, gscale};
-    auto st = cross_entropy_fused_cpu(dh.data(), lse.data(), am.data(), hidden.data(),
-                                      head.data(), labels.data(), w.data(), fp);
+    auto st = cross_entropy_fused_cpu(dh.data(), lse.data(), am.data(), row_loss.data(),
+                                      hidden.data(), head.data(), labels.data(), w.data(), fp);
+    // row_loss = w·(lse − z_label), 0 on rows of weight 0.
+    for (int64_t r = 0; r < R; ++r) {
+      const double want = w[r] == 0.f ? 0.0 : w[r] * (lse0[r] - logits[r * V + labels[r]]);
+      EXPECT_NEAR(row_loss.data()[r], want, 1e-5 * std::max(1.0, std::abs(want))) << "row " << r;
+    }
+    EXPECT_TRUE(row_loss.intact());
     EXPECT_NEAR(st.loss_sum, st0.loss_sum, 1e-6 * std::abs(st0.loss_sum));
     EXPECT_EQ(st.weight_sum, st0.weight_sum);
     EXPECT_EQ(am, am0);
@@ -749,9 +755,9 @@ TEST(CrossEntropyFused, ChunkedEqualsUnfusedForEveryChunkSize) {
 
     // bf16 head == f32 head holding the same (rounded) values.
     VecF dhb(R * H), dhr(R * H);
-    auto sb = cross_entropy_fused_cpu(dhb.data(), nullptr, nullptr, hidden.data(),
+    auto sb = cross_entropy_fused_cpu(dhb.data(), nullptr, nullptr, nullptr, hidden.data(),
                                       head_bf16.data(), labels.data(), w.data(), fp);
-    auto sr = cross_entropy_fused_cpu(dhr.data(), nullptr, nullptr, hidden.data(),
+    auto sr = cross_entropy_fused_cpu(dhr.data(), nullptr, nullptr, nullptr, hidden.data(),
                                       head_rounded.data(), labels.data(), w.data(), fp);
     EXPECT_NEAR(sb.loss_sum, sr.loss_sum, 1e-6 * std::abs(sr.loss_sum));
     EXPECT_LT(test::rel_error(dhb, dhr), 1e-6);

@@ -430,19 +430,19 @@ TEST(CrossEntropyGrad, FusedHiddenGradientMatchesFiniteDifferences) {
     }
     FusedCeParams p{R, H, V, 5, 0.5};  // chunks of 5 rows: 129 is not a multiple
     auto loss = [&] {
-      return p.grad_scale * cross_entropy_fused_cpu(static_cast<double*>(nullptr), nullptr,
+      return p.grad_scale * cross_entropy_fused_cpu(static_cast<double*>(nullptr), nullptr, nullptr,
                                                     nullptr, hidden.data(), head.data(),
                                                     labels.data(), w.data(), p)
                                 .loss_sum;
     };
     Vec dh(R * H, kNaN);
-    cross_entropy_fused_cpu(dh.data(), nullptr, nullptr, hidden.data(), head.data(), labels.data(),
-                            w.data(), p);
+    cross_entropy_fused_cpu(dh.data(), nullptr, nullptr, nullptr, hidden.data(), head.data(),
+                            labels.data(), w.data(), p);
     expect_grad("fused CE d_hidden R=" + std::to_string(R), hidden, dh, loss, 40);
 
     VecF hf = to_f(hidden), headf = to_f(head), wf = to_f(w), dhf(R * H);
-    auto st = cross_entropy_fused_cpu(dhf.data(), nullptr, nullptr, hf.data(), headf.data(),
-                                      labels.data(), wf.data(), p);
+    auto st = cross_entropy_fused_cpu(dhf.data(), nullptr, nullptr, nullptr, hf.data(),
+                                      headf.data(), labels.data(), wf.data(), p);
     EXPECT_NEAR(st.loss_sum * p.grad_scale, loss(), 1e-5 * std::abs(loss()));
     EXPECT_LT(rel_f(dhf, dh), 1e-5);
   }

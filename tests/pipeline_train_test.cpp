@@ -151,10 +151,15 @@ TEST(PipelineTrain, TheNumberOfTargetWorkersDoesNotChangeTheBits) {
 // The data-parallel equivalence: D replicas of R rows train as one replica of D·R rows (the same
 // global batches, anchors and normaliser), up to float summation order. A whole epoch, so that
 // the epoch's last batch (one real row and one empty row: replica 1's share is empty) is in it.
-TEST(PipelineTrain, TwoReplicasOfOneRowTrainLikeOneReplicaOfTwoRows) {
+namespace {
+
+// One epoch with 2 drafter replicas of 1 row against 1 replica of 2 rows (plus `objective`
+// overrides): the same metrics up to summation order at every step, the same final weights.
+void expect_two_replicas_train_like_one_of_two_rows(const std::vector<std::string>& objective) {
   test::TempDir tmp;
-  const std::vector<std::string> epoch = {"training.max_steps=0", "training.epochs=1",
-                                          "training.save_interval=0"};
+  std::vector<std::string> epoch = {"training.max_steps=0", "training.epochs=1",
+                                    "training.save_interval=0"};
+  epoch.insert(epoch.end(), objective.begin(), objective.end());
   std::vector<std::string> rows2 = epoch;
   rows2.push_back("data.rows_per_step=2");
   TrainOptions a;
@@ -191,6 +196,19 @@ TEST(PipelineTrain, TwoReplicasOfOneRowTrainLikeOneReplicaOfTwoRows) {
   }
   // 100 AdamW steps of lr ≤ 1e-3 move a weight by up to ~0.1; summation order by far less.
   EXPECT_LT(max_diff, 1e-3);
+}
+
+}  // namespace
+
+TEST(PipelineTrain, TwoReplicasOfOneRowTrainLikeOneReplicaOfTwoRows) {
+  expect_two_replicas_train_like_one_of_two_rows({});
+}
+
+// D-PACE divides by the step's documents, which the replicas must sum like Σw (the last batch's
+// second row is empty: that replica has no document and no supervised slot).
+TEST(PipelineTrain, TwoDPaceReplicasOfOneRowTrainLikeOneReplicaOfTwoRows) {
+  expect_two_replicas_train_like_one_of_two_rows(
+      {"training.loss_type=dpace", "training.dpace_alpha=0.3"});
 }
 
 TEST(PipelineTrain, TwoByTwoResumesBitIdenticallyAndRefusesAnotherReplicaCount) {

@@ -96,6 +96,46 @@ TEST(RunConfig, TypeAndRangeErrorsNameTheKey) {
             std::string::npos);
 }
 
+TEST(RunConfig, LossTypeAndDPaceAlphaAreValidatedNamingTheKey) {
+  const RunConfig def = RunConfig::from_yaml(kYaml, "run.yaml");
+  EXPECT_EQ(def.training.loss_type, "dflash");
+  EXPECT_EQ(def.training.dpace_alpha, 0.5);
+  EXPECT_EQ(objective_of(def.training), (Objective{LossType::dflash, 0.5}));
+  const RunConfig c = RunConfig::from_yaml(
+      kYaml, "run.yaml",
+      {"training.loss_type=dpace-continuation-value-only", "training.dpace_alpha=0"});
+  EXPECT_EQ(objective_of(c.training), (Objective{LossType::dpace_continuation_value_only, 0.0}));
+  // The resolved YAML keeps them, and a changed loss is a resume incompatibility.
+  EXPECT_EQ(RunConfig::from_yaml(c.to_yaml(), "resolved.yaml").training.loss_type,
+            "dpace-continuation-value-only");
+  ASSERT_EQ(def.resume_incompatibilities(c).size(), 2u);
+  EXPECT_NE(def.resume_incompatibilities(c)[0].find("training.loss_type"), std::string::npos);
+  EXPECT_NE(error_of([&] { RunConfig::from_yaml(kYaml, "run.yaml", {"training.loss_type=pace"}); })
+                .find("training.loss_type must be dflash, dpace, "
+                      "dpace-cumulative-confidence-only or dpace-continuation-value-only, got "
+                      "'pace'"),
+            std::string::npos);
+  for (const char* alpha : {"1.5", "-0.1", ".nan"}) {
+    EXPECT_NE(error_of([&] {
+                RunConfig::from_yaml(kYaml, "run.yaml",
+                                     {std::string("training.dpace_alpha=") + alpha});
+              }).find("training.dpace_alpha must be in [0, 1]"),
+              std::string::npos)
+        << alpha;
+  }
+  std::string y = kYaml;
+  y.replace(y.find("gamma: 7"), 8, "dpace_alpha: x");
+  EXPECT_NE(error_of([&] {
+              RunConfig::from_yaml(y, "run.yaml");
+            }).find("run.yaml:12: training.dpace_alpha must be a number"),
+            std::string::npos);
+  // Both backends compute the D-PACE losses.
+  EXPECT_EQ(
+      RunConfig::from_yaml(kYaml, "run.yaml", {"training.loss_type=dpace", "runtime.backend=cuda"})
+          .training.loss_type,
+      "dpace");
+}
+
 TEST(RunConfig, OverridesApplyAndUnknownPathsFail) {
   RunConfig c = RunConfig::from_yaml(kYaml, "run.yaml",
                                      {"training.lr=1e-3", "model.target_layer_ids=[2]",

@@ -86,16 +86,20 @@ std::string master_bytes(const fs::path& ckpt) {
 
 }  // namespace
 
-TEST(Trainer, InterruptedAndResumedRunIsBitIdenticalToAnUninterruptedOne) {
+namespace {
+
+// A 6-step run against one halted after step 3 and resumed (with `overrides`): same master weights,
+// export and metrics, bit for bit.
+void expect_resume_bit_identical(const std::vector<std::string>& overrides) {
   test::TempDir tmp;
   TrainOptions a;
-  a.config = config_for(tmp / "a", 6);
+  a.config = config_for(tmp / "a", 6, overrides);
   TrainResult ra = train(a);
   EXPECT_EQ(ra.steps_done, 6);
   EXPECT_FALSE(ra.interrupted);
 
   TrainOptions b;
-  b.config = config_for(tmp / "b", 6);
+  b.config = config_for(tmp / "b", 6, overrides);
   b.halt_at_step = 3;  // checkpoint and stop after step 3, as a signal would
   TrainResult rb = train(b);
   EXPECT_TRUE(rb.interrupted);
@@ -121,6 +125,28 @@ TEST(Trainer, InterruptedAndResumedRunIsBitIdenticalToAnUninterruptedOne) {
   EXPECT_EQ(cfg["dflash_config"]["mask_token_id"], 8000);
   // The loss went down over the run (first vs last logged step).
   EXPECT_LT(ma.back()["loss"].get<double>(), ma.front()["loss"].get<double>());
+}
+
+}  // namespace
+
+TEST(Trainer, InterruptedAndResumedRunIsBitIdenticalToAnUninterruptedOne) {
+  expect_resume_bit_identical({});
+}
+
+TEST(Trainer, InterruptedAndResumedDPaceRunIsBitIdenticalToAnUninterruptedOne) {
+  expect_resume_bit_identical({"training.loss_type=dpace"});
+  // The run did optimise D-PACE: its first loss is not the dflash run's, and the log says so.
+  test::TempDir tmp;
+  for (const char* loss : {"dflash", "dpace"}) {
+    TrainOptions o;
+    o.config = config_for(tmp / loss, 1, {std::string("training.loss_type=") + loss});
+    train(o);
+  }
+  const double l_dflash = test::deterministic_metrics(tmp / "dflash").at(0)["loss"];
+  const double l_dpace = test::deterministic_metrics(tmp / "dpace").at(0)["loss"];
+  EXPECT_GT(std::abs(l_dpace - l_dflash), 0.1 * l_dflash);
+  EXPECT_NE(test::read_file(tmp / "dpace" / "log.txt").find("loss: dpace (alpha 0.5)"),
+            std::string::npos);
 }
 
 TEST(Trainer, ResumeRefusesChangedModelOrDataKeysUnlessForced) {

@@ -289,6 +289,46 @@ void plan_batch(const DrafterConfig& cfg, const DrafterBatch& b, const S* featur
   ws.pos_q.assign(ws.pos_kv.begin() + T, ws.pos_kv.end());
 }
 
+// D-PACE (OBJECTIVES.md §1.1) after a CE pass that gave every supervised row weight 1: row j's
+// loss ws.ce_loss[j] is CE_j and its hidden gradient ws.ce_grad row j is grad_scale·∂CE_j/∂h. Each
+// block's weights follow from its CE values (dpace_block_weights: constants of the step). A row's
+// gradient is linear in its weight, so scaling row j's gradient by w_j gives the gradient of
+// grad_scale·Σ w·CE with w frozen, from one LM-head pass. Returns {Σ w·CE, Σ w} over the rows,
+// summed in row order in double. ws.ce_rows are ascending, so a block's rows are consecutive.
+template <typename S>
+CrossEntropyStats dpace_reweight(DrafterWorkspace<S>& ws, const DrafterBatch& batch, int64_t H,
+                                 bool grads) {
+  const int64_t K = batch.block_size;
+  const int64_t R = static_cast<int64_t>(ws.ce_rows.size());
+  ws.dpace_ce.resize(static_cast<size_t>(K));
+  ws.dpace_w.resize(static_cast<size_t>(K));
+  ws.dpace_mask.resize(static_cast<size_t>(K));
+  CrossEntropyStats st;
+  for (int64_t j0 = 0; j0 < R;) {
+    const int64_t block = ws.ce_rows[j0] / K;
+    std::fill(ws.dpace_ce.begin(), ws.dpace_ce.end(), 0.0);
+    std::fill(ws.dpace_mask.begin(), ws.dpace_mask.end(), uint8_t(0));
+    int64_t j1 = j0;
+    for (; j1 < R && ws.ce_rows[j1] / K == block; ++j1) {
+      const int64_t slot = ws.ce_rows[j1] % K;
+      ws.dpace_ce[slot] = static_cast<double>(ws.ce_loss[j1]);
+      ws.dpace_mask[slot] = batch.targets.counted[ws.ce_rows[j1]];
+    }
+    dpace_block_weights(ws.dpace_w, ws.dpace_ce, ws.dpace_mask, batch.objective);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t slot = ws.ce_rows[j] % K;
+      const double w = ws.dpace_mask[slot] ? ws.dpace_w[slot] : 0.0;
+      st.loss_sum += w * ws.dpace_ce[slot];
+      st.weight_sum += w;
+      if (!grads) continue;
+      S* g = ws.ce_grad.data() + j * H;
+      for (int64_t h = 0; h < H; ++h) g[h] *= static_cast<S>(w);
+    }
+    j0 = j1;
+  }
+  return st;
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------------------------ train step
@@ -327,10 +367,12 @@ DrafterTrainResult drafter_train_step(const DrafterConfig& cfg, const DrafterLay
   ws.ce_argmax.resize(static_cast<size_t>(R));
   fit(ws.weights, R);
   fit(ws.ce_in, R * d.H);
+  const bool dpace = batch.objective.dpace();  // CE with weight m_k, D-PACE's weights afterwards
   for (int64_t j = 0; j < R; ++j) {
     const int64_t i = ws.ce_rows[j];
     ws.labels[j] = std::max(batch.targets.labels[i], 0);
-    ws.weights[j] = static_cast<S>(batch.targets.weights[i]);
+    ws.weights[j] =
+        dpace ? S(batch.targets.counted[i] ? 1 : 0) : static_cast<S>(batch.targets.weights[i]);
     std::copy_n(ws.hf.data() + i * d.H, d.H, ws.ce_in.data() + j * d.H);
   }
   FusedCeParams cp;
@@ -343,9 +385,12 @@ DrafterTrainResult drafter_train_step(const DrafterConfig& cfg, const DrafterLay
   cp.grad_scale = grad_scale;
   fit(ws.ce_grad, R * d.H);
   fit(ws.lse_out, R);
+  fit(ws.ce_loss, R);
   CrossEntropyStats st = cross_entropy_fused_cpu(
-      grads ? ws.ce_grad.data() : nullptr, ws.lse_out.data(), ws.ce_argmax.data(), ws.ce_in.data(),
-      tables.lm_head, ws.labels.data(), ws.weights.data(), cp);
+      grads ? ws.ce_grad.data() : nullptr, ws.lse_out.data(), ws.ce_argmax.data(),
+      dpace ? ws.ce_loss.data() : nullptr, ws.ce_in.data(), tables.lm_head, ws.labels.data(),
+      ws.weights.data(), cp);
+  if (dpace) st = dpace_reweight(ws, batch, d.H, grads != nullptr);
   for (int64_t j = 0; j < R; ++j) res.argmax[ws.ce_rows[j]] = ws.ce_argmax[j];
   res.loss_sum = st.loss_sum;
   res.weight_sum = st.weight_sum;

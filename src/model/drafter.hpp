@@ -16,6 +16,10 @@
 // step as one packed sequence of documents; drafter_batch.hpp). The step code is templated on the
 // scalar (float for training, double for finite-difference checks) and allocates only inside its
 // workspace, whose buffers keep their capacity between calls.
+// The loss is the batch's (DrafterBatch::objective): dflash weighs slots by targets.weights; the
+// D-PACE losses weigh each supervised slot by dpace_block_weights of the step's own CE values,
+// held constant (no gradient through the weights), and the caller's grad_scale is 1 / the number
+// of sequences (DrafterBatch::loss_normaliser).
 #pragma once
 
 #include <cstdint>
@@ -96,8 +100,8 @@ void drafter_init(std::span<float> params, const DrafterLayout& layout, uint64_t
 
 /// Result of a forward (and backward) over one DrafterBatch.
 struct DrafterTrainResult {
-  double loss_sum = 0;          ///< Σ w·CE over the batch's blocks
-  double weight_sum = 0;        ///< Σ w
+  double loss_sum = 0;          ///< Σ w·CE over the batch's blocks (w: dflash's or D-PACE's)
+  double weight_sum = 0;        ///< Σ w (the same weights)
   std::vector<int32_t> argmax;  ///< [N·K] drafter argmax per supervised slot (-1 elsewhere:
                                 ///< rows of weight 0 skip the LM head)
 };
@@ -118,6 +122,9 @@ struct DrafterWorkspace {
   std::vector<S> weights, lse_out;
   std::vector<int32_t> ce_rows, ce_argmax;  // the supervised rows sent to the LM-head CE
   std::vector<S> ce_in, ce_grad;            // their final hidden states and gradients
+  std::vector<S> ce_loss;                   // their CE (D-PACE: with weight 1)
+  std::vector<double> dpace_ce, dpace_w;    // one block's CE and D-PACE weights [K]
+  std::vector<uint8_t> dpace_mask;          // one block's supervision mask [K]
   std::vector<S> inv_freq;
   std::vector<AttnRange> ranges;
 };
@@ -133,9 +140,10 @@ struct DrafterTables {
 
 /// Training forward over a whole DrafterBatch (all its rows as one packed sequence) given the
 /// target features of its context, `features` [T, n_taps·H]; when `grads` is not null, also the
-/// backward, accumulating parameter gradients (+=) scaled by `grad_scale` (use 1/batch.weight_sum
-/// so that the gradient is that of Σw·CE/Σw). Throws dflash::Error on inconsistent inputs (naming
-/// them). `ws` must not be shared between threads.
+/// backward, accumulating parameter gradients (+=) scaled by `grad_scale` (use
+/// 1/batch.loss_normaliser() so that the gradient is that of the step's loss: Σw·CE/Σw for
+/// dflash, Σ m·w·CE / sequences for D-PACE with w held constant). Throws dflash::Error on
+/// inconsistent inputs (naming them). `ws` must not be shared between threads.
 template <typename S>
 DrafterTrainResult drafter_train_step(const DrafterConfig& cfg, const DrafterLayout& layout,
                                       const S* params, S* grads, const DrafterTables<S>& tables,

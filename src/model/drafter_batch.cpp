@@ -76,6 +76,15 @@ void DrafterBatch::validate() const {
   check_targets(targets, block_size, anchors.size(), "drafter batch");
 }
 
+double DrafterBatch::loss_denominator() const {
+  return objective.dpace() ? static_cast<double>(n_docs()) : weight_sum;
+}
+
+double DrafterBatch::loss_normaliser() const {
+  if (objective.dpace()) return static_cast<double>(step_documents.value_or(n_docs()));
+  return step_weight_sum.value_or(weight_sum);
+}
+
 uint64_t DrafterBatch::fingerprint() const {
   auto bytes = [](const auto& v) {
     return std::string_view(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(v.front()));
@@ -97,6 +106,9 @@ DrafterBatch drafter_batch_from_rows(const Batch& b, int64_t row_begin, int64_t 
                "batch {} of epoch {}: rows [{}, {}) of {}", b.index, b.epoch, row_begin, row_end,
                R);
   DrafterBatch out(o.block_size);
+  out.objective = o.objective;
+  // D-PACE ignores γ: every supervised slot gets the static weight 1 (its mask m_k).
+  const double gamma = o.objective.dpace() ? 0.0 : o.gamma;
   int64_t supervised = 0;
   for (int64_t r = row_begin; r < row_end; ++r) {
     const std::vector<int32_t>& offsets = b.doc_offsets[static_cast<size_t>(r)];
@@ -109,7 +121,7 @@ DrafterBatch drafter_batch_from_rows(const Batch& b, int64_t row_begin, int64_t 
     Rng rng(derive_seed(o.seed, {static_cast<uint64_t>(b.epoch), static_cast<uint64_t>(b.index),
                                  static_cast<uint64_t>(r)}));
     const std::vector<Anchor> anchors = sample_anchors(mask, offsets, o.num_anchors, rng);
-    const BlockTargets targets = block_targets(toks, mask, offsets, anchors, o.block_size, o.gamma);
+    const BlockTargets targets = block_targets(toks, mask, offsets, anchors, o.block_size, gamma);
     out.append_row(toks, offsets, anchors, targets);
   }
   out.row_length = L;

@@ -16,6 +16,11 @@
 // - weight_sum = Σ targets.weights, summed in index order in double (the step's loss normaliser
 //   Σw of DESIGN.md §1: the gradient of a step is that of Σ w·CE / weight_sum; with several drafter
 //   replicas, the normaliser is the Σw of all their batches, step_weight_sum).
+// - The D-PACE losses (`objective`, OBJECTIVES.md §1.1) ignore γ: targets.weights is then the
+//   supervision mask m_k (1 or 0), weight_sum counts the supervised slots, and the loss normaliser
+//   is the number of sequences of the step: its documents (n_docs, step_documents across
+//   replicas). The per-slot D-PACE weights depend on the drafter's CE and are computed in the
+//   step (dpace_block_weights), not here.
 // - Anchors are a pure function of (seed, epoch, batch index, row) (docs/design-notes.md), so a
 //   batch is rebuilt identically from the same Batch and options.
 // - The block-row rule (positions anchor − doc_start + j, keys [doc_start, anchor) plus the block's
@@ -47,6 +52,10 @@ struct DrafterBatch {
   /// docs/design-notes.md): each replica's gradient is that of Σw·CE / step_weight_sum, so that
   /// their sum is the gradient of the step's loss. Unset: the batch is the whole step.
   std::optional<double> step_weight_sum;
+  /// The documents of the whole optimizer step when this batch is one of several (the D-PACE
+  /// losses' normaliser, like step_weight_sum for dflash). Unset: the batch is the whole step.
+  std::optional<int64_t> step_documents;
+  Objective objective;                  ///< the loss of the step (training.loss_type, dpace_alpha)
   int64_t rows = 0;                     ///< rows of the source Batch
   int64_t row_length = 0;               ///< L of the source Batch (rows·L bounds T)
   int64_t epoch = 0, index = 0;         ///< the source Batch's epoch and index in it
@@ -57,8 +66,17 @@ struct DrafterBatch {
   int64_t T() const { return static_cast<int64_t>(tokens.size()); }
   int64_t N() const { return static_cast<int64_t>(anchors.size()); }
   int64_t n_docs() const { return static_cast<int64_t>(doc_offsets.size()) - 1; }
-  /// The step's loss normaliser: step_weight_sum when set, else weight_sum.
-  double loss_normaliser() const { return step_weight_sum.value_or(weight_sum); }
+  /// This batch's part of the loss's denominator: weight_sum (Σw) for dflash; for the D-PACE
+  /// losses its number of sequences, n_docs (OBJECTIVES.md §1.1: SpecForge divides by the batch's
+  /// samples, one conversation each; our rows pack several, each a document).
+  double loss_denominator() const;
+  /// The step's loss normaliser, the sum of loss_denominator() over the step's batches: for
+  /// dflash step_weight_sum when set, else weight_sum; for D-PACE step_documents when set, else
+  /// n_docs. The gradient of each batch is that of its Σ w·CE divided by this.
+  double loss_normaliser() const;
+  /// Whether the whole step supervises some slot (its Σ targets.weights, step_weight_sum when
+  /// set, is > 0); a step that does not is skipped by every replica alike.
+  bool step_supervises() const { return step_weight_sum.value_or(weight_sum) > 0; }
 
   /// Appends one row: `tokens` [n] with its documents `doc_offsets` [d+1] (0 .. n), its anchors
   /// (row positions, row document indices) and their targets (K = block_size, one block per
@@ -79,15 +97,16 @@ struct DrafterBatch {
 struct DrafterBatchOptions {
   int block_size = 16;    ///< K
   int num_anchors = 512;  ///< per document
-  double gamma = 7.0;     ///< slot decay, see slot_decay
+  double gamma = 7.0;     ///< slot decay, see slot_decay (ignored by the D-PACE losses)
   uint64_t seed = 0;      ///< run seed; row r of batch (epoch, index) samples with
                           ///< Rng(derive_seed(seed, {epoch, index, r}))
+  Objective objective;    ///< the step's loss (DrafterBatch::objective)
 };
 
 /// The DrafterBatch of a data Batch: per row, anchors sampled per document (sample_anchors with
-/// the row's Rng above) and their block targets (block_targets with `gamma`), rows appended in
-/// order; rows without tokens add nothing but count in `rows`. Throws dflash::Error on malformed
-/// batches.
+/// the row's Rng above) and their block targets (block_targets with `gamma` for dflash, with all
+/// supervised weights 1 for the D-PACE losses), rows appended in order; rows without tokens add
+/// nothing but count in `rows`. Throws dflash::Error on malformed batches.
 DrafterBatch drafter_batch_from_batch(const Batch& batch, const DrafterBatchOptions& opts);
 
 /// The same for rows [row_begin, row_end) of `batch` only (one drafter replica's share of a

@@ -20,6 +20,7 @@
 #include "ops/embedding.hpp"
 #include "ops/fill.hpp"
 #include "ops/linear.hpp"
+#include "ops/loss_weights.hpp"
 #include "ops/residual.hpp"
 #include "ops/rmsnorm.hpp"
 #include "ops/rope.hpp"
@@ -127,6 +128,7 @@ void DrafterCuda::take_buffers(cuda::DeviceArena& a) {
   cp.chunk_rows = ce_chunk_rows_;
   ce_ws_bytes_ = cross_entropy_fused_cuda_workspace_bytes(cp, true, false);
   ce_ws_ = a.get_bytes("drafter.ce_workspace", ce_ws_bytes_);
+  row_w_ = a.get<float>("drafter.row_weights", NK);
   dh_ = a.get<float>("drafter.dh", NK * H);
   dh_bf_ = a.get<uint16_t>("drafter.dh_bf", NK * H);
   dtmp_ = a.get<float>("drafter.dtmp", NK * H);
@@ -298,8 +300,14 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   cp.V = c.vocab_size;
   cp.chunk_rows = ce_chunk_rows_;
   cp.grad_scale = grad_scale;
-  cross_entropy_fused_cuda(ctx_, d_hf_, nullptr, argmax_, nullptr, sums_, hf_, head_, in.labels,
-                           in.weights, cp, ce_ws_, ce_ws_bytes_);
+  const bool dpace = in.objective.dpace();
+  cross_entropy_fused_cuda(ctx_, d_hf_, nullptr, argmax_, dpace ? row_w_ : nullptr, sums_, hf_,
+                           head_, in.labels, in.weights, cp, ce_ws_, ce_ws_bytes_);
+  if (dpace) {  // CE → D-PACE weights (and the sums), then d_hf row r ·= w_r
+    dpace_weights_cuda(ctx_, row_w_, sums_, in.weights, NK / c.block_size, c.block_size,
+                       in.objective);
+    rows_scale_cuda(ctx_, d_hf_, row_w_, NK, H);
+  }
   rmsnorm_bwd_cuda(ctx_, dh_, gf(norm_i), d_hf_, h, pf(norm_i), NK, H, eps);
   if (phase_events_.after_head) DFLASH_CUDA_CHECK(cudaEventRecord(phase_events_.after_head, s));
 

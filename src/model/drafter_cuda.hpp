@@ -43,6 +43,9 @@ struct DrafterCudaInputs {
   const AttnRange* ranges = nullptr;     ///< [NK] query key ranges over [ctx T ; blocks NK]
   const int32_t* labels = nullptr;       ///< [NK], each in [0, V)
   const float* weights = nullptr;        ///< [NK] loss weights (0 for slot 0 and padding)
+  /// The loss. dflash: Σ weights·CE. D-PACE: `weights` is the mask m_k of each row, and the step
+  /// weighs each supervised row by dpace_weights_cuda of the rows' own CE (w held constant).
+  Objective objective;
 };
 
 /// Drafter weights, optimizer state and the activation workspace on one GPU.
@@ -87,13 +90,16 @@ class DrafterCuda {
   void download_grads(std::span<float> grads);
 
   /// Forward and backward of one step: zeroes the gradients, then accumulates d(Σ w·CE)·grad_scale
-  /// into them (use grad_scale = 1/Σw of the step), and the global gradient sum of squares.
+  /// into them (use grad_scale = 1/DrafterBatch::loss_normaliser of the step: 1/Σw for dflash,
+  /// 1/sequences for D-PACE), and the global gradient sum of squares. D-PACE: one fused CE pass
+  /// with weights m_k gives each row's CE and unit-weight gradient; dpace_weights_cuda turns the
+  /// CE into the weights and rows_scale_cuda scales each row's gradient by its weight.
   /// Outputs stay on the device until fetch_results. Enqueue only.
   void forward_backward(const DrafterCudaInputs& in, double grad_scale);
 
   /// Results of the last forward_backward copied to the host (synchronises the stream).
   struct Results {
-    double loss_sum = 0;   ///< Σ w·CE
+    double loss_sum = 0;   ///< Σ w·CE (w: the static weights, or D-PACE's)
     double weight_sum = 0; ///< Σ w
     double grad_norm = 0;  ///< global L2 norm of the scaled gradient (before clipping)
     std::vector<int32_t> argmax;  ///< [NK] drafter argmax per block row
@@ -139,7 +145,7 @@ class DrafterCuda {
   int32_t* argmax_;
   // Step buffers (per-layer buffers: LayerBuf).
   uint16_t *features_, *hf_;
-  float *ctx_pre_, *h0_, *d_hf_;
+  float *ctx_pre_, *h0_, *d_hf_, *row_w_;
   void* ce_ws_;
   uint64_t ce_ws_bytes_;
   // Backward scratch.

@@ -94,6 +94,28 @@ BlockTargets block_targets(std::span<const int32_t> tokens, std::span<const uint
   return t;
 }
 
+std::optional<LossType> loss_type_parse(std::string_view name) {
+  for (LossType t : {LossType::dflash, LossType::dpace, LossType::dpace_cumulative_confidence_only,
+                     LossType::dpace_continuation_value_only}) {
+    if (name == loss_type_name(t)) return t;
+  }
+  return std::nullopt;
+}
+
+const char* loss_type_name(LossType t) {
+  switch (t) {
+    case LossType::dflash:
+      return "dflash";
+    case LossType::dpace:
+      return "dpace";
+    case LossType::dpace_cumulative_confidence_only:
+      return "dpace-cumulative-confidence-only";
+    case LossType::dpace_continuation_value_only:
+      return "dpace-continuation-value-only";
+  }
+  fail("loss type {} is not a LossType", static_cast<int>(t));
+}
+
 double ObjectiveMetrics::accuracy() const {
   int64_t c = 0, n = 0;
   for (int k = 0; k < K; ++k) {

@@ -1,5 +1,7 @@
-// dflash.cpp — the DFlash training objective around the drafter: anchors, labels, weights, metrics.
-// Formulas: DESIGN.md §1 ("Training").
+// dflash.cpp — the DFlash training objective around the drafter: anchors, labels, weights, metrics,
+// and the loss types of `training.loss_type` (DFlash's static slot weights, D-PACE's weights
+// computed from the step's own CE). Formulas: DESIGN.md §1 ("Training"), ../shared/OBJECTIVES.md
+// §1.1 (D-PACE).
 //
 // Invariants: positions are indices into one packed row of T tokens; `doc_offsets` has n_docs+1
 // entries, starts at 0, is non-decreasing and ends at the number of real tokens (padding, if any,
@@ -8,10 +10,13 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "core/rng.hpp"
+#include "ops/loss_weights.hpp"
 
 namespace dflash {
 
@@ -61,17 +66,27 @@ BlockTargets block_targets(std::span<const int32_t> tokens, std::span<const uint
                            std::span<const int32_t> doc_offsets, std::span<const Anchor> anchors,
                            int K, double gamma);
 
+// LossType, Objective and dpace_block_weights: ops/loss_weights.hpp (the ops layer).
+
+/// The LossType named by a `training.loss_type` value (`dflash`, `dpace`,
+/// `dpace-cumulative-confidence-only`, `dpace-continuation-value-only`); nullopt for any other.
+std::optional<LossType> loss_type_parse(std::string_view name);
+/// The config spelling of `t` (the inverse of loss_type_parse).
+const char* loss_type_name(LossType t);
+
 /// Accumulated metrics over blocks (one batch, or a log interval).
 struct ObjectiveMetrics {
   int K = 0;
-  double loss_weighted_sum = 0;  ///< Σ w·CE
-  double weight_sum = 0;         ///< Σ w
+  double loss_weighted_sum = 0;  ///< Σ w·CE (w: the step's loss weights, D-PACE's included)
+  /// Σ of the loss's denominators: Σ w for dflash, the number of sequences (documents) for the
+  /// D-PACE losses, so that loss() is the loss the steps optimised.
+  double weight_sum = 0;
   std::vector<int64_t> slot_correct, slot_count;  ///< per slot k (k = 0 never counted)
   double accept_len_sum = 0;  ///< Σ over blocks of (1 + leading correct supervised slots)
   int64_t blocks = 0;
 
   explicit ObjectiveMetrics(int K_ = 0) : K(K_), slot_correct(K_, 0), slot_count(K_, 0) {}
-  /// Σw·CE / Σw (0 when Σw = 0).
+  /// loss_weighted_sum / weight_sum (0 when weight_sum = 0).
   double loss() const { return weight_sum > 0 ? loss_weighted_sum / weight_sum : 0.0; }
   /// Accuracy over all supervised slots.
   double accuracy() const;

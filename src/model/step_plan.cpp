@@ -289,6 +289,8 @@ void plan_drafter_step(ArenaPlanner& p, const DrafterConfig& c, const DrafterLay
   p.add("drafter.d_hf", kGroupHead, NK * H * kF, head);
   p.add("drafter.ce_workspace", kGroupHead,
         cross_entropy_fused_cuda_workspace_bytes(cp, true, false), head);
+  // The D-PACE losses: each block row's CE, then its weight (ops/loss_weights.hpp).
+  p.add("drafter.row_weights", kGroupHead, NK * kF, head);
 
   // Backward.
   const char* g = kGroupBackward;

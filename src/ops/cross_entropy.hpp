@@ -55,22 +55,23 @@ struct FusedCeParams {
 };
 
 /// Fused LM head + cross-entropy: logits = hidden [R,H] · head [V,H]ᵀ chunk by chunk, then the
-/// loss, lse [R] and argmax [R] (either may be null) and, when d_hidden [R,H] is not null, the
-/// input gradient d_hidden = dlogits · head (overwritten). Equal to linear_fwd_cpu +
-/// cross_entropy_fwd_cpu (+ cross_entropy_bwd_cpu + linear_bwd_cpu) up to GEMM blocking.
+/// loss, lse [R], argmax [R] and row_loss [R] = w_r·loss_r (each may be null) and, when d_hidden
+/// [R,H] is not null, the input gradient d_hidden = dlogits · head (overwritten). Equal to
+/// linear_fwd_cpu + cross_entropy_fwd_cpu (+ cross_entropy_bwd_cpu + linear_bwd_cpu) up to GEMM
+/// blocking.
 CrossEntropyStats cross_entropy_fused_cpu(float* d_hidden, float* lse, int32_t* argmax,
-                                          const float* hidden, const float* head,
+                                          float* row_loss, const float* hidden, const float* head,
                                           const int32_t* labels, const float* weights,
                                           const FusedCeParams& p);
 /// bf16 LM head (raw bits), converted tile by tile; fp32 everything else.
 CrossEntropyStats cross_entropy_fused_cpu(float* d_hidden, float* lse, int32_t* argmax,
-                                          const float* hidden, const uint16_t* head_bf16,
-                                          const int32_t* labels, const float* weights,
-                                          const FusedCeParams& p);
+                                          float* row_loss, const float* hidden,
+                                          const uint16_t* head_bf16, const int32_t* labels,
+                                          const float* weights, const FusedCeParams& p);
 CrossEntropyStats cross_entropy_fused_cpu(double* d_hidden, double* lse, int32_t* argmax,
-                                          const double* hidden, const double* head,
-                                          const int32_t* labels, const double* weights,
-                                          const FusedCeParams& p);
+                                          double* row_loss, const double* hidden,
+                                          const double* head, const int32_t* labels,
+                                          const double* weights, const FusedCeParams& p);
 
 /// Device workspace of cross_entropy_fused_cuda, in bytes: the chunk's fp32 logits [C, V]
 /// (C = min(chunk_rows, max(R, 1))), with `d_hidden` also their bf16 gradient [C, V], and without

@@ -6,7 +6,8 @@
 // (sum_squares_cpu), AdamW of src/ops/adamw.hpp on fp32 master weights.
 //
 // Data parallelism: with a collective (several replicas), each replica computes the gradient of its
-// batch's Σw·CE divided by the whole step's Σw (DrafterBatch::loss_normaliser), update() sums the
+// batch's Σw·CE divided by the whole step's normaliser (DrafterBatch::loss_normaliser: Σw for
+// dflash, the step's documents for the D-PACE losses), update() sums the
 // replicas' gradients in rank order (train/collective.hpp), takes the norm of the sum and makes the
 // skip decision together with the other replicas, so every replica applies the same update.
 //
@@ -109,8 +110,9 @@ class CpuDrafterStage final : public DrafterStage {
         shape_str(f->taps().shape()), batch.T(), F);
     DrafterStepResult r;
     r.metrics = ObjectiveMetrics(cfg_.block_size);
-    // Σw of the whole step is 0 on every replica alike: all of them skip, none all-reduces.
-    if (!(batch.loss_normaliser() > 0)) {
+    // A step without a supervised slot is one on every replica alike: all of them skip, none
+    // all-reduces.
+    if (!batch.step_supervises()) {
       r.skip = StepSkip::no_supervised_slot;
       queue_.stepped(std::move(r));
       return;
@@ -124,6 +126,8 @@ class CpuDrafterStage final : public DrafterStage {
       r.metrics.loss_weighted_sum = out.loss_sum;
       r.metrics.weight_sum = out.weight_sum;
     }
+    // D-PACE's loss is divided by the sequences, this batch's documents (supervised or not).
+    if (batch.objective.dpace()) r.metrics.weight_sum = batch.loss_denominator();
     if (!collective_) r.grad_norm = std::sqrt(sum_squares_cpu(grads_.data(), layout_.total));
     queue_.stepped(std::move(r));
   }

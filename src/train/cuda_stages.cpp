@@ -21,12 +21,14 @@
 // it through host memory; a plain device copy on the same GPU), enqueues the forward/backward (one
 // graph per (context length, block rows) shape) and reads the results back. With several replicas,
 // update() all-reduces the gradient on the device (train/collective_cuda.cpp), recomputes its norm
-// and shares the skip decision, then runs AdamW with the factor clip/Σw of the whole step.
+// and shares the skip decision, then runs AdamW with the factor clip/normaliser of the whole step
+// (DrafterBatch::loss_normaliser: Σw, or the step's sequences for the D-PACE losses).
 //
 // Invariants: the step math is CudaTrainBackend's (same kernels, same padding: context rows·L,
 // block rows a multiple of kBlockRowsMultiple blocks), gradients computed unscaled and scaled in
-// AdamW. A CudaTargetStage outlives every CudaFeatures it made (the pipeline releases a target
-// worker only after every queue is drained and every drafter has left its loop).
+// AdamW; the D-PACE losses (DrafterCudaInputs::objective) run only here, one loss per run. A
+// CudaTargetStage outlives every CudaFeatures it made (the pipeline releases a target worker only
+// after every queue is drained and every drafter has left its loop).
 #include <memory>
 
 #include "core/error.hpp"
@@ -41,6 +43,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <utility>
 
@@ -319,6 +322,11 @@ class CudaDrafterStage final : public DrafterStage {
   void step(const DrafterBatch& b, const TargetFeatures& features) override {
     DFLASH_CHECK(!queue_.waiting_for_update(),
                  "cuda drafter stage: step() called twice without update() in between");
+    // The loss is part of the captured step graphs: one per run.
+    if (!objective_) objective_ = b.objective;
+    DFLASH_CHECK(b.objective == *objective_,
+                 "cuda drafter stage: a batch with loss {} after batches with loss {}",
+                 loss_type_name(b.objective.loss), loss_type_name(objective_->loss));
     DFLASH_CHECK(b.block_size == cfg_.block_size,
                  "cuda drafter stage: a batch of block size {} for a drafter of block size {}",
                  b.block_size, cfg_.block_size);
@@ -338,12 +346,14 @@ class CudaDrafterStage final : public DrafterStage {
         T, NK, max_ctx_, max_rows_);
     DrafterStepResult r;
     r.metrics = ObjectiveMetrics(cfg_.block_size);
-    if (!(b.loss_normaliser() > 0)) {  // the same on every replica: all skip, none all-reduces
+    if (!b.step_supervises()) {  // the same on every replica: all skip, none all-reduces
       r.skip = StepSkip::no_supervised_slot;
       queue_.stepped(std::move(r));
       return;
     }
     pending_scale_ = 1.0 / b.loss_normaliser();
+    // D-PACE's loss is divided by the sequences, this batch's documents (supervised or not).
+    if (b.objective.dpace()) r.metrics.weight_sum = b.loss_denominator();
     if (!(b.weight_sum > 0)) {
       // This replica's share adds nothing to the step's gradient (e.g. the empty row of an
       // epoch's last batch): a zero gradient joins the all-reduce, as on the CPU stage.
@@ -378,7 +388,7 @@ class CudaDrafterStage final : public DrafterStage {
     accumulate_metrics(r.metrics, b.targets, std::span<const int32_t>(res.argmax.data(), real_rows),
                        {});
     r.metrics.loss_weighted_sum = res.loss_sum;
-    r.metrics.weight_sum = res.weight_sum;
+    r.metrics.weight_sum = b.objective.dpace() ? b.loss_denominator() : res.weight_sum;
     if (!collective_) r.grad_norm = res.grad_norm * pending_scale_;
     queue_.stepped(std::move(r));
   }
@@ -475,6 +485,7 @@ class CudaDrafterStage final : public DrafterStage {
     in.ranges = block_ranges_.device<AttnRange>();
     in.labels = labels_.device<int32_t>();
     in.weights = weights_.device<float>();
+    in.objective = *objective_;
     drafter_->forward_backward(in, 1.0);  // unscaled: the step's 1/Σw is applied by adamw()
   }
 
@@ -506,6 +517,7 @@ class CudaDrafterStage final : public DrafterStage {
   double clip_grad_norm_;
   int64_t updates_ = 0;
   double pending_scale_ = 1.0;             // 1/Σw of the step waiting for update()
+  std::optional<Objective> objective_;     // the run's loss, fixed by the first batch
   // Around the step's forward/backward and around AdamW (owned by ctx_).
   cudaEvent_t ev_step_start_ = nullptr, ev_step_end_ = nullptr;
   cudaEvent_t ev_opt_start_ = nullptr, ev_opt_end_ = nullptr;

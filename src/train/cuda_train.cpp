@@ -243,6 +243,10 @@ void CudaTrainBackend::fill_nan(TargetFeatures& features) {
 void CudaTrainBackend::step(const DrafterBatch& b, const TargetFeatures& features) {
   DFLASH_CHECK(!queue_.waiting_for_update(),
                "CudaTrainBackend: step() called twice without update() in between");
+  DFLASH_CHECK(!b.objective.dpace(),
+               "CudaTrainBackend: training.loss_type {} is not implemented here (it computes the "
+               "dflash loss; dflash train runs D-PACE through the pipeline's cuda stages)",
+               loss_type_name(b.objective.loss));
   const auto* f = dynamic_cast<const CudaTargetFeatures*>(&features);
   DFLASH_CHECK(f != nullptr && f->owner == this,
                "CudaTrainBackend: the features come from another backend's target stage");

@@ -145,6 +145,8 @@ const std::vector<Field>& schema() {
     f.push_back(make_field("training", "num_anchors", T, &TrainingSection::num_anchors, true));
     f.push_back(make_field("training", "block_size", T, &TrainingSection::block_size, true));
     f.push_back(make_field("training", "gamma", T, &TrainingSection::gamma, true));
+    f.push_back(make_field("training", "loss_type", T, &TrainingSection::loss_type, true));
+    f.push_back(make_field("training", "dpace_alpha", T, &TrainingSection::dpace_alpha, true));
     f.push_back(make_field("training", "seed", T, &TrainingSection::seed, true));
     f.push_back(make_field("training", "save_interval", T, &TrainingSection::save_interval, false));
     f.push_back(make_field("training", "keep_last", T, &TrainingSection::keep_last, false));
@@ -363,6 +365,9 @@ void RunConfig::validate() const {
   DFLASH_CHECK(training.recompute == "auto" || training.recompute == "always" ||
                    training.recompute == "never",
                "training.recompute must be auto, always or never, got '{}'", training.recompute);
+  objective_of(training);  // names training.loss_type when it is not a loss
+  DFLASH_CHECK(training.dpace_alpha >= 0 && training.dpace_alpha <= 1,
+               "training.dpace_alpha must be in [0, 1], got {}", training.dpace_alpha);
   DFLASH_CHECK(runtime.backend == "cpu" || runtime.backend == "cuda",
                "runtime.backend must be cpu or cuda, got '{}'", runtime.backend);
   DFLASH_CHECK(!runtime.devices.empty(), "runtime.devices must list at least one device");
@@ -398,6 +403,15 @@ std::string RunConfig::to_yaml() const {
   out << YAML::Key << "output_dir" << YAML::Value << output_dir;
   out << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
+}
+
+Objective objective_of(const TrainingSection& t) {
+  const std::optional<LossType> loss = loss_type_parse(t.loss_type);
+  DFLASH_CHECK(loss.has_value(),
+               "training.loss_type must be dflash, dpace, dpace-cumulative-confidence-only or "
+               "dpace-continuation-value-only, got '{}'",
+               t.loss_type);
+  return Objective{*loss, t.dpace_alpha};
 }
 
 int64_t RunConfig::block_budget() const {

@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "train/objective.hpp"
+
 namespace dflash {
 
 /// `model` section.
@@ -60,7 +62,11 @@ struct TrainingSection {
   double clip_grad_norm = 1.0;       ///< 0 = no clipping
   int num_anchors = 512;             ///< per document
   int block_size = 16;
-  double gamma = 7.0;                ///< ≤ 0: all slot weights 1
+  double gamma = 7.0;  ///< ≤ 0: all slot weights 1 (dflash only)
+  /// dflash | dpace | dpace-cumulative-confidence-only | dpace-continuation-value-only
+  /// (OBJECTIVES.md §1.1; LossType), on either backend.
+  std::string loss_type = "dflash";
+  double dpace_alpha = 0.5;  ///< D-PACE smoothing α of s_k = (1−α)q_k + α, in [0, 1]
   uint64_t seed = 0;
   int64_t save_interval = 0;         ///< 0 = only at the end
   int keep_last = 3;                 ///< complete checkpoints kept
@@ -134,6 +140,10 @@ struct RunConfig {
   /// and model.target_layer_ids when the number of taps changes), as "key: old -> new".
   std::vector<std::string> shape_changes(const RunConfig& other) const;
 };
+
+/// The Objective of a validated `training` section (loss_type parsed, dpace_alpha); throws
+/// dflash::Error naming training.loss_type when it is not one of LossType's names.
+Objective objective_of(const TrainingSection& training);
 
 /// The resume-compatibility check of `dflash train --resume DIR`: `saved` is the configuration of
 /// the checkpoint, `requested` the one the run would continue with. Throws dflash::Error naming

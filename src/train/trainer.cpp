@@ -189,8 +189,8 @@ struct Session {
         batcher(make_batcher(c, prepare_data(c, r, tok, rep), topo.drafters())),
         per_epoch(batcher.batches_in_epoch(0)),
         total_steps(total_steps_of(c, per_epoch)),
-        batch_opts{c.training.block_size, c.training.num_anchors, c.training.gamma,
-                   c.training.seed},
+        batch_opts{c.training.block_size, c.training.num_anchors, c.training.gamma, c.training.seed,
+                   objective_of(c.training)},
         export_dtype(dtype_from_name(c.training.export_dtype)) {
     st.interval = IntervalMetrics(c.training.block_size);
     sched.base_lr = c.training.lr;
@@ -288,14 +288,19 @@ DrafterState restore_or_init(Session& s, const TrainOptions& opts, const fs::pat
 StepInput make_step(Session& s) {
   StepInput in;
   double weight_sum = 0;
+  int64_t documents = 0;
   const Batch global = s.batcher.next();
   const int64_t rows = s.cfg.data.rows_per_step;
   for (int r = 0; r < s.topo.drafters(); ++r) {
     in.batches.push_back(drafter_batch_from_rows(global, r * rows, (r + 1) * rows, s.batch_opts));
     weight_sum += in.batches.back().weight_sum;
+    documents += in.batches.back().n_docs();
   }
   if (s.topo.drafters() > 1) {
-    for (DrafterBatch& b : in.batches) b.step_weight_sum = weight_sum;
+    for (DrafterBatch& b : in.batches) {
+      b.step_weight_sum = weight_sum;
+      b.step_documents = documents;
+    }
   }
   in.cursor = s.batcher.cursor();
   return in;
@@ -494,6 +499,12 @@ TrainResult train_loop(Session& s, const TrainOptions& opts, const DrafterState&
   po.fault = fault_spec_from_env(s.topo);
   po.collective = collective_group_create(s.cfg.runtime.backend, s.topo.drafter_devices);
   if (po.collective) s.report.log(fmt::format("collective: {}", po.collective->kind()));
+  if (s.batch_opts.objective.dpace()) {
+    s.report.log(fmt::format(
+        "loss: {} (alpha {}): Σ w·CE divided by the step's sequences "
+        "(documents); training.gamma is ignored",
+        loss_type_name(s.batch_opts.objective.loss), s.batch_opts.objective.dpace_alpha));
+  }
   if (po.fault) {
     s.report.log(fmt::format("fault injection: DFLASH_FAULT_INJECT={}", po.fault->text));
   }

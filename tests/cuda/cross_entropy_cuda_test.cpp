@@ -31,9 +31,9 @@ void run(int64_t R, int64_t H, int64_t V, int64_t chunk, uint32_t seed) {
   const auto hf = from_bf16(hidden);
   std::vector<float> dh_ref(static_cast<size_t>(R * H)), lse_ref(static_cast<size_t>(R));
   std::vector<int32_t> am_ref(static_cast<size_t>(R));
-  const CrossEntropyStats st = cross_entropy_fused_cpu(
-      dh_ref.data(), lse_ref.data(), am_ref.data(), hf.data(), head.data(), labels.data(),
-      weights.data(), p);
+  const CrossEntropyStats st =
+      cross_entropy_fused_cpu(dh_ref.data(), lse_ref.data(), am_ref.data(), nullptr, hf.data(),
+                              head.data(), labels.data(), weights.data(), p);
 
   DeviceGuarded<uint16_t> dhid(hidden), dhead(head);
   DeviceGuarded<int32_t> dlab(labels);
@@ -82,8 +82,8 @@ TEST(CrossEntropyCuda, NullWeightsMeanAllOnes) {
   for (int64_t r = 0; r < R; ++r) labels[static_cast<size_t>(r)] = static_cast<int32_t>(r * 31 % V);
   FusedCeParams p{R, H, V, 4, 1.0};
   const auto hf = from_bf16(hidden);
-  const CrossEntropyStats st = cross_entropy_fused_cpu(nullptr, nullptr, nullptr, hf.data(),
-                                                       head.data(), labels.data(), nullptr, p);
+  const CrossEntropyStats st = cross_entropy_fused_cpu(
+      nullptr, nullptr, nullptr, nullptr, hf.data(), head.data(), labels.data(), nullptr, p);
   DeviceGuarded<uint16_t> dhid(hidden), dhead(head);
   DeviceGuarded<int32_t> dlab(labels);
   DeviceGuarded<double> sums(2);

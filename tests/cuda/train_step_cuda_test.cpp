@@ -22,6 +22,7 @@
 #include "model/objective.hpp"
 #include "model/target.hpp"
 #include "model/target_cuda.hpp"
+#include "ops/loss_weights.hpp"
 #include "train/memory_plan.hpp"
 #include "train/optimizer.hpp"
 #include "util/test_util.hpp"
@@ -41,8 +42,8 @@ struct HostBatch {
   std::vector<BlockTargets> targets;
 };
 
-HostBatch make_batch(const std::vector<std::vector<int>>& doc_lengths, int64_t L, int64_t V,
-                     int K, int num_anchors, uint32_t seed) {
+HostBatch make_batch(const std::vector<std::vector<int>>& doc_lengths, int64_t L, int64_t V, int K,
+                     int num_anchors, uint32_t seed, double gamma = 7.0) {
   HostBatch b;
   b.L = L;
   std::mt19937 rng(seed);
@@ -60,7 +61,7 @@ HostBatch make_batch(const std::vector<std::vector<int>>& doc_lengths, int64_t L
       off.push_back(static_cast<int32_t>(t.size()));
     }
     b.anchors.push_back(sample_anchors(m, off, num_anchors, arng));
-    b.targets.push_back(block_targets(t, m, off, b.anchors.back(), K, 7.0));
+    b.targets.push_back(block_targets(t, m, off, b.anchors.back(), K, gamma));
     b.tokens.push_back(std::move(t));
     b.offsets.push_back(std::move(off));
     b.mask.push_back(std::move(m));
@@ -68,9 +69,11 @@ HostBatch make_batch(const std::vector<std::vector<int>>& doc_lengths, int64_t L
   return b;
 }
 
-// Rows [first, last) of `b` as one DrafterBatch (block size K).
-DrafterBatch drafter_batch_of(const HostBatch& b, int K, size_t first = 0, size_t last = SIZE_MAX) {
+// Rows [first, last) of `b` as one DrafterBatch (block size K, loss `obj`).
+DrafterBatch drafter_batch_of(const HostBatch& b, int K, size_t first = 0, size_t last = SIZE_MAX,
+                              const Objective& obj = {}) {
   DrafterBatch d(K);
+  d.objective = obj;
   for (size_t r = first; r < std::min(last, b.tokens.size()); ++r) {
     d.append_row(b.tokens[r], b.offsets[r], b.anchors[r], b.targets[r]);
   }
@@ -150,8 +153,11 @@ TEST(TargetCuda, TapsMatchCpuOnPackedRows) {
   }
 }
 
-TEST(DrafterCuda, StepMatchesCpuReference) {
-  DFLASH_REQUIRE_GPU();
+namespace {
+
+// DrafterCuda's step with loss `obj` against drafter_train_step summed over the rows (loss, Σw,
+// every parameter gradient, the norm, the argmax), determinism, and an AdamW step.
+void expect_step_matches_cpu(const Objective& obj) {
   DrafterConfig c;
   c.hidden_size = 128;
   c.intermediate_size = 160;
@@ -182,15 +188,18 @@ TEST(DrafterCuda, StepMatchesCpuReference) {
   const std::vector<float> head = round_bf16(randn(static_cast<size_t>(V * H), 2, 0.1f));
 
   // Three rows of 61 slots with several documents and padding; up to 6 anchors per document.
-  HostBatch b = make_batch({{1, 30, 17}, {61}, {5, 12}}, 61, V, K, 6, 3);
-  const Staged s = stage(drafter_batch_of(b, K), c.mask_token_id, 8 * K);
+  // D-PACE ignores γ: its static weights are the mask (drafter_batch_from_rows).
+  HostBatch b = make_batch({{1, 30, 17}, {61}, {5, 12}}, 61, V, K, 6, 3, obj.dpace() ? 0.0 : 7.0);
+  const DrafterBatch whole = drafter_batch_of(b, K, 0, SIZE_MAX, obj);
+  const Staged s = stage(whole, c.mask_token_id, 8 * K);
   ASSERT_GT(s.N, 8);
   ASSERT_GT(s.NK, s.N * K);  // padding blocks are exercised
   const std::vector<float> feats = round_bf16(randn(static_cast<size_t>(s.T * F), 9, 1.0f));
 
-  // CPU reference: one drafter_train_step per row, gradients scaled by 1/Σw of the whole step.
-  const double total_w = drafter_batch_of(b, K).weight_sum;
-  ASSERT_GT(total_w, 0);
+  // CPU reference: one drafter_train_step per row (D-PACE's weights are per block, so the rows'
+  // sum is the step), gradients scaled by 1/normaliser of the whole step (Σw or the documents).
+  const double total_w = whole.loss_normaliser();
+  ASSERT_GT(whole.weight_sum, 0);
   std::vector<float> cpu_grads(params.size(), 0.0f);
   DrafterTables<float> tables{embed.data(), head.data()};
   DrafterWorkspace<float> ws;
@@ -198,7 +207,7 @@ TEST(DrafterCuda, StepMatchesCpuReference) {
   std::vector<int32_t> cpu_argmax;
   int64_t t0 = 0;  // the row's first context row in the packed step
   for (size_t r = 0; r < b.tokens.size(); ++r) {
-    const DrafterBatch row = drafter_batch_of(b, K, r, r + 1);
+    const DrafterBatch row = drafter_batch_of(b, K, r, r + 1, obj);
     const float* row_features = feats.data() + t0 * F;
     t0 += row.T();
     if (row.N() == 0) continue;
@@ -228,13 +237,15 @@ TEST(DrafterCuda, StepMatchesCpuReference) {
   in.ranges = device_copy(ctx, keep, s.block_ranges);
   in.labels = device_copy(ctx, keep, s.labels);
   in.weights = device_copy(ctx, keep, s.weights);
+  in.objective = obj;
 
   dc.forward_backward(in, 1.0 / total_w);
   const DrafterCuda::Results r1 = dc.fetch_results(s.NK);
   std::vector<float> gpu_grads(params.size());
   dc.download_grads(gpu_grads);
 
-  EXPECT_NEAR(r1.weight_sum, cpu_w, 1e-6 * cpu_w);
+  // D-PACE's Σw depends on the rows' CE, which the GPU's bf16 activations move a little.
+  EXPECT_NEAR(r1.weight_sum, cpu_w, (obj.dpace() ? 1e-3 : 1e-6) * cpu_w);
   EXPECT_NEAR(r1.loss_sum, cpu_loss, 1e-2 * std::abs(cpu_loss));
   std::printf("loss sum cpu %.6f gpu %.6f; Σw %.4f\n", cpu_loss, r1.loss_sum, cpu_w);
   for (const auto& p : layout.params) {
@@ -279,6 +290,71 @@ TEST(DrafterCuda, StepMatchesCpuReference) {
   EXPECT_TRUE(same_bits(p_gpu, p_cpu));
   EXPECT_TRUE(same_bits(m_gpu, m_cpu));
   EXPECT_TRUE(same_bits(v_gpu, v_cpu));
+}
+
+}  // namespace
+
+TEST(DrafterCuda, StepMatchesCpuReference) {
+  DFLASH_REQUIRE_GPU();
+  expect_step_matches_cpu(Objective{});
+}
+
+// The D-PACE losses on the device (one CE pass, weights from the rows' CE, the rows' gradients
+// scaled) against the CPU step, for each variant.
+TEST(DrafterCuda, DPaceStepMatchesCpuReference) {
+  DFLASH_REQUIRE_GPU();
+  for (LossType loss : {LossType::dpace, LossType::dpace_cumulative_confidence_only,
+                        LossType::dpace_continuation_value_only}) {
+    SCOPED_TRACE(loss_type_name(loss));
+    std::printf("loss_type %s\n", loss_type_name(loss));
+    expect_step_matches_cpu(Objective{loss, 0.3});
+  }
+}
+
+// The device D-PACE weights against the CPU op on random CE values with masked rows (a block
+// size that fills no warp evenly, blocks beyond one per thread), and the row scaling.
+TEST(LossWeightsCuda, DPaceWeightsAndRowScalingMatchTheCpu) {
+  DFLASH_REQUIRE_GPU();
+  cuda::CudaContext ctx(0);
+  const int64_t N = 700, K = 13, H = 37;
+  std::vector<float> ce = randn(static_cast<size_t>(N * K), 5, 1.0f), mask(ce.size());
+  for (size_t i = 0; i < ce.size(); ++i) {
+    ce[i] = std::abs(ce[i]) * 3.0f;
+    mask[i] = (i % static_cast<size_t>(K)) != 0 && (i * 7919) % 5 != 0 ? 1.0f : 0.0f;
+  }
+  const std::vector<float> x = randn(static_cast<size_t>(N * K * H), 6, 1.0f);
+  std::vector<cuda::DeviceBuffer> keep;
+  for (LossType loss : {LossType::dpace, LossType::dpace_cumulative_confidence_only,
+                        LossType::dpace_continuation_value_only}) {
+    SCOPED_TRACE(loss_type_name(loss));
+    const Objective obj{loss, 0.25};
+    std::vector<float> w_cpu = ce;
+    double sums_cpu[2];
+    dpace_weights_cpu(w_cpu.data(), sums_cpu, mask.data(), N, K, obj);
+    float* d_w = device_copy(ctx, keep, ce);
+    const float* d_mask = device_copy(ctx, keep, mask);
+    double* d_sums = device_copy(ctx, keep, std::vector<double>(2, -1.0));
+    dpace_weights_cuda(ctx, d_w, d_sums, d_mask, N, K, obj);
+    float* d_x = device_copy(ctx, keep, x);
+    rows_scale_cuda(ctx, d_x, d_w, N * K, H);
+    std::vector<float> w_gpu(ce.size()), x_gpu(x.size());
+    double sums_gpu[2];
+    DFLASH_CUDA_CHECK(cudaMemcpy(w_gpu.data(), d_w, w_gpu.size() * 4, cudaMemcpyDeviceToHost));
+    DFLASH_CUDA_CHECK(cudaMemcpy(x_gpu.data(), d_x, x_gpu.size() * 4, cudaMemcpyDeviceToHost));
+    DFLASH_CUDA_CHECK(cudaMemcpy(sums_gpu, d_sums, sizeof sums_gpu, cudaMemcpyDeviceToHost));
+    // The same double formula: the weights agree to within an ulp or so (device exp).
+    EXPECT_LT(rel_error(w_gpu, w_cpu), 1e-6);
+    for (size_t i = 0; i < ce.size(); ++i) {
+      if (mask[i] == 0.0f) {
+        EXPECT_EQ(w_gpu[i], 0.0f) << i;
+      }
+    }
+    EXPECT_NEAR(sums_gpu[0], sums_cpu[0], 1e-9 * std::abs(sums_cpu[0]));
+    EXPECT_NEAR(sums_gpu[1], sums_cpu[1], 1e-9 * std::abs(sums_cpu[1]));
+    std::vector<float> x_cpu = x;
+    rows_scale_cpu(x_cpu.data(), w_gpu.data(), N * K, H);
+    EXPECT_TRUE(same_bits(x_gpu, x_cpu));
+  }
 }
 
 // The memory plan lets buffers of disjoint phases share bytes. If a phase set in model/step_plan

@@ -189,7 +189,7 @@ S* fused_workspace(int64_t n) {
 }
 
 template <typename S, typename W>
-CrossEntropyStats fused_impl(S* d_hidden, S* lse, int32_t* argmax, const S* hidden,
+CrossEntropyStats fused_impl(S* d_hidden, S* lse, int32_t* argmax, S* row_loss_out, const S* hidden,
                              const W* head, const int32_t* labels, const S* weights,
                              const FusedCeParams& p) {
   const int64_t R = p.R, H = p.H, V = p.V;
@@ -220,6 +220,7 @@ CrossEntropyStats fused_impl(S* d_hidden, S* lse, int32_t* argmax, const S* hidd
     linear_bwd_cpu(d_hidden + r0 * H, static_cast<S*>(nullptr), static_cast<S*>(nullptr), logits,
                    hidden + r0 * H, head, n, H, V);
   }
+  if (row_loss_out) std::copy(row_loss.begin(), row_loss.end(), row_loss_out);
   return sum_stats(row_loss.data(), weights, R);
 }
 
@@ -246,22 +247,22 @@ void cross_entropy_bwd_cpu(double* dlogits, const double* logits, const double* 
   bwd_impl(dlogits, logits, lse, labels, weights, grad_scale, R, V);
 }
 CrossEntropyStats cross_entropy_fused_cpu(float* d_hidden, float* lse, int32_t* argmax,
-                                          const float* hidden, const float* head,
+                                          float* row_loss, const float* hidden, const float* head,
                                           const int32_t* labels, const float* weights,
                                           const FusedCeParams& p) {
-  return fused_impl(d_hidden, lse, argmax, hidden, head, labels, weights, p);
+  return fused_impl(d_hidden, lse, argmax, row_loss, hidden, head, labels, weights, p);
 }
 CrossEntropyStats cross_entropy_fused_cpu(float* d_hidden, float* lse, int32_t* argmax,
-                                          const float* hidden, const uint16_t* head_bf16,
-                                          const int32_t* labels, const float* weights,
-                                          const FusedCeParams& p) {
-  return fused_impl(d_hidden, lse, argmax, hidden, head_bf16, labels, weights, p);
+                                          float* row_loss, const float* hidden,
+                                          const uint16_t* head_bf16, const int32_t* labels,
+                                          const float* weights, const FusedCeParams& p) {
+  return fused_impl(d_hidden, lse, argmax, row_loss, hidden, head_bf16, labels, weights, p);
 }
 CrossEntropyStats cross_entropy_fused_cpu(double* d_hidden, double* lse, int32_t* argmax,
-                                          const double* hidden, const double* head,
-                                          const int32_t* labels, const double* weights,
-                                          const FusedCeParams& p) {
-  return fused_impl(d_hidden, lse, argmax, hidden, head, labels, weights, p);
+                                          double* row_loss, const double* hidden,
+                                          const double* head, const int32_t* labels,
+                                          const double* weights, const FusedCeParams& p) {
+  return fused_impl(d_hidden, lse, argmax, row_loss, hidden, head, labels, weights, p);
 }
 
 }  // namespace dflash

@@ -14,6 +14,7 @@
 #include "core/dtype.hpp"
 #include "ops/adamw.hpp"
 #include "ops/attention.hpp"
+#include "ops/loss_weights.hpp"
 
 namespace dflash::cuda {
 
@@ -144,5 +145,12 @@ void ce_rows(float* row_loss, float* lse, int32_t* argmax, uint16_t* dlogits, co
 /// sums[0] = Σ row_loss, sums[1] = Σ w (null weights: R) in double, fixed order (one block).
 void ce_sums(double* sums, const float* row_loss, const float* weights, int64_t R,
              cudaStream_t s);
+
+// ---- loss_weights.cu (semantics: ops/loss_weights.hpp)
+/// D-PACE weights in place (w: CE in, weight out) and sums {Σ w·CE, Σ w}; one CTA; K ≤ 64.
+void dpace_weights(float* w, double* sums, const float* mask, int64_t N, int K, LossType loss,
+                   double alpha, cudaStream_t s);
+/// x[r, :] *= w[r] over R rows of H.
+void rows_scale(float* x, const float* w, int64_t R, int64_t H, cudaStream_t s);
 
 }  // namespace dflash::cuda::launch

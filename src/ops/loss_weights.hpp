@@ -1,0 +1,81 @@
+// dflash.cpp — per-row loss weights that depend on the rows' own cross-entropy (D-PACE,
+// ../shared/OBJECTIVES.md §1.1; the formula is dpace_block_weights below), and the
+// row scaling that applies such weights to a gradient computed with unit weights.
+//
+// Layout: N blocks of K consecutive rows, block-major (slot k of block b is row b·K + k), as the
+// drafter's block rows; a row is supervised where its mask is not 0.
+// Invariants: `w` is in-out (each row's CE in, its weight out); rows that are not supervised get
+// weight 0 and their CE is never read; sums are reduced in a fixed order (the same bits every
+// run). Activation gradients scaled by rows_scale_* are updated in place.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+namespace dflash {
+
+/// The loss of a training step (`training.loss_type`, OBJECTIVES.md §1.1). `dflash`: Σ w·CE / Σ w
+/// with DESIGN.md §1's static slot weights. The three D-PACE losses weigh each supervised slot by a
+/// function of the drafter's own per-slot confidences in the step (dpace_block_weights) and divide
+/// by the number of sequences instead of Σ w; γ is ignored. Inference and export are the same for
+/// all four.
+enum class LossType {
+  dflash,
+  dpace,                             ///< w_k = R_k (continuation value)
+  dpace_cumulative_confidence_only,  ///< w_k = P_k (cumulative confidence)
+  dpace_continuation_value_only,     ///< w_k = R_k / max(P_k, tiny)
+};
+
+/// What a step optimises: the loss type and D-PACE's smoothing α ∈ [0, 1] (unused by dflash).
+struct Objective {
+  LossType loss = LossType::dflash;
+  double dpace_alpha = 0.5;
+  /// True for the three D-PACE losses.
+  bool dpace() const { return loss != LossType::dflash; }
+  bool operator==(const Objective&) const = default;
+};
+
+/// D-PACE weights of one block of K slots (OBJECTIVES.md §1.1; SpecForge `_dpace_weight`):
+///   q_k = exp(−ce_k), s_k = (1−α)·q_k + α where supervised[k], else 1,
+///   P_k = Π_{j≤k} s_j,  R_k = Σ_{j≥k} [supervised_j]·P_j,
+///   w_k = R_k (dpace) | P_k (…cumulative-confidence-only) | R_k / max(P_k, tiny)
+///   (…continuation-value-only; tiny = the smallest normal double).
+/// `ce` [K] is read only where `supervised` is set; `w` [K] is written for every slot (the loss
+/// multiplies it by the mask, so an unsupervised slot's weight is never used). Computed in double
+/// in slot order. The weights are constants of the step (no gradient flows through them).
+/// Throws dflash::Error when the spans differ in size, for `dflash`, or α outside [0, 1].
+void dpace_block_weights(std::span<double> w, std::span<const double> ce,
+                         std::span<const uint8_t> supervised, const Objective& obj);
+
+
+/// The largest block the D-PACE weight ops take (training.block_size's bound).
+inline constexpr int64_t kDpaceMaxBlock = 64;
+
+/// Checks the arguments of the D-PACE weight ops (both backends); throws dflash::Error naming
+/// `op` for a dflash objective, α outside [0, 1], N < 0 or K outside [1, kDpaceMaxBlock].
+void dpace_weights_check(const char* op, int64_t N, int64_t K, const Objective& obj);
+
+/// D-PACE weights of N blocks of K rows, in place: on entry w [N·K] holds each row's CE (read only
+/// where mask [N·K] is not 0); on return each supervised row holds its dpace_block_weights weight
+/// (computed in double, rounded once) and every other row 0. sums [2] = {Σ w·CE, Σ w} (double,
+/// the unrounded weights). Throws dflash::Error as dpace_weights_check.
+void dpace_weights_cpu(float* w, double* sums, const float* mask, int64_t N, int64_t K,
+                       const Objective& obj);
+
+/// x [R, H] (row-major): x[r, :] *= w[r].
+void rows_scale_cpu(float* x, const float* w, int64_t R, int64_t H);
+
+#ifdef DFLASH_HAVE_CUDA
+namespace cuda {
+class CudaContext;
+}
+
+/// CUDA dpace_weights_cpu (device pointers; one CTA, one thread per block of rows, sums reduced
+/// in a fixed order). Enqueue only, graph-capturable.
+void dpace_weights_cuda(cuda::CudaContext& ctx, float* w, double* sums, const float* mask,
+                        int64_t N, int64_t K, const Objective& obj);
+/// CUDA rows_scale_cpu (device pointers). Enqueue only.
+void rows_scale_cuda(cuda::CudaContext& ctx, float* x, const float* w, int64_t R, int64_t H);
+#endif
+
+}  // namespace dflash
