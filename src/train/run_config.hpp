@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "train/objective.hpp"
+#include "model/objective.hpp"
 
 namespace dflash {
 

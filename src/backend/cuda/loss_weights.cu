@@ -1,5 +1,5 @@
 // dflash.cpp — CUDA loss weights from the rows' own CE (ops/loss_weights.hpp): D-PACE weights of
-// blocks of rows (the formula of dpace_block_weights, train/objective.hpp, in double), and the row
+// blocks of rows (the formula of dpace_block_weights, ops/loss_weights.hpp, in double), and the row
 // scaling that applies them to a gradient made with unit weights. One CTA computes every block's
 // weights (a step has at most a few thousand blocks of ≤ 64 rows: microseconds) and reduces the
 // sums in a fixed order, so two runs give the same bits.
