@@ -69,17 +69,22 @@ enum Tag : int {
     }                                                                                    \
   } while (0)
 
-// Polls until `ready()` (which may make MPI calls), sleeping a little between polls once the
-// first ones found nothing; `check()` runs between polls and may throw.
+// Polls until `ready()` (which may make MPI calls); `check()` runs between polls and may throw.
+// MPI moves a non-blocking message on only while the process calls into it, so the first 2 s
+// poll with a bare yield (as MPI's own blocking calls spin); past that, the peer is slow, and
+// the loop sleeps a millisecond between polls.
 template <typename Ready, typename Check>
 void poll_until(Ready ready, Check check) {
+  const auto spin_until = Clock::now() + std::chrono::seconds(2);
+  bool spinning = true;
   for (int i = 0;; ++i) {
     if (ready()) return;
     check();
-    if (i < 200) {
+    if (spinning && (i & 1023) == 1023) spinning = Clock::now() < spin_until;
+    if (spinning) {
       std::this_thread::yield();
     } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(i < 2000 ? 50 : 500));
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   }
 }
