@@ -223,7 +223,7 @@ bool check_resume_topology(Session& s, const RunConfig& saved, const TrainOption
           "--resume {}: the checkpoint was trained by a job of {} rank{} (mpirun -np) and this "
           "one has {}; a step's global batch has rows_per_step rows per drafter replica of every "
           "rank, so this would change the run (use --force to continue anyway)",
-          s.rd.path().string(), was_ranks, was_ranks == 1 ? "" : "s", now_ranks);
+          s.cfg.output_dir, was_ranks, was_ranks == 1 ? "" : "s", now_ranks);
     }
     s.report.log(fmt::format("--force: continuing with {} rank{} (the checkpoint had {})",
                              now_ranks, now_ranks == 1 ? "" : "s", was_ranks));
@@ -234,7 +234,7 @@ bool check_resume_topology(Session& s, const RunConfig& saved, const TrainOption
         "--resume {}: the checkpoint was trained with {} drafter replica{} and this run has {} "
         "({}); a step's global batch has rows_per_step rows per replica, so this would change "
         "the run (use --force to continue anyway)",
-        s.rd.path().string(), was, was == 1 ? "" : "s", now, s.topo.drafter_key);
+        s.cfg.output_dir, was, was == 1 ? "" : "s", now, s.topo.drafter_key);
   }
   s.report.log(fmt::format(
       "--force: continuing with {} drafter replicas (the checkpoint had {}); each step's global "
@@ -268,7 +268,7 @@ DrafterState restore_or_init(Session& s, const TrainOptions& opts, const fs::pat
     s.st = checkpoint_read_state(checkpoint);
     const RunConfig saved =
         RunConfig::from_yaml(s.st.config_yaml, (checkpoint / "trainer_state/state.json").string());
-    const auto diffs = resume_check(saved, s.cfg, opts.force, s.rd.path().string());
+    const auto diffs = resume_check(saved, s.cfg, opts.force, s.cfg.output_dir);
     const bool replicas_changed = check_resume_topology(s, saved, opts);
     checkpoint_read_drafter(checkpoint, s.layout, s.st, ds);
     if (diffs.empty() && !replicas_changed) {
@@ -746,7 +746,7 @@ TrainResult train_loop(Session& s, const TrainOptions& opts, const DrafterState&
     result.interrupted = true;
     const int sig = g_stop_signal.load();
     s.report.log(sig ? fmt::format("stopped by signal {} after step {}; resume with --resume {}",
-                                   sig, s.st.step, s.rd.path().string())
+                                   sig, s.st.step, s.cfg.output_dir)
                      : fmt::format("halted after step {} (--halt-at-step)", s.st.step));
   }
   return result;
