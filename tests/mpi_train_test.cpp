@@ -2,15 +2,18 @@
 // drafter workers each train exactly like one process with 2·L drafter workers (the same weights,
 // bit for bit, and the same metrics; with L = 2, four addends per sum, so that a summation order
 // other than the global replica order would show), resume from their checkpoint with the same rank
-// count and continue exactly, refuse another rank count, and a fault on rank 1 stops rank 0 naming
-// rank 1 and the worker. Tiny runs (a 200-conversation slice of the corpus, one 256-token row per
-// replica and step, 2 anchors per document): seconds on a 2-core machine.
+// count and continue exactly, refuse another rank count, a fault on rank 1 stops rank 0 naming
+// rank 1 and the worker, and a signal stops both ranks after the same step. Tiny runs (a
+// 200-conversation slice of the corpus, one 256-token row per replica and step, 2 anchors per
+// document): seconds on a 2-core machine.
 #include <gtest/gtest.h>
+#include <signal.h>
 
 #include <chrono>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <thread>
 
 #include "core/error.hpp"
 #include "model/safetensors.hpp"
@@ -187,4 +190,47 @@ TEST(MpiTrain, AFaultOnRankOneStopsRankZeroNamingRankAndWorker) {
   EXPECT_TRUE(fs::exists(tmp / "job" / "checkpoint-3" / "COMPLETE")) << log;
   // Bounded: the ranks stop within the pipeline's grace period, far below the stall timeout.
   EXPECT_LT(r.seconds, 60.0) << r.log;
+}
+
+// SIGTERM to mpirun reaches every rank; rank 0 picks the stop step and tells rank 1, so both stop
+// after the same step, in the same state, and rank 0 checkpoints it.
+TEST(MpiTrain, ASignalStopsEveryRankAfterTheSameStep) {
+  SKIP_WITHOUT_MPI();
+#ifdef DFLASH_MPIEXEC
+  test::TempDir tmp;
+  test::write_file(tmp / "run.yaml", yaml_for(tmp / "job", 1));
+  const std::vector<std::string> argv = {"--oversubscribe",
+                                         "-np",
+                                         "2",
+                                         test::dflash_binary(),
+                                         "train",
+                                         "--config",
+                                         (tmp / "run.yaml").string(),
+                                         "training.max_steps=100000",
+                                         "training.log_interval=1"};
+  const pid_t pid =
+      test::spawn_program(DFLASH_MPIEXEC, argv, tmp / "console.txt",
+                          {"OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1",
+                           "OMPI_MCA_btl_vader_single_copy_mechanism=none"});
+  // Signalled once rank 0 has logged step 5 (within a minute).
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (test::read_file(tmp / "console.txt").find("step 5/") == std::string::npos &&
+         std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ::kill(pid, SIGTERM);
+  test::wait_exit(pid, tmp / "console.txt", {.timeout_s = 60});
+  const std::string log = test::read_file(tmp / "job" / "log.txt");
+  ASSERT_NE(log.find("stopped by signal 15 after step"), std::string::npos)
+      << log << "\n--- console:\n"
+      << test::read_file(tmp / "console.txt");
+  EXPECT_NE(log.find("the 2 drafter replicas are bit-identical after step"), std::string::npos)
+      << log;
+  const auto ckpts = RunDir::complete_checkpoints(tmp / "job");
+  ASSERT_FALSE(ckpts.empty()) << log;
+  const std::string rank1 = test::read_file(tmp / "job" / "rank1" / "log.txt");
+  EXPECT_NE(rank1.find(fmt::format("stopped by signal 15 after step {};", ckpts.back().first)),
+            std::string::npos)
+      << rank1;
+#endif
 }
