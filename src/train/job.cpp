@@ -464,8 +464,8 @@ class MpiJob final : public Job {
     std::fprintf(stderr, "dflash: error (rank %d of %d): %s\n", rank_, size_, message.c_str());
     std::fflush(stderr);
     if (rank_ != 0) {
-      try {
-        report_failure(message);
+      try {  // named by rank (worker names already carry it: "rank1/drafter0 ...")
+        report_failure(message.rfind(name() + "/", 0) == 0 ? message : name() + ": " + message);
       } catch (const std::exception&) {
       }
       // Rank 0 logs the failure, stops its workers, checkpoints and aborts the job; this rank
