@@ -9,6 +9,7 @@
 #include <csignal>
 #include <filesystem>
 #include <optional>
+#include <sstream>
 
 #include "core/error.hpp"
 #include "core/fs.hpp"
@@ -674,12 +675,33 @@ void job_agree_end(Session& s, const PipelineOutcome& o) {
 // rank resolved the same configuration, data plan and initial drafter state (a node reading
 // another file, or another version of it, would train on other data), and tells every rank the
 // verdict. Throws dflash::Error (on every rank) naming the first rank and figure that differ.
+// The first line where two resolved configurations (RunConfig::to_yaml) differ, with its section:
+// "its configuration has 'training: lr: 0.002', rank 0's 'training: lr: 0.0006'".
+std::string config_difference(const std::string& theirs, const std::string& mine) {
+  std::istringstream a(theirs), b(mine);
+  std::string la, lb, section_a, section_b;
+  for (;;) {
+    const bool more_a = static_cast<bool>(std::getline(a, la));
+    const bool more_b = static_cast<bool>(std::getline(b, lb));
+    if (!more_a && !more_b) return "";
+    if (!la.empty() && la[0] != ' ') section_a = la;
+    if (!lb.empty() && lb[0] != ' ') section_b = lb;
+    if (more_a && more_b && la == lb) continue;
+    auto where = [](const std::string& section, const std::string& line, bool more) {
+      if (!more) return std::string("(nothing)");
+      return line.empty() || line[0] != ' ' ? fmt::format("'{}'", line)
+                                            : fmt::format("'{} {}'", section, line.substr(2));
+    };
+    return fmt::format("configuration has {}, rank 0's {}", where(section_a, la, more_a),
+                       where(section_b, lb, more_b));
+  }
+}
+
 void job_agree_start(Session& s, const DrafterState& initial) {
   RunConfig c = s.cfg;
   c.output_dir = "";  // the same folder may be mounted under other paths
   const std::vector<std::string> mine = {
-      fmt::format("configuration hash {:016x}", std::hash<std::string>()(c.to_yaml())),
-      fmt::format("initial drafter state hash {:016x}", drafter_state_hash(initial)),
+      c.to_yaml(), fmt::format("initial drafter state hash {:016x}", drafter_state_hash(initial)),
       fmt::format("first step {}, data cursor {}", s.st.step, s.batcher.cursor().to_json().dump()),
       fmt::format("{} steps, {} batches per epoch", s.total_steps, s.per_epoch),
       fmt::format("{} drafter workers", s.topo.drafters())};
@@ -690,10 +712,12 @@ void job_agree_start(Session& s, const DrafterState& initial) {
     for (size_t i = 0; i < mine.size() && verdict.empty(); ++i) {
       if (theirs.at(i) == mine[i]) continue;
       verdict = fmt::format(
-          "rank {} does not match rank 0: its {}, rank 0's {} (every rank must run the same "
-          "configuration, data files, target and drafter_workers; a resume needs the run "
-          "directory shared by every node)",
-          k, theirs[i], mine[i]);
+          "rank {} does not match rank 0: its {} (every rank must run the same configuration, "
+          "data files, target and drafter_workers; a resume needs the run directory shared by "
+          "every node)",
+          k,
+          i == 0 ? config_difference(theirs[i], mine[i])
+                 : fmt::format("{}, rank 0's {}", theirs[i], mine[i]));
     }
   }
   verdict = s.job->broadcast(verdict);
