@@ -9,10 +9,12 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sstream>
 #include <thread>
 
 #include "core/error.hpp"
@@ -75,7 +77,11 @@ struct MpiRun {
 MpiRun mpirun2(const fs::path& log, const std::vector<std::string>& args,
                const std::vector<std::string>& env = {}) {
 #ifdef DFLASH_MPIEXEC
-  std::vector<std::string> argv = {"--oversubscribe", "-np", "2", test::dflash_binary()};
+  // `args` holding ":" is mpirun's MPMD form: one rank with the arguments before it, then the
+  // application context after it.
+  const bool mpmd = std::find(args.begin(), args.end(), ":") != args.end();
+  std::vector<std::string> argv = {"--oversubscribe", "-np", mpmd ? "1" : "2",
+                                   test::dflash_binary()};
   argv.insert(argv.end(), args.begin(), args.end());
   std::vector<std::string> e = {"OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1",
                                 "OMPI_MCA_btl_vader_single_copy_mechanism=none"};
@@ -192,9 +198,24 @@ TEST(MpiTrain, AFaultOnRankOneStopsRankZeroNamingRankAndWorker) {
   EXPECT_LT(r.seconds, 60.0) << r.log;
 }
 
-// SIGTERM to mpirun reaches every rank; rank 0 picks the stop step and tells rank 1, so both stop
-// after the same step, in the same state, and rank 0 checkpoints it.
-TEST(MpiTrain, ASignalStopsEveryRankAfterTheSameStep) {
+// The pid of rank `rank` among the children of mpirun `launcher` (its OMPI_COMM_WORLD_RANK), or
+// -1 when it has not started yet.
+pid_t rank_pid(pid_t launcher, int rank) {
+  std::istringstream children(test::read_file(fmt::format(
+      "/proc/{}/task/{}/children", static_cast<int>(launcher), static_cast<int>(launcher))));
+  const std::string want = fmt::format("OMPI_COMM_WORLD_RANK={}", rank);
+  for (int child = 0; children >> child;) {
+    std::string env = test::read_file(fmt::format("/proc/{}/environ", child));
+    std::replace(env.begin(), env.end(), '\0', '\n');
+    if (("\n" + env + "\n").find("\n" + want + "\n") != std::string::npos) return child;
+  }
+  return -1;
+}
+
+// SIGTERM to rank 0 (mpirun itself SIGKILLs the ranks 1 s after forwarding a signal): rank 0
+// picks the stop step and tells rank 1, which got no signal, so both stop after the same step, in
+// the same state, and rank 0 checkpoints it.
+TEST(MpiTrain, ASignalToRankZeroStopsEveryRankAfterTheSameStep) {
   SKIP_WITHOUT_MPI();
 #ifdef DFLASH_MPIEXEC
   test::TempDir tmp;
@@ -218,8 +239,10 @@ TEST(MpiTrain, ASignalStopsEveryRankAfterTheSameStep) {
          std::chrono::steady_clock::now() < until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  ::kill(pid, SIGTERM);
-  test::wait_exit(pid, tmp / "console.txt", {.timeout_s = 60});
+  const pid_t rank0 = rank_pid(pid, 0);
+  ASSERT_GT(rank0, 0) << test::read_file(tmp / "console.txt");
+  ::kill(rank0, SIGTERM);
+  EXPECT_EQ(test::wait_exit(pid, tmp / "console.txt", {.timeout_s = 60}), 0);
   const std::string log = test::read_file(tmp / "job" / "log.txt");
   ASSERT_NE(log.find("stopped by signal 15 after step"), std::string::npos)
       << log << "\n--- console:\n"
@@ -229,8 +252,29 @@ TEST(MpiTrain, ASignalStopsEveryRankAfterTheSameStep) {
   const auto ckpts = RunDir::complete_checkpoints(tmp / "job");
   ASSERT_FALSE(ckpts.empty()) << log;
   const std::string rank1 = test::read_file(tmp / "job" / "rank1" / "log.txt");
-  EXPECT_NE(rank1.find(fmt::format("stopped by signal 15 after step {};", ckpts.back().first)),
-            std::string::npos)
+  EXPECT_NE(
+      rank1.find(fmt::format("stopped after step {} (rank 0 stopped the job)", ckpts.back().first)),
+      std::string::npos)
       << rank1;
 #endif
+}
+
+// Ranks that resolve different configurations are stopped before the first step, naming the
+// rank and the first line that differs (mpirun's MPMD form gives rank 1 other arguments).
+TEST(MpiTrain, RanksWithAnotherConfigurationAreRefusedAtStart) {
+  SKIP_WITHOUT_MPI();
+  test::TempDir tmp;
+  test::write_file(tmp / "run.yaml", yaml_for(tmp / "job", 1));
+  const std::string cfg = (tmp / "run.yaml").string();
+  const MpiRun r = mpirun2(tmp / "console.txt",
+                           {"train", "--config", cfg, ":", "-np", "1", test::dflash_binary(),
+                            "train", "--config", cfg, "training.lr=2e-3"});
+  EXPECT_NE(r.exit_code, 0) << r.log;
+  const std::string log = test::read_file(tmp / "job" / "log.txt");
+  EXPECT_NE(log.find("rank 1 does not match rank 0: its configuration has 'training: lr: 0.002', "
+                     "rank 0's 'training: lr: 0.001'"),
+            std::string::npos)
+      << log << "\n--- console:\n"
+      << r.log;
+  EXPECT_TRUE(RunDir::complete_checkpoints(tmp / "job").empty());
 }

@@ -769,9 +769,14 @@ TrainResult train_loop(Session& s, const TrainOptions& opts, const DrafterState&
   if (s.st.step < s.total_steps) {
     result.interrupted = true;
     const int sig = g_stop_signal.load();
+    const bool halted = opts.halt_at_step > 0 && s.st.step == opts.halt_at_step;
     s.report.log(sig ? fmt::format("stopped by signal {} after step {}; resume with --resume {}",
                                    sig, s.st.step, s.cfg.output_dir)
-                     : fmt::format("halted after step {} (--halt-at-step)", s.st.step));
+                 : halted
+                     ? fmt::format("halted after step {} (--halt-at-step)", s.st.step)
+                     : fmt::format("stopped after step {} (rank 0 stopped the job); resume with "
+                                   "--resume {}",
+                                   s.st.step, s.cfg.output_dir));
   }
   return result;
 }
