@@ -6,7 +6,7 @@
 //   global drafter replica g = k·L + r  (rank k, local replica r, L replicas per rank, G = N·L)
 //
 // What travels between ranks (two communicators duplicated from MPI_COMM_WORLD):
-//   data:    the CPU backend's all-reduce (job_host_collective_group: a chain in global replica
+//   data:    the CPU backend's all-reduce (Job::host_collective: a chain in global replica
 //            order, then a broadcast; one thread per rank calls it at a time);
 //   control: start-up and end-of-run agreement (gather to rank 0, broadcast from it), the NCCL
 //            unique id, each step's per-replica metrics (rank k → rank 0), status snapshots
@@ -18,7 +18,7 @@
 // both through one thread would add a hop to every all-reduce and a queue of its own.
 //
 // Failure: no call here blocks inside MPI; every wait polls its requests, and on rank 0 also the
-// failure reports, so that a rank that fails is named on rank 0 at once (job_fail_and_abort then
+// failure reports, so that a rank that fails is named on rank 0 at once (Job::fail_and_abort then
 // ends the job with MPI_Abort). A rank that hangs is found by the stall watchdog of the others
 // (runtime.stall_timeout_s: a replica waiting in the all-reduce is in a working phase; the
 // per-step and end-of-run exchanges wait at most that long); a rank that dies is reported by
