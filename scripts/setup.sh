@@ -15,6 +15,7 @@ PKGS=(
   libopenblas-dev      # BLAS for the CPU reference backend
   liblzma-dev libzstd-dev   # .jsonl.xz / .jsonl.zst input
   libxxhash-dev        # XXH3 digests in checkpoint markers (header-only use)
+  libopenmpi-dev openmpi-bin  # MPI: `mpirun -np N dflash train` across nodes (and its tests)
   libgtest-dev libgmock-dev libbenchmark-dev  # tests and benchmarks
   python3 python3-venv # reference/differential tests only (never at run time)
   clang libclang-rt-14-dev  # fuzz harnesses: clang with libFuzzer and its sanitizers (tests only)

@@ -317,6 +317,14 @@ TEST(FaultInject, SpecsAreParsedAndBadOnesNamed) {
   expect_error([] { fault_spec_parse("target:0:0:throw"); }, "steps count from 1");
   expect_error([] { fault_spec_parse("target:0:1:explode"); }, "throw, hang or nan");
   expect_error([] { fault_spec_parse("target:0:1"); }, "DFLASH_FAULT_INJECT");
+  // An MPI job's rank (issue 15): rank<K>: in front; without it, rank 0.
+  EXPECT_EQ(s.rank, 0);
+  const FaultSpec r = fault_spec_parse("rank3:target:0:2:hang");
+  EXPECT_EQ(r.rank, 3);
+  EXPECT_EQ(r.stage, WorkerStage::target);
+  EXPECT_EQ(r.kind, FaultKind::hang);
+  expect_error([] { fault_spec_parse("rankx:target:0:2:hang"); }, "the rank must be");
+  expect_error([] { fault_spec_parse("node1:target:0:2:hang"); }, "[rank<K>:]");
   FaultInjector throw_once(fault_spec_parse("target:1:3:throw"), WorkerStage::target, 1);
   EXPECT_FALSE(throw_once.at(2));
   EXPECT_EQ(throw_once.at(5), FaultKind::throw_error);  // the first step ≥ 3 it sees

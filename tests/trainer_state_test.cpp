@@ -44,6 +44,16 @@ TEST(TrainerState, WrittenStateIsAccepted) {
   EXPECT_EQ(error_of(written_state()), "(no error)");
 }
 
+// The rank count of an MPI job's checkpoint (issue 15): absent means one process.
+TEST(TrainerState, TheRankCountIsReadAndCheckedWhenPresent) {
+  EXPECT_EQ(checkpoint_state_parse(written_state().dump(), "s.json").ranks, 1);
+  json j = written_state();
+  j["ranks"] = 4;
+  EXPECT_EQ(checkpoint_state_parse(j.dump(), "s.json").ranks, 4);
+  expect_refused([](json& j) { j["ranks"] = 1; }, "key 'ranks' must be in [2,");
+  expect_refused([](json& j) { j["ranks"] = 2.5; }, "key 'ranks' must be an integer");
+}
+
 TEST(TrainerState, EachDamageIsRefusedNamingTheKey) {
   expect_refused([](json& j) { j["format"] = "dflash-trainer-state-0"; }, "format");
   expect_refused([](json& j) { j["step"] = 1e300; }, "key 'step' must be an integer");

@@ -12,6 +12,7 @@
 #include "data/tokenizer.hpp"
 #include "model/config.hpp"
 #include "model/drafter_io.hpp"
+#include "train/job.hpp"
 #include "train/run_config.hpp"
 #include "train/run_dir.hpp"
 #include "train/train_report.hpp"
@@ -69,8 +70,25 @@ void run_train(const TrainArgs& a) {
   }
   o.force = a.force;
   o.halt_at_step = a.halt_at;
+  // Under mpirun: one rank of an MPI job (train/job.hpp); ranks > 0 tag their console lines.
+  o.job = job_init();
+  if (o.job && o.job->rank() > 0) {
+    spdlog::default_logger()->set_pattern(
+        fmt::format("[%Y-%m-%d %H:%M:%S.%e] [{}] [%^%l%$] %v", o.job->name()));
+  }
   install_train_signal_handlers();
-  TrainResult r = train(o);
+  TrainResult r;
+  try {
+    r = train(o);
+  } catch (const Error& e) {
+    // Every rank stops: rank 0 has logged and checkpointed; a rank > 0 lets rank 0 do so first.
+    if (o.job) o.job->fail_and_abort(e.what(), o.config.runtime.stall_timeout_s + 30);
+    throw;
+  }
+  if (o.job) {
+    o.job->finish();
+    if (o.job->rank() > 0) return;
+  }
   const std::string figures =
       r.last_metrics.is_null()
           ? fmt::format("no log interval has completed (training.log_interval {})",

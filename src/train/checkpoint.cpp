@@ -72,13 +72,14 @@ fs::path checkpoint_write(RunDir& rd, const DrafterConfig& cfg, const DrafterLay
                      {"adam_m", view(drafter.adam_m)},
                      {"adam_v", view(drafter.adam_v)}},
                     {{"format", kStateFormat}});
-  const json sj = {{"format", kStateFormat},
-                   {"step", st.step},
-                   {"skipped", st.skipped},
-                   {"consecutive_skips", st.consecutive_skips},
-                   {"data_cursor", st.cursor.to_json()},
-                   {"interval", st.interval.to_json()},
-                   {"config", st.config_yaml}};
+  json sj = {{"format", kStateFormat},
+             {"step", st.step},
+             {"skipped", st.skipped},
+             {"consecutive_skips", st.consecutive_skips},
+             {"data_cursor", st.cursor.to_json()},
+             {"interval", st.interval.to_json()},
+             {"config", st.config_yaml}};
+  if (st.ranks > 1) sj["ranks"] = st.ranks;
   write_file_atomic(tmp / "trainer_state" / "state.json", sj.dump(1) + "\n");
   fsync_path(tmp / "trainer_state");
   fsync_path(tmp);
@@ -181,6 +182,7 @@ TrainerState checkpoint_state_parse(std::string_view text, const std::string& so
   st.step = json_int(j, "step", source, 0);
   st.skipped = json_int(j, "skipped", source, 0, st.step);
   st.consecutive_skips = json_int(j, "consecutive_skips", source, 0, st.skipped);
+  st.ranks = j.contains("ranks") ? json_int(j, "ranks", source, 2, 1 << 20) : 1;
   try {
     st.cursor = DataCursor::from_json(json_member(j, "data_cursor", source));
   } catch (const Error& e) {

@@ -36,8 +36,11 @@ struct TrainerState {
   int64_t skipped = 0;            ///< steps skipped in total
   int64_t consecutive_skips = 0;  ///< skipped steps since the last applied one
   DataCursor cursor;              ///< the batcher's position after `step`
-  IntervalMetrics interval;       ///< the log interval in progress
-  std::string config_yaml;        ///< the resolved configuration of the run
+  /// Processes (MPI ranks) of the job that trained it (train/job.hpp); state.json has the key
+  /// "ranks" only when it is above 1.
+  int64_t ranks = 1;
+  IntervalMetrics interval;  ///< the log interval in progress
+  std::string config_yaml;   ///< the resolved configuration of the run
 };
 
 /// Writes checkpoint `st.step` of `rd` (see the file comment), then keeps only the newest

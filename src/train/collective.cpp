@@ -35,6 +35,10 @@ class LocalMember final : public Collective {
 
 }  // namespace
 
+std::unique_ptr<Collective> CollectiveGroup::host_member(int) {
+  fail("a {} collective cannot serve drafter replicas on the host (cpu backend)", kind());
+}
+
 std::shared_ptr<LocalCollectiveGroup> LocalCollectiveGroup::create(int size) {
   DFLASH_CHECK(size >= 1, "collective: a group needs at least one rank, got {}", size);
   return std::shared_ptr<LocalCollectiveGroup>(new LocalCollectiveGroup(size));

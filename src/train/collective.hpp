@@ -52,6 +52,13 @@ class CollectiveGroup {
  public:
   virtual ~CollectiveGroup() = default;
   virtual int size() const = 0;
+  /// The members in this process: size() for in-process groups; of a group spanning the ranks of
+  /// an MPI job (train/job.hpp), this rank's replicas.
+  virtual int local_size() const { return size(); }
+  /// The member of local replica `local` for a replica on the host (the cpu backend). Throws
+  /// dflash::Error for a group that does not serve host memory, for a replica outside
+  /// [0, local_size()) or one already handed out.
+  virtual std::unique_ptr<Collective> host_member(int local);
   /// Wakes every member blocked in a collective and fails every later call with `reason`.
   /// Idempotent; callable from any thread.
   virtual void abort(const std::string& reason) = 0;
@@ -69,6 +76,7 @@ class LocalCollectiveGroup final : public CollectiveGroup,
   /// for a rank outside [0, size) or one already handed out.
   std::unique_ptr<Collective> member(int rank);
   int size() const override { return size_; }
+  std::unique_ptr<Collective> host_member(int local) override { return member(local); }
   void abort(const std::string& reason) override;
   std::string kind() const override { return "local"; }
 
@@ -100,6 +108,18 @@ class LocalCollectiveGroup final : public CollectiveGroup,
 /// on the replicas' threads with cuda_collective_member. Throws dflash::Error in a build without
 /// CUDA, or when NCCL cannot create its unique id.
 std::shared_ptr<CollectiveGroup> cuda_collective_group_create(const std::vector<int>& devices);
+
+/// NCCL's unique id of a new communicator (ncclGetUniqueId) as bytes: an MPI job's rank 0 makes
+/// it and broadcasts it (train/job.hpp). Throws dflash::Error in a build without CUDA.
+std::string nccl_unique_id();
+
+/// The NCCL group of this process's drafter replicas (`devices`, one GPU each) in a communicator
+/// of `global_size` ranks over an MPI job: local replica r joins as rank first_rank + r with `id`
+/// (rank 0's nccl_unique_id). Throws dflash::Error when two local replicas share a GPU, when the
+/// id is malformed, or in a build without CUDA.
+std::shared_ptr<CollectiveGroup> nccl_collective_group_create(const std::vector<int>& devices,
+                                                              int global_size, int first_rank,
+                                                              const std::string& id);
 
 /// The member `rank` of a CUDA group for the calling thread, whose current device must be the
 /// rank's; its device collectives are enqueued on `stream` (a cudaStream_t). For NCCL this joins

@@ -24,6 +24,7 @@
 #include <nccl.h>
 
 #include <atomic>
+#include <cstring>
 #include <set>
 
 #include "backend/cuda/check.hpp"
@@ -52,10 +53,12 @@ std::string nccl_version() {
 
 class NcclGroup final : public CollectiveGroup {
  public:
-  explicit NcclGroup(int size) : size_(size), comms_(static_cast<size_t>(size), nullptr) {
-    DFLASH_NCCL_CHECK(ncclGetUniqueId(&id_), -1);
-  }
+  // A communicator of `size` ranks of which this process holds `local`, global ranks
+  // [first, first + local), joining with `id`.
+  NcclGroup(int size, int local, int first, const ncclUniqueId& id)
+      : size_(size), local_(local), first_(first), id_(id), comms_(static_cast<size_t>(local)) {}
   int size() const override { return size_; }
+  int local_size() const override { return local_; }
   std::string kind() const override { return "nccl " + nccl_version(); }
   void abort(const std::string& reason) override {
     std::vector<ncclComm_t> comms;
@@ -70,11 +73,12 @@ class NcclGroup final : public CollectiveGroup {
       if (c) ncclCommAbort(c);
     }
   }
-  // Joins rank `rank` on the calling thread's current device (blocks until all ranks join).
+  // Joins local replica `rank` (global rank first + rank) on the calling thread's current
+  // device (blocks until all ranks of every process join).
   ncclComm_t join(int rank) {
     check_alive();
     ncclComm_t c = nullptr;
-    DFLASH_NCCL_CHECK(ncclCommInitRank(&c, size_, id_, rank), rank);
+    DFLASH_NCCL_CHECK(ncclCommInitRank(&c, size_, id_, first_ + rank), first_ + rank);
     std::lock_guard<std::mutex> lk(mu_);
     if (aborted_) {
       ncclCommAbort(c);
@@ -99,7 +103,7 @@ class NcclGroup final : public CollectiveGroup {
   }
 
  private:
-  int size_;
+  int size_, local_, first_;
   ncclUniqueId id_{};
   std::mutex mu_;
   bool aborted_ = false;
@@ -271,16 +275,45 @@ std::shared_ptr<CollectiveGroup> cuda_collective_group_create(const std::vector<
   DFLASH_CHECK(!devices.empty(), "collective: no replicas");
   const std::set<int> distinct(devices.begin(), devices.end());
   if (distinct.size() == devices.size()) {
-    return std::make_shared<NcclGroup>(static_cast<int>(devices.size()));
+    ncclUniqueId id{};
+    DFLASH_NCCL_CHECK(ncclGetUniqueId(&id), -1);
+    const int n = static_cast<int>(devices.size());
+    return std::make_shared<NcclGroup>(n, n, 0, id);
   }
   return std::make_shared<CudaLocalGroup>(devices);
+}
+
+std::string nccl_unique_id() {
+  ncclUniqueId id{};
+  DFLASH_NCCL_CHECK(ncclGetUniqueId(&id), -1);
+  return std::string(id.internal, sizeof id.internal);
+}
+
+std::shared_ptr<CollectiveGroup> nccl_collective_group_create(const std::vector<int>& devices,
+                                                              int global_size, int first_rank,
+                                                              const std::string& id) {
+  const std::set<int> distinct(devices.begin(), devices.end());
+  DFLASH_CHECK(distinct.size() == devices.size(),
+               "NCCL across ranks needs one GPU per drafter replica: this rank's replicas share "
+               "a GPU (runtime.drafter_devices)");
+  ncclUniqueId uid{};
+  DFLASH_CHECK(id.size() == sizeof uid.internal,
+               "NCCL unique id: {} bytes received, {} expected (rank 0 runs another NCCL?)",
+               id.size(), sizeof uid.internal);
+  std::memcpy(uid.internal, id.data(), id.size());
+  const int local = static_cast<int>(devices.size());
+  DFLASH_CHECK(first_rank >= 0 && first_rank + local <= global_size,
+               "NCCL: ranks [{}, {}) outside a communicator of {}", first_rank, first_rank + local,
+               global_size);
+  return std::make_shared<NcclGroup>(global_size, local, first_rank, uid);
 }
 
 std::unique_ptr<Collective> cuda_collective_member(const std::shared_ptr<CollectiveGroup>& group,
                                                    int rank, void* stream) {
   DFLASH_CHECK(group != nullptr, "collective: no group");
-  DFLASH_CHECK(rank >= 0 && rank < group->size(), "collective: rank {} outside a group of {}", rank,
-               group->size());
+  DFLASH_CHECK(rank >= 0 && rank < group->local_size(),
+               "collective: local rank {} outside a group of {} in this process", rank,
+               group->local_size());
   auto s = static_cast<cudaStream_t>(stream);
   if (auto n = std::dynamic_pointer_cast<NcclGroup>(group)) {
     return std::make_unique<NcclMember>(std::move(n), rank, s);
@@ -304,6 +337,15 @@ std::shared_ptr<CollectiveGroup> cuda_collective_group_create(const std::vector<
 std::unique_ptr<Collective> cuda_collective_member(const std::shared_ptr<CollectiveGroup>&, int,
                                                    void*) {
   fail("the CUDA collectives are not in this build (configure with -DDFLASH_CUDA=ON)");
+}
+
+std::string nccl_unique_id() {
+  fail("NCCL is not in this build (configure with -DDFLASH_CUDA=ON)");
+}
+
+std::shared_ptr<CollectiveGroup> nccl_collective_group_create(const std::vector<int>&, int, int,
+                                                              const std::string&) {
+  fail("NCCL is not in this build (configure with -DDFLASH_CUDA=ON)");
 }
 
 }  // namespace dflash

@@ -34,10 +34,15 @@ FaultSpec fault_spec_parse(const std::string& text) {
   std::vector<std::string> f;
   std::stringstream ss(text);
   for (std::string part; std::getline(ss, part, ':');) f.push_back(part);
-  DFLASH_CHECK(f.size() == 4, "{}={}: expected <target|drafter>:<worker>:<step>:<throw|hang|nan>",
-               kVar, text);
   FaultSpec s;
   s.text = text;
+  if (f.size() == 5 && f[0].rfind("rank", 0) == 0) {
+    s.rank = static_cast<int>(parse_int(f[0].substr(4), "the rank", text));
+    f.erase(f.begin());
+  }
+  DFLASH_CHECK(f.size() == 4,
+               "{}={}: expected [rank<K>:]<target|drafter>:<worker>:<step>:<throw|hang|nan>", kVar,
+               text);
   if (f[0] == "target") {
     s.stage = WorkerStage::target;
   } else if (f[0] == "drafter") {
@@ -60,10 +65,14 @@ FaultSpec fault_spec_parse(const std::string& text) {
   return s;
 }
 
-std::optional<FaultSpec> fault_spec_from_env(const PipelineTopology& topology) {
+std::optional<FaultSpec> fault_spec_from_env(const PipelineTopology& topology, int rank,
+                                             int ranks) {
   const char* v = std::getenv(kVar);
   if (v == nullptr || *v == '\0') return std::nullopt;
   FaultSpec s = fault_spec_parse(v);
+  DFLASH_CHECK(s.rank < ranks, "{}={}: the job has no rank {} (it has {} rank{})", kVar, s.text,
+               s.rank, ranks, ranks == 1 ? "" : "s");
+  if (s.rank != rank) return std::nullopt;
   const int n = topology.workers(s.stage);
   DFLASH_CHECK(s.worker < n, "{}={}: the run has no {} (it has {} {} worker{})", kVar, s.text,
                PipelineTopology::worker_name(s.stage, s.worker), n,

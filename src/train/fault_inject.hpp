@@ -1,7 +1,9 @@
 // dflash.cpp — fault injection for the pipeline's failure tests (README, developer notes):
 //
-//   DFLASH_FAULT_INJECT=<target|drafter>:<worker>:<step>:<throw|hang|nan>
+//   DFLASH_FAULT_INJECT=[rank<K>:]<target|drafter>:<worker>:<step>:<throw|hang|nan>
 //
+// (rank<K>: the fault fires on rank K of an MPI job, train/job.hpp; without it, on rank 0, the
+// only rank of a one-process run)
 // makes worker <worker> of that stage, at 1-based optimizer step <step>, throw an error (throw),
 // stop making progress forever (hang: the thread sleeps and never returns, as a stuck device call
 // would), or produce non-finite numbers (nan: a target worker's features, a drafter worker's loss)
@@ -25,6 +27,7 @@ enum class FaultKind { throw_error, hang, nan };
 
 /// One parsed DFLASH_FAULT_INJECT value.
 struct FaultSpec {
+  int rank = 0;  ///< the MPI rank whose worker fails (0 in a one-process run)
   WorkerStage stage = WorkerStage::target;
   int worker = 0;
   int64_t step = 1;  ///< 1-based optimizer step
@@ -36,8 +39,10 @@ struct FaultSpec {
 FaultSpec fault_spec_parse(const std::string& text);
 
 /// The spec of the environment's DFLASH_FAULT_INJECT (nothing when unset or empty), checked
-/// against `topology`: throws dflash::Error when it names a worker the run does not have.
-std::optional<FaultSpec> fault_spec_from_env(const PipelineTopology& topology);
+/// against `topology` and the job's `ranks`: throws dflash::Error when it names a worker or a
+/// rank the run does not have. Nothing either when it names another rank than `rank`.
+std::optional<FaultSpec> fault_spec_from_env(const PipelineTopology& topology, int rank = 0,
+                                             int ranks = 1);
 
 /// The faults of one worker.
 class FaultInjector {

@@ -441,7 +441,10 @@ class Coordinator {
   void account_ready_steps();
   PipelineStep assemble(int64_t s, std::vector<Event>& evs);
   void fail(const std::string& worker, const std::string& error);
-  void request_stop();
+  // Stops before step `before` (a signal: the hooks' stop_step, else the step after the furthest
+  // one started).
+  void request_stop(std::optional<int64_t> before = std::nullopt);
+  void poll_job();
   void watchdog();
   void tick(bool force);
   bool drafters_out() const;
@@ -461,7 +464,7 @@ class Coordinator {
   std::map<int64_t, std::vector<std::optional<Event>>> pending_;  // step -> per replica
   std::map<int, Event> final_done_;                               // replica -> event
   int64_t next_step_ = 0, last_state_step_ = 0;
-  int64_t last_step_ns_ = now_ns(), last_tick_ns_ = 0, start_ns_ = now_ns();
+  int64_t last_step_ns_ = now_ns(), last_tick_ns_ = 0, start_ns_ = now_ns(), last_poll_ns_ = 0;
   std::vector<int64_t> prev_busy_, prev_tokens_;
   int64_t prev_tick_ns_ = now_ns();
   bool ticked_ = false;
@@ -478,6 +481,13 @@ void Coordinator::fail(const std::string& worker, const std::string& error) {
   out_.failed_worker = worker;
   out_.error = error;
   spdlog::error("{}; stopping every worker", error);
+  if (sh_->hooks.on_failure) {
+    try {
+      sh_->hooks.on_failure(error);
+    } catch (const std::exception& e) {
+      spdlog::warn("could not report the failure to the other ranks: {}", e.what());
+    }
+  }
   sh_->failing.store(true);
   {
     std::lock_guard<std::mutex> lk(sh_->ctl);
@@ -487,13 +497,34 @@ void Coordinator::fail(const std::string& worker, const std::string& error) {
   for (auto& q : sh_->queues) q->close();
 }
 
-void Coordinator::request_stop() {
+void Coordinator::request_stop(std::optional<int64_t> before) {
   if (stopping_ || failing_) return;
   stopping_ = true;
   stop_start_ns_ = now_ns();
   std::lock_guard<std::mutex> lk(sh_->ctl);
   const int64_t furthest = *std::max_element(sh_->started.begin(), sh_->started.end());
-  sh_->stop_before.store(std::max(furthest + 1, sh_->opts.first_step));
+  if (!before) before = sh_->hooks.stop_step ? sh_->hooks.stop_step(furthest) : furthest + 1;
+  sh_->stop_before.store(std::max(*before, sh_->opts.first_step));
+}
+
+void Coordinator::poll_job() {
+  if (!sh_->hooks.poll_job || failing_) return;
+  const int64_t t = now_ns();
+  if (ns_to_s(t - last_poll_ns_) < 0.05) return;
+  last_poll_ns_ = t;
+  std::optional<JobNews> news;
+  try {
+    news = sh_->hooks.poll_job();
+  } catch (const std::exception& e) {
+    fail("job", e.what());
+    return;
+  }
+  if (!news) return;
+  if (news->failed_rank >= 0) {
+    fail(fmt::format("rank{}", news->failed_rank), news->failure);
+  } else if (news->stop_before) {
+    request_stop(news->stop_before);
+  }
 }
 
 void Coordinator::handle(Event& e) {
@@ -711,6 +742,7 @@ void Coordinator::wait_events(double seconds, const std::function<bool()>& done)
       batch.swap(sh_->events);
     }
     for (Event& e : batch) handle(e);
+    poll_job();
     if (!failing_ && sh_->hooks.stop_requested && sh_->hooks.stop_requested()) request_stop();
   }
 }
@@ -855,8 +887,9 @@ PipelineOutcome pipeline_run(const PipelineOptions& opts, const PipelineHooks& h
   DFLASH_CHECK(opts.first_step >= 0 && opts.first_step <= opts.end_step,
                "pipeline: steps [{}, {}) are not a range", opts.first_step, opts.end_step);
   DFLASH_CHECK(
-      topo.drafters() == 1 || (opts.collective && opts.collective->size() == topo.drafters()),
-      "pipeline: {} drafter replicas need a collective group of that size", topo.drafters());
+      opts.collective ? opts.collective->local_size() == topo.drafters() : topo.drafters() == 1,
+      "pipeline: {} drafter replicas need a collective group with that many members here",
+      topo.drafters());
   DFLASH_CHECK(hooks.make_step && hooks.make_target && hooks.make_drafter && hooks.lr &&
                    hooks.checkpoint_after && hooks.on_step,
                "pipeline: a required hook is missing");
@@ -866,7 +899,7 @@ PipelineOutcome pipeline_run(const PipelineOptions& opts, const PipelineHooks& h
       auto w = std::make_unique<WorkerState>();
       w->stage = stage;
       w->index = i;
-      w->name = PipelineTopology::worker_name(stage, i);
+      w->name = topo.qualified_name(stage, i);
       w->device = topo.device_name(stage, i);
       w->step.store(opts.first_step);
       sh->workers.push_back(std::move(w));

@@ -110,6 +110,13 @@ struct PipelineOutcome {
   std::vector<std::string> summaries;
 };
 
+/// What poll_job brings from the other ranks of an MPI job.
+struct JobNews {
+  int failed_rank = -1;  ///< ≥ 0: that rank failed with `failure` (its message)
+  std::string failure;
+  std::optional<int64_t> stop_before;  ///< rank 0 stops the job before this 0-based step
+};
+
 /// What the pipeline calls. make_target/make_drafter run on the worker's own thread, make_step on
 /// whichever target worker needs the next step (under the pipeline's lock), lr and
 /// checkpoint_after on drafter threads (they must be pure), on_step, on_tick and stop_requested on
@@ -123,6 +130,16 @@ struct PipelineHooks {
   std::function<void(PipelineStep&)> on_step;
   std::function<void(const std::vector<WorkerInfo>&)> on_tick;  ///< about every tick_s
   std::function<bool()> stop_requested;                         ///< a signal arrived
+  /// MPI jobs (train/job.hpp; optional): called on the coordinating thread about every 50 ms.
+  /// A failure of another rank fails the run naming that rank; a stop step stops the run
+  /// before that 0-based step, as a signal would (rank 0 decided it for every rank).
+  std::function<std::optional<JobNews>()> poll_job;
+  /// MPI jobs (optional): a signal stops the run before step stop_step(furthest) instead of
+  /// furthest + 1 (rank 0 picks a step that no rank has passed and tells the others).
+  std::function<int64_t(int64_t furthest_started)> stop_step;
+  /// Called once, on the coordinating thread, when the run fails, with the error (an MPI job's
+  /// rank ≠ 0 reports it to rank 0 at once).
+  std::function<void(const std::string& error)> on_failure;
 };
 
 /// Options of one run.

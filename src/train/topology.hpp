@@ -35,12 +35,19 @@ struct PipelineTopology {
   /// The key the device lists came from ("runtime.devices" for the one-GPU shorthand, else
   /// "runtime.target_devices" / "runtime.drafter_devices"), for messages.
   std::string target_key = "runtime.target_workers", drafter_key = "runtime.drafter_workers";
+  /// Prefix of every worker's name: "" in a one-process run, "rank1/" on rank 1 of an MPI job
+  /// (train/job.hpp), so that messages and status.json name the rank too.
+  std::string name_prefix;
 
   int targets() const { return static_cast<int>(target_devices.size()); }
   int drafters() const { return static_cast<int>(drafter_devices.size()); }
   int workers(WorkerStage s) const { return s == WorkerStage::target ? targets() : drafters(); }
   /// "target0", "drafter2": the worker's name in logs, errors and status.json.
   static std::string worker_name(WorkerStage stage, int index);
+  /// name_prefix + worker_name: "rank1/drafter0".
+  std::string qualified_name(WorkerStage stage, int index) const {
+    return name_prefix + worker_name(stage, index);
+  }
   /// "cpu" or "cuda:N" for a worker.
   std::string device_name(WorkerStage stage, int index) const;
   /// True when some GPU holds more than one drafter replica (NCCL cannot serve such a group).

@@ -7,6 +7,7 @@
 
 #include "core/error.hpp"
 #include "core/parallel.hpp"
+#include "train/job.hpp"
 
 namespace dflash {
 
@@ -40,12 +41,7 @@ std::unique_ptr<DrafterStage> drafter_stage_create(const TrainBackendOptions& op
                                                    int replica) {
   if (opts.backend == "cpu") {
     std::unique_ptr<Collective> member;
-    if (group) {
-      auto* local = dynamic_cast<LocalCollectiveGroup*>(group.get());
-      DFLASH_CHECK(local != nullptr, "cpu backend: a {} collective cannot serve host replicas",
-                   group->kind());
-      member = local->member(replica);
-    }
+    if (group) member = group->host_member(replica);
     return cpu_drafter_stage_create(opts, target, cfg, layout, std::move(member));
   }
   if (opts.backend == "cuda") {
@@ -55,7 +51,17 @@ std::unique_ptr<DrafterStage> drafter_stage_create(const TrainBackendOptions& op
 }
 
 std::shared_ptr<CollectiveGroup> collective_group_create(const std::string& backend,
-                                                         const std::vector<int>& devices) {
+                                                         const std::vector<int>& devices,
+                                                         Job* job) {
+  if (job != nullptr && job->size() > 1) {
+    const int local = static_cast<int>(devices.size());
+    if (backend == "cpu") return job->host_collective(local);
+    if (backend == "cuda") {
+      const std::string id = job->broadcast(job->rank() == 0 ? nccl_unique_id() : std::string());
+      return nccl_collective_group_create(devices, job->size() * local, job->rank() * local, id);
+    }
+    fail("runtime.backend '{}' is not known (cpu or cuda)", backend);
+  }
   if (devices.size() <= 1) return nullptr;
   if (backend == "cpu") return LocalCollectiveGroup::create(static_cast<int>(devices.size()));
   if (backend == "cuda") return cuda_collective_group_create(devices);

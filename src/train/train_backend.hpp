@@ -44,6 +44,7 @@
 namespace dflash {
 
 class TargetModel;
+class Job;
 
 /// Target features of one DrafterBatch, [T, n_taps·H] (tap i in columns [i·H, (i+1)·H)), in
 /// whatever memory the producing backend keeps them; only drafter stages of the same backend read
@@ -228,12 +229,17 @@ std::unique_ptr<DrafterStage> cuda_drafter_stage_create(
     const DrafterConfig& cfg, const DrafterLayout& layout,
     const std::shared_ptr<CollectiveGroup>& group, int replica);
 
-/// The collective group of `replicas` drafter replicas on `backend` (null for one replica): the
-/// local host group on cpu; on cuda an NCCL group when every replica has a GPU of its own
-/// (`devices`, one per replica) and the in-process device group when two share one (NCCL refuses
-/// two ranks on one GPU). Call on the coordinating thread before the replicas' stages are made.
+/// The collective group of the drafter replicas on `backend`, this process's on `devices` (one
+/// entry per replica): null for one replica in a one-process run; the local host group on cpu; on
+/// cuda an NCCL group when every replica has a GPU of its own and the in-process device group
+/// when two share one (NCCL refuses two ranks on one GPU). In an MPI job (`job` non-null,
+/// train/job.hpp) the group spans every rank's replicas: the job's host group on cpu (sums in
+/// global replica order), one NCCL communicator on cuda (rank 0's unique id broadcast over MPI;
+/// replicas sharing a GPU are refused). Call on the coordinating thread of every rank before the
+/// replicas' stages are made.
 std::shared_ptr<CollectiveGroup> collective_group_create(const std::string& backend,
-                                                         const std::vector<int>& devices);
+                                                         const std::vector<int>& devices,
+                                                         Job* job = nullptr);
 
 /// The target stage of one target worker on `device` (a CUDA device index; −1 on the cpu
 /// backend), for the taps of `cfg`. Call it on the thread that will drive the stage (a CUDA stage

@@ -9,6 +9,7 @@
 #include <csignal>
 #include <filesystem>
 #include <optional>
+#include <sstream>
 
 #include "core/error.hpp"
 #include "core/fs.hpp"
@@ -24,6 +25,7 @@
 #include "model/objective.hpp"
 #include "model/target.hpp"
 #include "train/checkpoint.hpp"
+#include "train/job.hpp"
 #include "train/memory_plan.hpp"
 #include "train/optimizer.hpp"
 #include "train/pipeline.hpp"
@@ -67,15 +69,16 @@ TrainBackendOptions backend_options_of(const RunConfig& cfg) {
 }
 
 // The tokenized training data (cached), as prepare_dataset gives it.
-TokenDataset prepare_data(const RunConfig& cfg, const RunDir& rd, const Tokenizer& tok,
-                          TrainReport& report) {
+TokenDataset prepare_data(const RunConfig& cfg, const Tokenizer& tok, TrainReport& report) {
   const fs::path target_dir = cfg.model.target;
   PrepareOptions po;
   po.data = cfg.data.train_file;
   po.chat_template = resolve_chat_template(target_dir, cfg.data.template_name, false);
   po.max_length = cfg.data.max_length;
-  po.cache = run_cache_path(cfg.data.cache_dir, rd.path(), po.data, target_dir, po.chat_template,
-                            po.max_length);
+  // The job's run directory: every rank of an MPI job shares its cache folder (the cache is
+  // written to a temporary file and renamed, so ranks building it at once do no harm).
+  po.cache = run_cache_path(cfg.data.cache_dir, cfg.output_dir, po.data, target_dir,
+                            po.chat_template, po.max_length);
   fs::create_directories(po.cache.parent_path());
   po.skip_invalid = cfg.data.skip_invalid;
   po.skip_invalid_hint =
@@ -156,6 +159,9 @@ struct Session {
   const RunConfig& cfg;
   RunDir& rd;
   TrainReport& report;
+  Job* job;   // the MPI job (null: one process)
+  int rank;   // this process's rank in it (0 alone)
+  int ranks;  // its processes (1 alone)
   // Shared with the target workers' stages, which may outlive a failed run (left behind).
   std::shared_ptr<const TargetModel> target;
   Tokenizer tok;
@@ -174,11 +180,15 @@ struct Session {
   std::string last_ckpt;  // newest complete checkpoint ("" none)
   int64_t last_ckpt_step = -1;
   PipelineInterval piv;
+  std::string last_workers;  // ranks > 0: the newest status.json workers entry (JSON text)
 
-  Session(const RunConfig& c, RunDir& r, TrainReport& rep)
+  Session(const RunConfig& c, RunDir& r, TrainReport& rep, Job* j)
       : cfg(c),
         rd(r),
         report(rep),
+        job(j),
+        rank(j ? j->rank() : 0),
+        ranks(j ? j->size() : 1),
         target(std::make_shared<const TargetModel>(TargetModel::load(c.model.target))),
         tok(Tokenizer::load(c.model.target)),
         dcfg(drafter_config_for_run(c, target->config(), &tok)),
@@ -186,7 +196,7 @@ struct Session {
         topo(topology_of(c.runtime)),
         backend_opts(backend_options_of(c)),
         planned(check_memory_plan(c, target->config(), dcfg, layout, rep, backend_opts)),
-        batcher(make_batcher(c, prepare_data(c, r, tok, rep), topo.drafters())),
+        batcher(make_batcher(c, prepare_data(c, tok, rep), topo.drafters() * ranks)),
         per_epoch(batcher.batches_in_epoch(0)),
         total_steps(total_steps_of(c, per_epoch)),
         batch_opts{c.training.block_size, c.training.num_anchors, c.training.gamma, c.training.seed,
@@ -199,20 +209,39 @@ struct Session {
         std::llround(c.training.warmup_ratio * static_cast<double>(total_steps)));
     sched.min_lr_ratio = c.training.min_lr_ratio;
     piv.queue_sum.assign(static_cast<size_t>(topo.drafters()), 0.0);
+    if (ranks > 1) topo.name_prefix = fmt::format("rank{}/", rank);
+  }
+  /// G: the drafter replicas of the whole job (a step's global batch has G shares).
+  int replicas() const { return topo.drafters() * ranks; }
+  /// "2 ranks × cpu: ..." for an MPI job, the topology alone otherwise.
+  std::string describe() const {
+    return ranks > 1 ? fmt::format("{} ranks × ({})", ranks, topo.describe()) : topo.describe();
   }
 };
 
 // Refuses to resume with another number of drafter replicas (the global batch of a step has
 // rows_per_step rows per replica) unless forced. Returns whether the count changed.
 bool check_resume_topology(Session& s, const RunConfig& saved, const TrainOptions& opts) {
-  const int was = topology_of(saved.runtime).drafters(), now = s.topo.drafters();
-  if (was == now) return false;
+  const int64_t was_ranks = s.st.ranks, now_ranks = s.ranks;
+  const int64_t was = topology_of(saved.runtime).drafters() * was_ranks, now = s.replicas();
+  if (was_ranks != now_ranks) {
+    if (!opts.force) {
+      fail(
+          "--resume {}: the checkpoint was trained by a job of {} rank{} (mpirun -np) and this "
+          "one has {}; a step's global batch has rows_per_step rows per drafter replica of every "
+          "rank, so this would change the run (use --force to continue anyway)",
+          s.cfg.output_dir, was_ranks, was_ranks == 1 ? "" : "s", now_ranks);
+    }
+    s.report.log(fmt::format("--force: continuing with {} rank{} (the checkpoint had {})",
+                             now_ranks, now_ranks == 1 ? "" : "s", was_ranks));
+  }
+  if (was == now) return was_ranks != now_ranks;
   if (!opts.force) {
     fail(
         "--resume {}: the checkpoint was trained with {} drafter replica{} and this run has {} "
         "({}); a step's global batch has rows_per_step rows per replica, so this would change "
         "the run (use --force to continue anyway)",
-        s.rd.path().string(), was, was == 1 ? "" : "s", now, s.topo.drafter_key);
+        s.cfg.output_dir, was, was == 1 ? "" : "s", now, s.topo.drafter_key);
   }
   s.report.log(fmt::format(
       "--force: continuing with {} drafter replicas (the checkpoint had {}); each step's global "
@@ -227,8 +256,8 @@ bool check_resume_topology(Session& s, const RunConfig& saved, const TrainOption
 // the epoch's end).
 DataCursor forced_cursor(Session& s, const RunConfig& saved) {
   const int64_t old_rows = static_cast<int64_t>(saved.data.rows_per_step) *
-                           topology_of(saved.runtime).drafters();
-  const int64_t new_rows = static_cast<int64_t>(s.cfg.data.rows_per_step) * s.topo.drafters();
+                           topology_of(saved.runtime).drafters() * s.st.ranks;
+  const int64_t new_rows = static_cast<int64_t>(s.cfg.data.rows_per_step) * s.replicas();
   DataCursor c = s.batcher.cursor();
   c.epoch = s.st.cursor.epoch;
   c.batch = std::min((s.st.cursor.batch * old_rows + new_rows - 1) / new_rows,
@@ -246,7 +275,7 @@ DrafterState restore_or_init(Session& s, const TrainOptions& opts, const fs::pat
     s.st = checkpoint_read_state(checkpoint);
     const RunConfig saved =
         RunConfig::from_yaml(s.st.config_yaml, (checkpoint / "trainer_state/state.json").string());
-    const auto diffs = resume_check(saved, s.cfg, opts.force, s.rd.path().string());
+    const auto diffs = resume_check(saved, s.cfg, opts.force, s.cfg.output_dir);
     const bool replicas_changed = check_resume_topology(s, saved, opts);
     checkpoint_read_drafter(checkpoint, s.layout, s.st, ds);
     if (diffs.empty() && !replicas_changed) {
@@ -276,6 +305,7 @@ DrafterState restore_or_init(Session& s, const TrainOptions& opts, const fs::pat
     drafter_init(ds.params, s.layout, s.cfg.training.seed);
   }
   s.st.config_yaml = s.cfg.to_yaml();
+  s.st.ranks = s.ranks;
   write_file_atomic(s.rd.path() / "config.resolved.yaml", s.st.config_yaml);
   return ds;
 }
@@ -285,18 +315,23 @@ DrafterState restore_or_init(Session& s, const TrainOptions& opts, const fs::pat
 // The inputs of one step: the next global batch of the sequence, rows_per_step rows for each
 // drafter replica in row order, normalised together (docs/design-notes.md). D replicas of R rows
 // thus see exactly the rows, anchors and targets of one replica of D·R rows.
+// In an MPI job the global batch has G = ranks × drafters shares: every rank builds all of them
+// (for the step's Σw, summed in global replica order) and keeps its own, global replicas
+// [rank·drafters, (rank+1)·drafters).
 StepInput make_step(Session& s) {
   StepInput in;
   double weight_sum = 0;
   int64_t documents = 0;
   const Batch global = s.batcher.next();
   const int64_t rows = s.cfg.data.rows_per_step;
-  for (int r = 0; r < s.topo.drafters(); ++r) {
-    in.batches.push_back(drafter_batch_from_rows(global, r * rows, (r + 1) * rows, s.batch_opts));
-    weight_sum += in.batches.back().weight_sum;
-    documents += in.batches.back().n_docs();
+  const int local = s.topo.drafters(), first = s.rank * local;
+  for (int g = 0; g < s.replicas(); ++g) {
+    DrafterBatch b = drafter_batch_from_rows(global, g * rows, (g + 1) * rows, s.batch_opts);
+    weight_sum += b.weight_sum;
+    documents += b.n_docs();
+    if (g >= first && g < first + local) in.batches.push_back(std::move(b));
   }
-  if (s.topo.drafters() > 1) {
+  if (s.replicas() > 1) {
     for (DrafterBatch& b : in.batches) {
       b.step_weight_sum = weight_sum;
       b.step_documents = documents;
@@ -306,25 +341,64 @@ StepInput make_step(Session& s) {
   return in;
 }
 
-// The replicas' results as one: metrics summed; grad norm, clip and skip are the step's (equal on
-// every replica, checked by the pipeline). Names the replicas whose loss was not finite.
-DrafterStepResult merge_results(const PipelineStep& p, std::string& non_finite) {
+// A replica's step as an MPI job's rank k > 0 sends it to rank 0.
+ReplicaStepFigures figures_of(const DrafterStepResult& r, int64_t tokens, int64_t supervised) {
+  ReplicaStepFigures f;
+  f.grad_norm = r.grad_norm;
+  f.skip = static_cast<int>(r.skip);
+  f.tokens = tokens;
+  f.supervised = supervised;
+  f.loss_weighted_sum = r.metrics.loss_weighted_sum;
+  f.weight_sum = r.metrics.weight_sum;
+  f.accept_len_sum = r.metrics.accept_len_sum;
+  f.blocks = r.metrics.blocks;
+  f.slot_correct = r.metrics.slot_correct;
+  f.slot_count = r.metrics.slot_count;
+  return f;
+}
+
+ObjectiveMetrics metrics_of(const ReplicaStepFigures& f) {
+  ObjectiveMetrics m(static_cast<int>(f.slot_correct.size()));
+  m.loss_weighted_sum = f.loss_weighted_sum;
+  m.weight_sum = f.weight_sum;
+  m.accept_len_sum = f.accept_len_sum;
+  m.blocks = f.blocks;
+  m.slot_correct = f.slot_correct;
+  m.slot_count = f.slot_count;
+  return m;
+}
+
+// The replicas' results as one: metrics summed in global replica order (this process's replicas,
+// then, on an MPI job's rank 0, those of ranks 1, 2, ... in `remote`); grad norm, clip and skip
+// are the step's (equal on every replica, checked by the pipeline and on_step). Names the
+// replicas whose loss was not finite.
+DrafterStepResult merge_results(const Session& s, const PipelineStep& p,
+                                const std::vector<ReplicaStepFigures>& remote,
+                                std::string& non_finite) {
   DrafterStepResult r = p.results[0];
   for (size_t i = 1; i < p.results.size(); ++i) r.metrics.merge(p.results[i].metrics);
+  for (const ReplicaStepFigures& f : remote) r.metrics.merge(metrics_of(f));
   for (size_t i = 0; i < p.results.size(); ++i) {
     if (std::isfinite(p.results[i].metrics.loss_weighted_sum)) continue;
-    non_finite += fmt::format("{}drafter{} (features from {})", non_finite.empty() ? "" : ", ", i,
-                              p.feature_source[i]);
+    non_finite += fmt::format("{}{}drafter{} (features from {})", non_finite.empty() ? "" : ", ",
+                              s.topo.name_prefix, i, p.feature_source[i]);
+  }
+  const int local = s.topo.drafters();
+  for (size_t i = 0; i < remote.size(); ++i) {
+    if (std::isfinite(remote[i].loss_weighted_sum)) continue;
+    non_finite += fmt::format("{}rank{}/drafter{}", non_finite.empty() ? "" : ", ",
+                              1 + static_cast<int>(i) / local, static_cast<int>(i) % local);
   }
   return r;
 }
 
 // Counts a finished step into the trainer state; stops the run after too many skips in a row.
 // Returns the step's merged result.
-DrafterStepResult account_step(Session& s, const PipelineStep& p) {
+DrafterStepResult account_step(Session& s, const PipelineStep& p,
+                               const std::vector<ReplicaStepFigures>& remote) {
   TrainerState& st = s.st;
   std::string non_finite;
-  const DrafterStepResult r = merge_results(p, non_finite);
+  const DrafterStepResult r = merge_results(s, p, remote, non_finite);
   if (r.skipped()) {
     // Checked before the state changes: a run stopped here keeps the state of the step before.
     const int64_t streak = st.consecutive_skips + 1;
@@ -355,6 +429,10 @@ DrafterStepResult account_step(Session& s, const PipelineStep& p) {
   for (size_t i = 0; i < p.tokens.size(); ++i) {
     tokens += p.tokens[i];
     supervised += p.supervised[i];
+  }
+  for (const ReplicaStepFigures& f : remote) {
+    tokens += f.tokens;
+    supervised += f.supervised;
   }
   st.interval.add_step(r, tokens, supervised, t);
   st.cursor = p.cursor;
@@ -420,6 +498,67 @@ json workers_json(const std::vector<WorkerInfo>& workers) {
   return out;
 }
 
+// Rank 0 of an MPI job: the other ranks' figures of step p (in rank order), checked to agree
+// with this rank's skip decision and gradient norm bit for bit.
+std::vector<ReplicaStepFigures> receive_remote_step(Session& s, const PipelineStep& p) {
+  std::vector<ReplicaStepFigures> remote =
+      s.job->receive_step(p.steps_done - 1, s.topo.drafters(), s.cfg.runtime.stall_timeout_s);
+  const DrafterStepResult& mine = p.results[0];
+  for (size_t i = 0; i < remote.size(); ++i) {
+    const ReplicaStepFigures& f = remote[i];
+    const bool same_norm =
+        (std::isnan(mine.grad_norm) && std::isnan(f.grad_norm)) || mine.grad_norm == f.grad_norm;
+    DFLASH_CHECK(f.skip == static_cast<int>(mine.skip) && same_norm,
+                 "step {}: drafter replicas disagree (rank0/drafter0: skip {}, grad norm {}; "
+                 "rank{}/drafter{}: skip {}, grad norm {})",
+                 p.steps_done, static_cast<int>(mine.skip), mine.grad_norm,
+                 1 + static_cast<int>(i) / s.topo.drafters(),
+                 static_cast<int>(i) % s.topo.drafters(), f.skip, f.grad_norm);
+  }
+  return remote;
+}
+
+// Rank 0: the workers of the other ranks (their newest status snapshots, JSON arrays) after its
+// own in status.json.
+void append_remote_workers(json& workers, const std::vector<std::string>& snapshots) {
+  for (const std::string& text : snapshots) {
+    if (text.empty()) continue;
+    for (json& w : json::parse(text)) workers.push_back(std::move(w));
+  }
+}
+
+// The hooks of an MPI job's rank k > 0: it counts its steps (data cursor, skip streak) and sends
+// each step's figures and its status to rank 0, which logs, reports and checkpoints for the job.
+// Signals are rank 0's to act on (it announces the stop step); a failure here is reported to
+// rank 0 at once.
+void hooks_of_rank(Session& s, PipelineHooks& h) {
+  Job* job = s.job;
+  h.on_step = [&s, job](PipelineStep& p) {
+    std::vector<ReplicaStepFigures> figures;
+    for (size_t i = 0; i < p.results.size(); ++i) {
+      figures.push_back(figures_of(p.results[i], p.tokens[i], p.supervised[i]));
+    }
+    job->send_step(p.steps_done - 1, figures);
+    account_step(s, p, {});
+  };
+  h.on_tick = [&s, job](const std::vector<WorkerInfo>& w) {
+    s.last_workers = workers_json(w).dump();
+    job->send_status(s.last_workers);
+  };
+  h.stop_requested = [] { return false; };
+  h.poll_job = [job]() -> std::optional<JobNews> {
+    const auto stop = job->stop_announced();
+    if (!stop) return std::nullopt;
+    JobNews n;
+    n.stop_before = *stop;
+    return n;
+  };
+  const std::string name = job->name();
+  h.on_failure = [job, name](const std::string& error) {
+    job->report_failure(error.rfind(name + "/", 0) == 0 ? error : name + ": " + error);
+  };
+}
+
 // What the pipeline calls back into the trainer.
 PipelineHooks hooks_of(Session& s, int64_t end_step,
                        std::shared_ptr<CollectiveGroup> group, TrainResult& result) {
@@ -440,9 +579,14 @@ PipelineHooks hooks_of(Session& s, int64_t end_step,
   const LrSchedule sched = s.sched;
   h.lr = [sched](int64_t step) { return sched.at(step); };
   const int64_t every = s.cfg.training.save_interval;
-  h.checkpoint_after = [every, end_step](int64_t n) {
-    return n == end_step || (every > 0 && n % every == 0);
+  const bool writes = s.rank == 0;  // an MPI job's rank 0 alone checkpoints
+  h.checkpoint_after = [every, end_step, writes](int64_t n) {
+    return writes && (n == end_step || (every > 0 && n % every == 0));
   };
+  if (s.rank > 0) {
+    hooks_of_rank(s, h);
+    return h;
+  }
   // On a non-terminal the line per log interval (finish_interval) is the progress; the bar adds
   // its final line only.
   ProgressOptions progress;
@@ -452,7 +596,9 @@ PipelineHooks hooks_of(Session& s, int64_t end_step,
   const auto run_start = Clock::now();
   const int64_t first = s.st.step;
   h.on_step = [&s, &result, bar, run_start, first](PipelineStep& p) {
-    const DrafterStepResult r = account_step(s, p);
+    std::vector<ReplicaStepFigures> remote;
+    if (s.job) remote = receive_remote_step(s, p);
+    const DrafterStepResult r = account_step(s, p, remote);
     bar->set_suffix(
         r.skipped() ? std::string(r.skip == StepSkip::non_finite ? "skipped (non-finite)"
                                                                  : "skipped (no supervised slot)")
@@ -466,10 +612,30 @@ PipelineHooks hooks_of(Session& s, int64_t end_step,
     if (p.state) save_checkpoint(s, *p.state);
   };
   h.on_tick = [&s](const std::vector<WorkerInfo>& w) {
-    s.report.status().workers = workers_json(w);
+    json workers = workers_json(w);
+    if (s.job) append_remote_workers(workers, s.job->statuses());
+    s.report.status().workers = std::move(workers);
     s.report.write_status();
   };
   h.stop_requested = [] { return g_stop_signal.load() != 0; };
+  if (s.job) {
+    Job* job = s.job;
+    h.poll_job = [job]() -> std::optional<JobNews> {
+      const auto f = job->peer_failure();
+      if (!f) return std::nullopt;
+      JobNews n;
+      n.failed_rank = f->first;
+      n.failure = f->second;
+      return n;
+    };
+    // Another rank may have started one step more than this one's furthest (it cannot pass a
+    // step's all-reduce without rank 0), never two: stopping before furthest + 2 leaves every
+    // rank's started step to finish.
+    h.stop_step = [job](int64_t furthest) {
+      job->announce_stop(furthest + 2);
+      return furthest + 2;
+    };
+  }
   return h;
 }
 
@@ -485,6 +651,93 @@ void save_final_state(Session& s, PipelineOutcome& o) {
   }
 }
 
+// The end of an MPI job's run, every rank: rank 0 gathers each rank's step count, replica state
+// hashes and last workers, checks that every replica of the job ended in the same state after
+// the same step, writes the workers into status.json, and tells every rank the verdict. Throws
+// dflash::Error (on every rank) when they differ.
+void job_agree_end(Session& s, const PipelineOutcome& o) {
+  const json mine = {{"step", s.st.step}, {"hashes", o.replica_hashes}};
+  const std::string text = mine.dump() + "\n" + s.last_workers;
+  const std::vector<std::string> all = s.job->gather(text, s.cfg.runtime.stall_timeout_s);
+  std::string verdict;
+  if (s.rank == 0) {
+    json workers = s.report.status().workers;
+    for (size_t k = 1; k < all.size() && verdict.empty(); ++k) {
+      const size_t nl = all[k].find('\n');
+      const json theirs = json::parse(all[k].substr(0, nl));
+      if (theirs["step"] != s.st.step || theirs["hashes"] != mine["hashes"]) {
+        verdict = fmt::format(
+            "the drafter replicas of the job differ after the run: rank 0 ended at step {} with "
+            "state hashes {}, rank {} at step {} with {}",
+            s.st.step, mine["hashes"].dump(), k, theirs["step"].dump(), theirs["hashes"].dump());
+      }
+      if (nl != std::string::npos && nl + 1 < all[k].size()) {
+        append_remote_workers(workers, {all[k].substr(nl + 1)});
+      }
+    }
+    s.report.status().workers = std::move(workers);
+    s.report.write_status();
+  }
+  verdict = s.job->broadcast(verdict);
+  DFLASH_CHECK(verdict.empty(), "{}", verdict);
+}
+
+// The start of an MPI job's run, every rank, before the first step: rank 0 checks that every
+// rank resolved the same configuration, data plan and initial drafter state (a node reading
+// another file, or another version of it, would train on other data), and tells every rank the
+// verdict. Throws dflash::Error (on every rank) naming the first rank and figure that differ.
+// The first line where two resolved configurations (RunConfig::to_yaml) differ, with its section:
+// "its configuration has 'training: lr: 0.002', rank 0's 'training: lr: 0.0006'".
+std::string config_difference(const std::string& theirs, const std::string& mine) {
+  std::istringstream a(theirs), b(mine);
+  std::string la, lb, section_a, section_b;
+  for (;;) {
+    const bool more_a = static_cast<bool>(std::getline(a, la));
+    const bool more_b = static_cast<bool>(std::getline(b, lb));
+    if (!more_a && !more_b) return "";
+    if (!la.empty() && la[0] != ' ') section_a = la;
+    if (!lb.empty() && lb[0] != ' ') section_b = lb;
+    if (more_a && more_b && la == lb) continue;
+    auto where = [](const std::string& section, const std::string& line, bool more) {
+      if (!more) return std::string("(nothing)");
+      return line.empty() || line[0] != ' ' ? fmt::format("'{}'", line)
+                                            : fmt::format("'{} {}'", section, line.substr(2));
+    };
+    return fmt::format("configuration has {}, rank 0's {}", where(section_a, la, more_a),
+                       where(section_b, lb, more_b));
+  }
+}
+
+void job_agree_start(Session& s, const DrafterState& initial) {
+  RunConfig c = s.cfg;
+  c.output_dir = "";  // the same folder may be mounted under other paths
+  const std::vector<std::string> mine = {
+      c.to_yaml(), fmt::format("initial drafter state hash {:016x}", drafter_state_hash(initial)),
+      fmt::format("first step {}, data cursor {}", s.st.step, s.batcher.cursor().to_json().dump()),
+      fmt::format("{} steps, {} batches per epoch", s.total_steps, s.per_epoch),
+      fmt::format("{} drafter workers", s.topo.drafters())};
+  const std::vector<std::string> all = s.job->gather(json(mine).dump(), 0);
+  std::string verdict;
+  for (size_t k = 1; k < all.size() && verdict.empty(); ++k) {
+    const std::vector<std::string> theirs = json::parse(all[k]);
+    for (size_t i = 0; i < mine.size() && verdict.empty(); ++i) {
+      if (theirs.at(i) == mine[i]) continue;
+      verdict = fmt::format(
+          "rank {} does not match rank 0: its {} (every rank must run the same configuration, "
+          "data files, target and drafter_workers; a resume needs the run directory shared by "
+          "every node)",
+          k,
+          i == 0 ? config_difference(theirs[i], mine[i])
+                 : fmt::format("{}, rank 0's {}", theirs[i], mine[i]));
+    }
+  }
+  verdict = s.job->broadcast(verdict);
+  DFLASH_CHECK(verdict.empty(), "{}", verdict);
+  s.report.log(fmt::format("MPI job: rank {} of {}, global drafter replicas [{}, {}) of {}", s.rank,
+                           s.ranks, s.rank * s.topo.drafters(), (s.rank + 1) * s.topo.drafters(),
+                           s.replicas()));
+}
+
 TrainResult train_loop(Session& s, const TrainOptions& opts, const DrafterState& initial) {
   TrainResult result;
   result.last_metrics = s.report.status().last;  // a resumed run's newest kept record
@@ -496,8 +749,8 @@ TrainResult train_loop(Session& s, const TrainOptions& opts, const DrafterState&
   po.first_step = first;
   po.end_step = std::max(first, end);
   po.initial_state = &initial;
-  po.fault = fault_spec_from_env(s.topo);
-  po.collective = collective_group_create(s.cfg.runtime.backend, s.topo.drafter_devices);
+  po.fault = fault_spec_from_env(s.topo, s.rank, s.ranks);
+  po.collective = collective_group_create(s.cfg.runtime.backend, s.topo.drafter_devices, s.job);
   if (po.collective) s.report.log(fmt::format("collective: {}", po.collective->kind()));
   if (s.batch_opts.objective.dpace()) {
     s.report.log(fmt::format(
@@ -511,29 +764,36 @@ TrainResult train_loop(Session& s, const TrainOptions& opts, const DrafterState&
   const PipelineHooks hooks = hooks_of(s, po.end_step, po.collective, result);
   PipelineOutcome o = pipeline_run(po, hooks);
   for (const std::string& line : o.summaries) s.report.log(line);
-  save_final_state(s, o);
+  if (s.rank == 0) save_final_state(s, o);
   result.steps_done = s.st.step;
   result.skipped_steps = s.st.skipped;
   result.last_checkpoint = s.last_ckpt;
   if (o.end == PipelineOutcome::End::failed) {
     fail("{}{}", o.error,
-         s.last_ckpt.empty()
+         s.rank > 0 ? std::string()  // rank 0 checkpoints for the job
+         : s.last_ckpt.empty()
              ? std::string("; no checkpoint was written")
              : fmt::format("; the last complete checkpoint is {} (resume with --resume {})",
                            s.last_ckpt, s.rd.path().string()));
   }
-  if (o.replica_hashes.size() > 1) {
+  if (s.job) job_agree_end(s, o);
+  if (s.replicas() > 1 && s.rank == 0 && !o.replica_hashes.empty()) {
     s.report.log(
         fmt::format("the {} drafter replicas are bit-identical after step {} (state "
                     "hash {:016x})",
-                    o.replica_hashes.size(), s.st.step, o.replica_hashes[0]));
+                    s.replicas(), s.st.step, o.replica_hashes[0]));
   }
   if (s.st.step < s.total_steps) {
     result.interrupted = true;
     const int sig = g_stop_signal.load();
+    const bool halted = opts.halt_at_step > 0 && s.st.step == opts.halt_at_step;
     s.report.log(sig ? fmt::format("stopped by signal {} after step {}; resume with --resume {}",
-                                   sig, s.st.step, s.rd.path().string())
-                     : fmt::format("halted after step {} (--halt-at-step)", s.st.step));
+                                   sig, s.st.step, s.cfg.output_dir)
+                 : halted
+                     ? fmt::format("halted after step {} (--halt-at-step)", s.st.step)
+                     : fmt::format("stopped after step {} (rank 0 stopped the job); resume with "
+                                   "--resume {}",
+                                   s.st.step, s.cfg.output_dir));
   }
   return result;
 }
@@ -612,19 +872,26 @@ TrainResult train(const TrainOptions& opts) {
   train_backend_check(backend_options_of(cfg));
   if (cfg.runtime.threads > 0) set_parallel_threads(cfg.runtime.threads);
 
-  RunDir rd(cfg.output_dir);
+  Job* job = opts.job.get();
+  const int rank = job ? job->rank() : 0;
+  // An MPI job's rank k > 0 keeps its own log (and status) in <output_dir>/rank<k>; the run
+  // directory itself is rank 0's.
+  RunDir rd(rank == 0 ? fs::path(cfg.output_dir) : fs::path(cfg.output_dir) / job->name());
   DFLASH_CHECK(resuming || RunDir::complete_checkpoints(rd.path()).empty(),
                "run directory '{}' already holds checkpoints: use --resume to continue it, or "
                "choose another output_dir",
                rd.path().string());
   TrainReport report(rd);
   try {
-    const fs::path checkpoint = resuming ? resume_checkpoint(rd, report) : fs::path();
-    Session s(cfg, rd, report);
+    fs::path checkpoint = resuming && rank == 0 ? resume_checkpoint(rd, report) : fs::path();
+    // Every rank resumes from the checkpoint rank 0 chose (the run directory is shared).
+    if (job) checkpoint = job->broadcast(checkpoint.string());
+    Session s(cfg, rd, report, job);
     const DrafterState initial = restore_or_init(s, opts, checkpoint);
+    if (job) job_agree_start(s, initial);
     report.status().phase = "training";
     report.status().checkpoint = s.last_ckpt;
-    report.status().topology = s.topo.describe();
+    report.status().topology = s.describe();
     report.status().step = s.st.step;
     report.status().total_steps = s.total_steps;
     report.write_status();
@@ -634,7 +901,7 @@ TrainResult train(const TrainOptions& opts) {
         "batches/epoch), {}; {}",
         cfg.model.target, s.target->config().num_hidden_layers, s.target->config().hidden_size,
         s.dcfg.num_layers, s.layout.total, fmt::join(s.dcfg.target_layer_ids, ","),
-        s.dcfg.mask_token_id, s.dcfg.block_size, s.total_steps, s.per_epoch, s.topo.describe(),
+        s.dcfg.mask_token_id, s.dcfg.block_size, s.total_steps, s.per_epoch, s.describe(),
         train_backend_describe(s.backend_opts)));
     if (s.st.step >= s.total_steps) {
       report.log(fmt::format("the run finished at step {} of {}: nothing to do", s.st.step,

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -29,13 +30,17 @@
 namespace dflash {
 
 class Tokenizer;
+class Job;
 
 /// How `dflash train` was asked to start.
 struct TrainOptions {
-  RunConfig config;                 ///< resolved configuration (fresh run), see resume
-  std::string resume_dir;           ///< non-empty: continue the run in this directory
-  bool force = false;               ///< resume even when model/data-changing keys differ
-  int64_t halt_at_step = 0;         ///< test hook: behave as if signalled after this step (0 = off)
+  RunConfig config;          ///< resolved configuration (fresh run), see resume
+  std::string resume_dir;    ///< non-empty: continue the run in this directory
+  bool force = false;        ///< resume even when model/data-changing keys differ
+  int64_t halt_at_step = 0;  ///< test hook: behave as if signalled after this step (0 = off)
+  /// The MPI job this process is a rank of (train/job.hpp; null: a one-process run). Rank 0 owns
+  /// the run directory; rank k > 0 keeps only its own log in <output_dir>/rank<k>/.
+  std::shared_ptr<Job> job;
 };
 
 /// Summary of a finished (or interrupted) run.

@@ -22,13 +22,10 @@ fs::path source_dir() {
   return fs::path(env && *env ? env : DFLASH_SOURCE_DIR);
 }
 
-namespace {
-// The dflash binary the tests run: $DFLASH_TEST_BINARY, else the one built beside the tests.
 std::string dflash_binary() {
   const char* env = std::getenv("DFLASH_TEST_BINARY");
   return env && *env ? env : DFLASH_BINARY_PATH;
 }
-}  // namespace
 
 fs::path shared_dir() {
   const char* env = std::getenv("DFLASH_SHARED_DIR");
@@ -87,7 +84,12 @@ RunResult run_dflash(const std::vector<std::string>& args, const std::string& st
 
 pid_t spawn_dflash(const std::vector<std::string>& args, const fs::path& log,
                    const std::vector<std::string>& env) {
-  std::vector<std::string> argv_s = {dflash_binary()};
+  return spawn_program(dflash_binary(), args, log, env);
+}
+
+pid_t spawn_program(const std::string& program, const std::vector<std::string>& args,
+                    const fs::path& log, const std::vector<std::string>& env) {
+  std::vector<std::string> argv_s = {program};
   argv_s.insert(argv_s.end(), args.begin(), args.end());
   std::vector<char*> argv;
   for (auto& a : argv_s) argv.push_back(a.data());

@@ -3,11 +3,11 @@
 #pragma once
 
 #include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 #include <sys/types.h>
 
 #include <cstdint>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -41,6 +41,9 @@ class TempDir {
   pid_t owner_;
 };
 
+/// The dflash binary the tests run: $DFLASH_TEST_BINARY, else the one built beside the tests.
+std::string dflash_binary();
+
 /// Result of running the dflash binary.
 struct RunResult {
   int exit_code = -1;
@@ -51,11 +54,17 @@ struct RunResult {
 /// `args` (shell-quoted for you), optional stdin text.
 RunResult run_dflash(const std::vector<std::string>& args, const std::string& stdin_text = "");
 
-/// Starts the `dflash` binary (as run_dflash) with `args` in the background, its stderr (and stdout) into `log`,
-/// with `env` entries ("KEY=VALUE") added to its environment; returns its pid. The child is killed
-/// (SIGKILL) when the test process dies, so a test killed by its timeout leaves no run behind.
+/// Starts the `dflash` binary (as run_dflash) with `args` in the background, its stderr (and
+/// stdout) into `log`, with `env` entries ("KEY=VALUE") added to its environment; returns its pid.
+/// The child is killed (SIGKILL) when the test process dies, so a test killed by its timeout leaves
+/// no run behind.
 pid_t spawn_dflash(const std::vector<std::string>& args, const fs::path& log,
                    const std::vector<std::string>& env = {});
+
+/// Starts `program` with `args` as spawn_dflash starts the dflash binary (output into `log`,
+/// `env` added, killed when the test process dies); returns its pid.
+pid_t spawn_program(const std::string& program, const std::vector<std::string>& args,
+                    const fs::path& log, const std::vector<std::string>& env = {});
 
 /// Limits on a spawned run (wait_exit): how long it may take and how large its log may grow.
 struct RunLimits {
