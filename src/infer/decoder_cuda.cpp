@@ -32,27 +32,6 @@ double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-bool is_stop(const DecodeOptions& opts, int32_t t) {
-  return std::find(opts.stop_ids.begin(), opts.stop_ids.end(), static_cast<int64_t>(t)) !=
-         opts.stop_ids.end();
-}
-
-// Appends the step's tokens to `r` up to the first stop token (included) and max_new_tokens;
-// returns how many were taken and sets `done` when the request is over (the rule of
-// SpeculativeDecoder's output, speculative.hpp).
-size_t take_tokens(DecodeResult& r, std::span<const int32_t> toks, const DecodeOptions& opts,
-                   bool& done) {
-  size_t n = 0;
-  while (n < toks.size() && static_cast<int64_t>(r.tokens.size()) < opts.max_new_tokens &&
-         !r.stopped) {
-    r.tokens.push_back(toks[n]);
-    r.stopped = is_stop(opts, toks[n]);
-    ++n;
-  }
-  done = r.stopped || static_cast<int64_t>(r.tokens.size()) >= opts.max_new_tokens;
-  return n;
-}
-
 // Rows of every cache per request: max_context rounded up to this, the key-tile width of the
 // tensor-core attention (backend/cuda/attention_tc.cuh, kKeys). A CTA of the attention cuts the
 // union of its rows' key ranges into tiles from the union's start; with every request's first
@@ -525,7 +504,7 @@ std::vector<DecodeResult> SpeculativeDecoderCuda::run(std::span<const std::vecto
     DecodeResult& r = results[static_cast<size_t>(s.request)];
     const size_t before = r.tokens.size();
     bool done = false;
-    const size_t n = take_tokens(r, toks, opts, done);
+    const size_t n = decode_result_append(r, toks, opts, done);
     if (on_tokens && n > 0)
       on_tokens(static_cast<size_t>(s.request), std::span<const int32_t>(r.tokens).subspan(before));
     return done;

@@ -26,10 +26,10 @@ bool is_stop(const DecodeOptions& opts, int32_t t) {
          opts.stop_ids.end();
 }
 
-// Appends `toks` to `r.tokens` up to and including the first stop token and at most up to
-// max_new_tokens; returns the number appended and whether generation is over.
-size_t append_trimmed(DecodeResult& r, std::span<const int32_t> toks, const DecodeOptions& opts,
-                      bool& done) {
+}  // namespace
+
+size_t decode_result_append(DecodeResult& r, std::span<const int32_t> toks,
+                            const DecodeOptions& opts, bool& done) {
   size_t n = 0;
   done = false;
   for (int32_t t : toks) {
@@ -49,7 +49,6 @@ size_t append_trimmed(DecodeResult& r, std::span<const int32_t> toks, const Deco
   return n;
 }
 
-}  // namespace
 
 double DecodeResult::tau() const {
   if (accept_lengths.empty()) return 0.0;
@@ -85,7 +84,7 @@ void SpeculativeDecoder::emit(SpecState& s, std::span<const int32_t> toks,
                               const DecodeOptions& opts, const TokenCallback& on_tokens) const {
   const size_t before = s.result.tokens.size();
   bool done = false;
-  const size_t n = append_trimmed(s.result, toks, opts, done);
+  const size_t n = decode_result_append(s.result, toks, opts, done);
   if (on_tokens && n > 0) on_tokens(std::span<const int32_t>(s.result.tokens).subspan(before, n));
   if (done) s.done = true;
 }
@@ -256,7 +255,7 @@ void target_state_emit_next(const TargetModel& target, TargetState& s, const flo
   target.lm_head_rows(s.logits.data(), normed, 1);
   const int32_t t = sample_token(s.logits, opts.sampling, s.rng, s.sample_scratch);
   bool done = false;
-  const size_t n = append_trimmed(s.result, std::span<const int32_t>(&t, 1), opts, done);
+  const size_t n = decode_result_append(s.result, std::span<const int32_t>(&t, 1), opts, done);
   if (on_tokens && n > 0) on_tokens(std::span<const int32_t>(&t, 1));
   if (done) s.done = true;
 }

@@ -83,6 +83,13 @@ struct SpecState {
   explicit SpecState(const ModelConfig& c) : target_cache(c) {}
 };
 
+/// Appends `toks` (one step's output) to `r.tokens` up to and including the first of
+/// opts.stop_ids (then r.stopped) and up to opts.max_new_tokens tokens in all; returns how many
+/// were appended and sets `done` when the request is over. The output rule of every decoder
+/// (file comment); call it only while the request is not done.
+size_t decode_result_append(DecodeResult& r, std::span<const int32_t> toks,
+                            const DecodeOptions& opts, bool& done);
+
 /// A target and a drafter checked to fit each other, ready to decode.
 class SpeculativeDecoder {
  public:
