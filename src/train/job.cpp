@@ -280,12 +280,13 @@ struct Outbox {
 };
 
 void pack(std::vector<double>& out, const ReplicaStepFigures& f) {
+  const ObjectiveMetrics& m = f.metrics;
   out.insert(out.end(), {f.grad_norm, static_cast<double>(f.skip), static_cast<double>(f.tokens),
-                         static_cast<double>(f.supervised), f.loss_weighted_sum, f.weight_sum,
-                         f.accept_len_sum, static_cast<double>(f.blocks),
-                         static_cast<double>(f.slot_correct.size())});
-  for (int64_t v : f.slot_correct) out.push_back(static_cast<double>(v));
-  for (int64_t v : f.slot_count) out.push_back(static_cast<double>(v));
+                         static_cast<double>(f.supervised), m.loss_weighted_sum, m.weight_sum,
+                         m.accept_len_sum, static_cast<double>(m.blocks),
+                         static_cast<double>(m.K)});
+  for (int64_t v : m.slot_correct) out.push_back(static_cast<double>(v));
+  for (int64_t v : m.slot_count) out.push_back(static_cast<double>(v));
 }
 
 ReplicaStepFigures unpack(const std::vector<double>& in, size_t& at, int from) {
@@ -298,13 +299,15 @@ ReplicaStepFigures unpack(const std::vector<double>& in, size_t& at, int from) {
   f.skip = static_cast<int>(next());
   f.tokens = static_cast<int64_t>(next());
   f.supervised = static_cast<int64_t>(next());
-  f.loss_weighted_sum = next();
-  f.weight_sum = next();
-  f.accept_len_sum = next();
-  f.blocks = static_cast<int64_t>(next());
-  const auto K = static_cast<size_t>(next());
-  for (size_t k = 0; k < K; ++k) f.slot_correct.push_back(static_cast<int64_t>(next()));
-  for (size_t k = 0; k < K; ++k) f.slot_count.push_back(static_cast<int64_t>(next()));
+  const double loss_weighted_sum = next(), weight_sum = next(), accept_len_sum = next();
+  const auto blocks = static_cast<int64_t>(next());
+  ObjectiveMetrics& m = f.metrics = ObjectiveMetrics(static_cast<int>(next()));
+  m.loss_weighted_sum = loss_weighted_sum;
+  m.weight_sum = weight_sum;
+  m.accept_len_sum = accept_len_sum;
+  m.blocks = blocks;
+  for (int64_t& v : m.slot_correct) v = static_cast<int64_t>(next());
+  for (int64_t& v : m.slot_count) v = static_cast<int64_t>(next());
   return f;
 }
 

@@ -38,6 +38,7 @@
 #include <utility>
 #include <vector>
 
+#include "model/objective.hpp"
 #include "train/collective.hpp"
 
 namespace dflash {
@@ -48,9 +49,7 @@ struct ReplicaStepFigures {
   double grad_norm = 0;
   int skip = 0;  ///< StepSkip as an integer
   int64_t tokens = 0, supervised = 0;
-  double loss_weighted_sum = 0, weight_sum = 0, accept_len_sum = 0;
-  int64_t blocks = 0;
-  std::vector<int64_t> slot_correct, slot_count;  ///< per block slot
+  ObjectiveMetrics metrics;  ///< the replica's own blocks
 };
 
 class Job;

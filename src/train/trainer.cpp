@@ -348,24 +348,8 @@ ReplicaStepFigures figures_of(const DrafterStepResult& r, int64_t tokens, int64_
   f.skip = static_cast<int>(r.skip);
   f.tokens = tokens;
   f.supervised = supervised;
-  f.loss_weighted_sum = r.metrics.loss_weighted_sum;
-  f.weight_sum = r.metrics.weight_sum;
-  f.accept_len_sum = r.metrics.accept_len_sum;
-  f.blocks = r.metrics.blocks;
-  f.slot_correct = r.metrics.slot_correct;
-  f.slot_count = r.metrics.slot_count;
+  f.metrics = r.metrics;
   return f;
-}
-
-ObjectiveMetrics metrics_of(const ReplicaStepFigures& f) {
-  ObjectiveMetrics m(static_cast<int>(f.slot_correct.size()));
-  m.loss_weighted_sum = f.loss_weighted_sum;
-  m.weight_sum = f.weight_sum;
-  m.accept_len_sum = f.accept_len_sum;
-  m.blocks = f.blocks;
-  m.slot_correct = f.slot_correct;
-  m.slot_count = f.slot_count;
-  return m;
 }
 
 // The replicas' results as one: metrics summed in global replica order (this process's replicas,
@@ -377,7 +361,7 @@ DrafterStepResult merge_results(const Session& s, const PipelineStep& p,
                                 std::string& non_finite) {
   DrafterStepResult r = p.results[0];
   for (size_t i = 1; i < p.results.size(); ++i) r.metrics.merge(p.results[i].metrics);
-  for (const ReplicaStepFigures& f : remote) r.metrics.merge(metrics_of(f));
+  for (const ReplicaStepFigures& f : remote) r.metrics.merge(f.metrics);
   for (size_t i = 0; i < p.results.size(); ++i) {
     if (std::isfinite(p.results[i].metrics.loss_weighted_sum)) continue;
     non_finite += fmt::format("{}{}drafter{} (features from {})", non_finite.empty() ? "" : ", ",
@@ -385,7 +369,7 @@ DrafterStepResult merge_results(const Session& s, const PipelineStep& p,
   }
   const int local = s.topo.drafters();
   for (size_t i = 0; i < remote.size(); ++i) {
-    if (std::isfinite(remote[i].loss_weighted_sum)) continue;
+    if (std::isfinite(remote[i].metrics.loss_weighted_sum)) continue;
     non_finite += fmt::format("{}rank{}/drafter{}", non_finite.empty() ? "" : ", ",
                               1 + static_cast<int>(i) / local, static_cast<int>(i) % local);
   }
