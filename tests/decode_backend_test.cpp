@@ -31,11 +31,7 @@ class DecodeBackendCli : public ::testing::Test {
     DrafterSizes sizes;
     sizes.block_size = 4;
     sizes.intermediate_size = 64;
-    const DrafterConfig c = drafter_config_for_target(tc, 1, sizes, 8000);
-    const DrafterLayout layout(c);
-    std::vector<float> params(static_cast<size_t>(layout.total));
-    drafter_init(params, layout, 3);
-    drafter_save(dir_ / "drafter", c, layout, params, DType::f32);
+    test::save_random_drafter(dir_ / "drafter", tc, 1, sizes, 3);
   }
   test::RunResult run(const std::string& cmd, std::vector<std::string> extra) {
     std::vector<std::string> args = {cmd,

@@ -38,11 +38,7 @@ const LoadedDrafter& random_drafter() {
     DrafterSizes sizes;
     sizes.block_size = 4;
     sizes.intermediate_size = 256;
-    const DrafterConfig c = drafter_config_for_target(tiny().config(), 1, sizes, 8000);
-    const DrafterLayout layout(c);
-    std::vector<float> params(static_cast<size_t>(layout.total));
-    drafter_init(params, layout, 21);
-    drafter_save(dir / "drafter", c, layout, params, DType::f32);
+    test::save_random_drafter(dir / "drafter", tiny().config(), 1, sizes, 21);
     return drafter_load(dir / "drafter");
   }();
   return d;

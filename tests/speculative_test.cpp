@@ -46,13 +46,8 @@ LoadedDrafter random_drafter(const TempDir& dir, int layers, int block_size, uin
   DrafterSizes sizes;
   sizes.block_size = block_size;
   sizes.intermediate_size = 256;
-  const DrafterConfig c =
-      drafter_config_for_target(tiny().config(), layers, sizes, 8000, std::move(taps));
-  const DrafterLayout layout(c);
-  std::vector<float> params(static_cast<size_t>(layout.total));
-  drafter_init(params, layout, seed);
   const auto d = dir / ("drafter" + std::to_string(seed));
-  drafter_save(d, c, layout, params, DType::f32);
+  test::save_random_drafter(d, tiny().config(), layers, sizes, seed, std::move(taps));
   return drafter_load(d);
 }
 

@@ -1,4 +1,5 @@
 #include "util/test_util.hpp"
+#include "model/drafter_io.hpp"
 
 #include <lzma.h>
 #include <sys/prctl.h>
@@ -216,6 +217,16 @@ bool GuardedBuffer::intact() const {
     if (bits != (0x7fc0beefu ^ static_cast<uint32_t>(i))) return false;
   }
   return true;
+}
+
+void save_random_drafter(const fs::path& dir, const ModelConfig& target, int layers,
+                         const DrafterSizes& sizes, uint64_t seed,
+                         std::optional<std::vector<int>> taps) {
+  const DrafterConfig c = drafter_config_for_target(target, layers, sizes, 8000, std::move(taps));
+  const DrafterLayout layout(c);
+  std::vector<float> params(static_cast<size_t>(layout.total));
+  drafter_init(params, layout, seed);
+  drafter_save(dir, c, layout, params, DType::f32);
 }
 
 std::vector<nlohmann::json> deterministic_metrics(const fs::path& run_dir) {

@@ -8,10 +8,13 @@
 #include <cstdint>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "core/tensor.hpp"
+#include "model/config.hpp"
+#include "model/drafter_io.hpp"
 
 namespace dflash::test {
 
@@ -107,6 +110,13 @@ class GuardedBuffer {
   size_t n_;
   std::vector<float> buf_;
 };
+
+/// Saves an untrained drafter for `target` into `dir` in the export format (f32): `layers`
+/// layers of `sizes`, mask id 8000, tap ids `taps` (the default ones when absent), parameters from
+/// drafter_init with `seed`. For decoding tests that need a drafter, not a good one.
+void save_random_drafter(const fs::path& dir, const ModelConfig& target, int layers,
+                         const DrafterSizes& sizes, uint64_t seed,
+                         std::optional<std::vector<int>> taps = std::nullopt);
 
 /// The records of RUN_DIR/metrics.jsonl, in file order, without the fields that depend on wall
 /// time (throughput, seconds per step and phase, resident memory, busy fractions, queue depths):
