@@ -187,6 +187,7 @@ struct Shared {
   std::mutex ctl;
   std::condition_variable ctl_cv;
   std::vector<int64_t> started;                    // per replica: last step begun (ctl)
+  int64_t polled_through = 0;  // hooks.begin_after_poll: last step accounted, news polled (ctl)
   std::vector<std::optional<FinalCommand>> final;  // per replica (ctl)
   bool released = false;                           // target workers may go (ctl)
 
@@ -312,7 +313,10 @@ void target_main(std::shared_ptr<Shared> sh, int t) {
 
 // Registers replica r as starting step s; false when the run stops before s.
 bool drafter_begin_step(Shared& sh, int r, int64_t s) {
-  std::lock_guard<std::mutex> lk(sh.ctl);
+  std::unique_lock<std::mutex> lk(sh.ctl);
+  if (sh.hooks.begin_after_poll) {
+    sh.ctl_cv.wait(lk, [&] { return sh.polled_through >= s - 1 || s >= sh.stop_before.load(); });
+  }
   if (s >= sh.stop_before.load()) return false;
   sh.started[static_cast<size_t>(r)] = s;
   sh.drafter(r).step.store(s + 1);
@@ -444,7 +448,8 @@ class Coordinator {
   // Stops before step `before` (a signal: the hooks' stop_step, else the step after the furthest
   // one started).
   void request_stop(std::optional<int64_t> before = std::nullopt);
-  void poll_job();
+  // The job's news, at most every 50 ms unless `force`.
+  void poll_job(bool force = false);
   void watchdog();
   void tick(bool force);
   bool drafters_out() const;
@@ -493,6 +498,7 @@ void Coordinator::fail(const std::string& worker, const std::string& error) {
     std::lock_guard<std::mutex> lk(sh_->ctl);
     sh_->stop_before.store(std::numeric_limits<int64_t>::min());
   }
+  sh_->ctl_cv.notify_all();
   if (sh_->opts.collective) sh_->opts.collective->abort("the run is stopping after a failure");
   for (auto& q : sh_->queues) q->close();
 }
@@ -505,12 +511,13 @@ void Coordinator::request_stop(std::optional<int64_t> before) {
   const int64_t furthest = *std::max_element(sh_->started.begin(), sh_->started.end());
   if (!before) before = sh_->hooks.stop_step ? sh_->hooks.stop_step(furthest) : furthest + 1;
   sh_->stop_before.store(std::max(*before, sh_->opts.first_step));
+  sh_->ctl_cv.notify_all();  // (under ctl) replicas waiting in drafter_begin_step re-check
 }
 
-void Coordinator::poll_job() {
+void Coordinator::poll_job(bool force) {
   if (!sh_->hooks.poll_job || failing_) return;
   const int64_t t = now_ns();
-  if (ns_to_s(t - last_poll_ns_) < 0.05) return;
+  if (!force && ns_to_s(t - last_poll_ns_) < 0.05) return;
   last_poll_ns_ = t;
   std::optional<JobNews> news;
   try {
@@ -623,6 +630,14 @@ void Coordinator::account_ready_steps() {
       ++next_step_;
       out_.steps_done = next_step_;
       if (has_state) last_state_step_ = next_step_;
+      if (sh_->hooks.begin_after_poll) {
+        poll_job(/*force=*/true);
+        {
+          std::lock_guard<std::mutex> lk(sh_->ctl);
+          sh_->polled_through = next_step_ - 1;
+        }
+        sh_->ctl_cv.notify_all();
+      }
     } catch (const std::exception& e) {
       hook_failed_ = true;
       fail("trainer", e.what());
@@ -911,6 +926,7 @@ PipelineOutcome pipeline_run(const PipelineOptions& opts, const PipelineHooks& h
   }
   sh->stop_before.store(std::numeric_limits<int64_t>::max());
   sh->started.assign(static_cast<size_t>(topo.drafters()), opts.first_step - 1);
+  sh->polled_through = opts.first_step - 1;
   sh->final.resize(static_cast<size_t>(topo.drafters()));
   sh->src_step = opts.first_step;
   std::vector<std::thread> threads;

@@ -137,6 +137,11 @@ struct PipelineHooks {
   /// MPI jobs (optional): a signal stops the run before step stop_step(furthest) instead of
   /// furthest + 1 (rank 0 picks a step that no rank has passed and tells the others).
   std::function<int64_t(int64_t furthest_started)> stop_step;
+  /// MPI jobs' ranks ≠ 0: a replica starts step s only after the coordinator has accounted step
+  /// s − 1 and polled the job's news since, so a stop step rank 0 announced before its part of
+  /// step s − 1's all-reduce is seen before any replica here can pass it (the poll otherwise runs
+  /// only every 50 ms, longer than a small step).
+  bool begin_after_poll = false;
   /// Called once, on the coordinating thread, when the run fails, with the error (an MPI job's
   /// rank ≠ 0 reports it to rank 0 at once).
   std::function<void(const std::string& error)> on_failure;

@@ -530,6 +530,7 @@ void hooks_of_rank(Session& s, PipelineHooks& h) {
     job->send_status(s.last_workers);
   };
   h.stop_requested = [] { return false; };
+  h.begin_after_poll = true;
   h.poll_job = [job]() -> std::optional<JobNews> {
     const auto stop = job->stop_announced();
     if (!stop) return std::nullopt;
