@@ -3,10 +3,12 @@
 #include <fmt/ranges.h>
 
 #include <fstream>
+#include <optional>
 
 #include "cli/commands.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "model/objective.hpp"
 #include "model/presets.hpp"
 #include "model/step_plan.hpp"
 #include "train/bench.hpp"
@@ -19,6 +21,7 @@ struct BenchArgs {
   BenchOptions o;
   std::string graphs = "both";
   std::string json;
+  std::string loss_type = "dflash";
   bool plan = false;
   int mask = -1;
 };
@@ -31,6 +34,14 @@ void run_bench_command(BenchArgs& a) {
   if (a.mask >= 0) a.o.mask_token_id = a.mask;
   DFLASH_CHECK(a.o.recompute == "auto" || a.o.recompute == "always" || a.o.recompute == "never",
                "--recompute must be auto, always or never (got '{}')", a.o.recompute);
+  const std::optional<LossType> loss = loss_type_parse(a.loss_type);
+  DFLASH_CHECK(loss.has_value(),
+               "--loss-type must be dflash, dpace, dpace-cumulative-confidence-only or "
+               "dpace-continuation-value-only (got '{}')",
+               a.loss_type);
+  a.o.objective.loss = *loss;
+  DFLASH_CHECK(a.o.objective.dpace_alpha >= 0 && a.o.objective.dpace_alpha <= 1,
+               "--dpace-alpha must be in [0, 1] (got {})", a.o.objective.dpace_alpha);
   const BenchSetup s = bench_setup(a.o);
   std::vector<std::string> unsupported = cuda_target_unsupported(s.target);
   if (!a.o.target_only) {
@@ -87,6 +98,12 @@ void add_bench_command(CLI::App& app) {
   b->add_option("--steps", a->o.steps, "Timed steps per graph mode (medians)")
       ->capture_default_str();
   b->add_option("--warmup", a->o.warmup, "Untimed steps first")->capture_default_str();
+  b->add_option("--loss-type", a->loss_type,
+                "The loss, as training.loss_type: dflash, dpace, "
+                "dpace-cumulative-confidence-only or dpace-continuation-value-only")
+      ->capture_default_str();
+  b->add_option("--dpace-alpha", a->o.objective.dpace_alpha, "D-PACE's α, as training.dpace_alpha")
+      ->capture_default_str();
   b->add_option("--kernel-reps", a->o.kernel_reps, "Timed runs per kernel")->capture_default_str();
   b->add_option("--graphs", a->graphs, "Time the step with CUDA graphs on, off or both")
       ->capture_default_str();

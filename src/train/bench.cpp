@@ -236,6 +236,7 @@ nlohmann::json bench_json(const BenchReport& r) {
   nlohmann::json j;
   j["header"] = r.header;
   j["drafter_activations"] = r.activations;
+  j["loss_type"] = r.loss_type;
   for (const BenchPhase& p : r.phases) {
     j["phases"].push_back({{"name", p.name},
                            {"ms", jnum(p.ms)},
@@ -320,7 +321,7 @@ HostBatch make_rows(const BenchSetup& s, const BenchOptions& o) {
 // One step staged as CudaTrainBackend stages it (drafter_batch_stage into the step's fixed shape).
 struct StagedStep {
   int64_t T = 0, NK = 0, N = 0;
-  double weight_sum = 0;
+  double loss_normaliser = 0;  // DrafterBatch::loss_normaliser: Σw (dflash) or the documents
   std::vector<int32_t> tokens, pos, block_tokens, labels;
   std::vector<AttnRange> context_ranges, block_ranges;
   std::vector<float> weights;
@@ -331,11 +332,14 @@ struct StagedStep {
 StagedStep stage_bench_step(HostBatch& b, const BenchSetup& s, const BenchOptions& o,
                             int64_t step) {
   DrafterBatch d(o.block_size);
+  d.objective = o.objective;
+  // As drafter_batch_from_batch: the D-PACE losses ignore the slot decay (weights = the mask).
+  const double gamma = o.objective.dpace() ? 0.0 : 7.0;
   for (size_t r = 0; r < b.tokens.size(); ++r) {
     Rng rng(derive_seed(o.seed, {static_cast<uint64_t>(step), static_cast<uint64_t>(r)}));
     b.anchors[r] = sample_anchors(b.mask[r], b.offsets[r], o.anchors, rng);
     b.targets[r] =
-        block_targets(b.tokens[r], b.mask[r], b.offsets[r], b.anchors[r], o.block_size, 7.0);
+        block_targets(b.tokens[r], b.mask[r], b.offsets[r], b.anchors[r], o.block_size, gamma);
     d.append_row(b.tokens[r], b.offsets[r], b.anchors[r], b.targets[r]);
   }
   d.row_length = o.token_budget;
@@ -343,7 +347,7 @@ StagedStep stage_bench_step(HostBatch& b, const BenchSetup& s, const BenchOption
   st.T = d.rows * d.row_length;
   st.N = d.N();
   st.NK = padded_block_rows(d.N(), o.block_size);
-  st.weight_sum = d.weight_sum;
+  st.loss_normaliser = d.loss_normaliser();
   const auto T = static_cast<size_t>(st.T), NK = static_cast<size_t>(st.NK);
   st.tokens.resize(T);
   st.context_ranges.resize(T);
@@ -571,16 +575,19 @@ BenchReport run_bench(const BenchOptions& o) {
   r.arena_bytes = static_cast<double>(plan.arena.arena_bytes);
   r.tokens_per_step = s.tokens;
   r.activations = drafter_activations_name(plan.activations);
+  r.loss_type = o.objective.dpace() ? fmt::format("{} (alpha {})", loss_type_name(o.objective.loss),
+                                                  o.objective.dpace_alpha)
+                                    : std::string(loss_type_name(o.objective.loss));
   r.documents = o.rows * s.docs_per_row;
   r.doc_length = o.doc_length;
   r.steps = o.steps;
   r.header = fmt::format(
       "dflash bench: {}, random weights; drafter {} layers, taps [{}], block {}; {} row(s) x {} "
       "tokens ({} documents of {} per row), {} anchors per document: {} blocks ({} block rows); "
-      "the backward {} the forward's activations ({}); {}",
+      "loss {}; the backward {} the forward's activations ({}); {}",
       s.model_name, s.drafter.num_layers, fmt::join(s.drafter.target_layer_ids, ","), o.block_size,
       o.rows, o.token_budget, s.docs_per_row, o.doc_length, o.anchors, s.blocks, plan.NK,
-      plan.activations == DrafterActivations::keep ? "keeps" : "recomputes",
+      r.loss_type, plan.activations == DrafterActivations::keep ? "keeps" : "recomputes",
       plan.activations_reason, cuda::device_description(o.device));
 
   cudaStream_t st = ctx.stream();
@@ -609,6 +616,7 @@ BenchReport run_bench(const BenchOptions& o) {
     in.ranges = static_cast<AttnRange*>(branges.dev);
     in.labels = static_cast<int32_t*>(labels.dev);
     in.weights = static_cast<float*>(weights.dev);
+    in.objective = o.objective;
     drafter.forward_backward(in, 1.0);
   };
   enum Ev { kStart, kTarget, kForward, kHead, kBackward, kOptStart, kOptEnd, kNumEv };
@@ -631,7 +639,7 @@ BenchReport run_bench(const BenchOptions& o) {
     branges.fill(packed.block_ranges);
     labels.fill(packed.labels);
     weights.fill(packed.weights);
-    const double total_w = packed.weight_sum;
+    const double total_w = packed.loss_normaliser;
     const auto w2 = Clock::now();
     const int64_t t = packed.T, nk = packed.NK;
     drafter.set_phase_events(graphs ? DrafterCuda::PhaseEvents{}

@@ -58,6 +58,10 @@ struct BenchOptions {
   /// The drafter backward's activations, as training.recompute: auto (keep them when the plan
   /// with them fits device_memory_gib), always (recompute), never (keep).
   std::string recompute = "auto";
+  /// The loss, as training.loss_type and training.dpace_alpha (OBJECTIVES.md §1.1): dflash weighs
+  /// slots by γ = 7 decay and divides by Σw; the D-PACE losses weigh them by the step's own CE and
+  /// divide by the documents.
+  Objective objective;
   uint64_t seed = 0;
 };
 
@@ -110,6 +114,7 @@ struct BenchReport {
   int64_t tokens_per_step = 0;
   /// The drafter backward's activations: "keep" or "recompute" ("" with --target-only).
   std::string activations;
+  std::string loss_type;  ///< the timed step's loss (loss_type_name; "" with --target-only)
   double planned_bytes = NAN, arena_bytes = NAN;  ///< the plan's total and arena
   double context_bytes = NAN;  ///< measured: device memory in use after context creation
   double used_bytes = NAN;     ///< measured: device memory in use after the steps (cudaMemGetInfo)
