@@ -1,0 +1,66 @@
+// dflash.cpp — launchers of the fused decoding kernels (device code: decode_fused.cuh; contracts:
+// src/ops/decode_fused.hpp). Sizes are checked by decode_fused_cuda.cpp before these run. No fmt
+// in this file (nvcc).
+#include "backend/cuda/decode_fused.cuh"
+#include "backend/cuda/decode_fused_launch.hpp"
+
+namespace dflash::cuda {
+namespace {
+
+template <int D>
+__global__ void __launch_bounds__(32 * decode_fused::kPrepWarps)
+    qkv_prepare_kernel(decode_fused::QkvPrepArgs a) {
+  decode_fused::qkv_prepare<D>(a);
+}
+
+template <int D>
+__global__ void __launch_bounds__(1024) decode_attn_split_kernel(decode_fused::DecodeAttnArgs a) {
+  decode_fused::decode_attn_split<D>(a);
+}
+
+template <int D>
+__global__ void __launch_bounds__(32 * decode_fused::kCombineWarps)
+    decode_attn_combine_kernel(decode_fused::DecodeAttnArgs a) {
+  decode_fused::decode_attn_combine<D>(a);
+}
+
+}  // namespace
+
+namespace launch {
+
+void qkv_prepare(const decode_fused::QkvPrepArgs& a, int D, cudaStream_t s) {
+  if (a.T == 0) return;
+  const int nheads = a.NH + 2 * a.NKV;
+  const dim3 grid(
+      static_cast<unsigned>(a.T),
+      static_cast<unsigned>((nheads + decode_fused::kPrepWarps - 1) / decode_fused::kPrepWarps));
+  const int threads = 32 * decode_fused::kPrepWarps;
+  if (D == 64)
+    qkv_prepare_kernel<64><<<grid, threads, 0, s>>>(a);
+  else
+    qkv_prepare_kernel<128><<<grid, threads, 0, s>>>(a);
+  DFLASH_CUDA_LAUNCH_CHECK();
+}
+
+void decode_attention(const decode_fused::DecodeAttnArgs& a, int D, cudaStream_t s) {
+  if (a.T == 0) return;
+  const int G = a.NH / a.NKV;
+  const dim3 split_grid(static_cast<unsigned>(a.S), static_cast<unsigned>(a.NKV),
+                        static_cast<unsigned>((a.T + a.rows_per_cta - 1) / a.rows_per_cta));
+  const int split_threads = 32 * G * a.rows_per_cta;
+  const int64_t warps = a.T * a.NH;
+  const auto combine_grid = static_cast<unsigned>((warps + decode_fused::kCombineWarps - 1) /
+                                                  decode_fused::kCombineWarps);
+  const int combine_threads = 32 * decode_fused::kCombineWarps;
+  if (D == 64) {
+    decode_attn_split_kernel<64><<<split_grid, split_threads, 0, s>>>(a);
+    decode_attn_combine_kernel<64><<<combine_grid, combine_threads, 0, s>>>(a);
+  } else {
+    decode_attn_split_kernel<128><<<split_grid, split_threads, 0, s>>>(a);
+    decode_attn_combine_kernel<128><<<combine_grid, combine_threads, 0, s>>>(a);
+  }
+  DFLASH_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace launch
+}  // namespace dflash::cuda
