@@ -7,7 +7,8 @@
 //            CUDA graph replayed; GPU time of each replay from CUDA events (manual time; kIters).
 //            TargetStep1Pad16 is the one-token step with its GEMMs run on 16 rows
 //            (SpeculativeDecoderCuda::pad_gemm_rows).
-//   Gemm/…:  the cuBLASLt GEMM (backend/cuda/gemm.hpp) of each 8B weight shape at M = 1, 8, 16
+//   Gemm/…:  the cuBLASLt GEMM (backend/cuda/gemm.hpp) of each 8B weight shape (the fused q/k/v
+//            projection the steps run and, for comparison, its parts) at M = 1, 8, 16
 //            and 128 rows (bf16 in, f32 out), with the weight bytes read per second: what the steps
 //            above are made of.
 //   Tiny/…:  the tiny fixture (tiny-qwen3, a random 2-layer drafter of block 16, so τ ≈ 1) over
@@ -234,9 +235,11 @@ DFLASH_STEP_BENCH(BM_TargetStep1Pad16);
 DFLASH_STEP_BENCH(BM_TargetVerify16);
 DFLASH_STEP_BENCH(BM_DrafterBlock16);
 DFLASH_STEP_BENCH(BM_SpecStep16);
-// {M, N, K}: q/o (4096²), k/v (1024 × 4096), gate+up (24576 × 4096), down (4096 × 12288), LM head.
+// {M, N, K}: q/o (4096²), k/v (1024 × 4096), fused q/k/v (6144 × 4096), gate+up (24576 × 4096),
+// down (4096 × 12288), LM head.
 BENCHMARK(BM_Gemm)
     ->ArgsProduct({{1, 8, 16, 128}, {4096}, {4096}})
+    ->ArgsProduct({{1, 8, 16, 128}, {6144}, {4096}})
     ->ArgsProduct({{1, 8, 16, 128}, {1024}, {4096}})
     ->ArgsProduct({{1, 8, 16, 128}, {24576}, {4096}})
     ->ArgsProduct({{1, 8, 16, 128}, {4096}, {12288}})
