@@ -202,11 +202,11 @@ void SpeculativeDecoderCuda::plan_and_take() {
   w.push_back(want("decode.step.first", 1, &first_));
   w.push_back(want("decode.step.zero", 1, &zero_));
   // The split-key attention of the steps (a row sees at most its request's stride_ cache rows).
-  split_ = DecodeAttnWork{nullptr, BK, stride_};
+  split_ = DecodeStepWork{nullptr, BK, stride_};
   const int64_t split_floats =
       std::max(decode_attention_work_floats(BK, tcfg_.num_attention_heads, tcfg_.head_dim, stride_),
                decode_attention_work_floats(BK, dcfg_.num_heads, dcfg_.head_dim, stride_));
-  w.push_back(want("decode.step.attn_split", split_floats, &split_.part));
+  w.push_back(want("decode.step.attn_split", split_floats, &split_.attn_part));
   w.push_back(want("decode.step.taps", R * F, &taps_));
   w.push_back(want("decode.step.final_rows", BK * H, &fnorm_));
   w.push_back(want("decode.step.logits", BK * V, &logits_));
@@ -363,7 +363,7 @@ void SpeculativeDecoderCuda::draft_block(int B, int K) {
     prep.q_norm = d.q_norm;
     prep.k_norm = d.k_norm;
     qkv_prepare_cuda(ctx_, dq_, nullptr, dk_cache_[l], dv_cache_[l], slots_, dqkv_, prep);
-    decode_attention_cuda(ctx_, do_, dq_, dk_cache_[l], dv_cache_[l], brange_, ap, split_.part,
+    decode_attention_cuda(ctx_, do_, dq_, dk_cache_[l], dv_cache_[l], brange_, ap, split_.attn_part,
                           split_.max_keys);
     cuda::gemm_bf16(ctx_, dh_, DType::f32, H, do_, QD, false, d.wo, QD, true, R, H, QD, 1.0f, 1.0f);
     rmsnorm_fwd_cuda(ctx_, dhn_, static_cast<float*>(nullptr), dh_, d.post_norm, R, H, eps);
@@ -400,7 +400,7 @@ void SpeculativeDecoderCuda::enqueue_step(int B, int K, bool speculative) {
     enqueue_step_eager(B, K, speculative);
     return;
   }
-  graphs_.run(std::make_tuple(B, K, speculative ? 1 : 0, row_pad_), ctx_.stream(),
+  graphs_.run(std::make_tuple(B, K, speculative ? 1 : 0, row_pad_, split_.row_gemm), ctx_.stream(),
               [&] { enqueue_step_eager(B, K, speculative); });
 }
 
@@ -605,7 +605,8 @@ void SpeculativeDecoderCuda::bench_enqueue(BenchPart part, int B, int K) {
     work();
     return;
   }
-  graphs_.run(std::make_tuple(B, K, 2 + static_cast<int>(part), row_pad_), ctx_.stream(), work);
+  graphs_.run(std::make_tuple(B, K, 2 + static_cast<int>(part), row_pad_, split_.row_gemm),
+              ctx_.stream(), work);
 }
 
 }  // namespace dflash

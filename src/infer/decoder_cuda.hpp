@@ -100,6 +100,10 @@ class SpeculativeDecoderCuda final : public Decoder {
   /// (bench/cuda/decode_cuda_bench measures both). Throws dflash::Error outside [1, 16]. Takes
   /// effect for the following steps (the padding is part of a graph's key).
   void pad_gemm_rows(int multiple);
+  /// Runs the target's layer projections of a step on decode_linear_cuda (default: a row's bits
+  /// do not depend on the row count, the weights stream at memory speed) or, off, on cuBLASLt
+  /// (for comparison: bench/cuda/decode_cuda_bench). Part of a graph's key.
+  void row_gemm(bool on) { split_.row_gemm = on; }
   /// Step graphs captured so far.
   size_t graphs_captured() const { return graphs_.size(); }
   /// Bytes of the decoder's own device plan (caches, drafter, step buffers; the target's weights
@@ -189,7 +193,7 @@ class SpeculativeDecoderCuda final : public Decoder {
   int32_t *first_ = nullptr, *zero_ = nullptr;
   uint16_t *taps_ = nullptr, *fnorm_ = nullptr;
   // The split-key attention workspace of the steps (target and drafter block; step_rows_ rows).
-  DecodeAttnWork split_;
+  DecodeStepWork split_;
   float* logits_ = nullptr;
   float *dh_ = nullptr, *dctx_pre_ = nullptr;
   uint16_t *dhn_ = nullptr, *dq_ = nullptr, *dk_ = nullptr, *dv_ = nullptr, *do_ = nullptr;
@@ -197,8 +201,9 @@ class SpeculativeDecoderCuda final : public Decoder {
   // Pinned host mirrors.
   cuda::PinnedBuffer out_h_, first_h_, active_h_, tokens_h_;
   bool use_graphs_ = true;
-  // Keyed by (B, K, what: 0 target-only, 1 speculative, 2+ a BenchPart, GEMM row padding).
-  cuda::GraphCache<std::tuple<int, int, int, int>> graphs_;
+  // Keyed by (B, K, what: 0 target-only, 1 speculative, 2+ a BenchPart, GEMM row padding,
+  // row_gemm).
+  cuda::GraphCache<std::tuple<int, int, int, int, bool>> graphs_;
 };
 
 }  // namespace dflash

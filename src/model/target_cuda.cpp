@@ -417,7 +417,7 @@ void TargetCuda::forward_taps(uint16_t* taps, const int32_t* tokens, const int32
 void TargetCuda::forward_cached(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
                                 const int32_t* slots, const AttnRange* ranges, int64_t T,
                                 int64_t gemm_rows, std::span<const int> layer_ids,
-                                const TargetCacheCuda& cache, const DecodeAttnWork* split) {
+                                const TargetCacheCuda& cache, const DecodeStepWork* split) {
   DFLASH_CHECK(T > 0 && T <= gemm_rows && gemm_rows <= max_tokens_,
                "TargetCuda::forward_cached: {} tokens ({} GEMM rows) for a workspace of {}", T,
                gemm_rows, max_tokens_);
@@ -434,7 +434,7 @@ void TargetCuda::forward_cached(uint16_t* taps, const int32_t* tokens, const int
     DFLASH_CHECK(l >= 0 && l < num_layers(), "tap layer {} is outside the target layers [0, {})", l,
                  num_layers());
   DFLASH_CHECK(layer_ids.empty() || taps, "TargetCuda::forward_cached: taps asked, no buffer");
-  DFLASH_CHECK(!split || (split->part && split->rows >= T && split->max_keys >= 1),
+  DFLASH_CHECK(!split || (split->attn_part && split->rows >= T && split->max_keys >= 1),
                "TargetCuda::forward_cached: a split-attention workspace of {} rows for {} tokens",
                split ? split->rows : 0, T);
   run_layers(taps, tokens, pos, ranges, T, gemm_rows, layer_ids, num_layers(), &cache, slots,
@@ -445,7 +445,7 @@ void TargetCuda::run_layers(uint16_t* taps, const int32_t* tokens, const int32_t
                             const AttnRange* ranges, int64_t T, int64_t Tg,
                             std::span<const int> layer_ids, int64_t n_run,
                             const TargetCacheCuda* cache, const int32_t* slots,
-                            const DecodeAttnWork* split) {
+                            const DecodeStepWork* split) {
   const ModelConfig& c = cfg_;
   const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
   const int64_t NH = c.num_attention_heads, NKV = c.num_key_value_heads;
@@ -459,6 +459,24 @@ void TargetCuda::run_layers(uint16_t* taps, const int32_t* tokens, const int32_t
   // sliding_window_overlay), derived on the device once per forward.
   if (win_) attention_window_ranges_cuda(ctx_, win_, ranges, T, c.sliding_window);
   QkvPrepare prep{T, NH, NKV, D, nullptr, nullptr, eps, pos, inv_freq_, rope_scaling_};
+  // The projections: decode_linear_cuda on the T rows of a decoding step (row bits independent
+  // of T), else cuBLASLt on Tg ≥ T rows (rows [T, Tg) compute garbage from whatever the
+  // workspace held and are never read for rows < T: a GEMM row depends on its own input row).
+  const bool row_gemm =
+      split && split->row_gemm && H % 64 == 0 && QD % 64 == 0 && (I == 0 || I % 64 == 0);
+  auto project = [&](uint16_t* y, const uint16_t* in, const uint16_t* w, const float* bias,
+                     int64_t IN, int64_t OUT) {
+    if (!row_gemm) return linear_fwd_cuda(ctx_, y, in, w, bias, Tg, IN, OUT);
+    decode_linear_cuda(ctx_, y, in, w, T, IN, OUT, false);
+    if (bias) bias_add_cuda(ctx_, y, bias, T, OUT);
+  };
+  auto project_into_x = [&](const uint16_t* in, const uint16_t* w, const float* bias, int64_t IN) {
+    if (row_gemm)
+      decode_linear_cuda(ctx_, x, in, w, T, IN, H, true);
+    else
+      linear_fwd_acc_cuda(ctx_, x, in, w, Tg, IN, H);
+    if (bias) bias_add_cuda(ctx_, x, bias, T, H);
+  };
 
   embedding_fwd_cuda(ctx_, x, embed(), tokens, T, c.vocab_size, H);
   for (int64_t l = 0; l < n_run; ++l) {
@@ -466,7 +484,7 @@ void TargetCuda::run_layers(uint16_t* taps, const int32_t* tokens, const int32_t
     const auto li = static_cast<size_t>(l);
     rmsnorm_fwd_cuda(ctx_, hn, static_cast<float*>(nullptr), x, L.in_norm, T, H, eps);
     // qkv [Tg, QD + 2·KD] = hn · [Wq; Wk; Wv]ᵀ (+ [bq; bk; bv]): one GEMM for the three.
-    linear_fwd_cuda(ctx_, qkv, hn, L.wqkv, L.bqkv, Tg, H, QD + 2 * KD);
+    project(qkv, hn, L.wqkv, L.bqkv, H, QD + 2 * KD);
     // Per head: q/k RMSNorm (Qwen3), RoPE; k and v rows into the cache (decoding) or into k, v.
     prep.q_norm = L.q_norm;
     prep.k_norm = L.k_norm;
@@ -476,7 +494,7 @@ void TargetCuda::run_layers(uint16_t* taps, const int32_t* tokens, const int32_t
       qkv_prepare_cuda(ctx_, q, nullptr, cache->k[li], cache->v[li], slots, qkv, prep);
       ap.Tk = cache->rows;
       if (split) {
-        decode_attention_cuda(ctx_, o, q, cache->k[li], cache->v[li], visible, ap, split->part,
+        decode_attention_cuda(ctx_, o, q, cache->k[li], cache->v[li], visible, ap, split->attn_part,
                               split->max_keys);
       } else {
         attention_fwd_cuda(ctx_, o, nullptr, q, cache->k[li], cache->v[li], visible, ap);
@@ -485,20 +503,16 @@ void TargetCuda::run_layers(uint16_t* taps, const int32_t* tokens, const int32_t
       qkv_prepare_cuda(ctx_, q, nullptr, k, v, nullptr, qkv, prep);
       attention_fwd_cuda(ctx_, o, nullptr, q, k, v, visible, ap);
     }
-    // x += o · Woᵀ (+ bo) (the GEMM accumulates into the fp32 residual stream). The projection
-    // GEMMs run Tg ≥ T rows: rows [T, Tg) hold whatever the workspace held and are never read
-    // for rows < T (a GEMM row depends on its own input row only).
-    linear_fwd_acc_cuda(ctx_, x, o, L.wo, Tg, QD, H);
-    if (L.bo) bias_add_cuda(ctx_, x, L.bo, T, H);
+    // x += o · Woᵀ (+ bo) (the GEMM accumulates into the fp32 residual stream).
+    project_into_x(o, L.wo, L.bo, QD);
     rmsnorm_fwd_cuda(ctx_, hn, static_cast<float*>(nullptr), x, L.post_norm, T, H, eps);
     if (L.is_moe) {
       moe_forward(L.moe, x, hn, T);
     } else {
       // row t: [gate | up] (+ [bgate | bup])
-      linear_fwd_cuda(ctx_, gu, hn, L.wgu, L.bgu, Tg, H, 2 * I);
+      project(gu, hn, L.wgu, L.bgu, H, 2 * I);
       swiglu_fwd_cuda(ctx_, act, gu, gu + I, T, I, 2 * I);
-      linear_fwd_acc_cuda(ctx_, x, act, L.wdown, Tg, I, H);
-      if (L.bdown) bias_add_cuda(ctx_, x, L.bdown, T, H);
+      project_into_x(act, L.wdown, L.bdown, I);
     }
     bool converted = false;
     for (int64_t i = 0; i < n_taps; ++i) {

@@ -43,14 +43,17 @@ struct TargetCacheCuda {
   int64_t rows = 0;
 };
 
-/// The workspace of the split-key decode attention (ops/decode_fused.hpp, decode_attention_cuda)
-/// for forward_cached: `part` f32 of decode_attention_work_floats(rows, NH, D, max_keys) floats,
-/// enough for a forward of up to `rows` tokens each seeing at most `max_keys` cache rows (a
-/// request's cache stride).
-struct DecodeAttnWork {
-  float* part = nullptr;
+/// What forward_cached needs to run a decoding step's kernels (ops/decode_fused.hpp): the
+/// split-key attention's workspace `attn_part`, f32 of decode_attention_work_floats(rows, NH, D,
+/// max_keys) floats, enough for a forward of up to `rows` tokens each seeing at most `max_keys`
+/// cache rows (a request's cache stride); with `row_gemm` the layer's projections run on
+/// decode_linear_cuda (rows independent of the row count) where the shapes allow it (every
+/// input width a multiple of 64), else on cuBLASLt.
+struct DecodeStepWork {
+  float* attn_part = nullptr;
   int64_t rows = 0;
   int64_t max_keys = 0;
+  bool row_gemm = true;
 };
 
 /// Device copy of a TargetModel and the workspace of its tap forward.
@@ -103,7 +106,7 @@ class TargetCuda {
   void forward_cached(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
                       const int32_t* slots, const AttnRange* ranges, int64_t T, int64_t gemm_rows,
                       std::span<const int> layer_ids, const TargetCacheCuda& cache,
-                      const DecodeAttnWork* split = nullptr);
+                      const DecodeStepWork* split = nullptr);
   /// The residual stream f32 [max_tokens, H] (rows [0, T) of the last forward).
   const float* residual() const { return x_; }
   /// The config of the model.
@@ -190,7 +193,7 @@ class TargetCuda {
   void run_layers(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
                   const AttnRange* ranges, int64_t T, int64_t Tg, std::span<const int> layer_ids,
                   int64_t n_run, const TargetCacheCuda* cache, const int32_t* slots,
-                  const DecodeAttnWork* split);
+                  const DecodeStepWork* split);
 };
 
 }  // namespace dflash

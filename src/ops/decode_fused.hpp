@@ -5,7 +5,9 @@
 //                          k/v rows written to their cache rows (one launch for six);
 //   decode_attention_cuda: attention of a few query rows over KV caches with each row's keys split
 //                          across CTAs (flash-decoding: partial max/sum/output per split, then a
-//                          combine in a fixed order).
+//                          combine in a fixed order);
+//   decode_linear_cuda:    the projections of a step (≤ 128 rows per weight pass) on tensor cores
+//                          with a row order independent of the row count.
 //
 // Invariants: a row's results depend on that row's inputs only (its q/k/v values, position, key
 // range and the cache rows in it), never on the number of rows or on which other rows share the
@@ -83,6 +85,19 @@ void qkv_prepare_cuda(cuda::CudaContext& ctx, uint16_t* q_out, const int32_t* q_
 void decode_attention_cuda(cuda::CudaContext& ctx, uint16_t* o, const uint16_t* q,
                            const uint16_t* k, const uint16_t* v, const AttnRange* ranges,
                            const AttnParams& p, float* work, int64_t max_keys);
+
+/// y[M, OUT] = x[M, IN] · W[OUT, IN]ᵀ (`accumulate`: y += …, f32 only) for the few rows of a
+/// decoding step: bf16 x and W, fp32 accumulation on tensor cores (mma m16n8k16), Y f32 or bf16
+/// bits (rounded once). One pass over W per 128 rows: the weights stream at memory speed when
+/// M is small, where cuBLASLt's kernels read the skinny shapes slowly (docs/perf.md). A row's sum
+/// runs in an order fixed by IN alone (64-value chunks in four contiguous quarters, the quarters
+/// added in order), so row r of y has the same bits for every M and every other row: a verify of
+/// K rows and a one-token step agree, batch N agrees with batch 1. Needs IN a multiple of 64, OUT
+/// a multiple of 8, x and W 16-byte aligned; throws dflash::Error otherwise, for a null pointer,
+/// or for accumulate with a bf16 y.
+template <typename Y>
+void decode_linear_cuda(cuda::CudaContext& ctx, Y* y, const uint16_t* x, const uint16_t* w,
+                        int64_t M, int64_t IN, int64_t OUT, bool accumulate);
 
 #endif
 

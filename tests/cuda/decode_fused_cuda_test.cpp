@@ -4,10 +4,14 @@
 //   intact, guard bytes intact;
 //   decode_attention_cuda against the tensor-core attention_fwd_cuda over a cache of several
 //   requests (tolerance of bf16 attention), and every row alone against the same row among the
-//   others: the same bits (what makes batch N decode as batch 1).
+//   others: the same bits (what makes batch N decode as batch 1);
+//   decode_linear_cuda against cuBLASLt (gemm_bf16) within fp32-accumulation noise, f32, bf16 and
+//   accumulating outputs, and its first rows at M = 1, 16, 128 the bits of the same rows at
+//   M = 200 (two row blocks).
 #include <cmath>
 
 #include "backend/cuda/context.hpp"
+#include "backend/cuda/gemm.hpp"
 #include "core/error.hpp"
 #include "cuda/cuda_test_util.hpp"
 #include "cuda/tolerances.hpp"
@@ -155,6 +159,35 @@ TEST(DecodeFusedCuda, DecodeAttentionMatchesTensorCoreAndIsRowIndependent) {
   check_attention(32, 8, 128, false);  // Qwen3-8B
   check_attention(6, 2, 64, false);    // tiny-qwen3
   check_attention(8, 2, 64, true);     // sinks
+}
+
+TEST(DecodeFusedCuda, DecodeLinearMatchesCublasAndIsRowIndependent) {
+  DFLASH_REQUIRE_GPU();
+  cuda::CudaContext ctx(0);
+  const int64_t M = 200, K = 1024, N = 520;
+  const auto x = to_bf16(randn(static_cast<size_t>(M * K), 41));
+  const auto w = to_bf16(randn(static_cast<size_t>(N * K), 42, 0.03f));
+  DeviceGuarded<uint16_t> dx(x), dw(w), yb(static_cast<size_t>(M * N));
+  DeviceGuarded<float> y(static_cast<size_t>(M * N)), ref(static_cast<size_t>(M * N));
+  cuda::gemm_bf16(ctx, ref.get(), DType::f32, N, dx.get(), K, false, dw.get(), K, true, M, N, K);
+  decode_linear_cuda(ctx, y.get(), dx.get(), dw.get(), M, K, N, false);
+  const auto out = y.download(), expect = ref.download();
+  EXPECT_LT(rel_error(out, expect), 1e-5);
+  EXPECT_TRUE(y.guard_intact());
+  decode_linear_cuda(ctx, yb.get(), dx.get(), dw.get(), M, K, N, false);
+  EXPECT_TRUE(same_bits(yb.download(), to_bf16(out))) << "bf16 out = the f32 result rounded";
+  decode_linear_cuda(ctx, y.get(), dx.get(), dw.get(), M, K, N, true);  // y += the same
+  const auto twice = y.download();
+  for (size_t i = 0; i < out.size(); ++i) ASSERT_EQ(twice[i], out[i] + out[i]) << "value " << i;
+  for (int64_t m : {1, 16, 128}) {
+    DeviceGuarded<float> part(static_cast<size_t>(m * N));
+    decode_linear_cuda(ctx, part.get(), dx.get(), dw.get(), m, K, N, false);
+    const auto p = part.download();
+    for (size_t i = 0; i < p.size(); ++i) ASSERT_EQ(p[i], out[i]) << "M " << m << " value " << i;
+    EXPECT_TRUE(part.guard_intact());
+  }
+  EXPECT_THROW(decode_linear_cuda(ctx, y.get(), dx.get(), dw.get(), M, 1000, N, false), Error);
+  EXPECT_THROW(decode_linear_cuda(ctx, yb.get(), dx.get(), dw.get(), M, K, N, true), Error);
 }
 
 }  // namespace

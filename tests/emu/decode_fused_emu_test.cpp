@@ -7,13 +7,15 @@
 //   decode attention against the CPU attention_fwd_cpu (two-interval ranges, empty rows, rows
 //   longer than one split, sinks), and each row alone against the same row among others: the
 //   bits must not depend on the other rows of the launch (the batch invariance of decoding).
+//   decode_linear against a double-precision product (bf16 and f32 outputs, accumulation), its
+//   rows for M = 1 and 37 (one and three 16-row tiles) the bits of the same rows at M = 70.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <random>
 #include <vector>
 
-#include "backend/cuda/decode_fused.cuh"  // with the emulator's common.cuh
+#include "backend/cuda/decode_fused.cuh"  // with the emulator's common.cuh and mma.cuh
 #include "cuda/tolerances.hpp"
 #include "ops/decode_fused.hpp"
 #include "util/test_util.hpp"
@@ -219,6 +221,62 @@ TEST(DecodeFusedEmu, DecodeAttentionMatchesCpuAndIsRowIndependent) {
   check_decode_attention<64>(6, 2, false);   // tiny-qwen3: G 3, 5 rows per CTA
   check_decode_attention<128>(8, 2, false);  // G 4 (Qwen3-8B)
   check_decode_attention<64>(4, 1, true);    // gpt-oss-like sinks
+}
+
+// launch::decode_linear's sequence for one block of ≤ 128 rows.
+template <typename Y, bool ACC>
+void run_decode_linear(Y* y, const std::vector<uint16_t>& x, const std::vector<uint16_t>& w,
+                       int64_t M, int64_t N, int64_t K) {
+  const DecodeLinearArgs a{y, x.data(), w.data(), M, N, K};
+  const int tiles = static_cast<int>((M + 15) / 16);
+  const int mt = tiles <= 1 ? 1 : tiles <= 2 ? 2 : tiles <= 4 ? 4 : 8;
+  const int smem = static_cast<int>(sizeof(float)) * (kGemmWarps - 1) * mt * 128;
+  auto kernel = [&] {
+    float* sm = reinterpret_cast<float*>(emu::dynamic_smem());
+    if (mt == 1)
+      decode_linear<1, Y, ACC>(a, sm);
+    else if (mt == 2)
+      decode_linear<2, Y, ACC>(a, sm);
+    else if (mt == 4)
+      decode_linear<4, Y, ACC>(a, sm);
+    else
+      decode_linear<8, Y, ACC>(a, sm);
+  };
+  emu::launch({static_cast<unsigned>(N / 8), 1, 1}, {32 * kGemmWarps, 1, 1}, smem, kernel);
+}
+
+TEST(DecodeFusedEmu, DecodeLinearMatchesReferenceAndIsRowIndependent) {
+  // K = 448: 7 chunks, so the four warps take 1, 2, 2, 2 (uneven quarters, unroll tails).
+  const int64_t N = 24, K = 448, M = 70;
+  const auto x = random_bf16(static_cast<size_t>(M * K), 31);
+  const auto w = random_bf16(static_cast<size_t>(N * K), 32, 0.05f);
+  std::vector<double> ref(static_cast<size_t>(M * N));
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t n = 0; n < N; ++n) {
+      double sum = 0;
+      for (int64_t k = 0; k < K; ++k)
+        sum += static_cast<double>(bf16_bits_to_f32(x[static_cast<size_t>(r * K + k)])) *
+               bf16_bits_to_f32(w[static_cast<size_t>(n * K + k)]);
+      ref[static_cast<size_t>(r * N + n)] = sum;
+    }
+  std::vector<float> y(static_cast<size_t>(M * N), std::nanf(""));
+  run_decode_linear<float, false>(y.data(), x, w, M, N, K);
+  for (size_t i = 0; i < y.size(); ++i) ASSERT_NEAR(y[i], ref[i], 1e-4) << "value " << i;
+  // Accumulating into f32, and bf16 out.
+  std::vector<float> acc(y.size(), 1.5f);
+  run_decode_linear<float, true>(acc.data(), x, w, M, N, K);
+  for (size_t i = 0; i < y.size(); ++i) ASSERT_EQ(acc[i], 1.5f + y[i]) << "value " << i;
+  std::vector<uint16_t> yb(y.size(), kPoison);
+  run_decode_linear<uint16_t, false>(yb.data(), x, w, M, N, K);
+  for (size_t i = 0; i < y.size(); ++i) ASSERT_EQ(yb[i], f32_to_bf16_bits(y[i])) << "value " << i;
+  // The first rows alone: the same bits; rows past M untouched.
+  for (int64_t m : {1, 37}) {
+    std::vector<float> part(static_cast<size_t>((m + 1) * N), -7.f);
+    run_decode_linear<float, false>(part.data(), x, w, m, N, K);
+    for (int64_t i = 0; i < m * N; ++i)
+      ASSERT_EQ(part[static_cast<size_t>(i)], y[static_cast<size_t>(i)]) << "M " << m << " " << i;
+    for (int64_t i = m * N; i < (m + 1) * N; ++i) ASSERT_EQ(part[static_cast<size_t>(i)], -7.f);
+  }
 }
 
 }  // namespace

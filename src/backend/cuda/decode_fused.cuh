@@ -22,6 +22,7 @@
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/decode_fused_args.hpp"
+#include "backend/cuda/mma.cuh"
 
 namespace dflash::cuda::decode_fused {
 
@@ -155,6 +156,83 @@ __device__ __forceinline__ void decode_attn_combine(const DecodeAttnArgs& a) {
   }
   uint16_t* out = a.o + id * D + lane * E;
   for (int e = 0; e < E; ++e) out[e] = from_f32<uint16_t>(ns > 0 ? acc[e] / den : 0.f);
+}
+
+}  // namespace dflash::cuda::decode_fused
+
+namespace dflash::cuda::decode_fused {
+
+// ---- decode_linear: the projections of a decoding step, y = x·Wᵀ for M ≤ 128 rows.
+//
+// CTA blockIdx.x owns output columns [8·bx, 8·bx + 8) (one mma n-tile) for all rows; its
+// kGemmWarps warps take contiguous quarters of K's 64-value chunks, and the CTA sums the warps'
+// partial tiles in warp order through shared memory. Within a chunk the 64 k values are
+// permuted (the sum is the same, its order is fixed): lane (g, t) = (lane / 4, lane % 4) reads
+// 32 contiguous bytes, k = 16t … 16t + 15 of the chunk, of weight row n = 8·bx + g and of x's
+// rows g and g + 8 of each 16-row tile; its u32 i (k pair 16t + 2i) is B register i % 2 and A
+// register column-half i % 2 of mma k-step i / 2. So mma k-step s of lane group t covers
+// chunk positions 16t + 4s … 16t + 4s + 3 for every t: all 64. A row's sums (chunk order, warp
+// order, the mma's own order inside a k-step) never depend on the other rows or on M.
+template <int MT, typename Y, bool ACC>
+__device__ __forceinline__ void decode_linear(const DecodeLinearArgs& a, float* smem) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * 8;
+  const int64_t chunks = a.K / kGemmChunk;
+  const int64_t c0 = chunks * warp / kGemmWarps, c1 = chunks * (warp + 1) / kGemmWarps;
+  float acc[MT][4];
+  for (int m = 0; m < MT; ++m)
+    for (int e = 0; e < 4; ++e) acc[m][e] = 0.f;
+  const uint16_t* wrow = a.w + (n0 + g) * a.K + 16 * t;
+  // kGemmUnroll chunks of weights are loaded before any is used (the bytes in flight that keep
+  // the weight stream at bandwidth); x's rows are small and hit L1/L2.
+  for (int64_t c = c0; c < c1; c += kGemmUnroll) {
+    uint4 wv[kGemmUnroll][2];
+    for (int u = 0; u < kGemmUnroll; ++u) {
+      if (c + u >= c1) continue;
+      const uint4* wp = reinterpret_cast<const uint4*>(wrow + (c + u) * kGemmChunk);
+      wv[u][0] = wp[0];
+      wv[u][1] = wp[1];
+    }
+    for (int u = 0; u < kGemmUnroll; ++u) {
+      if (c + u >= c1) continue;
+      const int64_t k0 = (c + u) * kGemmChunk + 16 * t;
+      const uint32_t b[8] = {wv[u][0].x, wv[u][0].y, wv[u][0].z, wv[u][0].w,
+                             wv[u][1].x, wv[u][1].y, wv[u][1].z, wv[u][1].w};
+      for (int m = 0; m < MT; ++m) {
+        uint32_t lo[8], hi[8];  // x rows 16m + g and 16m + g + 8 (zeros past M)
+        const int64_t r0 = 16 * m + g, r1 = r0 + 8;
+        for (int h = 0; h < 2; ++h) {
+          const uint4 z{0u, 0u, 0u, 0u};
+          const uint4 x0 = r0 < a.M ? reinterpret_cast<const uint4*>(a.x + r0 * a.K + k0)[h] : z;
+          const uint4 x1 = r1 < a.M ? reinterpret_cast<const uint4*>(a.x + r1 * a.K + k0)[h] : z;
+          lo[4 * h] = x0.x, lo[4 * h + 1] = x0.y, lo[4 * h + 2] = x0.z, lo[4 * h + 3] = x0.w;
+          hi[4 * h] = x1.x, hi[4 * h + 1] = x1.y, hi[4 * h + 2] = x1.z, hi[4 * h + 3] = x1.w;
+        }
+        for (int s = 0; s < 4; ++s) {
+          const uint32_t af[4] = {lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1]};
+          mma::mma_bf16(acc[m], af, b[2 * s], b[2 * s + 1]);
+        }
+      }
+    }
+  }
+  // Partial tiles of warps 1.. to shared memory; warp 0 adds them in warp order and stores.
+  if (warp > 0)
+    for (int m = 0; m < MT; ++m)
+      for (int e = 0; e < 4; ++e) smem[((warp - 1) * MT + m) * 128 + e * 32 + lane] = acc[m][e];
+  __syncthreads();
+  if (warp != 0) return;
+  Y* y = static_cast<Y*>(a.y);
+  for (int m = 0; m < MT; ++m)
+    for (int e = 0; e < 4; ++e) {
+      float v = acc[m][e];
+      for (int w = 1; w < kGemmWarps; ++w) v += smem[((w - 1) * MT + m) * 128 + e * 32 + lane];
+      const int64_t r = 16 * m + g + (e >= 2 ? 8 : 0), n = n0 + 2 * t + (e & 1);
+      if (r >= a.M) continue;
+      if constexpr (ACC)
+        y[r * a.N + n] = from_f32<Y>(to_f32(y[r * a.N + n]) + v);
+      else
+        y[r * a.N + n] = from_f32<Y>(v);
+    }
 }
 
 }  // namespace dflash::cuda::decode_fused

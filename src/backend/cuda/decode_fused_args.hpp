@@ -44,4 +44,17 @@ struct DecodeAttnArgs {
   int NH, NKV, S, rows_per_cta;
 };
 
+constexpr int kGemmChunk = 64;    // k values per warp step of decode_linear (4 mma k-steps)
+constexpr int kGemmWarps = 4;     // warps of a decode_linear CTA: contiguous quarters of K
+constexpr int kGemmMaxTiles = 8;  // 16-row tiles of one launch (128 rows)
+constexpr int kGemmUnroll = 4;    // chunks whose weights a warp loads before using them
+
+// y[M, N] (=, or += when accumulate) x[M, K] · w[N, K]ᵀ; y f32 or bf16 bits.
+struct DecodeLinearArgs {
+  void* y;
+  const uint16_t* x;
+  const uint16_t* w;
+  int64_t M, N, K;
+};
+
 }  // namespace dflash::cuda::decode_fused

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/decode_fused_launch.hpp"
@@ -89,5 +90,26 @@ void decode_attention_cuda(cuda::CudaContext& ctx, uint16_t* o, const uint16_t* 
                                              static_cast<int>(rows_per_cta)};
   cuda::launch::decode_attention(a, static_cast<int>(p.D), ctx.stream());
 }
+
+template <typename Y>
+void decode_linear_cuda(cuda::CudaContext& ctx, Y* y, const uint16_t* x, const uint16_t* w,
+                        int64_t M, int64_t IN, int64_t OUT, bool accumulate) {
+  constexpr bool f32 = std::is_same_v<Y, float>;
+  DFLASH_CHECK(M >= 0 && IN >= 64 && IN % 64 == 0 && OUT >= 8 && OUT % 8 == 0 && OUT / 8 <= kI32,
+               "decode_linear_cuda: bad sizes M={} IN={} OUT={} (IN a multiple of 64, OUT of 8)", M,
+               IN, OUT);
+  DFLASH_CHECK(f32 || !accumulate, "decode_linear_cuda: accumulating needs an f32 output");
+  if (M == 0) return;
+  DFLASH_CHECK(y && x && w, "decode_linear_cuda: null pointer");
+  DFLASH_CHECK(reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0,
+               "decode_linear_cuda: x and W must be 16-byte aligned");
+  const cuda::decode_fused::DecodeLinearArgs a{y, x, w, M, OUT, IN};
+  cuda::launch::decode_linear(a, f32, accumulate, ctx.stream());
+}
+
+template void decode_linear_cuda<float>(cuda::CudaContext&, float*, const uint16_t*,
+                                        const uint16_t*, int64_t, int64_t, int64_t, bool);
+template void decode_linear_cuda<uint16_t>(cuda::CudaContext&, uint16_t*, const uint16_t*,
+                                           const uint16_t*, int64_t, int64_t, int64_t, bool);
 
 }  // namespace dflash

@@ -14,4 +14,9 @@ void qkv_prepare(const decode_fused::QkvPrepArgs& a, int D, cudaStream_t s);
 /// decode_attention_cuda's two kernels, the splits then the combine (D = 64 or 128).
 void decode_attention(const decode_fused::DecodeAttnArgs& a, int D, cudaStream_t s);
 
+/// decode_linear_cuda's kernel over row blocks of 16·kGemmMaxTiles rows; y f32 (accumulate
+/// allowed) or bf16 bits.
+void decode_linear(const decode_fused::DecodeLinearArgs& a, bool f32_out, bool accumulate,
+                   cudaStream_t s);
+
 }  // namespace dflash::cuda::launch
