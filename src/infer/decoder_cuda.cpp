@@ -353,11 +353,26 @@ void SpeculativeDecoderCuda::draft_block(int B, int K) {
   const double eps = dcfg_.rms_norm_eps;
   AttnParams ap{R, tcache_.rows, NH, NKV, D, 1.0 / std::sqrt(static_cast<double>(D))};
   QkvPrepare prep{R, NH, NKV, D, nullptr, nullptr, eps, pos_, dinv_freq_, dscaling_};
+  // The layer projections as the target's in a step: decode_linear_cuda (row bits independent of
+  // the row count) where the widths allow it, else cuBLASLt.
+  const bool row_gemm = split_.row_gemm && H % 64 == 0 && QD % 64 == 0 && Id % 64 == 0;
+  auto project = [&](uint16_t* y, const uint16_t* in, const uint16_t* w, int64_t IN, int64_t OUT) {
+    if (row_gemm)
+      decode_linear_cuda(ctx_, y, in, w, R, IN, OUT, false);
+    else
+      linear_fwd_cuda(ctx_, y, in, w, R, IN, OUT);
+  };
+  auto project_into_h = [&](const uint16_t* in, const uint16_t* w, int64_t IN) {  // dh_ += in·Wᵀ
+    if (row_gemm)
+      decode_linear_cuda(ctx_, dh_, in, w, R, IN, H, true);
+    else
+      cuda::gemm_bf16(ctx_, dh_, DType::f32, H, in, IN, false, w, IN, true, R, H, IN, 1.0f, 1.0f);
+  };
   embedding_fwd_cuda(ctx_, dh_, target_->embed(), block_, R, V, H);
   for (size_t l = 0; l < dlayers_.size(); ++l) {
     const DrafterLayer& d = dlayers_[l];
     rmsnorm_fwd_cuda(ctx_, dhn_, static_cast<float*>(nullptr), dh_, d.in_norm, R, H, eps);
-    linear_fwd_cuda(ctx_, dqkv_, dhn_, d.wqkv, R, H, QD + 2 * KD);
+    project(dqkv_, dhn_, d.wqkv, H, QD + 2 * KD);
     // q/k norms and RoPE; the block's k/v rows sit after the context in the cache for this
     // forward only (the extend of the step overwrites them with the accepted context rows).
     prep.q_norm = d.q_norm;
@@ -365,12 +380,11 @@ void SpeculativeDecoderCuda::draft_block(int B, int K) {
     qkv_prepare_cuda(ctx_, dq_, nullptr, dk_cache_[l], dv_cache_[l], slots_, dqkv_, prep);
     decode_attention_cuda(ctx_, do_, dq_, dk_cache_[l], dv_cache_[l], brange_, ap, split_.attn_part,
                           split_.max_keys);
-    cuda::gemm_bf16(ctx_, dh_, DType::f32, H, do_, QD, false, d.wo, QD, true, R, H, QD, 1.0f, 1.0f);
+    project_into_h(do_, d.wo, QD);
     rmsnorm_fwd_cuda(ctx_, dhn_, static_cast<float*>(nullptr), dh_, d.post_norm, R, H, eps);
-    linear_fwd_cuda(ctx_, dgu_, dhn_, d.wgu, R, H, 2 * Id);
+    project(dgu_, dhn_, d.wgu, H, 2 * Id);
     swiglu_fwd_cuda(ctx_, dact_, dgu_, dgu_ + Id, R, Id, 2 * Id);
-    cuda::gemm_bf16(ctx_, dh_, DType::f32, H, dact_, Id, false, d.wdown, Id, true, R, H, Id, 1.0f,
-                    1.0f);
+    project_into_h(dact_, d.wdown, Id);
   }
   rmsnorm_fwd_cuda(ctx_, fnorm_, static_cast<float*>(nullptr), dh_, dnorm_, R, H, eps);
   cuda::gemm_bf16(ctx_, logits_, DType::f32, V, fnorm_, H, false, target_->lm_head(), H, true, R, V,

@@ -100,9 +100,10 @@ class SpeculativeDecoderCuda final : public Decoder {
   /// (bench/cuda/decode_cuda_bench measures both). Throws dflash::Error outside [1, 16]. Takes
   /// effect for the following steps (the padding is part of a graph's key).
   void pad_gemm_rows(int multiple);
-  /// Runs the target's layer projections of a step on decode_linear_cuda (default: a row's bits
-  /// do not depend on the row count, the weights stream at memory speed) or, off, on cuBLASLt
-  /// (for comparison: bench/cuda/decode_cuda_bench). Part of a graph's key.
+  /// Runs the layer projections of a step's target and drafter forwards on decode_linear_cuda
+  /// (default: a row's bits do not depend on the row count, the weights stream once per 128
+  /// rows) or, off, on cuBLASLt (for comparison: bench/cuda/decode_cuda_bench). Part of a
+  /// graph's key.
   void row_gemm(bool on) { split_.row_gemm = on; }
   /// Step graphs captured so far.
   size_t graphs_captured() const { return graphs_.size(); }
