@@ -5,9 +5,9 @@
 //            final norm, LM head and argmax —, the drafter's block forward with its proposals, and
 //            a whole speculative step without acceptance, at batch 1 and 8. Each is a captured
 //            CUDA graph replayed; GPU time of each replay from CUDA events (manual time; kIters).
-//            The layer projections run on decode_linear_cuda; …Cublas: on cuBLASLt instead
-//            (SpeculativeDecoderCuda::row_gemm(false)). TargetStep1Pad16 is the one-token step
-//            with its cuBLASLt GEMMs (the LM head) run on 16 rows (pad_gemm_rows).
+//            The layer projections run on cuBLASLt; …RowGemm: on decode_linear_cuda instead
+//            (SpeculativeDecoderCuda::row_gemm(true)). TargetStep1Pad16 is the one-token step
+//            with its GEMMs run on 16 rows (pad_gemm_rows).
 //   Gemm/…:  the cuBLASLt GEMM (backend/cuda/gemm.hpp) of each 8B weight shape (the fused q/k/v
 //            projection the steps run and, for comparison, its parts) at M = 1, 8, 16
 //            and 128 rows (bf16 in, f32 out), with the weight bytes read per second: what the steps
@@ -73,7 +73,7 @@ SpeculativeDecoderCuda& big() {
 }
 
 void run_part(benchmark::State& st, SpeculativeDecoderCuda::BenchPart part, int K, int pad = 1,
-              bool row_gemm = true) {
+              bool row_gemm = false) {
   if (cuda::device_count() == 0) {
     st.SkipWithError("no CUDA device");
     return;
@@ -100,7 +100,7 @@ void run_part(benchmark::State& st, SpeculativeDecoderCuda::BenchPart part, int 
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
   dec.pad_gemm_rows(1);
-  dec.row_gemm(true);
+  dec.row_gemm(false);
   st.counters["batch"] = B;
   st.counters["rows"] = B * K;
   st.counters["gemm_pad"] = pad;
@@ -117,11 +117,14 @@ void BM_TargetVerify16(benchmark::State& st) {
 void BM_TargetStep1Pad16(benchmark::State& st) {
   run_part(st, SpeculativeDecoderCuda::BenchPart::target_step, 1, 16);
 }
-void BM_TargetStep1Cublas(benchmark::State& st) {
-  run_part(st, SpeculativeDecoderCuda::BenchPart::target_step, 1, 1, false);
+void BM_TargetStep1RowGemm(benchmark::State& st) {
+  run_part(st, SpeculativeDecoderCuda::BenchPart::target_step, 1, 1, true);
 }
-void BM_TargetVerify16Cublas(benchmark::State& st) {
-  run_part(st, SpeculativeDecoderCuda::BenchPart::target_step, kBlock, 1, false);
+void BM_TargetVerify16RowGemm(benchmark::State& st) {
+  run_part(st, SpeculativeDecoderCuda::BenchPart::target_step, kBlock, 1, true);
+}
+void BM_DrafterBlock16RowGemm(benchmark::State& st) {
+  run_part(st, SpeculativeDecoderCuda::BenchPart::draft, kBlock, 1, true);
 }
 void BM_DrafterBlock16(benchmark::State& st) {
   run_part(st, SpeculativeDecoderCuda::BenchPart::draft, kBlock);
@@ -254,8 +257,9 @@ void BM_TinySpeculative(benchmark::State& st) {
   BENCHMARK(fn)->Arg(1)->Arg(8)->UseManualTime()->Iterations(kIters)->Unit(benchmark::kMillisecond)
 DFLASH_STEP_BENCH(BM_TargetStep1);
 DFLASH_STEP_BENCH(BM_TargetStep1Pad16);
-DFLASH_STEP_BENCH(BM_TargetStep1Cublas);
-DFLASH_STEP_BENCH(BM_TargetVerify16Cublas);
+DFLASH_STEP_BENCH(BM_TargetStep1RowGemm);
+DFLASH_STEP_BENCH(BM_TargetVerify16RowGemm);
+DFLASH_STEP_BENCH(BM_DrafterBlock16RowGemm);
 DFLASH_STEP_BENCH(BM_TargetVerify16);
 DFLASH_STEP_BENCH(BM_DrafterBlock16);
 DFLASH_STEP_BENCH(BM_SpecStep16);

@@ -101,9 +101,9 @@ class SpeculativeDecoderCuda final : public Decoder {
   /// effect for the following steps (the padding is part of a graph's key).
   void pad_gemm_rows(int multiple);
   /// Runs the layer projections of a step's target and drafter forwards on decode_linear_cuda
-  /// (default: a row's bits do not depend on the row count, the weights stream once per 128
-  /// rows) or, off, on cuBLASLt (for comparison: bench/cuda/decode_cuda_bench). Part of a
-  /// graph's key.
+  /// (a row's bits do not depend on the row count, the weights stream once per 128 rows) or, off
+  /// (default), on cuBLASLt, which was faster on the H200 for the Qwen3-8B shapes at batch 1 and
+  /// 8 (bench/cuda/decode_cuda_bench, docs/perf.md). Part of a graph's key.
   void row_gemm(bool on) { split_.row_gemm = on; }
   /// Step graphs captured so far.
   size_t graphs_captured() const { return graphs_.size(); }

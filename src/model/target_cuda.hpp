@@ -48,12 +48,13 @@ struct TargetCacheCuda {
 /// max_keys) floats, enough for a forward of up to `rows` tokens each seeing at most `max_keys`
 /// cache rows (a request's cache stride); with `row_gemm` the layer's projections run on
 /// decode_linear_cuda (rows independent of the row count) where the shapes allow it (every
-/// input width a multiple of 64), else on cuBLASLt.
+/// input width a multiple of 64), else (default: faster on the H200 at every measured batch,
+/// docs/perf.md) on cuBLASLt.
 struct DecodeStepWork {
   float* attn_part = nullptr;
   int64_t rows = 0;
   int64_t max_keys = 0;
-  bool row_gemm = true;
+  bool row_gemm = false;
 };
 
 /// Device copy of a TargetModel and the workspace of its tap forward.
