@@ -92,10 +92,11 @@ class TargetCuda {
   /// (kv_scatter_cuda), then the T queries attend to the cache rows of their `ranges` [T] (the
   /// request's committed rows and the new rows up to their own; decode_rows_cuda makes them).
   /// `tokens`, `pos` [T] as forward_taps; the taps of `layer_ids` go to `taps` bf16 [T, n_taps·H]
-  /// (may be null when layer_ids is empty). The projection GEMMs run `gemm_rows` rows (in
-  /// [T, max_tokens]): rows [T, gemm_rows) compute garbage from whatever the workspace holds and
-  /// change no row < T (padding to a row count where cuBLASLt's kernel is faster, or the same
-  /// for every batch size). Afterwards residual() holds the last layer's output
+  /// (may be null when layer_ids is empty). The cuBLASLt projection GEMMs run `gemm_rows` rows
+  /// (in [T, max_tokens]): rows [T, gemm_rows) compute garbage from whatever the workspace holds
+  /// and change no row < T (padding to a row count where cuBLASLt's kernel is faster, or the
+  /// same for every batch size); decode_linear_cuda (split->row_gemm) runs T rows. Afterwards
+  /// residual() holds the last layer's output
   /// [T, H] f32 (before the final norm, which this class does not hold). All device pointers;
   /// enqueued on ctx's stream, allocates nothing: graph-capturable. Throws dflash::Error when
   /// not all of the target's layers were uploaded, the cache lacks layers, T is outside
