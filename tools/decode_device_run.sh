@@ -1,10 +1,12 @@
 #!/bin/bash
-# The GPU runs of speculative decoding on CUDA (issue 16): the decoding tests, the target-family
-# tests (TargetCuda's layer loop is shared with the decoding forward), and the decode bench
+# The GPU runs of speculative decoding on CUDA (issue 16): the decoding tests, the fused decoding
+# kernels' tests, the target-family tests (TargetCuda's layer loop is shared with the decoding
+# forward), and the decode bench
 # (Qwen3-8B-shaped steps at 512 context, the cuBLASLt GEMMs they are made of, tiny-fixture
 # tokens/s at batch 1 and 64).
 #
 #   bash tools/decode_device_run.sh --stage DIR    here: build dflash, decoder_cuda_test,
+#                                                  decode_fused_cuda_test,
 #                                                  target_families_cuda_test and decode_cuda_bench
 #                                                  (BUILD_DIR default build, JOBS default 2) and
 #                                                  put them stripped, with libbenchmark, into
@@ -21,10 +23,11 @@
 #   decoder_cuda_test rc=0, 12 tests passed; the "leaves the CPU's tokens" lines name the
 #     requests whose bf16 greedy path leaves the fp32 CPU target's at a near-tie (the gap printed
 #     must be far below the row's largest logit; the test checks ≤ 2e-2 of it);
-#   target_families_cuda_test rc=0;
+#   decode_fused_cuda_test rc=0 (4 tests), target_families_cuda_test rc=0;
 #   bench: BM_TargetStep1 (one-token step), BM_TargetVerify16 (16-row verify), BM_DrafterBlock16,
-#     BM_SpecStep16 at batch 1 and 8; BM_Gemm weight GB/s; BM_TinyTarget / BM_TinySpeculative
-#     tokens_per_s at batch 1 and 64.
+#     BM_SpecStep16 at batch 1 and 8 (cuBLASLt projections, the default) and the …RowGemm lines
+#     (decode_linear_cuda projections); BM_Gemm and BM_DecodeLinear weight GB/s;
+#     BM_TinyTarget / BM_TinySpeculative tokens_per_s at batch 1 and 64.
 set -uo pipefail
 
 if [[ "${1:-}" == "--stage" ]]; then
@@ -33,10 +36,10 @@ if [[ "${1:-}" == "--stage" ]]; then
   dir=${2:?usage: decode_device_run.sh --stage DIR}
   build=${BUILD_DIR:-build}
   cmake --build "$build" -j"${JOBS:-2}" --target dflash decoder_cuda_test \
-        target_families_cuda_test decode_cuda_bench
+        decode_fused_cuda_test target_families_cuda_test decode_cuda_bench
   tmp=$(mktemp -d)
-  cp "$build/dflash" "$build/tests/decoder_cuda_test" "$build/tests/target_families_cuda_test" \
-     "$build/bench/decode_cuda_bench" "$tmp/"
+  cp "$build/dflash" "$build/tests/decoder_cuda_test" "$build/tests/decode_fused_cuda_test" \
+     "$build/tests/target_families_cuda_test" "$build/bench/decode_cuda_bench" "$tmp/"
   strip "$tmp"/*
   cp -L "$(ldconfig -p | awk '/libbenchmark.so.1/ {print $NF; exit}')" "$tmp/"
   mkdir -p "$dir"
@@ -57,7 +60,7 @@ tar -C "$B" -xJf "$D/bin.tar.xz"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$R/summary.txt"
 export LD_LIBRARY_PATH=$B:$L:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export DFLASH_TEST_SOURCE_DIR=$PWD DFLASH_TEST_BINARY=$B/dflash
-for t in decoder_cuda_test target_families_cuda_test; do
+for t in decoder_cuda_test decode_fused_cuda_test target_families_cuda_test; do
   timeout 120 "$B/$t" --gtest_color=no > "$R/$t.log" 2>&1
   echo "$t rc=$? $(grep -E '^\[  (PASSED|FAILED)  \]' "$R/$t.log" | tr '\n' ' ')" >> "$R/summary.txt"
   grep -E "^\[  FAILED  \]|Failure$|leaves the CPU" "$R/$t.log" | head -30 >> "$R/summary.txt"
