@@ -272,7 +272,7 @@ TEST(PipelineMemoryPlan, WorkersSharingAGpuAddUpWithOneContext) {
   EXPECT_EQ(dw.target_layers, 0);
   EXPECT_EQ(dw.NK, 2048 * 16);
   EXPECT_EQ(dw.arena.find(kDrafterWorkerLmHead).bytes, 151936ull * 4096 * 2);
-  EXPECT_EQ(dw.arena.try_find("target.layers.0.wq"), nullptr);
+  EXPECT_EQ(dw.arena.try_find("target.layers.0.wqkv"), nullptr);
   // The single-context plan of the same step is smaller than the two-worker GPU it replaces.
   EXPECT_LT(plan_train_memory(cfg, t.config, d, layout).total_bytes(), sum);
 }
@@ -450,14 +450,12 @@ TEST(MemoryPlan, GptOssTargetPlansBiasesSinksExpertsAndWindows) {
   const TrainMemoryPlan plan = tiny_family_plan("gpt-oss", {0, 1});
   SCOPED_TRACE(plan.table());
   EXPECT_EQ(plan.target_layers, 2);
-  EXPECT_EQ(plan.arena.try_find("target.layers.2.wq"), nullptr)
+  EXPECT_EQ(plan.arena.try_find("target.layers.2.wqkv"), nullptr)
       << "layer 2 is past the deepest tap";
   EXPECT_EQ(planned(plan, "target.lm_head"), 512u * 64 * 2);
   for (const char* l : {"target.layers.0.", "target.layers.1."}) {
     const std::string n = l;
-    EXPECT_EQ(planned(plan, n + "bq"), 256u * 4);
-    EXPECT_EQ(planned(plan, n + "bk"), 64u * 4);
-    EXPECT_EQ(planned(plan, n + "bv"), 64u * 4);
+    EXPECT_EQ(planned(plan, n + "bqkv"), (256u + 2 * 64) * 4);
     EXPECT_EQ(planned(plan, n + "bo"), 64u * 4);
     EXPECT_EQ(planned(plan, n + "sinks"), 4u * 4);
     EXPECT_EQ(planned(plan, n + "moe.router"), 8u * 64 * 2);
@@ -544,11 +542,9 @@ TEST(MemoryPlan, Qwen25_32bTargetForwardFits140GiB) {
   const uint64_t weights = 2 * V * H * 2 + 64 * 4 + 62 * (matrices + vectors);
   EXPECT_EQ(plan.arena.group_bytes(kGroupTargetWeights), weights);
   EXPECT_NEAR(static_cast<double>(weights) / kGiB, 59.2, 0.05);
-  EXPECT_EQ(planned(plan, "target.layers.61.bq"), QD * 4);
-  EXPECT_EQ(planned(plan, "target.layers.61.bk"), KD * 4);
-  EXPECT_EQ(planned(plan, "target.layers.61.bv"), KD * 4);
+  EXPECT_EQ(planned(plan, "target.layers.61.bqkv"), (QD + 2 * KD) * 4);
   EXPECT_EQ(plan.arena.try_find("target.layers.61.bo"), nullptr) << "Qwen2's o_proj has no bias";
-  EXPECT_EQ(plan.arena.try_find("target.layers.62.wq"), nullptr) << "past the deepest tap";
+  EXPECT_EQ(plan.arena.try_find("target.layers.62.wqkv"), nullptr) << "past the deepest tap";
   EXPECT_EQ(plan.arena.try_find("drafter.features"), nullptr) << "no drafter";
   EXPECT_EQ(planned(plan, kTargetOnlyFeatures), 8192u * 5 * H * 2);
   EXPECT_EQ(planned(plan, "target.act.gu"), 8192u * 2 * I * 2);
@@ -595,17 +591,17 @@ TEST(PipelineMemoryPlan, GpusHoldingANcclRankPlanItsReserve) {
     if (w.device == 1) gpu1 += w.plan.arena.arena_bytes + kCublasLtWorkspaceBytes;
   }
   EXPECT_EQ(nccl.device_total(1), gpu1);
-  EXPECT_EQ(nccl.device_total(0), kCudaContextBytes + nccl.workers[0].plan.arena.arena_bytes +
-                                      kCublasLtWorkspaceBytes);
+  EXPECT_EQ(nccl.device_total(0),
+            kCudaContextBytes + nccl.workers[0].plan.arena.arena_bytes + kCublasLtWorkspaceBytes);
   EXPECT_NE(nccl.table().find("GPU 2: drafter1 (arenas and cuBLASLt workspaces) + CUDA context "
                               "529.0 MiB + NCCL 1.50 GiB (estimate)"),
             std::string::npos)
       << nccl.table();
   // Replicas sharing a GPU use the in-process collective (no NCCL), one replica none at all.
-  EXPECT_TRUE(plan_pipeline_memory(
-                  qwen3_8b_run("  target_devices: [0]\n  drafter_devices: [1, 1]\n"), t.config,
-                  d, layout)
-                  .nccl_devices.empty());
+  EXPECT_TRUE(
+      plan_pipeline_memory(qwen3_8b_run("  target_devices: [0]\n  drafter_devices: [1, 1]\n"),
+                           t.config, d, layout)
+          .nccl_devices.empty());
   EXPECT_TRUE(plan_pipeline_memory(qwen3_8b_run("  target_devices: [0]\n  drafter_devices: [1]\n"),
                                    t.config, d, layout)
                   .nccl_devices.empty());
@@ -621,7 +617,8 @@ TEST(MemoryPlan, TrainPlanCommandNamesWhatTheCudaKernelsCannotRun) {
       "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 8,
       "head_dim": 256, "vocab_size": 32000, "max_position_embeddings": 40960,
       "rope_theta": 1000000, "rms_norm_eps": 1e-6, "tie_word_embeddings": false})");
-  write_file_atomic(dir / "run.yaml", fmt::format(R"(model:
+  write_file_atomic(dir / "run.yaml",
+                    fmt::format(R"(model:
   target: {}
   drafter_layers: 1
   mask_token_id: 7
@@ -636,8 +633,7 @@ runtime:
   backend: cuda
 output_dir: {}
 )",
-                                                  (dir / "target").string(),
-                                                  (dir / "run").string()));
+                                (dir / "target").string(), (dir / "run").string()));
   const std::string config = (dir / "run.yaml").string();
   const test::RunResult r = test::run_dflash({"train", "--config", config, "--plan"});
   EXPECT_EQ(r.exit_code, 1) << r.out << r.err;

@@ -22,8 +22,10 @@
 #   bench[:ARGS]      `dflash bench --preset qwen3-8b ARGS` (ARGS: comma-separated options, e.g.
 #                     bench:--recompute,always or bench:--loss-type,dpace): the phase table, the
 #                     step, plan vs measured memory, the kernel rows
-#   decode-bench      decode_cuda_bench: the Qwen3-8B-shaped one-token, verify and drafter-block
-#                     steps at batch 1 and 8, tiny tokens/s at batch 1 and 64
+#   decode-bench      decode_cuda_bench: the Qwen3-8B-shaped one-token (BM_TargetStep1), 16-row
+#                     verify, drafter-block and speculative steps at batch 1 and 8 with cuBLASLt
+#                     projections (the default) and decode_linear_cuda ones (…RowGemm); BM_Gemm and
+#                     BM_DecodeLinear weight GB/s; tiny tokens/s at batch 1 and 64
 #   train:NAME[:KEY=V...]
 #                     `dflash train --config configs/tiny-reference.yaml KEY=V...` into run NAME:
 #                     rc, wall, first/last loss and simulated τ, s_per_step

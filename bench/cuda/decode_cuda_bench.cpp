@@ -5,11 +5,13 @@
 //            final norm, LM head and argmax —, the drafter's block forward with its proposals, and
 //            a whole speculative step without acceptance, at batch 1 and 8. Each is a captured
 //            CUDA graph replayed; GPU time of each replay from CUDA events (manual time; kIters).
-//            TargetStep1Pad16 is the one-token step with its GEMMs run on 16 rows
-//            (SpeculativeDecoderCuda::pad_gemm_rows).
-//   Gemm/…:  the cuBLASLt GEMM (backend/cuda/gemm.hpp) of each 8B weight shape at M = 1, 8, 16
+//            The layer projections run on cuBLASLt; …RowGemm: on decode_linear_cuda instead
+//            (SpeculativeDecoderCuda::row_gemm(true)). TargetStep1Pad16 is the one-token step
+//            with its GEMMs run on 16 rows (pad_gemm_rows).
+//   Gemm/…:  the cuBLASLt GEMM (backend/cuda/gemm.hpp) of each 8B weight shape (the fused q/k/v
+//            projection the steps run and, for comparison, its parts) at M = 1, 8, 16
 //            and 128 rows (bf16 in, f32 out), with the weight bytes read per second: what the steps
-//            above are made of.
+//            above are made of. DecodeLinear/…: the same shapes on decode_linear_cuda.
 //   Tiny/…:  the tiny fixture (tiny-qwen3, a random 2-layer drafter of block 16, so τ ≈ 1) over
 //            62 eval prompts (the first 22 of each source), 128 new tokens each, greedy: aggregate
 //            tokens/s of target-only and speculative decoding at batch 1 and 64 (wall time of the
@@ -37,6 +39,7 @@
 #include "infer/eval.hpp"
 #include "model/drafter_io.hpp"
 #include "model/presets.hpp"
+#include "ops/decode_fused.hpp"
 
 using namespace dflash;
 
@@ -69,7 +72,8 @@ SpeculativeDecoderCuda& big() {
   return *dec;
 }
 
-void run_part(benchmark::State& st, SpeculativeDecoderCuda::BenchPart part, int K, int pad = 1) {
+void run_part(benchmark::State& st, SpeculativeDecoderCuda::BenchPart part, int K, int pad = 1,
+              bool row_gemm = false) {
   if (cuda::device_count() == 0) {
     st.SkipWithError("no CUDA device");
     return;
@@ -77,6 +81,7 @@ void run_part(benchmark::State& st, SpeculativeDecoderCuda::BenchPart part, int 
   const int B = static_cast<int>(st.range(0));
   SpeculativeDecoderCuda& dec = big();
   dec.pad_gemm_rows(pad);
+  dec.row_gemm(row_gemm);
   cudaStream_t s = dec.context().stream();
   dec.bench_enqueue(part, B, K);  // capture + warm-up
   dec.context().synchronize();
@@ -95,9 +100,11 @@ void run_part(benchmark::State& st, SpeculativeDecoderCuda::BenchPart part, int 
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
   dec.pad_gemm_rows(1);
+  dec.row_gemm(false);
   st.counters["batch"] = B;
   st.counters["rows"] = B * K;
   st.counters["gemm_pad"] = pad;
+  st.counters["row_gemm"] = row_gemm ? 1 : 0;
   st.counters["context"] = kContext;
 }
 
@@ -110,6 +117,15 @@ void BM_TargetVerify16(benchmark::State& st) {
 void BM_TargetStep1Pad16(benchmark::State& st) {
   run_part(st, SpeculativeDecoderCuda::BenchPart::target_step, 1, 16);
 }
+void BM_TargetStep1RowGemm(benchmark::State& st) {
+  run_part(st, SpeculativeDecoderCuda::BenchPart::target_step, 1, 1, true);
+}
+void BM_TargetVerify16RowGemm(benchmark::State& st) {
+  run_part(st, SpeculativeDecoderCuda::BenchPart::target_step, kBlock, 1, true);
+}
+void BM_DrafterBlock16RowGemm(benchmark::State& st) {
+  run_part(st, SpeculativeDecoderCuda::BenchPart::draft, kBlock, 1, true);
+}
 void BM_DrafterBlock16(benchmark::State& st) {
   run_part(st, SpeculativeDecoderCuda::BenchPart::draft, kBlock);
 }
@@ -119,7 +135,8 @@ void BM_SpecStep16(benchmark::State& st) {
 
 // ---- the GEMMs of the steps
 
-void BM_Gemm(benchmark::State& st) {
+// The GEMM of {M, N, K} = st.range(0..2) (bf16 in, f32 out), cuBLASLt or decode_linear_cuda.
+void run_gemm(benchmark::State& st, bool row_gemm) {
   if (cuda::device_count() == 0) {
     st.SkipWithError("no CUDA device");
     return;
@@ -132,8 +149,11 @@ void BM_Gemm(benchmark::State& st) {
   DFLASH_CUDA_CHECK(cudaMemsetAsync(a.data(), 0, a.bytes(), ctx.stream()));
   DFLASH_CUDA_CHECK(cudaMemsetAsync(w.data(), 0, w.bytes(), ctx.stream()));
   auto gemm = [&] {
-    cuda::gemm_bf16(ctx, c.data(), DType::f32, N, a.as<uint16_t>(), K, false, w.as<uint16_t>(), K,
-                    true, M, N, K);
+    if (row_gemm)
+      decode_linear_cuda(ctx, c.as<float>(), a.as<uint16_t>(), w.as<uint16_t>(), M, K, N, false);
+    else
+      cuda::gemm_bf16(ctx, c.data(), DType::f32, N, a.as<uint16_t>(), K, false, w.as<uint16_t>(), K,
+                      true, M, N, K);
   };
   gemm();
   ctx.synchronize();
@@ -153,6 +173,12 @@ void BM_Gemm(benchmark::State& st) {
   cudaEventDestroy(e1);
   st.counters["weight_GB_per_s"] = benchmark::Counter(
       static_cast<double>(N * K * 2) / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+}
+void BM_Gemm(benchmark::State& st) {
+  run_gemm(st, false);
+}
+void BM_DecodeLinear(benchmark::State& st) {
+  run_gemm(st, true);
 }
 
 // ---- tiny fixture tokens/s
@@ -231,12 +257,27 @@ void BM_TinySpeculative(benchmark::State& st) {
   BENCHMARK(fn)->Arg(1)->Arg(8)->UseManualTime()->Iterations(kIters)->Unit(benchmark::kMillisecond)
 DFLASH_STEP_BENCH(BM_TargetStep1);
 DFLASH_STEP_BENCH(BM_TargetStep1Pad16);
+DFLASH_STEP_BENCH(BM_TargetStep1RowGemm);
+DFLASH_STEP_BENCH(BM_TargetVerify16RowGemm);
+DFLASH_STEP_BENCH(BM_DrafterBlock16RowGemm);
 DFLASH_STEP_BENCH(BM_TargetVerify16);
 DFLASH_STEP_BENCH(BM_DrafterBlock16);
 DFLASH_STEP_BENCH(BM_SpecStep16);
-// {M, N, K}: q/o (4096²), k/v (1024 × 4096), gate+up (24576 × 4096), down (4096 × 12288), LM head.
+// {M, N, K}: q/o (4096²), k/v (1024 × 4096), fused q/k/v (6144 × 4096), gate+up (24576 × 4096),
+// down (4096 × 12288), LM head.
 BENCHMARK(BM_Gemm)
     ->ArgsProduct({{1, 8, 16, 128}, {4096}, {4096}})
+    ->ArgsProduct({{1, 8, 16, 128}, {6144}, {4096}})
+    ->ArgsProduct({{1, 8, 16, 128}, {1024}, {4096}})
+    ->ArgsProduct({{1, 8, 16, 128}, {24576}, {4096}})
+    ->ArgsProduct({{1, 8, 16, 128}, {4096}, {12288}})
+    ->ArgsProduct({{1, 8, 16, 128}, {151936}, {4096}})
+    ->UseManualTime()
+    ->Iterations(kIters)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_DecodeLinear)
+    ->ArgsProduct({{1, 8, 16, 128}, {4096}, {4096}})
+    ->ArgsProduct({{1, 8, 16, 128}, {6144}, {4096}})
     ->ArgsProduct({{1, 8, 16, 128}, {1024}, {4096}})
     ->ArgsProduct({{1, 8, 16, 128}, {24576}, {4096}})
     ->ArgsProduct({{1, 8, 16, 128}, {4096}, {12288}})

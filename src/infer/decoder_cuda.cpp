@@ -17,6 +17,7 @@
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "ops/decode.hpp"
+#include "ops/decode_fused.hpp"
 #include "ops/embedding.hpp"
 #include "ops/fill.hpp"
 #include "ops/linear.hpp"
@@ -33,19 +34,18 @@ double now_seconds() {
 }
 
 // Rows of every cache per request: max_context rounded up to this, the key-tile width of the
-// tensor-core attention (backend/cuda/attention_tc.cuh, kKeys). A CTA of the attention cuts the
-// union of its rows' key ranges into tiles from the union's start; with every request's first
-// row on a tile boundary, a request's keys fall into the same tiles in any batch slot, so its
-// online-softmax sums run in the same order and batch N gives batch 1's bits (with an unaligned
-// stride a near-tie token of the tiny fixture flipped between slots on the H200).
+// tensor-core attention (backend/cuda/attention_tc.cuh, kKeys) that a prefill runs. A CTA of the
+// attention cuts the union of its rows' key ranges into tiles from the union's start; with every
+// request's first row on a tile boundary, a request's keys fall into the same tiles in any batch
+// slot, so its online-softmax sums run in the same order and batch N gives batch 1's bits (with an
+// unaligned stride a near-tie token of the tiny fixture flipped between slots on the H200). The
+// steps' split-key attention (ops/decode_fused.hpp) splits from each row's own first key.
 constexpr int64_t kSlotAlign = 64;
 
 // The largest multiple pad_gemm_rows accepts.
 constexpr int64_t kMaxRowPad = 16;
-// Query rows of one tile of the tensor-core attention (attention_tc.cuh, kRows): a step whose
-// requests' rows do not fill whole tiles runs its attention on the spread layout
-// (decode_spread_rows_cuda), each request's rows in tiles of their own. The step buffers hold
-// max_batch · round_up(K, kQueryTile) rows (≥ any padding of pad_gemm_rows).
+// The step buffers hold max_batch · round_up(K, kQueryTile) rows (≥ any padding of
+// pad_gemm_rows).
 constexpr int64_t kQueryTile = 16;
 
 int64_t round_up(int64_t n, int64_t m) {
@@ -146,16 +146,12 @@ void SpeculativeDecoderCuda::init() {
   DFLASH_CUDA_CHECK(cudaMemsetAsync(active_, 0, active_h_.bytes(), ctx_.stream()));
   DFLASH_CUDA_CHECK(cudaMemsetAsync(lens_, 0, active_h_.bytes(), ctx_.stream()));
   DFLASH_CUDA_CHECK(cudaMemsetAsync(zero_, 0, sizeof(int32_t), ctx_.stream()));
-  // The spread layout's padding rows are read by the attention (and never used): keep them finite.
-  DFLASH_CUDA_CHECK(
-      cudaMemsetAsync(q_pad_, 0, arena_->planned_bytes("decode.step.spread_q"), ctx_.stream()));
 }
 
 // Every buffer of the decoder in one plan (one phase: all live for the whole decoding).
 void SpeculativeDecoderCuda::plan_and_take() {
   const int64_t H = tcfg_.hidden_size, V = tcfg_.vocab_size, Kmax = dcfg_.block_size;
   const int64_t KD = tcfg_.num_key_value_heads * tcfg_.head_dim;
-  const int64_t QD = tcfg_.num_attention_heads * tcfg_.head_dim;
   const int64_t QDd = dcfg_.num_heads * dcfg_.head_dim, KDd = dcfg_.num_kv_heads * dcfg_.head_dim;
   const int64_t Id = dcfg_.intermediate_size, F = dcfg_.n_taps() * H;
   const int64_t S = int64_t{limits_.max_batch} * stride_;  // cache rows
@@ -183,9 +179,7 @@ void SpeculativeDecoderCuda::plan_and_take() {
     w.push_back(want(n + "post_norm", H, &d.post_norm));
     w.push_back(want(n + "q_norm", dcfg_.head_dim, &d.q_norm));
     w.push_back(want(n + "k_norm", dcfg_.head_dim, &d.k_norm));
-    w.push_back(want(n + "wq", QDd * H, &d.wq));
-    w.push_back(want(n + "wk", KDd * H, &d.wk));
-    w.push_back(want(n + "wv", KDd * H, &d.wv));
+    w.push_back(want(n + "wqkv", (QDd + 2 * KDd) * H, &d.wqkv));
     w.push_back(want(n + "wo", H * QDd, &d.wo));
     w.push_back(want(n + "wgu", 2 * Id * H, &d.wgu));
     w.push_back(want(n + "wdown", H * Id, &d.wdown));
@@ -207,10 +201,12 @@ void SpeculativeDecoderCuda::plan_and_take() {
   w.push_back(want("decode.step.out", B * (Kmax + 1), &out_));
   w.push_back(want("decode.step.first", 1, &first_));
   w.push_back(want("decode.step.zero", 1, &zero_));
-  w.push_back(want("decode.step.spread_rows", BK, &spread_rows_));
-  w.push_back(want("decode.step.spread_ranges", BK, &spread_ranges_));
-  w.push_back(want("decode.step.spread_q", BK * QD, &q_pad_));
-  w.push_back(want("decode.step.spread_o", BK * QD, &o_pad_));
+  // The split-key attention of the steps (a row sees at most its request's stride_ cache rows).
+  split_ = DecodeStepWork{nullptr, BK, stride_};
+  const int64_t split_floats =
+      std::max(decode_attention_work_floats(BK, tcfg_.num_attention_heads, tcfg_.head_dim, stride_),
+               decode_attention_work_floats(BK, dcfg_.num_heads, dcfg_.head_dim, stride_));
+  w.push_back(want("decode.step.attn_split", split_floats, &split_.attn_part));
   w.push_back(want("decode.step.taps", R * F, &taps_));
   w.push_back(want("decode.step.final_rows", BK * H, &fnorm_));
   w.push_back(want("decode.step.logits", BK * V, &logits_));
@@ -223,10 +219,16 @@ void SpeculativeDecoderCuda::plan_and_take() {
   w.push_back(want("decode.drafter.o", BK * QDd, &do_));
   w.push_back(want("decode.drafter.gu", BK * 2 * Id, &dgu_));
   w.push_back(want("decode.drafter.act", BK * Id, &dact_));
+  w.push_back(want("decode.drafter.qkv", BK * (QDd + 2 * KDd), &dqkv_));
   ArenaPlanner p({"decode"});
   for (const Want& x : w) p.add(x.name, "decode", x.bytes, PhaseMask{1});
   arena_ = std::make_unique<cuda::DeviceArena>(ctx_, p.finish());
   for (const Want& x : w) *x.dst = arena_->get_bytes(x.name, x.bytes);
+  for (DrafterLayer& d : dlayers_) {  // q, k, v rows of the block GEMM's one weight array
+    d.wq = d.wqkv;
+    d.wk = d.wq + QDd * H;
+    d.wv = d.wk + KDd * H;
+  }
 }
 
 void SpeculativeDecoderCuda::upload_drafter(const LoadedDrafter& drafter) {
@@ -311,14 +313,6 @@ int64_t SpeculativeDecoderCuda::gemm_rows(int64_t rows) const {
   return round_up(rows, row_pad_);
 }
 
-const AttnRowSpread* SpeculativeDecoderCuda::step_spread(int B, int K, AttnRowSpread& sp) {
-  if (B == 1 || K % kQueryTile == 0) return nullptr;  // each tile already holds one request
-  const int64_t Kp = round_up(K, kQueryTile);
-  decode_spread_rows_cuda(ctx_, spread_rows_, spread_ranges_, causal_, B, K, Kp);
-  sp = AttnRowSpread{spread_rows_, spread_ranges_, B * Kp, q_pad_, o_pad_};
-  return &sp;
-}
-
 // ---- device work ----
 
 void SpeculativeDecoderCuda::target_logits_argmax(int32_t* out, int64_t first_row, int64_t rows,
@@ -358,28 +352,39 @@ void SpeculativeDecoderCuda::draft_block(int B, int K) {
   const int64_t QD = NH * D, KD = NKV * D, R = int64_t{B} * K;
   const double eps = dcfg_.rms_norm_eps;
   AttnParams ap{R, tcache_.rows, NH, NKV, D, 1.0 / std::sqrt(static_cast<double>(D))};
+  QkvPrepare prep{R, NH, NKV, D, nullptr, nullptr, eps, pos_, dinv_freq_, dscaling_};
+  // The layer projections as the target's in a step: decode_linear_cuda (row bits independent of
+  // the row count) where the widths allow it, else cuBLASLt.
+  const bool row_gemm = split_.row_gemm && H % 64 == 0 && QD % 64 == 0 && Id % 64 == 0;
+  auto project = [&](uint16_t* y, const uint16_t* in, const uint16_t* w, int64_t IN, int64_t OUT) {
+    if (row_gemm)
+      decode_linear_cuda(ctx_, y, in, w, R, IN, OUT, false);
+    else
+      linear_fwd_cuda(ctx_, y, in, w, R, IN, OUT);
+  };
+  auto project_into_h = [&](const uint16_t* in, const uint16_t* w, int64_t IN) {  // dh_ += in·Wᵀ
+    if (row_gemm)
+      decode_linear_cuda(ctx_, dh_, in, w, R, IN, H, true);
+    else
+      cuda::gemm_bf16(ctx_, dh_, DType::f32, H, in, IN, false, w, IN, true, R, H, IN, 1.0f, 1.0f);
+  };
   embedding_fwd_cuda(ctx_, dh_, target_->embed(), block_, R, V, H);
   for (size_t l = 0; l < dlayers_.size(); ++l) {
     const DrafterLayer& d = dlayers_[l];
     rmsnorm_fwd_cuda(ctx_, dhn_, static_cast<float*>(nullptr), dh_, d.in_norm, R, H, eps);
-    linear_fwd_cuda(ctx_, dq_, dhn_, d.wq, R, H, QD);
-    linear_fwd_cuda(ctx_, dk_, dhn_, d.wk, R, H, KD);
-    linear_fwd_cuda(ctx_, dv_, dhn_, d.wv, R, H, KD);
-    rmsnorm_fwd_cuda(ctx_, dq_, static_cast<float*>(nullptr), dq_, d.q_norm, R * NH, D, eps);
-    rmsnorm_fwd_cuda(ctx_, dk_, static_cast<float*>(nullptr), dk_, d.k_norm, R * NKV, D, eps);
-    rope_fwd_cuda(ctx_, dq_, dq_, pos_, dinv_freq_, dscaling_, R, NH, D);
-    rope_fwd_cuda(ctx_, dk_, dk_, pos_, dinv_freq_, dscaling_, R, NKV, D);
-    // The block's k/v rows sit after the context in the cache for this forward only (the extend
-    // of the step overwrites them with the accepted context rows).
-    kv_scatter_cuda(ctx_, dk_cache_[l], dk_, slots_, R, KD);
-    kv_scatter_cuda(ctx_, dv_cache_[l], dv_, slots_, R, KD);
-    attention_fwd_cuda(ctx_, do_, nullptr, dq_, dk_cache_[l], dv_cache_[l], brange_, ap);
-    cuda::gemm_bf16(ctx_, dh_, DType::f32, H, do_, QD, false, d.wo, QD, true, R, H, QD, 1.0f, 1.0f);
+    project(dqkv_, dhn_, d.wqkv, H, QD + 2 * KD);
+    // q/k norms and RoPE; the block's k/v rows sit after the context in the cache for this
+    // forward only (the extend of the step overwrites them with the accepted context rows).
+    prep.q_norm = d.q_norm;
+    prep.k_norm = d.k_norm;
+    qkv_prepare_cuda(ctx_, dq_, nullptr, dk_cache_[l], dv_cache_[l], slots_, dqkv_, prep);
+    decode_attention_cuda(ctx_, do_, dq_, dk_cache_[l], dv_cache_[l], brange_, ap, split_.attn_part,
+                          split_.max_keys);
+    project_into_h(do_, d.wo, QD);
     rmsnorm_fwd_cuda(ctx_, dhn_, static_cast<float*>(nullptr), dh_, d.post_norm, R, H, eps);
-    linear_fwd_cuda(ctx_, dgu_, dhn_, d.wgu, R, H, 2 * Id);
+    project(dgu_, dhn_, d.wgu, H, 2 * Id);
     swiglu_fwd_cuda(ctx_, dact_, dgu_, dgu_ + Id, R, Id, 2 * Id);
-    cuda::gemm_bf16(ctx_, dh_, DType::f32, H, dact_, Id, false, d.wdown, Id, true, R, H, Id, 1.0f,
-                    1.0f);
+    project_into_h(dact_, d.wdown, Id);
   }
   rmsnorm_fwd_cuda(ctx_, fnorm_, static_cast<float*>(nullptr), dh_, dnorm_, R, H, eps);
   cuda::gemm_bf16(ctx_, logits_, DType::f32, V, fnorm_, H, false, target_->lm_head(), H, true, R, V,
@@ -394,9 +399,8 @@ void SpeculativeDecoderCuda::enqueue_step_eager(int B, int K, bool speculative) 
   const std::span<const int> taps =
       speculative ? std::span<const int>(taps_ids_) : std::span<const int>();
   const int64_t Rg = gemm_rows(R);
-  AttnRowSpread sp;
   target_->forward_cached(speculative ? taps_ : nullptr, block_, pos_, slots_, causal_, R, Rg, taps,
-                          tcache_, step_spread(B, K, sp));
+                          tcache_, &split_);
   target_logits_argmax(targ_, 0, R, Rg);
   if (speculative) drafter_extend(R);
   greedy_accept_cuda(ctx_, out_, lens_, block_, targ_, active_, B, K, dcfg_.mask_token_id);
@@ -410,7 +414,7 @@ void SpeculativeDecoderCuda::enqueue_step(int B, int K, bool speculative) {
     enqueue_step_eager(B, K, speculative);
     return;
   }
-  graphs_.run(std::make_tuple(B, K, speculative ? 1 : 0, row_pad_), ctx_.stream(),
+  graphs_.run(std::make_tuple(B, K, speculative ? 1 : 0, row_pad_, split_.row_gemm), ctx_.stream(),
               [&] { enqueue_step_eager(B, K, speculative); });
 }
 
@@ -605,10 +609,9 @@ void SpeculativeDecoderCuda::bench_enqueue(BenchPart part, int B, int K) {
     if (part == BenchPart::draft) return;
     const bool taps = part == BenchPart::spec_step;
     const int64_t Rg = gemm_rows(R);
-    AttnRowSpread sp;
     target_->forward_cached(taps ? taps_ : nullptr, block_, pos_, slots_, causal_, R, Rg,
                             taps ? std::span<const int>(taps_ids_) : std::span<const int>(),
-                            tcache_, step_spread(B, K, sp));
+                            tcache_, &split_);
     target_logits_argmax(targ_, 0, R, Rg);
     if (taps) drafter_extend(R);
   };
@@ -616,7 +619,8 @@ void SpeculativeDecoderCuda::bench_enqueue(BenchPart part, int B, int K) {
     work();
     return;
   }
-  graphs_.run(std::make_tuple(B, K, 2 + static_cast<int>(part), row_pad_), ctx_.stream(), work);
+  graphs_.run(std::make_tuple(B, K, 2 + static_cast<int>(part), row_pad_, split_.row_gemm),
+              ctx_.stream(), work);
 }
 
 }  // namespace dflash

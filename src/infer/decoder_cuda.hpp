@@ -23,9 +23,10 @@
 // for max_batch × max_context tokens, the step's buffers) is planned and allocated at
 // construction; a step allocates nothing. Each (B, K, speculative) step is captured once as a
 // CUDA graph and replayed (use_graphs(false) runs the same launches eagerly). Greedy only:
-// sampling is refused with an error (no silent fallback to the CPU). A request's attention sees
-// the same key tiles in any batch slot (its cache rows start on a key tile; no query tile mixes
-// requests: the spread layout), so its output does not depend on batch_size as long as
+// sampling is refused with an error (no silent fallback to the CPU). The target's attention in a
+// step is the split-key decode attention (ops/decode_fused.hpp), whose rows do not depend on the
+// other rows of the launch, and the drafter's sees the same key tiles in any batch slot (its cache
+// rows start on a key tile), so a request's output does not depend on batch_size as long as
 // cuBLASLt's GEMM gives a row the same bits for any row count (true on the H200 for the tiny
 // fixture at 1 to 32 rows; docs/design-notes.md); greedy speculative output equals greedy
 // target-only output of this class (bit for bit on the H200, tests/cuda/decoder_cuda_test).
@@ -99,6 +100,11 @@ class SpeculativeDecoderCuda final : public Decoder {
   /// (bench/cuda/decode_cuda_bench measures both). Throws dflash::Error outside [1, 16]. Takes
   /// effect for the following steps (the padding is part of a graph's key).
   void pad_gemm_rows(int multiple);
+  /// Runs the layer projections of a step's target and drafter forwards on decode_linear_cuda
+  /// (a row's bits do not depend on the row count, the weights stream once per 128 rows) or, off
+  /// (default), on cuBLASLt, which was faster on the H200 for the Qwen3-8B shapes at batch 1 and
+  /// 8 (bench/cuda/decode_cuda_bench, docs/perf.md). Part of a graph's key.
+  void row_gemm(bool on) { split_.row_gemm = on; }
   /// Step graphs captured so far.
   size_t graphs_captured() const { return graphs_.size(); }
   /// Bytes of the decoder's own device plan (caches, drafter, step buffers; the target's weights
@@ -127,7 +133,8 @@ class SpeculativeDecoderCuda final : public Decoder {
  private:
   struct DrafterLayer {
     float *in_norm = nullptr, *post_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
-    uint16_t *wq = nullptr, *wk = nullptr, *wv = nullptr, *wo = nullptr;
+    // wqkv [(NH + 2·NKV)·D, H] = [Wq; Wk; Wv] (one block GEMM); wq, wk, wv point into it.
+    uint16_t *wqkv = nullptr, *wq = nullptr, *wk = nullptr, *wv = nullptr, *wo = nullptr;
     uint16_t *wgu = nullptr, *wdown = nullptr;  // [2I, H] = [gate; up], [H, I]
   };
   /// One request's host-side progress.
@@ -159,9 +166,6 @@ class SpeculativeDecoderCuda final : public Decoder {
   void target_logits_argmax(int32_t* out, int64_t first_row, int64_t rows, int64_t gemm_rows);
   /// `rows` rounded up to the padding multiple.
   int64_t gemm_rows(int64_t rows) const;
-  /// The spread layout of a step of (B, K) for the target's attention (enqueues its rows and
-  /// ranges into `sp`), or null when every query tile already holds one request's rows.
-  const AttnRowSpread* step_spread(int B, int K, AttnRowSpread& sp);
   void draft_block(int B, int K);
   void drafter_extend(int64_t R);
 
@@ -189,18 +193,18 @@ class SpeculativeDecoderCuda final : public Decoder {
   int32_t *lens_ = nullptr, *active_ = nullptr, *targ_ = nullptr, *out_ = nullptr;
   int32_t *first_ = nullptr, *zero_ = nullptr;
   uint16_t *taps_ = nullptr, *fnorm_ = nullptr;
-  int32_t* spread_rows_ = nullptr;
-  AttnRange* spread_ranges_ = nullptr;
-  uint16_t *q_pad_ = nullptr, *o_pad_ = nullptr;
+  // The split-key attention workspace of the steps (target and drafter block; step_rows_ rows).
+  DecodeStepWork split_;
   float* logits_ = nullptr;
   float *dh_ = nullptr, *dctx_pre_ = nullptr;
   uint16_t *dhn_ = nullptr, *dq_ = nullptr, *dk_ = nullptr, *dv_ = nullptr, *do_ = nullptr;
-  uint16_t *dgu_ = nullptr, *dact_ = nullptr;
+  uint16_t *dgu_ = nullptr, *dact_ = nullptr, *dqkv_ = nullptr;
   // Pinned host mirrors.
   cuda::PinnedBuffer out_h_, first_h_, active_h_, tokens_h_;
   bool use_graphs_ = true;
-  // Keyed by (B, K, what: 0 target-only, 1 speculative, 2+ a BenchPart, GEMM row padding).
-  cuda::GraphCache<std::tuple<int, int, int, int>> graphs_;
+  // Keyed by (B, K, what: 0 target-only, 1 speculative, 2+ a BenchPart, GEMM row padding,
+  // row_gemm).
+  cuda::GraphCache<std::tuple<int, int, int, int, bool>> graphs_;
 };
 
 }  // namespace dflash

@@ -123,15 +123,10 @@ void plan_target_weights(ArenaPlanner& p, const ModelConfig& c, int64_t n_layers
   p.add("target.inv_freq", g, D / 2 * kF, all);
   for (int64_t l = 0; l < n_layers; ++l) {
     const std::string n = fmt::format("target.layers.{}.", l);
-    p.add(n + "wq", g, QD * H * kBf, all);
-    p.add(n + "wk", g, KD * H * kBf, all);
-    p.add(n + "wv", g, KD * H * kBf, all);
+    // [Wq; Wk; Wv] rows in one array (one q/k/v GEMM), laid out so at upload: no extra copy.
+    p.add(n + "wqkv", g, (QD + 2 * KD) * H * kBf, all);
     p.add(n + "wo", g, H * QD * kBf, all);
-    if (c.attention_bias) {
-      p.add(n + "bq", g, QD * kF, all);
-      p.add(n + "bk", g, KD * kF, all);
-      p.add(n + "bv", g, KD * kF, all);
-    }
+    if (c.attention_bias) p.add(n + "bqkv", g, (QD + 2 * KD) * kF, all);
     if (c.o_proj_bias) p.add(n + "bo", g, H * kF, all);
     p.add(n + "in_norm", g, H * kF, all);
     p.add(n + "post_norm", g, H * kF, all);
@@ -173,6 +168,7 @@ void plan_target_activations(ArenaPlanner& p, const ModelConfig& c, int64_t n_la
   const char* g = kGroupTargetActs;
   p.add("target.act.x", g, T * H * kF, ph);  // fp32 residual stream
   p.add("target.act.hn", g, T * H * kBf, ph);
+  p.add("target.act.qkv", g, T * (QD + 2 * KD) * kBf, ph);  // the fused q/k/v GEMM's output
   p.add("target.act.q", g, T * QD * kBf, ph);
   p.add("target.act.k", g, T * KD * kBf, ph);
   p.add("target.act.v", g, T * KD * kBf, ph);

@@ -118,8 +118,9 @@ uint64_t target_op_scratch_bytes(const ModelConfig& c, int64_t n_layers);
 /// TargetCuda's weights for layers [0, n_layers), all live in the phases `live`:
 ///   "target.embed", "target.lm_head" (untied only) bf16 [V, H]; "target.inv_freq" f32 [D/2];
 ///   per layer "target.layers.{l}.":
-///     wq [NH·D, H], wk, wv [NKV·D, H], wo [H, NH·D] bf16; in_norm, post_norm f32 [H];
-///     q_norm, k_norm f32 [D] (qk_norm); bq f32 [NH·D], bk, bv [NKV·D] (attention_bias);
+///     wqkv bf16 [(NH + 2·NKV)·D, H] = [Wq; Wk; Wv] (one GEMM projects q, k and v), wo
+///     [H, NH·D] bf16; in_norm, post_norm f32 [H]; q_norm, k_norm f32 [D] (qk_norm); bqkv f32
+///     [(NH + 2·NKV)·D] = [bq; bk; bv] (attention_bias);
 ///     bo f32 [H] (o_proj_bias); sinks f32 [NH] (attention_sinks);
 ///     dense MLP layers: wgu bf16 [2I, H] = [gate; up], wdown [H, I]; bgu f32 [2I] = [bgate; bup]
 ///     and bdown f32 [H] (mlp_bias);
@@ -133,7 +134,8 @@ uint64_t target_op_scratch_bytes(const ModelConfig& c, int64_t n_layers);
 void plan_target_weights(ArenaPlanner& p, const ModelConfig& c, int64_t n_layers,
                          PhaseMask live = step_all_phases());
 /// TargetCuda::forward_taps activations of layers [0, n_layers) for up to `max_tokens` tokens,
-/// phase target only: "target.act.{x (f32 residual stream), hn, q, k, v, o, tap}"; with a dense
+/// phase target only: "target.act.{x (f32 residual stream), hn, qkv (the fused projection's
+/// output [T, (NH + 2·NKV)·D] bf16), q, k, v, o, tap}"; with a dense
 /// layer "target.act.{gu, act}"; with a sliding layer "target.act.win" (the window ranges
 /// [T] AttnRange); with a MoE layer the sparse block's workspace over R = max_tokens·top-k rows:
 /// "target.act.moe.{logits [T, E] f32, ids, weights, perm, slot, row_expert [R], offsets [E+1],

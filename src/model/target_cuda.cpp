@@ -15,7 +15,7 @@
 #include "core/error.hpp"
 #include "model/step_plan.hpp"
 #include "ops/cast.hpp"
-#include "ops/decode.hpp"
+#include "ops/decode_fused.hpp"
 #include "ops/embedding.hpp"
 #include "ops/fill.hpp"
 #include "ops/linear.hpp"
@@ -126,14 +126,16 @@ void TargetCuda::take_weights(cuda::DeviceArena& arena) {
   for (size_t l = 0; l < layers_.size(); ++l) {
     Layer& d = layers_[l];
     const std::string n = fmt::format("target.layers.{}.", l);
-    d.wq = arena.get<uint16_t>(n + "wq", QD * H);
-    d.wk = arena.get<uint16_t>(n + "wk", KD * H);
-    d.wv = arena.get<uint16_t>(n + "wv", KD * H);
+    d.wqkv = arena.get<uint16_t>(n + "wqkv", (QD + 2 * KD) * H);
+    d.wq = d.wqkv;
+    d.wk = d.wq + QD * H;
+    d.wv = d.wk + KD * H;
     d.wo = arena.get<uint16_t>(n + "wo", H * QD);
     if (c.attention_bias) {
-      d.bq = arena.get<float>(n + "bq", QD);
-      d.bk = arena.get<float>(n + "bk", KD);
-      d.bv = arena.get<float>(n + "bv", KD);
+      d.bqkv = arena.get<float>(n + "bqkv", QD + 2 * KD);
+      d.bq = d.bqkv;
+      d.bk = d.bq + QD;
+      d.bv = d.bk + KD;
     }
     if (c.o_proj_bias) d.bo = arena.get<float>(n + "bo", H);
     d.in_norm = arena.get<float>(n + "in_norm", H);
@@ -175,6 +177,7 @@ void TargetCuda::take_activations(cuda::DeviceArena& arena) {
   const TargetLayerMix mix = target_layer_mix(c, num_layers());
   x_ = arena.get<float>("target.act.x", T * H);
   hn_ = arena.get<uint16_t>("target.act.hn", T * H);
+  qkv_ = arena.get<uint16_t>("target.act.qkv", T * (QD + 2 * KD));
   q_ = arena.get<uint16_t>("target.act.q", T * QD);
   k_ = arena.get<uint16_t>("target.act.k", T * KD);
   v_ = arena.get<uint16_t>("target.act.v", T * KD);
@@ -414,7 +417,7 @@ void TargetCuda::forward_taps(uint16_t* taps, const int32_t* tokens, const int32
 void TargetCuda::forward_cached(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
                                 const int32_t* slots, const AttnRange* ranges, int64_t T,
                                 int64_t gemm_rows, std::span<const int> layer_ids,
-                                const TargetCacheCuda& cache, const AttnRowSpread* spread) {
+                                const TargetCacheCuda& cache, const DecodeStepWork* split) {
   DFLASH_CHECK(T > 0 && T <= gemm_rows && gemm_rows <= max_tokens_,
                "TargetCuda::forward_cached: {} tokens ({} GEMM rows) for a workspace of {}", T,
                gemm_rows, max_tokens_);
@@ -431,83 +434,85 @@ void TargetCuda::forward_cached(uint16_t* taps, const int32_t* tokens, const int
     DFLASH_CHECK(l >= 0 && l < num_layers(), "tap layer {} is outside the target layers [0, {})", l,
                  num_layers());
   DFLASH_CHECK(layer_ids.empty() || taps, "TargetCuda::forward_cached: taps asked, no buffer");
-  DFLASH_CHECK(
-      !spread || (spread->rows && spread->ranges && spread->q && spread->o && spread->padded >= T &&
-                  spread->padded <= max_tokens_),
-      "TargetCuda::forward_cached: a spread layout of {} rows for {} tokens (workspace {})",
-      spread ? spread->padded : 0, T, max_tokens_);
+  DFLASH_CHECK(!split || (split->attn_part && split->rows >= T && split->max_keys >= 1),
+               "TargetCuda::forward_cached: a split-attention workspace of {} rows for {} tokens",
+               split ? split->rows : 0, T);
   run_layers(taps, tokens, pos, ranges, T, gemm_rows, layer_ids, num_layers(), &cache, slots,
-             spread);
+             split);
 }
 
 void TargetCuda::run_layers(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
                             const AttnRange* ranges, int64_t T, int64_t Tg,
                             std::span<const int> layer_ids, int64_t n_run,
                             const TargetCacheCuda* cache, const int32_t* slots,
-                            const AttnRowSpread* spread) {
+                            const DecodeStepWork* split) {
   const ModelConfig& c = cfg_;
   const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
   const int64_t NH = c.num_attention_heads, NKV = c.num_key_value_heads;
   const int64_t QD = NH * D, KD = NKV * D, n_taps = static_cast<int64_t>(layer_ids.size());
   const double eps = c.rms_norm_eps;
   float* x = x_;
-  uint16_t *hn = hn_, *q = q_, *k = k_, *v = v_, *o = o_, *gu = gu_, *act = act_, *tap = tap_;
-  const float* inv_freq = inv_freq_;
+  uint16_t *hn = hn_, *qkv = qkv_, *q = q_, *k = k_, *v = v_, *o = o_, *gu = gu_, *act = act_;
+  uint16_t* tap = tap_;
   AttnParams ap{T, T, NH, NKV, D, 1.0 / std::sqrt(static_cast<double>(D))};
-  // The attention's query rows: the T rows, or their spread layout (AttnRowSpread).
-  const AttnRange* attn_ranges = spread ? spread->ranges : ranges;
-  const int64_t Tq = spread ? spread->padded : T;
-  ap.Tq = Tq;
   // Sliding layers see the last `sliding_window` keys of each causal range (HF
   // sliding_window_overlay), derived on the device once per forward.
-  if (win_) attention_window_ranges_cuda(ctx_, win_, attn_ranges, Tq, c.sliding_window);
+  if (win_) attention_window_ranges_cuda(ctx_, win_, ranges, T, c.sliding_window);
+  QkvPrepare prep{T, NH, NKV, D, nullptr, nullptr, eps, pos, inv_freq_, rope_scaling_};
+  // The projections: decode_linear_cuda on the T rows of a decoding step (row bits independent
+  // of T), else cuBLASLt on Tg ≥ T rows (rows [T, Tg) compute garbage from whatever the
+  // workspace held and are never read for rows < T: a GEMM row depends on its own input row).
+  const bool row_gemm =
+      split && split->row_gemm && H % 64 == 0 && QD % 64 == 0 && (I == 0 || I % 64 == 0);
+  auto project = [&](uint16_t* y, const uint16_t* in, const uint16_t* w, const float* bias,
+                     int64_t IN, int64_t OUT) {
+    if (!row_gemm) return linear_fwd_cuda(ctx_, y, in, w, bias, Tg, IN, OUT);
+    decode_linear_cuda(ctx_, y, in, w, T, IN, OUT, false);
+    if (bias) bias_add_cuda(ctx_, y, bias, T, OUT);
+  };
+  auto project_into_x = [&](const uint16_t* in, const uint16_t* w, const float* bias, int64_t IN) {
+    if (row_gemm)
+      decode_linear_cuda(ctx_, x, in, w, T, IN, H, true);
+    else
+      linear_fwd_acc_cuda(ctx_, x, in, w, Tg, IN, H);
+    if (bias) bias_add_cuda(ctx_, x, bias, T, H);
+  };
 
   embedding_fwd_cuda(ctx_, x, embed(), tokens, T, c.vocab_size, H);
   for (int64_t l = 0; l < n_run; ++l) {
     const Layer& L = layers_[static_cast<size_t>(l)];
+    const auto li = static_cast<size_t>(l);
     rmsnorm_fwd_cuda(ctx_, hn, static_cast<float*>(nullptr), x, L.in_norm, T, H, eps);
-    linear_fwd_cuda(ctx_, q, hn, L.wq, L.bq, Tg, H, QD);
-    linear_fwd_cuda(ctx_, k, hn, L.wk, L.bk, Tg, H, KD);
-    linear_fwd_cuda(ctx_, v, hn, L.wv, L.bv, Tg, H, KD);
-    if (L.q_norm) {
-      rmsnorm_fwd_cuda(ctx_, q, static_cast<float*>(nullptr), q, L.q_norm, T * NH, D, eps);
-      rmsnorm_fwd_cuda(ctx_, k, static_cast<float*>(nullptr), k, L.k_norm, T * NKV, D, eps);
-    }
-    rope_fwd_cuda(ctx_, q, q, pos, inv_freq, rope_scaling_, T, NH, D);
-    rope_fwd_cuda(ctx_, k, k, pos, inv_freq, rope_scaling_, T, NKV, D);
+    // qkv [Tg, QD + 2·KD] = hn · [Wq; Wk; Wv]ᵀ (+ [bq; bk; bv]): one GEMM for the three.
+    project(qkv, hn, L.wqkv, L.bqkv, H, QD + 2 * KD);
+    // Per head: q/k RMSNorm (Qwen3), RoPE; k and v rows into the cache (decoding) or into k, v.
+    prep.q_norm = L.q_norm;
+    prep.k_norm = L.k_norm;
     ap.sinks = L.sinks;  // null unless gpt-oss
-    const uint16_t *keys = k, *values = v;
-    ap.Tk = T;
+    const AttnRange* visible = L.sliding ? win_ : ranges;
     if (cache) {  // decoding: the rows join the cache first, then attend to it
-      const auto li = static_cast<size_t>(l);
-      kv_scatter_cuda(ctx_, cache->k[li], k, slots, T, KD);
-      kv_scatter_cuda(ctx_, cache->v[li], v, slots, T, KD);
-      keys = cache->k[li];
-      values = cache->v[li];
+      qkv_prepare_cuda(ctx_, q, nullptr, cache->k[li], cache->v[li], slots, qkv, prep);
       ap.Tk = cache->rows;
-    }
-    const AttnRange* visible = L.sliding ? win_ : attn_ranges;
-    if (spread) {
-      kv_scatter_cuda(ctx_, spread->q, q, spread->rows, T, QD);
-      attention_fwd_cuda(ctx_, spread->o, nullptr, spread->q, keys, values, visible, ap);
-      rows_gather_cuda(ctx_, o, spread->o, spread->rows, T, QD);
+      if (split) {
+        decode_attention_cuda(ctx_, o, q, cache->k[li], cache->v[li], visible, ap, split->attn_part,
+                              split->max_keys);
+      } else {
+        attention_fwd_cuda(ctx_, o, nullptr, q, cache->k[li], cache->v[li], visible, ap);
+      }
     } else {
-      attention_fwd_cuda(ctx_, o, nullptr, q, keys, values, visible, ap);
+      qkv_prepare_cuda(ctx_, q, nullptr, k, v, nullptr, qkv, prep);
+      attention_fwd_cuda(ctx_, o, nullptr, q, k, v, visible, ap);
     }
-    // x += o · Woᵀ (+ bo) (the GEMM accumulates into the fp32 residual stream). The projection
-    // GEMMs run Tg ≥ T rows: rows [T, Tg) hold whatever the workspace held and are never read
-    // for rows < T (a GEMM row depends on its own input row only).
-    linear_fwd_acc_cuda(ctx_, x, o, L.wo, Tg, QD, H);
-    if (L.bo) bias_add_cuda(ctx_, x, L.bo, T, H);
+    // x += o · Woᵀ (+ bo) (the GEMM accumulates into the fp32 residual stream).
+    project_into_x(o, L.wo, L.bo, QD);
     rmsnorm_fwd_cuda(ctx_, hn, static_cast<float*>(nullptr), x, L.post_norm, T, H, eps);
     if (L.is_moe) {
       moe_forward(L.moe, x, hn, T);
     } else {
       // row t: [gate | up] (+ [bgate | bup])
-      linear_fwd_cuda(ctx_, gu, hn, L.wgu, L.bgu, Tg, H, 2 * I);
+      project(gu, hn, L.wgu, L.bgu, H, 2 * I);
       swiglu_fwd_cuda(ctx_, act, gu, gu + I, T, I, 2 * I);
-      linear_fwd_acc_cuda(ctx_, x, act, L.wdown, Tg, I, H);
-      if (L.bdown) bias_add_cuda(ctx_, x, L.bdown, T, H);
+      project_into_x(act, L.wdown, L.bdown, I);
     }
     bool converted = false;
     for (int64_t i = 0; i < n_taps; ++i) {

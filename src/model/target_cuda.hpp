@@ -43,16 +43,18 @@ struct TargetCacheCuda {
   int64_t rows = 0;
 };
 
-/// A spread layout of the cached attention's query rows (ops/decode.hpp,
-/// decode_spread_rows_cuda): query row r is computed as row rows[r] of a padded array of `padded`
-/// rows with `ranges` [padded], whose other rows see no key, so that no 16-row query tile of the
-/// tensor-core attention mixes requests. `q` and `o` are bf16 [padded, NH·D] device buffers (their
-/// padding rows are read, never used; keep them finite, e.g. zeroed once).
-struct AttnRowSpread {
-  const int32_t* rows = nullptr;
-  const AttnRange* ranges = nullptr;
-  int64_t padded = 0;
-  uint16_t *q = nullptr, *o = nullptr;
+/// What forward_cached needs to run a decoding step's kernels (ops/decode_fused.hpp): the
+/// split-key attention's workspace `attn_part`, f32 of decode_attention_work_floats(rows, NH, D,
+/// max_keys) floats, enough for a forward of up to `rows` tokens each seeing at most `max_keys`
+/// cache rows (a request's cache stride); with `row_gemm` the layer's projections run on
+/// decode_linear_cuda (rows independent of the row count) where the shapes allow it (every
+/// input width a multiple of 64), else (default: faster on the H200 at every measured batch,
+/// docs/perf.md) on cuBLASLt.
+struct DecodeStepWork {
+  float* attn_part = nullptr;
+  int64_t rows = 0;
+  int64_t max_keys = 0;
+  bool row_gemm = false;
 };
 
 /// Device copy of a TargetModel and the workspace of its tap forward.
@@ -90,20 +92,23 @@ class TargetCuda {
   /// (kv_scatter_cuda), then the T queries attend to the cache rows of their `ranges` [T] (the
   /// request's committed rows and the new rows up to their own; decode_rows_cuda makes them).
   /// `tokens`, `pos` [T] as forward_taps; the taps of `layer_ids` go to `taps` bf16 [T, n_taps·H]
-  /// (may be null when layer_ids is empty). The projection GEMMs run `gemm_rows` rows (in
-  /// [T, max_tokens]): rows [T, gemm_rows) compute garbage from whatever the workspace holds and
-  /// change no row < T (padding to a row count where cuBLASLt's kernel is faster, or the same
-  /// for every batch size). Afterwards residual() holds the last layer's output
+  /// (may be null when layer_ids is empty). The cuBLASLt projection GEMMs run `gemm_rows` rows
+  /// (in [T, max_tokens]): rows [T, gemm_rows) compute garbage from whatever the workspace holds
+  /// and change no row < T (padding to a row count where cuBLASLt's kernel is faster, or the
+  /// same for every batch size); decode_linear_cuda (split->row_gemm) runs T rows. Afterwards
+  /// residual() holds the last layer's output
   /// [T, H] f32 (before the final norm, which this class does not hold). All device pointers;
   /// enqueued on ctx's stream, allocates nothing: graph-capturable. Throws dflash::Error when
   /// not all of the target's layers were uploaded, the cache lacks layers, T is outside
-  /// [1, max_tokens] or a tap is outside the layers. With `spread` (may be null) the attention
-  /// runs on the spread layout (its q rows scattered there, its o rows gathered back); the
-  /// results are those of the plain layout up to the key tiles each query tile streams.
+  /// [1, max_tokens] or a tap is outside the layers or `split` holds fewer than T rows. With
+  /// `split` (may be null) the attention is decode_attention_cuda (keys split across CTAs; a
+  /// row's bits do not depend on T or on the other rows: the decoding steps), else the
+  /// tensor-core attention_fwd_cuda (the prefill). Either way the layer's q/k/v come from one
+  /// GEMM over [Wq; Wk; Wv] and one qkv_prepare_cuda (norms, RoPE, cache writes).
   void forward_cached(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
                       const int32_t* slots, const AttnRange* ranges, int64_t T, int64_t gemm_rows,
                       std::span<const int> layer_ids, const TargetCacheCuda& cache,
-                      const AttnRowSpread* spread = nullptr);
+                      const DecodeStepWork* split = nullptr);
   /// The residual stream f32 [max_tokens, H] (rows [0, T) of the last forward).
   const float* residual() const { return x_; }
   /// The config of the model.
@@ -132,8 +137,10 @@ class TargetCuda {
   };
   /// One decoder layer's device weights; null for what the architecture lacks.
   struct Layer {
-    uint16_t *wq = nullptr, *wk = nullptr, *wv = nullptr, *wo = nullptr;  // bf16
-    float *bq = nullptr, *bk = nullptr, *bv = nullptr, *bo = nullptr;     // f32 biases
+    // wqkv bf16 [(NH + 2·NKV)·D, H] = [Wq; Wk; Wv]; wq, wk, wv point into it (rows of q, k, v).
+    uint16_t *wqkv = nullptr, *wq = nullptr, *wk = nullptr, *wv = nullptr, *wo = nullptr;
+    // f32 biases; bqkv = [bq; bk; bv] (bq, bk, bv point into it).
+    float *bqkv = nullptr, *bq = nullptr, *bk = nullptr, *bv = nullptr, *bo = nullptr;
     float *in_norm = nullptr, *post_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;  // f32
     float* sinks = nullptr;  // f32 [NH] (gpt-oss)
     // Dense MLP: bf16 [2I, H] = [gate; up], [H, I]; f32 biases [2I], [H].
@@ -153,7 +160,8 @@ class TargetCuda {
   float* inv_freq_ = nullptr;
   std::vector<Layer> layers_;
   float* x_ = nullptr;
-  uint16_t *hn_ = nullptr, *q_ = nullptr, *k_ = nullptr, *v_ = nullptr, *o_ = nullptr;
+  uint16_t *hn_ = nullptr, *qkv_ = nullptr, *q_ = nullptr, *k_ = nullptr, *v_ = nullptr,
+           *o_ = nullptr;
   uint16_t *gu_ = nullptr, *act_ = nullptr, *tap_ = nullptr;  // gu_/act_ null without dense layers
   AttnRange* win_ = nullptr;  // window ranges; null without sliding layers
   /// MoE workspace (all null without MoE layers): R = max_tokens · top-k rows.
@@ -182,12 +190,12 @@ class TargetCuda {
   /// Layers [0, n_run) over T tokens, the taps of `layer_ids` to `taps`; with `cache`, each
   /// layer's k/v rows go to cache rows `slots` and the attention reads the cache (forward_cached),
   /// else the T rows attend to each other (forward_taps).
-  /// The projection GEMMs run Tg ≥ T rows (forward_cached's gemm_rows); `spread` as
+  /// The projection GEMMs run Tg ≥ T rows (forward_cached's gemm_rows); `split` as
   /// forward_cached's.
   void run_layers(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
                   const AttnRange* ranges, int64_t T, int64_t Tg, std::span<const int> layer_ids,
                   int64_t n_run, const TargetCacheCuda* cache, const int32_t* slots,
-                  const AttnRowSpread* spread);
+                  const DecodeStepWork* split);
 };
 
 }  // namespace dflash

@@ -163,16 +163,18 @@ char* dynamic_smem() {
 }
 
 void launch(Dim3 grid, Dim3 block, int smem_bytes, const std::function<void()>& kernel) {
-  if (block.y != 1 || block.z != 1 || grid.z != 1) die("only 1-D blocks and 2-D grids");
+  if (block.y != 1 || block.z != 1) die("only 1-D blocks");
   g_grid = grid;
   g_bdim = block;
   g_smem_storage.assign(static_cast<size_t>(smem_bytes) + 128, 0);
   g_smem = g_smem_storage.data() + (128 - reinterpret_cast<uintptr_t>(g_smem_storage.data()) % 128);
-  for (unsigned y = 0; y < grid.y; ++y) {
-    for (unsigned x = 0; x < grid.x; ++x) {
-      g_block = Dim3{x, y, 1};
-      std::memset(g_smem, 0xA5, static_cast<size_t>(smem_bytes));  // stale data looks wrong
-      run_cta(static_cast<int>(block.x), kernel);
+  for (unsigned z = 0; z < grid.z; ++z) {
+    for (unsigned y = 0; y < grid.y; ++y) {
+      for (unsigned x = 0; x < grid.x; ++x) {
+        g_block = Dim3{x, y, z};
+        std::memset(g_smem, 0xA5, static_cast<size_t>(smem_bytes));  // stale data looks wrong
+        run_cta(static_cast<int>(block.x), kernel);
+      }
     }
   }
 }

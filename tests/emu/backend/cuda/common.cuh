@@ -1,7 +1,8 @@
 // dflash.cpp — the emulator's stand-in for src/backend/cuda/common.cuh: the CUDA keywords and
-// built-ins the tensor-core attention kernels use, mapped onto tests/emu/cuda_emu.hpp, plus the
-// bf16 helpers of the real header (same rounding, from core/dtype.hpp). Found before the real
-// header because the emulator test puts tests/emu first on its include path.
+// built-ins the tensor-core attention and fused decoding kernels use, mapped onto
+// tests/emu/cuda_emu.hpp, plus the bf16 helpers of the real header (same rounding, from
+// core/dtype.hpp). Found before the real header because the emulator test puts tests/emu first on
+// its include path.
 #pragma once
 
 #include <algorithm>
@@ -51,6 +52,17 @@ inline float __shfl_xor_sync(unsigned, float v, int m) {
   warp_all(v, all);
   return all[(::emu::thread_idx().x % 32) ^ static_cast<unsigned>(m)];
 }
+template <typename T>
+inline T __shfl_sync(unsigned, T v, int src) {
+  T all[32];
+  warp_all(v, all);
+  return all[src & 31];
+}
+inline uint32_t __float_as_uint(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
 inline bool __any_sync(unsigned, bool p) {
   int all[32];
   warp_all(static_cast<int>(p), all);
@@ -86,5 +98,30 @@ inline int atomicMax(int* p, int v) {
 namespace dflash::cuda {
 inline uint16_t f32_to_bf16(float f) {
   return dflash::f32_to_bf16_bits(f);
+}
+inline float to_f32(float x) {
+  return x;
+}
+inline float to_f32(uint16_t b) {
+  return dflash::bf16_bits_to_f32(b);
+}
+template <typename T>
+T from_f32(float v);
+template <>
+inline float from_f32<float>(float v) {
+  return v;
+}
+template <>
+inline uint16_t from_f32<uint16_t>(float v) {
+  return dflash::f32_to_bf16_bits(v);
+}
+// The real header's butterfly order (xor 16, 8, 4, 2, 1), so sums round as on the GPU.
+inline float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+inline float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
 }
 }  // namespace dflash::cuda
