@@ -3,15 +3,20 @@
 // ties), the target's cached forward (a prefill, and a prefill then an appended block) against
 // the CPU target's logits, greedy speculative output == CUDA target-only output (bit for bit) ==
 // CPU target-only output (up to a bf16 near-tie, checked), batch N == batch 1 per request,
-// graphs == eager launches, the CLI, and the errors.
+// graphs == eager launches, the CLI, and the errors. Sampling: the output of the first two tokens
+// over many seeds against the target's processed distribution (Pearson chi-square at significance
+// 1e-4, the statistic and threshold of tests/sampling_test.cpp), batch N == batch 1 and reruns
+// per request, top-k = 1 == greedy.
 // Skipped without a GPU.
 #include "infer/decoder_cuda.hpp"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <map>
 #include <optional>
 
 #include "backend/cuda/context.hpp"
@@ -421,9 +426,8 @@ TEST_F(DecoderCudaTiny, RefusesWhatItCannotDoNamingIt) {
     }
   };
   DecodeOptions o = greedy_opts(kMaxNew);
-  o.sampling.temperature = 0.7;
-  expect_error([&] { dec_->generate(ps_, o, 1); }, "not implemented on --backend cuda");
-  expect_error([&] { dec_->target_generate(ps_, o, 1); }, "not implemented on --backend cuda");
+  o.sampling.top_p = 1.5;
+  expect_error([&] { dec_->generate(ps_, o, 1); }, "top_p must be in (0, 1]");
   const DecodeOptions g = greedy_opts(kMaxNew);
   expect_error([&] { dec_->generate(ps_, g, 5); }, "batch size 5 exceeds the 4 requests");
   expect_error([&] { dec_->generate(ps_, g, 0); }, "batch size must be >= 1");
@@ -439,20 +443,184 @@ TEST_F(DecoderCudaTiny, RefusesWhatItCannotDoNamingIt) {
   expect_error([&] { dec_->generate(ps_, b9, 1); }, "block size 9 is outside [2, 8]");
 }
 
+DecodeOptions sampled_opts(int64_t max_new, const SamplingParams& sp, uint64_t seed) {
+  DecodeOptions o = greedy_opts(max_new);
+  o.sampling = sp;
+  o.seed = seed;
+  return o;
+}
+
+// Request i draws from seed + i alone: batch 3 and 4 (slots refilled) give batch 1's tokens and
+// acceptance lengths, speculative and target-only; a rerun gives them again, graphs or eager;
+// another seed gives other tokens.
+TEST_F(DecoderCudaTiny, SampledOutputDependsOnTheSeedAloneNotTheBatch) {
+  const DecodeOptions o = sampled_opts(kMaxNew, SamplingParams{0.8, 0, 0.95}, 11);
+  const std::vector<DecodeResult> one = dec_->generate(ps_, o, 1);
+  const std::vector<DecodeResult> t_one = dec_->target_generate(ps_, o, 1);
+  for (int batch : {3, 4}) {
+    const std::vector<DecodeResult> many = dec_->generate(ps_, o, batch);
+    const std::vector<DecodeResult> t_many = dec_->target_generate(ps_, o, batch);
+    for (size_t i = 0; i < ps_.size(); ++i) {
+      EXPECT_EQ(many[i].tokens, one[i].tokens) << "batch " << batch << " request " << i;
+      EXPECT_EQ(many[i].accept_lengths, one[i].accept_lengths) << "batch " << batch;
+      EXPECT_EQ(t_many[i].tokens, t_one[i].tokens) << "batch " << batch << " request " << i;
+    }
+  }
+  dec_->use_graphs(false);
+  const std::vector<DecodeResult> eager = dec_->generate(ps_, o, 2);
+  size_t differ = 0;
+  const std::vector<DecodeResult> other =
+      dec_->generate(ps_, sampled_opts(kMaxNew, SamplingParams{0.8, 0, 0.95}, 12), 1);
+  for (size_t i = 0; i < ps_.size(); ++i) {
+    EXPECT_EQ(eager[i].tokens, one[i].tokens) << "request " << i;
+    EXPECT_EQ(static_cast<int64_t>(one[i].tokens.size()), kMaxNew);
+    differ += other[i].tokens != one[i].tokens;
+  }
+  EXPECT_GT(differ, 0u) << "seed 12 gave seed 11's tokens for every request";
+}
+
+// top-k = 1 leaves one token per row (q and p one-hot at the argmax): the rule then accepts exactly
+// the drafts greedy decoding accepts and resamples the target's argmax, so the output, and the
+// acceptance lengths, are greedy decoding's.
+TEST_F(DecoderCudaTiny, TopKOneSamplingEqualsGreedy) {
+  const DecodeOptions g = greedy_opts(kMaxNew);
+  const DecodeOptions o = sampled_opts(kMaxNew, SamplingParams{0.7, 1, 1.0}, 3);
+  const std::vector<DecodeResult> greedy = dec_->generate(ps_, g, 2);
+  const std::vector<DecodeResult> t_greedy = dec_->target_generate(ps_, g, 2);
+  const std::vector<DecodeResult> k1 = dec_->generate(ps_, o, 2);
+  const std::vector<DecodeResult> t_k1 = dec_->target_generate(ps_, o, 2);
+  for (size_t i = 0; i < ps_.size(); ++i) {
+    EXPECT_EQ(k1[i].tokens, greedy[i].tokens) << "request " << i;
+    EXPECT_EQ(k1[i].accept_lengths, greedy[i].accept_lengths) << "request " << i;
+    EXPECT_EQ(t_k1[i].tokens, t_greedy[i].tokens) << "request " << i;
+  }
+}
+
+// Categories over (t1, t2) with exact probability ≥ 5/n, plus "other" (last).
+struct PairCategories {
+  std::map<std::pair<int32_t, int32_t>, size_t> index;
+  std::vector<double> probs;
+  size_t of(int32_t a, int32_t b) const {
+    const auto it = index.find({a, b});
+    return it == index.end() ? probs.size() - 1 : it->second;
+  }
+};
+
+// Upper 1e-4 quantile of chi-square with `df` degrees of freedom (Wilson–Hilferty) and Pearson's
+// statistic, as tests/sampling_test.cpp.
+double chi2_critical_1e4(int df) {
+  const double z = 3.7190164854556804;
+  const double a = 2.0 / (9.0 * df);
+  return df * std::pow(1.0 - a + z * std::sqrt(a), 3.0);
+}
+double chi2_stat(const std::vector<int64_t>& counts, const std::vector<double>& probs, int64_t n) {
+  double s = 0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    const double e = probs[i] * static_cast<double>(n);
+    if (e <= 0) {
+      if (counts[i] > 0) return INFINITY;
+      continue;
+    }
+    s += (counts[i] - e) * (counts[i] - e) / e;
+  }
+  return s;
+}
+
+// n = 3,000 requests of one prompt (request i: seed 500 + i) decoded speculatively on the GPU, 2
+// tokens each, batch 64: t1 is drawn from the target's processed p(·|prompt) at the prefill, t2 by
+// the speculative rule over the untrained drafter's q (mostly rejections and resamples). Both the
+// first token alone and the pair (t1, t2) are checked against the exact probabilities from the CPU
+// target's fp32 logits (p(t1)·p(t2|t1)); the GPU's bf16 target is within its tolerance of them,
+// far below what 3,000 draws can see. The prompt (the start of an assistant turn) leaves the tiny
+// target uncertain: T 1 gives 10 first-token and 42 pair categories (79 % of the mass), T 0.8 with
+// top-k 40 gives 5 and 22 (96 %). top-p is left to the op test (tests/cuda/sample_cuda_test): its
+// cut sits within 0.0004 of the mass p on these rows, inside the bf16 target's rounding, so the
+// CPU's kept set is not the GPU's there. A rule that accepts every draft fails (t2 ~ q).
+TEST(DecoderCudaSampling, FirstTwoTokensFollowTheTargetDistribution) {
+  DFLASH_REQUIRE_GPU();
+  cuda::CudaContext ctx(0);
+  const TargetModel& m = tiny();
+  const int64_t V = m.vocab_size(), n = 3000;
+  const LoadedDrafter drafter = random_drafter(2, 4, 21);
+  const Tokenizer tok = Tokenizer::load(test::assets_dir() / "tiny-qwen3");
+  const std::vector<int32_t> prompt = tok.encode(
+      "<|im_start|>user\nGive a short definition of dog.<|im_end|>\n<|im_start|>assistant\n");
+  const std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(n), prompt);
+  SpeculativeDecoderCuda dec(ctx, m, drafter, decoder_cuda_limits(prompts, 2, 4, 64));
+  for (const SamplingParams& sp : {SamplingParams{1.0, 0, 1.0}, SamplingParams{0.8, 40, 1.0}}) {
+    // Exact probabilities of t1 and of the pairs (t1, t2) from the CPU target.
+    TargetKvCache c0 = m.new_cache();
+    const ForwardOptions last{{}, LogitsRows::last, false};
+    const ForwardResult r0 = m.prefill(c0, prompt, last);
+    std::vector<double> p1, p2;
+    sampling_probs(p1, std::span<const float>(r0.logits.data<float>(), static_cast<size_t>(V)), sp);
+    PairCategories cats;
+    const double thr = 5.0 / static_cast<double>(n);
+    double covered = 0;
+    for (int32_t a = 0; a < V; ++a) {
+      if (p1[a] < thr) continue;
+      TargetKvCache c1 = c0;
+      const ForwardResult r1 = m.append(c1, std::span<const int32_t>(&a, 1), last);
+      sampling_probs(p2, std::span<const float>(r1.logits.data<float>(), static_cast<size_t>(V)),
+                     sp);
+      for (int32_t b = 0; b < V; ++b) {
+        if (p1[a] * p2[b] < thr) continue;
+        cats.index[{a, b}] = cats.probs.size();
+        cats.probs.push_back(p1[a] * p2[b]);
+        covered += p1[a] * p2[b];
+      }
+    }
+    cats.probs.push_back(std::max(0.0, 1.0 - covered));
+    // t1 alone: the tokens of probability ≥ 5/n, plus "other".
+    std::vector<int32_t> first_ids;
+    std::vector<double> first_p;
+    double first_covered = 0;
+    for (int32_t a = 0; a < V; ++a)
+      if (p1[a] >= thr) {
+        first_ids.push_back(a);
+        first_p.push_back(p1[a]);
+        first_covered += p1[a];
+      }
+    first_p.push_back(std::max(0.0, 1.0 - first_covered));
+    const int df_pairs = static_cast<int>(cats.probs.size()) - 1;
+    const int df_first = static_cast<int>(first_p.size()) - 1;
+    ASSERT_GE(df_pairs, 3) << "the prompt's continuation is too predictable for a useful test";
+
+    const std::vector<DecodeResult> out = dec.generate(prompts, sampled_opts(2, sp, 500), 64);
+    std::vector<int64_t> pairs(cats.probs.size(), 0), first(first_p.size(), 0);
+    for (const DecodeResult& r : out) {
+      ASSERT_EQ(r.tokens.size(), 2u);
+      ++pairs[cats.of(r.tokens[0], r.tokens[1])];
+      const auto it = std::find(first_ids.begin(), first_ids.end(), r.tokens[0]);
+      ++first[static_cast<size_t>(it - first_ids.begin())];  // the end is "other"
+    }
+    const double x_pairs = chi2_stat(pairs, cats.probs, n), x_first = chi2_stat(first, first_p, n);
+    std::printf(
+        "T %.2f top-k %lld top-p %.2f, %lld requests: t1 chi2 %.1f (%d categories, critical "
+        "%.1f); (t1, t2) chi2 %.1f (%d categories, covered mass %.3f, critical %.1f)\n",
+        sp.temperature, static_cast<long long>(sp.top_k), sp.top_p, static_cast<long long>(n),
+        x_first, df_first + 1, chi2_critical_1e4(df_first), x_pairs, df_pairs + 1, covered,
+        chi2_critical_1e4(df_pairs));
+    EXPECT_LT(x_first, chi2_critical_1e4(df_first));
+    EXPECT_LT(x_pairs, chi2_critical_1e4(df_pairs));
+  }
+}
+
 // `dflash generate --backend cuda` prints the text and the step count of the CPU backend (greedy:
-// the same tokens; the drafter's τ may differ in bf16, so only "tokens:" is compared); sampling is
-// refused on cuda.
+// the same tokens; the drafter's τ may differ in bf16, so only "tokens:" is compared); sampled, it
+// prints the same text for the same seed.
 TEST(DecoderCudaCli, GenerateOnCudaPrintsTheCpuText) {
   DFLASH_REQUIRE_GPU();
   const test::TempDir dir;
   const LoadedDrafter d = random_drafter(2, 8, 11);
   drafter_save(dir / "drafter", d.config, d.layout, d.params, DType::f32);
   const std::string target = (test::assets_dir() / "tiny-qwen3").string();
-  auto gen = [&](const std::string& backend, const std::string& temperature) {
+  auto gen = [&](const std::string& backend, const std::string& temperature,
+                 const std::string& seed = "0") {
     return test::run_dflash({"generate", "--target", target, "--drafter",
                              (dir / "drafter").string(), "--prompt", "Call me Ishmael.",
                              "--max-new-tokens", "24", "--backend", backend, "--temperature",
-                             temperature});
+                             temperature, "--seed", seed});
   };
   const test::RunResult cpu = gen("cpu", "0"), gpu = gen("cuda", "0");
   ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
@@ -460,10 +628,11 @@ TEST(DecoderCudaCli, GenerateOnCudaPrintsTheCpuText) {
   auto text = [](const std::string& out) { return out.substr(0, out.find("\nsteps:")); };
   EXPECT_EQ(text(gpu.out), text(cpu.out));
   EXPECT_NE(gpu.out.find("tokens: "), std::string::npos) << gpu.out;
-  const test::RunResult sampled = gen("cuda", "0.8");
-  EXPECT_NE(sampled.exit_code, 0);
-  EXPECT_NE(sampled.err.find("not implemented on --backend cuda"), std::string::npos)
-      << sampled.err;
+  const test::RunResult sampled = gen("cuda", "0.8", "5"), again = gen("cuda", "0.8", "5");
+  ASSERT_EQ(sampled.exit_code, 0) << sampled.err;
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_EQ(text(sampled.out), text(again.out));
+  EXPECT_NE(sampled.out.find("tokens: "), std::string::npos) << sampled.out;
 }
 
 }  // namespace
