@@ -6,7 +6,8 @@
 // graphs == eager launches, the CLI, and the errors. Sampling: the output of the first two tokens
 // over many seeds against the target's processed distribution (Pearson chi-square at significance
 // 1e-4, the statistic and threshold of tests/sampling_test.cpp), batch N == batch 1 and reruns
-// per request, top-k = 1 == greedy.
+// per request, top-k = 1 == greedy. Where the two backends' greedy paths part on the tiny
+// reference's eval prompts, and that it is at near-ties on both.
 // Skipped without a GPU.
 #include "infer/decoder_cuda.hpp"
 
@@ -24,6 +25,8 @@
 #include "core/error.hpp"
 #include "cuda_test_util.hpp"
 #include "data/tokenizer.hpp"
+#include "infer/decoder_cpu.hpp"
+#include "infer/eval.hpp"
 #include "model/drafter_io.hpp"
 #include "model/target_cuda.hpp"
 #include "ops/decode.hpp"
@@ -604,6 +607,98 @@ TEST(DecoderCudaSampling, FirstTwoTokensFollowTheTargetDistribution) {
     EXPECT_LT(x_first, chi2_critical_1e4(df_first));
     EXPECT_LT(x_pairs, chi2_critical_1e4(df_pairs));
   }
+}
+
+// The CUDA target's logits of the last position of `seq` (one prefill over an empty cache; the
+// decoder reached that position by one-token steps, so its bits may differ by rounding).
+std::vector<float> gpu_last_logits(cuda::CudaContext& ctx, TargetCuda& tc, const TargetModel& m,
+                                   const std::vector<int32_t>& seq) {
+  const ModelConfig& c = m.config();
+  const auto P = static_cast<int64_t>(seq.size());
+  const int64_t H = c.hidden_size, V = c.vocab_size, KD = c.num_key_value_heads * c.head_dim;
+  std::vector<std::unique_ptr<DeviceGuarded<uint16_t>>> kv;
+  TargetCacheCuda cache;
+  cache.rows = P;
+  for (int64_t l = 0; l < 2 * c.num_hidden_layers; ++l) {
+    kv.push_back(std::make_unique<DeviceGuarded<uint16_t>>(static_cast<size_t>(P * KD)));
+    (l % 2 ? cache.v : cache.k).push_back(kv.back()->get());
+  }
+  DeviceGuarded<int32_t> toks(seq), pos(static_cast<size_t>(P)), slots(static_cast<size_t>(P));
+  DeviceGuarded<AttnRange> ranges(static_cast<size_t>(P));
+  DeviceGuarded<int32_t> lens(std::vector<int32_t>{0});
+  DeviceGuarded<float> fnorm_w(m.final_norm_weight()), logits(static_cast<size_t>(V));
+  DeviceGuarded<uint16_t> normed(static_cast<size_t>(H));
+  decode_rows_cuda(ctx, pos.get(), slots.get(), ranges.get(), nullptr, lens.get(), 1, P, 0, P);
+  tc.forward_cached(nullptr, toks.get(), pos.get(), slots.get(), ranges.get(), P, P, {}, cache);
+  rmsnorm_fwd_cuda(ctx, normed.get(), static_cast<float*>(nullptr), tc.residual() + (P - 1) * H,
+                   fnorm_w.get(), 1, H, c.rms_norm_eps);
+  cuda::gemm_bf16(ctx, logits.get(), DType::f32, V, normed.get(), H, false, tc.lm_head(), H, true,
+                  1, V, H);
+  return logits.download();
+}
+
+// Where the greedy paths of the two backends part on the prompts of the tiny reference's eval
+// (`dflash eval --limit 150 --per-source 66 --max-new-tokens 96`, target-only: speculative
+// output equals it on either backend). At the first differing token, the CPU's logits (fp32
+// activations) and the CUDA target's (bf16) of the two tokens must each be within the bf16
+// tolerance of whole target forwards (tol::kTargetTaps × the row's largest |logit|) of a tie: a
+// near-tie taken the other way, not a wrong token. Prints each such prompt (the τ of `dflash eval`
+// on the other prompts is compared in docs/perf.md).
+TEST(DecoderCudaGreedyPaths, EvalPromptsLeaveTheCpuOnlyAtNearTies) {
+  DFLASH_REQUIRE_GPU();
+  cuda::CudaContext ctx(0);
+  const TargetModel& m = tiny();
+  const std::filesystem::path dir = test::assets_dir() / "tiny-qwen3";
+  const Tokenizer tok = Tokenizer::load(dir);
+  const std::vector<EvalPrompt> prompts =
+      load_eval_prompts(test::assets_dir() / "data" / "eval_prompts.jsonl",
+                        resolve_chat_template(dir, ""), tok, 150, 66);
+  std::vector<std::vector<int32_t>> ids;
+  for (const EvalPrompt& p : prompts) ids.push_back(p.tokens);
+  DecodeOptions o = greedy_opts(96);
+  o.stop_ids = generation_eos_ids(dir, m.config());
+  const LoadedDrafter d = random_drafter(2, 8, 7);
+  std::vector<DecodeResult> gpu;
+  {
+    SpeculativeDecoderCuda dec(ctx, m, d, decoder_cuda_limits(ids, 96, 8, 64));
+    gpu = dec.target_generate(ids, o, 64);
+  }
+  const std::vector<DecodeResult> cpu = DecoderCpu(m, nullptr).target_generate(ids, o, 16);
+  size_t max_len = 0;
+  for (const auto& p : ids) max_len = std::max(max_len, p.size() + 96);
+  TargetCuda tc(ctx, m, static_cast<int64_t>(max_len));
+  const int64_t V = m.vocab_size();
+  int agree = 0;
+  std::string parted;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const std::vector<int32_t>&g = gpu[i].tokens, &c = cpu[i].tokens;
+    size_t j = 0;
+    while (j < g.size() && j < c.size() && g[j] == c[j]) ++j;
+    if (j == g.size() && j == c.size()) {
+      ++agree;
+      continue;
+    }
+    parted += (parted.empty() ? "" : " ") + prompts[i].id;
+    ASSERT_TRUE(j < g.size() && j < c.size()) << prompts[i].id << ": one output is a prefix";
+    std::vector<int32_t> seq = ids[i];
+    seq.insert(seq.end(), c.begin(), c.begin() + static_cast<std::ptrdiff_t>(j));
+    const auto n = static_cast<int64_t>(seq.size());
+    const std::vector<int32_t> off = {0, static_cast<int32_t>(n)};
+    const std::vector<float> all = m.forward_logits(seq, off).to_f32_vector();
+    const std::vector<float> cl(all.end() - V, all.end()), gl = gpu_last_logits(ctx, tc, m, seq);
+    float top = 0;
+    for (int64_t v = 0; v < V; ++v) top = std::max({top, std::fabs(cl[v]), std::fabs(gl[v])});
+    const double cpu_gap = cl[c[j]] - cl[g[j]], gpu_gap = gl[g[j]] - gl[c[j]];
+    std::printf(
+        "%s: output token %zu: CPU %d (logits CPU %.4f / CUDA %.4f), CUDA %d (CPU %.4f / CUDA "
+        "%.4f); CPU gap %.4f, CUDA gap %.4f, max |logit| %.2f\n",
+        prompts[i].id.c_str(), j, c[j], cl[c[j]], gl[c[j]], g[j], cl[g[j]], gl[g[j]], cpu_gap,
+        gpu_gap, top);
+    EXPECT_LE(cpu_gap, test::tol::kTargetTaps * top) << prompts[i].id;
+    EXPECT_LE(gpu_gap, test::tol::kTargetTaps * top) << prompts[i].id;
+  }
+  std::printf("greedy target-only outputs equal on %d of %zu eval prompts; parted: %s\n", agree,
+              ids.size(), parted.c_str());
 }
 
 // `dflash generate --backend cuda` prints the text and the step count of the CPU backend (greedy:
