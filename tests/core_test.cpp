@@ -19,6 +19,7 @@
 #include "core/error.hpp"
 #include "core/log.hpp"
 #include "core/parallel.hpp"
+#include "core/philox.hpp"
 #include "core/tensor.hpp"
 
 using namespace dflash;
@@ -68,6 +69,44 @@ TEST(F16, ConversionsMatchKnownValues) {
     if (std::isnan(f)) continue;
     ASSERT_EQ(f32_to_f16_bits(f), h) << "bits " << h;
   }
+}
+
+// Philox4x32-10 against the known-answer vectors of the Random123 reference implementation
+// (kat_vectors: counter, key, output), and the uniform built from it.
+TEST(Philox, MatchesTheReferenceKnownAnswers) {
+  struct Kat {
+    Philox4 ctr;
+    uint32_t k0, k1;
+    Philox4 out;
+  };
+  const Kat kats[] = {
+      {{{0, 0, 0, 0}}, 0, 0, {{0x6627e8d5u, 0xe169c58du, 0xbc57ac4cu, 0x9b00dbd8u}}},
+      {{{~0u, ~0u, ~0u, ~0u}}, ~0u, ~0u, {{0x408f276du, 0x41c83b0eu, 0xa20bc7c6u, 0x6d5451fdu}}},
+      {{{0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u}},
+       0xa4093822u,
+       0x299f31d0u,
+       {{0xd16cfe09u, 0x94fdccebu, 0x5001e420u, 0x24126ea1u}}},
+  };
+  for (const Kat& k : kats) {
+    const Philox4 r = philox4x32_10(k.ctr, k.k0, k.k1);
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(r.w[i], k.out.w[i]) << "word " << i;
+  }
+  // philox_uniform: counter (step, slot, purpose, 0), key = the seed's halves; 53 bits in [0, 1).
+  const uint64_t seed = 0x299f31d0a4093822ull;
+  const Philox4 r = philox4x32_10(Philox4{{7, 3, 1, 0}}, 0xa4093822u, 0x299f31d0u);
+  const double want =
+      static_cast<double>(((static_cast<uint64_t>(r.w[0]) << 32) | r.w[1]) >> 11) * 0x1.0p-53;
+  EXPECT_EQ(philox_uniform(seed, 7, 3, PhiloxPurpose::accept), want);
+  double lo = 1, hi = 0;
+  for (uint32_t s = 0; s < 1000; ++s) {
+    const double u = philox_uniform(seed, s, 0, PhiloxPurpose::token);
+    lo = std::min(lo, u);
+    hi = std::max(hi, u);
+  }
+  EXPECT_GE(lo, 0.0);
+  EXPECT_LT(hi, 1.0);
+  EXPECT_LT(lo, 0.01);  // spread over [0, 1)
+  EXPECT_GT(hi, 0.99);
 }
 
 TEST(Tensor, ShapesViewsAndSlices) {

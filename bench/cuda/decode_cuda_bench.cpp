@@ -12,6 +12,11 @@
 //            projection the steps run and, for comparison, its parts) at M = 1, 8, 16
 //            and 128 rows (bf16 in, f32 out), with the weight bytes read per second: what the steps
 //            above are made of. DecodeLinear/…: the same shapes on decode_linear_cuda.
+//   Sample/…: the sampling work of one speculative step at V = 151,936 (ops/sample.hpp): the
+//            drafter's B·K rows processed into q, the drafts drawn, the target's B·K rows processed
+//            into p in place, the rejection rule; B = 1 and 8, K = 16, random logits (normal, sd
+//            3), plain temperature 1 (arg 0) or temperature 0.7 with top-k 50 and top-p 0.9 (arg
+//            1). What sampling adds to the Step/SpecStep16 figures (greedy: two argmax passes).
 //   Tiny/…:  the tiny fixture (tiny-qwen3, a random 2-layer drafter of block 16, so τ ≈ 1) over
 //            62 eval prompts (the first 22 of each source), 128 new tokens each, greedy: aggregate
 //            tokens/s of target-only and speculative decoding at batch 1 and 64 (wall time of the
@@ -40,6 +45,7 @@
 #include "model/drafter_io.hpp"
 #include "model/presets.hpp"
 #include "ops/decode_fused.hpp"
+#include "ops/sample.hpp"
 
 using namespace dflash;
 
@@ -181,6 +187,67 @@ void BM_DecodeLinear(benchmark::State& st) {
   run_gemm(st, true);
 }
 
+// ---- sampling at the 8B vocabulary
+
+void BM_Sample(benchmark::State& st) {
+  if (cuda::device_count() == 0) {
+    st.SkipWithError("no CUDA device");
+    return;
+  }
+  static cuda::CudaContext ctx(0);
+  const int64_t B = st.range(0), K = kBlock, V = 151936, R = B * K;
+  const bool filtered = st.range(1) != 0;
+  const SampleParamsDevice prm{filtered ? 1.0f / 0.7f : 1.0f, filtered ? 50 : 0,
+                               filtered ? 0.9 : 1.0};
+  std::vector<float> logits(static_cast<size_t>(R * V));
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  for (float& x : logits) x = nd(rng);
+  const size_t lb = logits.size() * sizeof(float);
+  cuda::DeviceBuffer d_src = ctx.scratch(lb), d_logits = ctx.scratch(lb), d_q = ctx.scratch(lb);
+  cuda::DeviceBuffer d_prm = ctx.scratch(sizeof(prm));
+  // block [B·K], out [B·(K+1)], lens, steps, status, active [B each].
+  cuda::DeviceBuffer d_i32 = ctx.scratch(static_cast<size_t>(B * (2 * K + 5)) * sizeof(int32_t));
+  cuda::DeviceBuffer d_seeds = ctx.scratch(static_cast<size_t>(B) * 8);
+  DFLASH_CUDA_CHECK(cudaMemcpy(d_src.data(), logits.data(), lb, cudaMemcpyHostToDevice));
+  DFLASH_CUDA_CHECK(cudaMemcpy(d_prm.data(), &prm, sizeof(prm), cudaMemcpyHostToDevice));
+  DFLASH_CUDA_CHECK(cudaMemset(d_i32.data(), 0, d_i32.bytes()));
+  DFLASH_CUDA_CHECK(cudaMemset(d_seeds.data(), 0, d_seeds.bytes()));
+  int32_t* i32 = d_i32.as<int32_t>();
+  int32_t *block = i32, *out = block + B * K, *lens = out + B * (K + 1), *steps = lens + B,
+          *status = steps + B, *active = status + B;
+  std::vector<int32_t> ones(static_cast<size_t>(B), 1);
+  DFLASH_CUDA_CHECK(cudaMemcpy(active, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
+  const auto* pp = d_prm.as<SampleParamsDevice>();
+  auto* seeds = d_seeds.as<uint64_t>();
+  cudaStream_t s = ctx.stream();
+  auto step = [&] {  // the target's logits are consumed in place: restore them first (not timed)
+    sample_probs_cuda(ctx, d_q.as<float>(), d_src.as<float>(), R, V, K, pp, status, K);
+    sample_drafts_cuda(ctx, block, d_q.as<float>(), seeds, steps, B, K, V);
+    sample_probs_cuda(ctx, d_logits.as<float>(), d_logits.as<float>(), R, V, 0, pp, status, K);
+    spec_sample_accept_cuda(ctx, out, lens, block, steps, d_logits.as<float>(), d_q.as<float>(),
+                            seeds, status, active, B, K, V, 0);
+  };
+  cudaEvent_t e0, e1;
+  DFLASH_CUDA_CHECK(cudaEventCreate(&e0));
+  DFLASH_CUDA_CHECK(cudaEventCreate(&e1));
+  for (auto _ : st) {
+    DFLASH_CUDA_CHECK(
+        cudaMemcpyAsync(d_logits.data(), d_src.data(), lb, cudaMemcpyDeviceToDevice, s));
+    DFLASH_CUDA_CHECK(cudaEventRecord(e0, s));
+    step();
+    DFLASH_CUDA_CHECK(cudaEventRecord(e1, s));
+    DFLASH_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    DFLASH_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    st.SetIterationTime(ms / 1e3);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  st.counters["batch"] = static_cast<double>(B);
+  st.counters["rows"] = static_cast<double>(2 * R);
+}
+
 // ---- tiny fixture tokens/s
 
 struct Tiny {
@@ -282,6 +349,11 @@ BENCHMARK(BM_DecodeLinear)
     ->ArgsProduct({{1, 8, 16, 128}, {24576}, {4096}})
     ->ArgsProduct({{1, 8, 16, 128}, {4096}, {12288}})
     ->ArgsProduct({{1, 8, 16, 128}, {151936}, {4096}})
+    ->UseManualTime()
+    ->Iterations(kIters)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Sample)
+    ->ArgsProduct({{1, 8}, {0, 1}})
     ->UseManualTime()
     ->Iterations(kIters)
     ->Unit(benchmark::kMicrosecond);

@@ -79,7 +79,7 @@ inline void add_decode_args(CLI::App* sub, DecodeArgs& a) {
   sub->add_flag("--no-default-stop", a.no_default_stop,
                 "Do not stop on the model's eos_token_id (only on --stop-id)");
   sub->add_option("--backend", a.backend,
-                  "Where to decode: cpu, or cuda (GPU 0; greedy only for now)")
+                  "Where to decode: cpu, or cuda (GPU 0)")
       ->capture_default_str()
       ->check(CLI::IsMember({"cpu", "cuda"}));
   sub->add_option("--template", a.chat_template,

@@ -23,6 +23,7 @@
 #include "ops/linear.hpp"
 #include "ops/rmsnorm.hpp"
 #include "ops/rope.hpp"
+#include "ops/sample.hpp"
 #include "ops/swiglu.hpp"
 
 namespace dflash {
@@ -142,10 +143,15 @@ void SpeculativeDecoderCuda::init() {
   first_h_ = cuda::PinnedBuffer(sizeof(int32_t));
   active_h_ = cuda::PinnedBuffer(static_cast<size_t>(limits_.max_batch) * sizeof(int32_t));
   tokens_h_ = cuda::PinnedBuffer(static_cast<size_t>(max_rows_) * sizeof(int32_t));
+  sparams_h_ = cuda::PinnedBuffer(sizeof(SampleParamsDevice));
   std::memset(active_h_.as<int32_t>(), 0, active_h_.bytes());
   DFLASH_CUDA_CHECK(cudaMemsetAsync(active_, 0, active_h_.bytes(), ctx_.stream()));
   DFLASH_CUDA_CHECK(cudaMemsetAsync(lens_, 0, active_h_.bytes(), ctx_.stream()));
   DFLASH_CUDA_CHECK(cudaMemsetAsync(zero_, 0, sizeof(int32_t), ctx_.stream()));
+  DFLASH_CUDA_CHECK(
+      cudaMemsetAsync(seeds_, 0, limits_.max_batch * sizeof(uint64_t), ctx_.stream()));
+  DFLASH_CUDA_CHECK(cudaMemsetAsync(steps_, 0, active_h_.bytes(), ctx_.stream()));
+  DFLASH_CUDA_CHECK(cudaMemsetAsync(status_, 0, active_h_.bytes(), ctx_.stream()));
 }
 
 // Every buffer of the decoder in one plan (one phase: all live for the whole decoding).
@@ -210,6 +216,13 @@ void SpeculativeDecoderCuda::plan_and_take() {
   w.push_back(want("decode.step.taps", R * F, &taps_));
   w.push_back(want("decode.step.final_rows", BK * H, &fnorm_));
   w.push_back(want("decode.step.logits", BK * V, &logits_));
+  // Sampling: the drafter's processed rows q (the target's p replace its logits in place), the
+  // requests' seeds, step counts and status, the settings (ops/sample.hpp).
+  w.push_back(want("decode.sample.q", B * Kmax * V, &q_));
+  w.push_back(want("decode.sample.seeds", B, &seeds_));
+  w.push_back(want("decode.sample.steps", B, &steps_));
+  w.push_back(want("decode.sample.status", B, &status_));
+  w.push_back(want("decode.sample.params", 1, &sparams_));
   w.push_back(want("decode.drafter.h", BK * H, &dh_));
   w.push_back(want("decode.drafter.ctx_pre", R * H, &dctx_pre_));
   w.push_back(want("decode.drafter.hn", R * H, &dhn_));
@@ -315,14 +328,18 @@ int64_t SpeculativeDecoderCuda::gemm_rows(int64_t rows) const {
 
 // ---- device work ----
 
-void SpeculativeDecoderCuda::target_logits_argmax(int32_t* out, int64_t first_row, int64_t rows,
-                                                  int64_t gemm_rows) {
+void SpeculativeDecoderCuda::target_logits(int64_t first_row, int64_t rows, int64_t gemm_rows) {
   const int64_t H = tcfg_.hidden_size, V = tcfg_.vocab_size;
   rmsnorm_fwd_cuda(ctx_, fnorm_, static_cast<float*>(nullptr), target_->residual() + first_row * H,
                    final_norm_, rows, H, tcfg_.rms_norm_eps);
   cuda::gemm_bf16(ctx_, logits_, DType::f32, V, fnorm_, H, false, target_->lm_head(), H, true,
                   gemm_rows, V, H);
-  argmax_rows_cuda(ctx_, out, logits_, rows, V);
+}
+
+void SpeculativeDecoderCuda::target_logits_argmax(int32_t* out, int64_t first_row, int64_t rows,
+                                                  int64_t gemm_rows) {
+  target_logits(first_row, rows, gemm_rows);
+  argmax_rows_cuda(ctx_, out, logits_, rows, tcfg_.vocab_size);
 }
 
 // The drafter's context rows: ctx = hidden_norm(fc(taps)) → per layer k (k_norm, RoPE) and v
@@ -389,7 +406,12 @@ void SpeculativeDecoderCuda::draft_block(int B, int K) {
   rmsnorm_fwd_cuda(ctx_, fnorm_, static_cast<float*>(nullptr), dh_, dnorm_, R, H, eps);
   cuda::gemm_bf16(ctx_, logits_, DType::f32, V, fnorm_, H, false, target_->lm_head(), H, true, R, V,
                   H);
-  draft_propose_cuda(ctx_, block_, logits_, B, K, V);
+  if (!sampled_) {
+    draft_propose_cuda(ctx_, block_, logits_, B, K, V);
+    return;
+  }
+  sample_probs_cuda(ctx_, q_, logits_, R, V, K, sparams_, status_, K);
+  sample_drafts_cuda(ctx_, block_, q_, seeds_, steps_, B, K, V);
 }
 
 void SpeculativeDecoderCuda::enqueue_step_eager(int B, int K, bool speculative) {
@@ -401,9 +423,18 @@ void SpeculativeDecoderCuda::enqueue_step_eager(int B, int K, bool speculative) 
   const int64_t Rg = gemm_rows(R);
   target_->forward_cached(speculative ? taps_ : nullptr, block_, pos_, slots_, causal_, R, Rg, taps,
                           tcache_, &split_);
-  target_logits_argmax(targ_, 0, R, Rg);
+  if (sampled_) {
+    target_logits(0, R, Rg);
+    sample_probs_cuda(ctx_, logits_, logits_, R, tcfg_.vocab_size, 0, sparams_, status_, K);
+  } else {
+    target_logits_argmax(targ_, 0, R, Rg);
+  }
   if (speculative) drafter_extend(R);
-  greedy_accept_cuda(ctx_, out_, lens_, block_, targ_, active_, B, K, dcfg_.mask_token_id);
+  if (sampled_)
+    spec_sample_accept_cuda(ctx_, out_, lens_, block_, steps_, logits_, q_, seeds_, status_,
+                            active_, B, K, tcfg_.vocab_size, dcfg_.mask_token_id);
+  else
+    greedy_accept_cuda(ctx_, out_, lens_, block_, targ_, active_, B, K, dcfg_.mask_token_id);
   DFLASH_CUDA_CHECK(cudaMemcpyAsync(out_h_.as<int32_t>(), out_,
                                     static_cast<size_t>(B) * (K + 1) * sizeof(int32_t),
                                     cudaMemcpyDeviceToHost, ctx_.stream()));
@@ -414,12 +445,12 @@ void SpeculativeDecoderCuda::enqueue_step(int B, int K, bool speculative) {
     enqueue_step_eager(B, K, speculative);
     return;
   }
-  graphs_.run(std::make_tuple(B, K, speculative ? 1 : 0, row_pad_, split_.row_gemm), ctx_.stream(),
-              [&] { enqueue_step_eager(B, K, speculative); });
+  graphs_.run(std::make_tuple(B, K, speculative ? 1 : 0, row_pad_, split_.row_gemm, sampled_),
+              ctx_.stream(), [&] { enqueue_step_eager(B, K, speculative); });
 }
 
 int32_t SpeculativeDecoderCuda::prefill(int b, std::span<const int32_t> prompt, int K,
-                                        bool speculative) {
+                                        bool speculative, uint64_t seed) {
   const auto P = static_cast<int64_t>(prompt.size());
   std::memcpy(tokens_h_.as<int32_t>(), prompt.data(), prompt.size() * sizeof(int32_t));
   DFLASH_CUDA_CHECK(cudaMemcpyAsync(tokens_, tokens_h_.as<int32_t>(),
@@ -431,7 +462,15 @@ int32_t SpeculativeDecoderCuda::prefill(int b, std::span<const int32_t> prompt, 
       speculative ? std::span<const int>(taps_ids_) : std::span<const int>();
   target_->forward_cached(speculative ? taps_ : nullptr, tokens_, pos_, slots_, causal_, P, P, taps,
                           tcache_);
-  target_logits_argmax(first_, P - 1, 1, 1);
+  if (sampled_) {
+    const int64_t V = tcfg_.vocab_size;
+    target_logits(P - 1, 1, 1);
+    DFLASH_CUDA_CHECK(cudaMemsetAsync(status_ + b, 0, sizeof(int32_t), ctx_.stream()));
+    sample_probs_cuda(ctx_, logits_, logits_, 1, V, 0, sparams_, status_ + b, 1);
+    sample_first_cuda(ctx_, first_, logits_, seeds_, steps_, status_, b, seed, V);
+  } else {
+    target_logits_argmax(first_, P - 1, 1, 1);
+  }
   if (speculative) drafter_extend(P);
   decode_admit_cuda(ctx_, lens_, active_, block_, first_, b, K, P, dcfg_.mask_token_id);
   DFLASH_CUDA_CHECK(cudaMemcpyAsync(first_h_.as<int32_t>(), first_, sizeof(int32_t),
@@ -442,6 +481,18 @@ int32_t SpeculativeDecoderCuda::prefill(int b, std::span<const int32_t> prompt, 
 
 // ---- host loop ----
 
+void SpeculativeDecoderCuda::check_sample_status(int32_t value, int64_t request) const {
+  if (value >= 0) return;
+  DFLASH_CHECK(value != -kSampleStatusNan,
+               "request {}: sampling met a NaN logit (the target's or the drafter's logits)",
+               request);
+  DFLASH_CHECK(value != -kSampleStatusNoFinite,
+               "request {}: sampling met a logits row with no finite logit (the target's or the "
+               "drafter's)",
+               request);
+  DFLASH_CHECK(false, "request {}: CUDA sampling returned the unknown status {}", request, -value);
+}
+
 int SpeculativeDecoderCuda::check_call(std::span<const std::vector<int32_t>> prompts,
                                        const DecodeOptions& opts, int batch_size,
                                        bool speculative) const {
@@ -449,10 +500,6 @@ int SpeculativeDecoderCuda::check_call(std::span<const std::vector<int32_t>> pro
   DFLASH_CHECK(opts.max_new_tokens >= 1, "max_new_tokens must be >= 1 (got {})",
                opts.max_new_tokens);
   opts.sampling.validate();
-  DFLASH_CHECK(opts.sampling.greedy(),
-               "sampling (temperature {}) is not implemented on --backend cuda yet: use "
-               "--temperature 0 (greedy) or --backend cpu",
-               opts.sampling.temperature);
   int K = 1;
   if (speculative) {
     K = opts.block_size == 0 ? dcfg_.block_size : opts.block_size;
@@ -490,6 +537,21 @@ std::vector<DecodeResult> SpeculativeDecoderCuda::run(std::span<const std::vecto
   std::vector<DecodeResult> results(prompts.size());
   if (prompts.empty()) return results;
   const int B = std::min<int>(batch_size, static_cast<int>(prompts.size()));
+  // Sampling for this call only (bench_prefill and draft_logits are greedy): the settings go to
+  // the device before the first prefill.
+  sampled_ = !opts.sampling.greedy();
+  struct Reset {
+    bool& flag;
+    ~Reset() { flag = false; }
+  } reset{sampled_};
+  if (sampled_) {
+    auto* sp = sparams_h_.as<SampleParamsDevice>();
+    sp->inv_temperature = static_cast<float>(1.0 / opts.sampling.temperature);
+    sp->top_k = static_cast<int32_t>(std::min<int64_t>(opts.sampling.top_k, tcfg_.vocab_size));
+    sp->top_p = opts.sampling.top_p;
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(sparams_, sp, sizeof(SampleParamsDevice),
+                                      cudaMemcpyHostToDevice, ctx_.stream()));
+  }
   std::vector<Slot> slots(static_cast<size_t>(B));
   int32_t* active = active_h_.as<int32_t>();
   size_t next = 0;
@@ -518,7 +580,10 @@ std::vector<DecodeResult> SpeculativeDecoderCuda::run(std::span<const std::vecto
       Slot& s = slots[static_cast<size_t>(b)];
       s.request = static_cast<int64_t>(next++);
       s.t_start = now_seconds();
-      const int32_t first = prefill(b, prompts[static_cast<size_t>(s.request)], K, speculative);
+      const uint64_t seed = opts.seed + static_cast<uint64_t>(s.request);
+      const int32_t first =
+          prefill(b, prompts[static_cast<size_t>(s.request)], K, speculative, seed);
+      check_sample_status(first, s.request);
       s.t_first = now_seconds();
       results[static_cast<size_t>(s.request)].prefill_seconds = s.t_first - s.t_start;
       active[b] = 1;
@@ -544,6 +609,7 @@ std::vector<DecodeResult> SpeculativeDecoderCuda::run(std::span<const std::vecto
     for (int b = 0; b < B; ++b) {
       if (!active[b]) continue;
       const int32_t* o = out + static_cast<size_t>(b) * (K + 1);
+      check_sample_status(o[0], slots[static_cast<size_t>(b)].request);
       DFLASH_CHECK(o[0] >= 1 && o[0] <= K, "CUDA decoder: step output count {} for slot {}", o[0],
                    b);
       if (speculative)
@@ -576,7 +642,7 @@ void SpeculativeDecoderCuda::bench_prefill(int B, std::span<const int32_t> promp
                    static_cast<int64_t>(prompt.size()) <= limits_.max_prefill,
                "bench_prefill: {} requests of {} tokens for limits of {} × {}", B, prompt.size(),
                limits_.max_batch, limits_.max_prefill);
-  for (int b = 0; b < B; ++b) prefill(b, prompt, dcfg_.block_size, true);
+  for (int b = 0; b < B; ++b) prefill(b, prompt, dcfg_.block_size, true, 0);
 }
 
 std::vector<float> SpeculativeDecoderCuda::draft_logits(std::span<const int32_t> prompt, int K,
@@ -587,7 +653,7 @@ std::vector<float> SpeculativeDecoderCuda::draft_logits(std::span<const int32_t>
                "draft_logits: a prompt of {} tokens, block size {} (limits: prompt {}, context {}, "
                "block {})",
                prompt.size(), K, limits_.max_prefill, limits_.max_context, dcfg_.block_size);
-  first = prefill(0, prompt, K, true);
+  first = prefill(0, prompt, K, true, 0);
   decode_rows_cuda(ctx_, pos_, slots_, causal_, brange_, lens_, 1, K, 0, stride_);
   draft_block(1, K);
   std::vector<float> out(static_cast<size_t>(K * tcfg_.vocab_size));
@@ -619,8 +685,9 @@ void SpeculativeDecoderCuda::bench_enqueue(BenchPart part, int B, int K) {
     work();
     return;
   }
-  graphs_.run(std::make_tuple(B, K, 2 + static_cast<int>(part), row_pad_, split_.row_gemm),
-              ctx_.stream(), work);
+  graphs_.run(
+      std::make_tuple(B, K, 2 + static_cast<int>(part), row_pad_, split_.row_gemm, sampled_),
+      ctx_.stream(), work);
 }
 
 }  // namespace dflash

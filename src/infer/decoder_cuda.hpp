@@ -1,32 +1,40 @@
 // dflash.cpp — speculative decoding on the CUDA backend: the Decoder contract (infer/decoder.hpp)
-// with the target, the drafter, their KV caches, greedy acceptance and rollback on the GPU.
+// with the target, the drafter, their KV caches, acceptance (greedy or exact speculative sampling)
+// and rollback on the GPU.
 //
 // One step of a batch of B requests with block size K (speculative.hpp describes it for one
 // request; here every request of the batch takes it at once, each with its own length):
 //   rows:    positions lens[b] + j, cache slots and key ranges of the B·K rows (ops/decode.hpp);
-//   draft:   the drafter's block [anchor, MASK × (K−1)] over its context cache → proposals (argmax
-//            on the device) written into the block;
+//   draft:   the drafter's block [anchor, MASK × (K−1)] over its context cache → proposals written
+//            into the block (greedy: argmax; sampling: drawn from the processed rows q_k);
 //   verify:  the target over [anchor, d_1 … d_{K−1}] with its KV cache (causal), the taps of its
-//            tap layers, final norm and LM head of the K rows, argmax;
+//            tap layers, final norm and LM head of the K rows, argmax (sampling: the processed
+//            distributions p_k, in place of the logits);
 //   extend:  the drafter's context cache gets the K rows' projected taps at their positions;
-//   accept:  greedy_accept_cuda: n accepted, the bonus, lens[b] += n + 1 (rollback is the
-//            length: rows past it are overwritten by the next step), the next block [bonus,
-//            MASK…];
+//   accept:  greedy_accept_cuda (sampling: spec_sample_accept_cuda, the rejection rule of
+//            ops/sample.hpp): n accepted, the bonus, lens[b] += n + 1 (rollback is the length:
+//            rows past it are overwritten by the next step), the next block [bonus, MASK…];
 //   copy:    the B·(K+1) ints of the step's output (count and tokens) to pinned host memory, the
 //            step's only host transfer.
 // Target-only decoding is the same step with K = 1 and no draft/extend.
 // A request is admitted into a free batch slot with its own prefill (the prompt through the target
-// with the causal attention over its empty cache, the first token by argmax, the prompt's taps
-// into the drafter's cache); the others' state stays on the device untouched.
+// with the causal attention over its empty cache, the first token by argmax or drawn from p, the
+// prompt's taps into the drafter's cache); the others' state stays on the device untouched.
+// Sampling: request i's random numbers are philox_uniform(opts.seed + i, its step, slot, purpose)
+// (core/philox.hpp, ops/sample.hpp): its output depends on neither batch_size nor the other
+// requests, and a rerun with the same seed gives the same tokens (the kernels sum in a fixed
+// order). The same seed does not give the CPU backend's tokens (another generator; the
+// distribution is the same).
 //
 // Invariants: all device memory (target weights and activations, drafter weights, both KV caches
 // for max_batch × max_context tokens, the step's buffers) is planned and allocated at
-// construction; a step allocates nothing. Each (B, K, speculative) step is captured once as a
-// CUDA graph and replayed (use_graphs(false) runs the same launches eagerly). Greedy only:
-// sampling is refused with an error (no silent fallback to the CPU). The target's attention in a
-// step is the split-key decode attention (ops/decode_fused.hpp), whose rows do not depend on the
-// other rows of the launch, and the drafter's sees the same key tiles in any batch slot (its cache
-// rows start on a key tile), so a request's output does not depend on batch_size as long as
+// construction (sampling's q rows too: max_batch × block size × V floats); a step allocates
+// nothing. Each (B, K, speculative, sampled) step is captured once as a CUDA graph and replayed
+// (use_graphs(false) runs the same launches eagerly); the sampling settings live in device memory,
+// so one graph serves every temperature, top-k and top-p. The target's attention in a step is the
+// split-key decode attention (ops/decode_fused.hpp), whose rows do not depend on the other rows of
+// the launch, and the drafter's sees the same key tiles in any batch slot (its cache rows start on
+// a key tile), so a request's output does not depend on batch_size as long as
 // cuBLASLt's GEMM gives a row the same bits for any row count (true on the H200 for the tiny
 // fixture at 1 to 32 rows; docs/design-notes.md); greedy speculative output equals greedy
 // target-only output of this class (bit for bit on the H200, tests/cuda/decoder_cuda_test).
@@ -46,6 +54,7 @@
 #include "backend/cuda/pinned.hpp"
 #include "infer/decoder.hpp"
 #include "model/target_cuda.hpp"
+#include "ops/sample.hpp"
 
 namespace dflash {
 
@@ -80,9 +89,10 @@ class SpeculativeDecoderCuda final : public Decoder {
                          const DecoderCudaLimits& limits);
   ~SpeculativeDecoderCuda() override;
 
-  /// Decoder::generate on the GPU. Throws dflash::Error, besides the contract's errors, for
-  /// sampling (temperature > 0: not implemented on CUDA), batch_size above the limits' max_batch,
-  /// and a request whose prompt or context exceeds the limits (naming its index and sizes).
+  /// Decoder::generate on the GPU, greedy or sampled (file comment). Throws dflash::Error, besides
+  /// the contract's errors, for batch_size above the limits' max_batch, a request whose prompt or
+  /// context exceeds the limits (naming its index and sizes), and a sampled logits row with a NaN
+  /// or no finite logit (naming the request).
   std::vector<DecodeResult> generate(std::span<const std::vector<int32_t>> prompts,
                                      const DecodeOptions& opts, int batch_size,
                                      const BatchTokenCallback& on_tokens = {}) override;
@@ -150,19 +160,25 @@ class SpeculativeDecoderCuda final : public Decoder {
   void random_drafter(uint64_t seed);
   void plan_and_take();
   void upload_drafter(const LoadedDrafter& drafter);
+  /// Throws the error of a negative step output or first token (−status, ops/sample.hpp) of
+  /// `request`; no-op for value ≥ 0.
+  void check_sample_status(int32_t value, int64_t request) const;
   /// Checks the options and the requests against the limits; returns K.
   int check_call(std::span<const std::vector<int32_t>> prompts, const DecodeOptions& opts,
                  int batch_size, bool speculative) const;
   std::vector<DecodeResult> run(std::span<const std::vector<int32_t>> prompts,
                                 const DecodeOptions& opts, int batch_size,
                                 const BatchTokenCallback& on_tokens, bool speculative);
-  /// Prefill of `prompt` into batch slot b (block size K); returns the first token.
-  int32_t prefill(int b, std::span<const int32_t> prompt, int K, bool speculative);
+  /// Prefill of `prompt` into batch slot b (block size K); returns the first token (sampled with
+  /// request seed `seed` when sampled_; negative: −status).
+  int32_t prefill(int b, std::span<const int32_t> prompt, int K, bool speculative, uint64_t seed);
   /// Enqueues one whole step of (B, K) (graph or eager).
   void enqueue_step(int B, int K, bool speculative);
   void enqueue_step_eager(int B, int K, bool speculative);
-  /// Final norm, LM head (on `gemm_rows` ≥ rows rows) and argmax of `rows` target rows starting
-  /// at residual row `first_row`.
+  /// Final norm and LM head (on `gemm_rows` ≥ rows rows) of `rows` target rows starting at
+  /// residual row `first_row`, into logits_.
+  void target_logits(int64_t first_row, int64_t rows, int64_t gemm_rows);
+  /// target_logits, then their argmax into `out`.
   void target_logits_argmax(int32_t* out, int64_t first_row, int64_t rows, int64_t gemm_rows);
   /// `rows` rounded up to the padding multiple.
   int64_t gemm_rows(int64_t rows) const;
@@ -197,14 +213,20 @@ class SpeculativeDecoderCuda final : public Decoder {
   DecodeStepWork split_;
   float* logits_ = nullptr;
   float *dh_ = nullptr, *dctx_pre_ = nullptr;
+  // Sampling (ops/sample.hpp): q rows [max_batch·Kmax, V], per-request seeds, steps, status.
+  float* q_ = nullptr;
+  uint64_t* seeds_ = nullptr;
+  int32_t *steps_ = nullptr, *status_ = nullptr;
+  SampleParamsDevice* sparams_ = nullptr;
   uint16_t *dhn_ = nullptr, *dq_ = nullptr, *dk_ = nullptr, *dv_ = nullptr, *do_ = nullptr;
   uint16_t *dgu_ = nullptr, *dact_ = nullptr, *dqkv_ = nullptr;
   // Pinned host mirrors.
-  cuda::PinnedBuffer out_h_, first_h_, active_h_, tokens_h_;
+  cuda::PinnedBuffer out_h_, first_h_, active_h_, tokens_h_, sparams_h_;
   bool use_graphs_ = true;
+  bool sampled_ = false;  // the call in progress samples (temperature > 0)
   // Keyed by (B, K, what: 0 target-only, 1 speculative, 2+ a BenchPart, GEMM row padding,
-  // row_gemm).
-  cuda::GraphCache<std::tuple<int, int, int, int, bool>> graphs_;
+  // row_gemm, sampled).
+  cuda::GraphCache<std::tuple<int, int, int, int, bool, bool>> graphs_;
 };
 
 }  // namespace dflash
