@@ -274,15 +274,11 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
     norm_rope_k(a, l);
     linear_fwd_cuda(ctx_, a.v, a.kvin, wb(L.v_proj), TK, H, KD);
     attention_fwd_cuda(ctx_, a.o, a.lse, a.q, a.k, a.v, in.ranges, ap);
-    DFLASH_CUDA_CHECK(
-        cudaMemcpyAsync(a.h_mid, h, static_cast<size_t>(NK * H) * kF, cudaMemcpyDeviceToDevice, s));
-    linear_fwd_acc_cuda(ctx_, a.h_mid, a.o, wb(L.o_proj), NK, QD, H);
+    linear_fwd_res_cuda(ctx_, a.h_mid, h, a.o, wb(L.o_proj), NK, QD, H);  // h_mid = h + o_proj
     post_norm(a, l);
     linear_fwd_cuda(ctx_, a.gu, a.hn2, wb(L.gate_proj), NK, H, 2 * I);  // [gate | up]
     swiglu(a);
-    DFLASH_CUDA_CHECK(cudaMemcpyAsync(a.h_out, a.h_mid, static_cast<size_t>(NK * H) * kF,
-                                      cudaMemcpyDeviceToDevice, s));
-    linear_fwd_acc_cuda(ctx_, a.h_out, a.act, wb(L.down_proj), NK, I, H);
+    linear_fwd_res_cuda(ctx_, a.h_out, a.h_mid, a.act, wb(L.down_proj), NK, I, H);
     h = a.h_out;
   }
 
