@@ -47,6 +47,11 @@ void rmsnorm_bwd(void* dx, const void* dy, DType gt, float* dw, const void* x, D
                  const float* w, int64_t R, int64_t D, float eps, float* rstd_ws, float* part_ws,
                  cudaStream_t s);
 int64_t rmsnorm_dw_chunks(int64_t R);
+/// The backward fused with the residual gradient (ops/rmsnorm.hpp, rmsnorm_bwd_res_cuda); scratch
+/// as rmsnorm_bwd.
+void rmsnorm_bwd_res(float* dres, uint16_t* dres_bf, bool accumulate, float* dw, const float* dy,
+                     const float* x, const float* w, int64_t R, int64_t D, float eps,
+                     float* rstd_ws, float* part_ws, cudaStream_t s);
 
 // ---- rope.cu
 void rope(void* y, const void* x, DType t, const int32_t* pos, const float* inv_freq,

@@ -35,6 +35,12 @@ __global__ void rmsnorm_fwd_kernel(Y* y, float* rstd, const X* x, const float* w
   if (rstd && (threadIdx.x & 31) == 0) rstd[r] = rs;
 }
 
+// One element of dx (ops/rmsnorm.hpp): r·w_j·dy_j − c·x_j with c = r³/D · Σ_j w_j dy_j x_j. Shared
+// by the plain and the fused backward so that both round the same way.
+__device__ __forceinline__ float rms_dx(float rr, float wj, float dyj, float c, float xj) {
+  return rr * wj * dyj - c * xj;
+}
+
 template <typename G, typename X>
 __global__ void rmsnorm_bwd_dx_kernel(G* dx, const G* dy, const X* x, const float* w, int64_t R,
                                       int64_t D, float eps, float* rstd_out) {
@@ -50,7 +56,32 @@ __global__ void rmsnorm_bwd_dx_kernel(G* dx, const G* dy, const X* x, const floa
   dot = warp_sum(dot);
   const float c = rr * rr * rr * dot / static_cast<float>(D);
   for (int64_t j = threadIdx.x & 31; j < D; j += 32)
-    dx[r * D + j] = from_f32<G>(rr * w[j] * to_f32(dyr[j]) - c * to_f32(xr[j]));
+    dx[r * D + j] = from_f32<G>(rms_dx(rr, w[j], to_f32(dyr[j]), c, to_f32(xr[j])));
+}
+
+// The backward fused with the residual stream: dres = dx (or += dx), dres_bf = bf16(dres); dx
+// itself stays in registers. dres null: only rstd_out (for the weight gradient).
+template <bool kAccumulate>
+__global__ void rmsnorm_bwd_res_kernel(float* dres, uint16_t* dres_bf, const float* dy,
+                                       const float* x, const float* w, int64_t R, int64_t D,
+                                       float eps, float* rstd_out) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5);
+  if (r >= R) return;
+  const float* xr = x + r * D;
+  const float* dyr = dy + r * D;
+  const float rr = row_rstd(xr, D, eps);
+  if ((threadIdx.x & 31) == 0) rstd_out[r] = rr;
+  if (!dres) return;
+  float dot = 0.f;
+  for (int64_t j = threadIdx.x & 31; j < D; j += 32) dot += w[j] * dyr[j] * xr[j];
+  dot = warp_sum(dot);
+  const float c = rr * rr * rr * dot / static_cast<float>(D);
+  for (int64_t j = threadIdx.x & 31; j < D; j += 32) {
+    const float dx = rms_dx(rr, w[j], dyr[j], c, xr[j]);
+    const float v = kAccumulate ? dres[r * D + j] + dx : dx;
+    dres[r * D + j] = v;
+    if (dres_bf) dres_bf[r * D + j] = f32_to_bf16(v);
+  }
 }
 
 // dw partials: chunk c of rows, one thread per column, rows in order.
@@ -97,11 +128,28 @@ int64_t rmsnorm_dw_chunks(int64_t R) {
   return rmsnorm_cuda_dw_chunks(R);
 }
 
+namespace {
+
+// dw += Σ_rows dy ⊙ x · rstd from the rstd the dx kernel left in rstd_ws: fixed row chunks, then
+// the chunks in order.
+template <typename G, typename X>
+void launch_dw(float* dw, const G* dy, const X* x, int64_t R, int64_t D, const float* rstd_ws,
+               float* part_ws, cudaStream_t s) {
+  constexpr int kThreads = kElementwiseThreads;
+  const int64_t rows = rmsnorm_cuda_dw_rows_per_chunk(R), chunks = rmsnorm_dw_chunks(R);
+  const auto col_blocks = static_cast<unsigned>((D + kThreads - 1) / kThreads);
+  rmsnorm_dw_part_kernel<G, X>
+      <<<dim3(col_blocks, static_cast<unsigned>(chunks)), kThreads, 0, s>>>(part_ws, dy, x,
+                                                                           rstd_ws, R, D, rows);
+  rmsnorm_dw_final_kernel<<<col_blocks, kThreads, 0, s>>>(dw, part_ws, chunks, D);
+}
+
+}  // namespace
+
 void rmsnorm_bwd(void* dx, const void* dy, DType gt, float* dw, const void* x, DType xt,
                  const float* w, int64_t R, int64_t D, float eps, float* rstd_ws, float* part_ws,
                  cudaStream_t s) {
   if (R == 0) return;
-  constexpr int kThreads = kElementwiseThreads;
   const unsigned grid = static_cast<unsigned>((R + kRowsPerBlock - 1) / kRowsPerBlock);
   dispatch_dtype(gt, [&](auto gv) {
     dispatch_dtype(xt, [&](auto xv) {
@@ -110,17 +158,26 @@ void rmsnorm_bwd(void* dx, const void* dy, DType gt, float* dw, const void* x, D
       rmsnorm_bwd_dx_kernel<G, X>
           <<<grid, 32 * kRowsPerBlock, 0, s>>>(static_cast<G*>(dx), static_cast<const G*>(dy),
                                                static_cast<const X*>(x), w, R, D, eps, rstd_ws);
-      if (dw) {
-        const int64_t rows = rmsnorm_cuda_dw_rows_per_chunk(R), chunks = rmsnorm_dw_chunks(R);
-        dim3 g2(static_cast<unsigned>((D + kThreads - 1) / kThreads),
-                static_cast<unsigned>(chunks));
-        rmsnorm_dw_part_kernel<G, X><<<g2, kThreads, 0, s>>>(
-            part_ws, static_cast<const G*>(dy), static_cast<const X*>(x), rstd_ws, R, D, rows);
-        rmsnorm_dw_final_kernel<<<static_cast<unsigned>((D + kThreads - 1) / kThreads), kThreads, 0,
-                                  s>>>(dw, part_ws, chunks, D);
-      }
+      if (dw)
+        launch_dw(dw, static_cast<const G*>(dy), static_cast<const X*>(x), R, D, rstd_ws, part_ws,
+                  s);
     });
   });
+  DFLASH_CUDA_LAUNCH_CHECK();
+}
+
+void rmsnorm_bwd_res(float* dres, uint16_t* dres_bf, bool accumulate, float* dw, const float* dy,
+                     const float* x, const float* w, int64_t R, int64_t D, float eps,
+                     float* rstd_ws, float* part_ws, cudaStream_t s) {
+  if (R == 0) return;
+  const unsigned grid = static_cast<unsigned>((R + kRowsPerBlock - 1) / kRowsPerBlock);
+  if (accumulate)
+    rmsnorm_bwd_res_kernel<true>
+        <<<grid, 32 * kRowsPerBlock, 0, s>>>(dres, dres_bf, dy, x, w, R, D, eps, rstd_ws);
+  else
+    rmsnorm_bwd_res_kernel<false>
+        <<<grid, 32 * kRowsPerBlock, 0, s>>>(dres, dres_bf, dy, x, w, R, D, eps, rstd_ws);
+  if (dw) launch_dw(dw, dy, x, R, D, rstd_ws, part_ws, s);
   DFLASH_CUDA_LAUNCH_CHECK();
 }
 
