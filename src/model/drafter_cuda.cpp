@@ -226,12 +226,12 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   // kernels on the same inputs in the forward and, when recomputed, again in the backward.
   const bool recompute = activations_ == DrafterActivations::recompute;
   auto norm_rope_q = [&](const LayerBuf& a, int64_t l) {
-    rmsnorm_fwd_cuda(ctx_, a.q, nullf, a.q_raw, pf(layer(l).q_norm), NK * NH, D, eps);
-    rope_fwd_cuda(ctx_, a.q, a.q, pos_q, inv_freq, rope_scaling_, NK, NH, D);
+    rmsnorm_rope_fwd_cuda(ctx_, a.q, a.q_raw, pf(layer(l).q_norm), pos_q, inv_freq, rope_scaling_,
+                          NK, NH, D, eps);
   };
   auto norm_rope_k = [&](const LayerBuf& a, int64_t l) {
-    rmsnorm_fwd_cuda(ctx_, a.k, nullf, a.k_raw, pf(layer(l).k_norm), TK * NKV, D, eps);
-    rope_fwd_cuda(ctx_, a.k, a.k, in.pos, inv_freq, rope_scaling_, TK, NKV, D);
+    rmsnorm_rope_fwd_cuda(ctx_, a.k, a.k_raw, pf(layer(l).k_norm), in.pos, inv_freq, rope_scaling_,
+                          TK, NKV, D, eps);
   };
   auto swiglu = [&](const LayerBuf& a) {
     swiglu_fwd_cuda(ctx_, a.act, a.gu, a.gu + I, NK, I, 2 * I);

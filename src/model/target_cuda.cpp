@@ -469,12 +469,13 @@ void TargetCuda::run_layers(uint16_t* taps, const int32_t* tokens, const int32_t
     linear_fwd_cuda(ctx_, q, hn, L.wq, L.bq, Tg, H, QD);
     linear_fwd_cuda(ctx_, k, hn, L.wk, L.bk, Tg, H, KD);
     linear_fwd_cuda(ctx_, v, hn, L.wv, L.bv, Tg, H, KD);
-    if (L.q_norm) {
-      rmsnorm_fwd_cuda(ctx_, q, static_cast<float*>(nullptr), q, L.q_norm, T * NH, D, eps);
-      rmsnorm_fwd_cuda(ctx_, k, static_cast<float*>(nullptr), k, L.k_norm, T * NKV, D, eps);
+    if (L.q_norm) {  // Qwen3: per-head norm and RoPE in one pass
+      rmsnorm_rope_fwd_cuda(ctx_, q, q, L.q_norm, pos, inv_freq, rope_scaling_, T, NH, D, eps);
+      rmsnorm_rope_fwd_cuda(ctx_, k, k, L.k_norm, pos, inv_freq, rope_scaling_, T, NKV, D, eps);
+    } else {
+      rope_fwd_cuda(ctx_, q, q, pos, inv_freq, rope_scaling_, T, NH, D);
+      rope_fwd_cuda(ctx_, k, k, pos, inv_freq, rope_scaling_, T, NKV, D);
     }
-    rope_fwd_cuda(ctx_, q, q, pos, inv_freq, rope_scaling_, T, NH, D);
-    rope_fwd_cuda(ctx_, k, k, pos, inv_freq, rope_scaling_, T, NKV, D);
     ap.sinks = L.sinks;  // null unless gpt-oss
     const uint16_t *keys = k, *values = v;
     ap.Tk = T;

@@ -52,6 +52,20 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+/// 1/sqrt(mean_j x_j² + eps) of one row x[0, D), computed by the calling warp (lane l sums
+/// j = l, l + 32, … in order, then warp_sum): every lane gets it. The RMSNorm kernels' statistic
+/// (rmsnorm.cu, and the fused RMSNorm + RoPE of rope.cu, which must round the same way).
+template <typename X>
+__device__ __forceinline__ float row_rstd(const X* x, int64_t D, float eps) {
+  float ss = 0.f;
+  for (int64_t j = threadIdx.x & 31; j < D; j += 32) {
+    const float v = to_f32(x[j]);
+    ss += v * v;
+  }
+  ss = warp_sum(ss);
+  return 1.0f / sqrtf(ss / static_cast<float>(D) + eps);
+}
+
 /// Sum over the block (blockDim.x a multiple of 32, ≤ 1024) in a fixed order; every thread gets the
 /// result. `sh` holds at least 32 values.
 template <typename S>

@@ -56,6 +56,10 @@ void rmsnorm_bwd_res(float* dres, uint16_t* dres_bf, bool accumulate, float* dw,
 // ---- rope.cu
 void rope(void* y, const void* x, DType t, const int32_t* pos, const float* inv_freq,
           float scaling, float sign, int64_t T, int64_t NH, int64_t D, cudaStream_t s);
+/// y = rope(rmsnorm(x)) per head row (ops/rope.hpp, rmsnorm_rope_fwd_cuda); y may alias x.
+void rmsnorm_rope_fwd(void* y, DType yt, const void* x, DType xt, const float* w,
+                      const int32_t* pos, const float* inv_freq, float scaling, int64_t T,
+                      int64_t NH, int64_t D, float eps, cudaStream_t s);
 
 // ---- swiglu.cu
 void swiglu_fwd(void* y, const void* gate, const void* up, DType t, int64_t T, int64_t I,

@@ -12,17 +12,6 @@ namespace {
 
 constexpr int kRowsPerBlock = 8;
 
-template <typename X>
-__device__ float row_rstd(const X* x, int64_t D, float eps) {
-  float ss = 0.f;
-  for (int64_t j = threadIdx.x & 31; j < D; j += 32) {
-    const float v = to_f32(x[j]);
-    ss += v * v;
-  }
-  ss = warp_sum(ss);
-  return 1.0f / sqrtf(ss / static_cast<float>(D) + eps);
-}
-
 template <typename Y, typename X>
 __global__ void rmsnorm_fwd_kernel(Y* y, float* rstd, const X* x, const float* w, int64_t R,
                                    int64_t D, float eps) {
