@@ -1,6 +1,8 @@
 // dflash.cpp — CUDA kernels of RMSNorm, full-width and per-head (semantics: src/ops/rmsnorm.hpp).
-// One warp per row; arithmetic in fp32 whatever the storage type. The weight gradient is summed
-// over fixed row chunks, then the chunks in order (no atomics): bit-reproducible. No fmt (nvcc).
+// One warp per row, each lane loading four of its columns before using them (lane_cols, the same
+// order of operations as one column at a time); arithmetic in fp32 whatever the storage type. The
+// weight gradient is summed over fixed row chunks, then the chunks in order (no atomics):
+// bit-reproducible. No fmt (nvcc).
 #include <cmath>
 
 #include "backend/cuda/common.cuh"
@@ -19,8 +21,18 @@ __global__ void rmsnorm_fwd_kernel(Y* y, float* rstd, const X* x, const float* w
   if (r >= R) return;
   const X* xr = x + r * D;
   const float rs = row_rstd(xr, D, eps);
-  for (int64_t j = threadIdx.x & 31; j < D; j += 32)
-    y[r * D + j] = from_f32<Y>(w[j] * (to_f32(xr[j]) * rs));
+  Y* yr = y + r * D;
+  // y may alias x: each lane reads its columns before it writes them.
+  lane_cols(
+      D,
+      [&](int64_t a, int64_t b, int64_t c, int64_t d) {
+        const float xa = to_f32(xr[a]), xb = to_f32(xr[b]), xc = to_f32(xr[c]), xd = to_f32(xr[d]);
+        yr[a] = from_f32<Y>(w[a] * (xa * rs));
+        yr[b] = from_f32<Y>(w[b] * (xb * rs));
+        yr[c] = from_f32<Y>(w[c] * (xc * rs));
+        yr[d] = from_f32<Y>(w[d] * (xd * rs));
+      },
+      [&](int64_t j) { yr[j] = from_f32<Y>(w[j] * (to_f32(xr[j]) * rs)); });
   if (rstd && (threadIdx.x & 31) == 0) rstd[r] = rs;
 }
 
@@ -28,6 +40,27 @@ __global__ void rmsnorm_fwd_kernel(Y* y, float* rstd, const X* x, const float* w
 // by the plain and the fused backward so that both round the same way.
 __device__ __forceinline__ float rms_dx(float rr, float wj, float dyj, float c, float xj) {
   return rr * wj * dyj - c * xj;
+}
+
+// c = r³/D · Σ_j w_j dy_j x_j over the row (lane sums in column order, then warp_sum).
+template <typename G, typename X>
+__device__ __forceinline__ float rms_dx_coef(const G* dyr, const X* xr, const float* w, int64_t D,
+                                             float rr) {
+  float dot = 0.f;
+  lane_cols(
+      D,
+      [&](int64_t a, int64_t b, int64_t c, int64_t d) {
+        const float ya = to_f32(dyr[a]), yb = to_f32(dyr[b]), yc = to_f32(dyr[c]),
+                    yd = to_f32(dyr[d]);
+        const float xa = to_f32(xr[a]), xb = to_f32(xr[b]), xc = to_f32(xr[c]), xd = to_f32(xr[d]);
+        dot += w[a] * ya * xa;
+        dot += w[b] * yb * xb;
+        dot += w[c] * yc * xc;
+        dot += w[d] * yd * xd;
+      },
+      [&](int64_t j) { dot += w[j] * to_f32(dyr[j]) * to_f32(xr[j]); });
+  dot = warp_sum(dot);
+  return rr * rr * rr * dot / static_cast<float>(D);
 }
 
 template <typename G, typename X>
@@ -40,12 +73,20 @@ __global__ void rmsnorm_bwd_dx_kernel(G* dx, const G* dy, const X* x, const floa
   const float rr = row_rstd(xr, D, eps);
   if ((threadIdx.x & 31) == 0) rstd_out[r] = rr;
   if (!dx) return;
-  float dot = 0.f;
-  for (int64_t j = threadIdx.x & 31; j < D; j += 32) dot += w[j] * to_f32(dyr[j]) * to_f32(xr[j]);
-  dot = warp_sum(dot);
-  const float c = rr * rr * rr * dot / static_cast<float>(D);
-  for (int64_t j = threadIdx.x & 31; j < D; j += 32)
-    dx[r * D + j] = from_f32<G>(rms_dx(rr, w[j], to_f32(dyr[j]), c, to_f32(xr[j])));
+  const float c = rms_dx_coef(dyr, xr, w, D, rr);
+  G* dxr = dx + r * D;
+  lane_cols(
+      D,
+      [&](int64_t a, int64_t b, int64_t cc, int64_t d) {
+        const float ya = to_f32(dyr[a]), yb = to_f32(dyr[b]), yc = to_f32(dyr[cc]),
+                    yd = to_f32(dyr[d]);
+        const float xa = to_f32(xr[a]), xb = to_f32(xr[b]), xc = to_f32(xr[cc]), xd = to_f32(xr[d]);
+        dxr[a] = from_f32<G>(rms_dx(rr, w[a], ya, c, xa));
+        dxr[b] = from_f32<G>(rms_dx(rr, w[b], yb, c, xb));
+        dxr[cc] = from_f32<G>(rms_dx(rr, w[cc], yc, c, xc));
+        dxr[d] = from_f32<G>(rms_dx(rr, w[d], yd, c, xd));
+      },
+      [&](int64_t j) { dxr[j] = from_f32<G>(rms_dx(rr, w[j], to_f32(dyr[j]), c, to_f32(xr[j]))); });
 }
 
 // The backward fused with the residual stream: dres = dx (or += dx), dres_bf = bf16(dres); dx
@@ -61,16 +102,28 @@ __global__ void rmsnorm_bwd_res_kernel(float* dres, uint16_t* dres_bf, const flo
   const float rr = row_rstd(xr, D, eps);
   if ((threadIdx.x & 31) == 0) rstd_out[r] = rr;
   if (!dres) return;
-  float dot = 0.f;
-  for (int64_t j = threadIdx.x & 31; j < D; j += 32) dot += w[j] * dyr[j] * xr[j];
-  dot = warp_sum(dot);
-  const float c = rr * rr * rr * dot / static_cast<float>(D);
-  for (int64_t j = threadIdx.x & 31; j < D; j += 32) {
-    const float dx = rms_dx(rr, w[j], dyr[j], c, xr[j]);
-    const float v = kAccumulate ? dres[r * D + j] + dx : dx;
-    dres[r * D + j] = v;
-    if (dres_bf) dres_bf[r * D + j] = f32_to_bf16(v);
-  }
+  const float c = rms_dx_coef(dyr, xr, w, D, rr);
+  float* dr = dres + r * D;
+  uint16_t* br = dres_bf ? dres_bf + r * D : nullptr;
+  auto one = [&](int64_t j, float dyj, float xj, float old) {
+    const float dx = rms_dx(rr, w[j], dyj, c, xj);
+    const float v = kAccumulate ? old + dx : dx;
+    dr[j] = v;
+    if (br) br[j] = f32_to_bf16(v);
+  };
+  lane_cols(
+      D,
+      [&](int64_t a, int64_t b, int64_t cc, int64_t d) {
+        const float ya = dyr[a], yb = dyr[b], yc = dyr[cc], yd = dyr[d];
+        const float xa = xr[a], xb = xr[b], xc = xr[cc], xd = xr[d];
+        const float oa = kAccumulate ? dr[a] : 0.f, ob = kAccumulate ? dr[b] : 0.f,
+                    oc = kAccumulate ? dr[cc] : 0.f, od = kAccumulate ? dr[d] : 0.f;
+        one(a, ya, xa, oa);
+        one(b, yb, xb, ob);
+        one(cc, yc, xc, oc);
+        one(d, yd, xd, od);
+      },
+      [&](int64_t j) { one(j, dyr[j], xr[j], kAccumulate ? dr[j] : 0.f); });
 }
 
 // dw partials: chunk c of rows, one thread per column, rows in order.
@@ -127,9 +180,8 @@ void launch_dw(float* dw, const G* dy, const X* x, int64_t R, int64_t D, const f
   constexpr int kThreads = kElementwiseThreads;
   const int64_t rows = rmsnorm_cuda_dw_rows_per_chunk(R), chunks = rmsnorm_dw_chunks(R);
   const auto col_blocks = static_cast<unsigned>((D + kThreads - 1) / kThreads);
-  rmsnorm_dw_part_kernel<G, X>
-      <<<dim3(col_blocks, static_cast<unsigned>(chunks)), kThreads, 0, s>>>(part_ws, dy, x,
-                                                                           rstd_ws, R, D, rows);
+  rmsnorm_dw_part_kernel<G, X><<<dim3(col_blocks, static_cast<unsigned>(chunks)), kThreads, 0, s>>>(
+      part_ws, dy, x, rstd_ws, R, D, rows);
   rmsnorm_dw_final_kernel<<<col_blocks, kThreads, 0, s>>>(dw, part_ws, chunks, D);
 }
 
