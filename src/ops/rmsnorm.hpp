@@ -72,8 +72,8 @@ void rmsnorm_bwd_cuda(cuda::CudaContext& ctx, G* dx, float* dw, const G* dy, con
 ///   dres[r,:] = dres[r,:] + dx[r,:]       when accumulate (fp32 add, one rounding),
 ///   dres_bf[r,:] = bf16(dres[r,:])        (round to nearest even; dres_bf may be null),
 ///   dw += Σ_rows dy ⊙ x · rstd           (as rmsnorm_bwd_cuda; dw may be null).
-/// dres null: only dw (dres_bf must then be null). dy, x, dres [R, D] f32, dres_bf [R, D] bf16 bits,
-/// w, dw [D] f32. The same bits as rmsnorm_bwd_cuda into a temporary, then
+/// dres null: only dw (dres_bf must then be null). dy, x, dres [R, D] f32, dres_bf [R, D] bf16
+/// bits, w, dw [D] f32. The same bits as rmsnorm_bwd_cuda into a temporary, then
 /// residual_accumulate_cuda (or the copy) and cast_cuda, in one pass: the temporary's write and
 /// two reads, and the cast's read of dres, are saved. Scratch as rmsnorm_bwd_cuda.
 void rmsnorm_bwd_res_cuda(cuda::CudaContext& ctx, float* dres, uint16_t* dres_bf, bool accumulate,

@@ -1,5 +1,5 @@
-// CUDA linear (cuBLASLt GEMM, bf16 in, fp32 accumulate) vs linear_fwd_cpu/linear_bwd_cpu on the same
-// bf16-rounded values: f32 and bf16 outputs, dx overwritten, dW accumulated (+=), odd shapes,
+// CUDA linear (cuBLASLt GEMM, bf16 in, fp32 accumulate) vs linear_fwd_cpu/linear_bwd_cpu on the
+// same bf16-rounded values: f32 and bf16 outputs, dx overwritten, dW accumulated (+=), odd shapes,
 // guard bytes, plan cache reuse; the residual add in the epilogue (linear_fwd_res_cuda) against
 // copy + in-place accumulation, bit for bit.
 #include "backend/cuda/context.hpp"
@@ -87,7 +87,6 @@ TEST(LinearCuda, ResidualEpilogueRefusesOverlap) {
   DeviceGuarded<uint16_t> w(to_bf16(randn(static_cast<size_t>(OUT * IN), 8)));
   DeviceGuarded<float> y(static_cast<size_t>((T + 1) * OUT));
   // res shifted by one row inside y: the epilogue would read rows it has already written.
-  EXPECT_THROW(
-      linear_fwd_res_cuda(ctx, y.get(), y.get() + OUT, x.get(), w.get(), T, IN, OUT),
-      Error);
+  EXPECT_THROW(linear_fwd_res_cuda(ctx, y.get(), y.get() + OUT, x.get(), w.get(), T, IN, OUT),
+               Error);
 }

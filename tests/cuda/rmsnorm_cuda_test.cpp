@@ -1,7 +1,7 @@
 // CUDA RMSNorm (full width and per head) vs rmsnorm_fwd_cpu/rmsnorm_bwd_cpu: fp32 and bf16
-// storage, dx overwritten, dw accumulated (+=) and bit-reproducible, guard bytes; the backward fused
-// with the residual gradient (rmsnorm_bwd_res_cuda) against the CPU and, bit for bit, against the
-// unfused chain rmsnorm_bwd_cuda → residual_accumulate_cuda → cast_cuda.
+// storage, dx overwritten, dw accumulated (+=) and bit-reproducible, guard bytes; the backward
+// fused with the residual gradient (rmsnorm_bwd_res_cuda) against the CPU and, bit for bit, against
+// the unfused chain rmsnorm_bwd_cuda → residual_accumulate_cuda → cast_cuda.
 #include "backend/cuda/context.hpp"
 #include "cuda/cuda_test_util.hpp"
 #include "cuda/tolerances.hpp"
@@ -68,7 +68,8 @@ void run_res(int64_t R, int64_t D, uint32_t seed) {
   const double eps = 1e-6;
   const size_t n = static_cast<size_t>(R * D);
   const auto x = randn(n, seed, 2.0f), dy = randn(n, seed + 1), dres0 = randn(n, seed + 2);
-  const auto w = randn(static_cast<size_t>(D), seed + 3), dw0 = randn(static_cast<size_t>(D), seed + 4);
+  const auto w = randn(static_cast<size_t>(D), seed + 3),
+             dw0 = randn(static_cast<size_t>(D), seed + 4);
   std::vector<float> dx_ref(n), dw_ref = dw0, acc_ref(n);
   rmsnorm_bwd_cpu(dx_ref.data(), dw_ref.data(), dy.data(), x.data(), w.data(), R, D, eps);
   for (size_t i = 0; i < n; ++i) acc_ref[i] = dres0[i] + dx_ref[i];
@@ -79,8 +80,8 @@ void run_res(int64_t R, int64_t D, uint32_t seed) {
   DeviceGuarded<uint16_t> acc_bf(n), over_bf(n);
   rmsnorm_bwd_res_cuda(ctx, acc.get(), acc_bf.get(), true, acc_dw.get(), gy.get(), gx.get(),
                        gw.get(), R, D, eps);
-  rmsnorm_bwd_res_cuda(ctx, over.get(), over_bf.get(), false, nullptr, gy.get(), gx.get(),
-                       gw.get(), R, D, eps);
+  rmsnorm_bwd_res_cuda(ctx, over.get(), over_bf.get(), false, nullptr, gy.get(), gx.get(), gw.get(),
+                       R, D, eps);
   EXPECT_LT(rel_error(acc.download(), acc_ref), tol::kF32);
   EXPECT_LT(rel_error(from_bf16(acc_bf.download()), acc_ref), tol::kBf16);
   EXPECT_LT(rel_error(over.download(), dx_ref), tol::kF32);

@@ -56,7 +56,8 @@ void run_norm_rope(const RopeParams& rp, int64_t T, int64_t NH, int64_t D, uint3
   std::vector<float> inv(inv64.begin(), inv64.end());
   const float scaling = static_cast<float>(rope_attention_scaling(rp));
   std::vector<int32_t> pos(static_cast<size_t>(T));
-  for (int64_t t = 0; t < T; ++t) pos[static_cast<size_t>(t)] = static_cast<int32_t>((t * 7) % 1500);
+  for (int64_t t = 0; t < T; ++t)
+    pos[static_cast<size_t>(t)] = static_cast<int32_t>((t * 7) % 1500);
   const size_t n = static_cast<size_t>(T * NH * D);
   const auto x = randn(n, seed, 3.0f), w = randn(static_cast<size_t>(D), seed + 1);
   DeviceGuarded<float> dinv(inv), dw(w);
@@ -79,8 +80,8 @@ void run_norm_rope(const RopeParams& rp, int64_t T, int64_t NH, int64_t D, uint3
   DeviceGuarded<uint16_t> fused(xb), chain(xb);
   rmsnorm_rope_fwd_cuda(ctx, fused.get(), fused.get(), dw.get(), dpos.get(), dinv.get(), scaling, T,
                         NH, D, eps);
-  rmsnorm_fwd_cuda(ctx, chain.get(), static_cast<float*>(nullptr), chain.get(), dw.get(), T * NH,
-                   D, eps);
+  rmsnorm_fwd_cuda(ctx, chain.get(), static_cast<float*>(nullptr), chain.get(), dw.get(), T * NH, D,
+                   eps);
   rope_fwd_cuda(ctx, chain.get(), chain.get(), dpos.get(), dinv.get(), scaling, T, NH, D);
   EXPECT_LT(rel_error(from_bf16(fused.download()), refb), tol::kBf16);
   EXPECT_TRUE(same_bits(fused.download(), chain.download()));
@@ -100,8 +101,8 @@ TEST(RopeCuda, NormThenRopeFused) {
   run_norm_rope(standard, 1, 1, 128, 11);
   run_norm_rope(standard, 17, 3, 64, 12);
   run_norm_rope(standard, 129, 8, 128, 13);
-  run_norm_rope(yarn, 1000, 2, 96, 14);   // D/2 = 48: lanes with one pair and with two
-  run_norm_rope(standard, 33, 5, 16, 15); // D/2 = 8 < 32: idle lanes
+  run_norm_rope(yarn, 1000, 2, 96, 14);    // D/2 = 48: lanes with one pair and with two
+  run_norm_rope(standard, 33, 5, 16, 15);  // D/2 = 8 < 32: idle lanes
 }
 
 TEST(RopeCuda, AllScalings) {

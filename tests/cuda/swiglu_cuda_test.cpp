@@ -74,7 +74,9 @@ TEST(SwigluCuda, VectorAndScalarPathsGiveTheSameBits) {
   swiglu_fwd_cuda(ctx, by.get() + 1, b.get() + 1, b.get() + 1 + I, T, I, ld);
   swiglu_bwd_cuda(ctx, bdg.get() + 1, bdg.get() + 1 + I, bdy.get() + 1, b.get() + 1,
                   b.get() + 1 + I, T, I, ld);
-  auto from1 = [](std::vector<uint16_t> v) { return std::vector<uint16_t>(v.begin() + 1, v.end()); };
+  auto from1 = [](std::vector<uint16_t> v) {
+    return std::vector<uint16_t>(v.begin() + 1, v.end());
+  };
   EXPECT_TRUE(same_bits(ay.download(), from1(by.download())));
   EXPECT_TRUE(same_bits(adg.download(), from1(bdg.download())));
   EXPECT_TRUE(ay.guard_intact() && adg.guard_intact() && by.guard_intact() && bdg.guard_intact());

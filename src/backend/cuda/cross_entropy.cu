@@ -2,9 +2,10 @@
 // CE; the GEMMs are cuBLASLt calls in the entry point). One block per row, two passes over its
 // logits: max, first argmax and the sum of exp in one online pass (the sum rescaled when the max
 // grows, merged in a fixed order), then lse, the weighted loss and, optionally, the bf16 logits
-// gradient grad_scale·w·(softmax − onehot) (float4 loads when V % 4 == 0). Rows with w = 0 give loss 0 and a zero gradient; a row with
-// w ≠ 0 and a label outside [0, V) gives a NaN loss (the caller's non-finite check stops the step;
-// labels are validated on the host when they are made). Everything is deterministic.
+// gradient grad_scale·w·(softmax − onehot) (float4 loads when V % 4 == 0). Rows with w = 0 give
+// loss 0 and a zero gradient; a row with w ≠ 0 and a label outside [0, V) gives a NaN loss (the
+// caller's non-finite check stops the step; labels are validated on the host when they are made).
+// Everything is deterministic.
 #include <cmath>
 
 #include "backend/cuda/common.cuh"
@@ -27,7 +28,9 @@ struct LseState {
   float m, s, bv;
   int bi;
 };
-__device__ __forceinline__ LseState lse_empty() { return {-INFINITY, 0.f, -INFINITY, INT_MAX}; }
+__device__ __forceinline__ LseState lse_empty() {
+  return {-INFINITY, 0.f, -INFINITY, INT_MAX};
+}
 
 // Adds logit x at index v. A −inf logit adds 0 (exp(−inf − m) is NaN when m = −inf too); a NaN
 // logit makes s NaN, as it makes the plain sum NaN.

@@ -1,8 +1,8 @@
 // dflash.cpp — CUDA kernel of RoPE, rotate_half pairs (semantics: src/ops/rope.hpp). One thread per
 // (row, head, pair) in a grid-stride loop; angles and products in fp32, sincosf per element. The
-// backward is the same rotation with the sine negated (sign = −1). The fused per-head RMSNorm + RoPE
-// of the q/k path (one warp per head row) rounds the normed value to the storage type before the
-// rotation, so it gives the bits of the two kernels in a row. No fmt in this file (nvcc).
+// backward is the same rotation with the sine negated (sign = −1). The fused per-head RMSNorm +
+// RoPE of the q/k path (one warp per head row) rounds the normed value to the storage type before
+// the rotation, so it gives the bits of the two kernels in a row. No fmt in this file (nvcc).
 #include <cmath>
 
 #include "backend/cuda/common.cuh"
@@ -69,7 +69,8 @@ void rmsnorm_rope_fwd(void* y, DType yt, const void* x, DType xt, const float* w
                       int64_t NH, int64_t D, float eps, cudaStream_t s) {
   const int64_t rows = T * NH;
   if (rows == 0) return;
-  const auto grid = static_cast<unsigned>((rows + kNormRopeRowsPerBlock - 1) / kNormRopeRowsPerBlock);
+  const auto grid =
+      static_cast<unsigned>((rows + kNormRopeRowsPerBlock - 1) / kNormRopeRowsPerBlock);
   dispatch_dtype(yt, [&](auto yv) {
     dispatch_dtype(xt, [&](auto xv) {
       using Y = decltype(yv);

@@ -59,8 +59,8 @@ void rmsnorm_rope_fwd_cuda(cuda::CudaContext& ctx, Y* y, const X* x, const float
   template void rope_bwd_cuda(cuda::CudaContext&, T*, const T*, const int32_t*, const float*, \
                               float, int64_t, int64_t, int64_t);
 #define DFLASH_INST_YX(Y, X)                                                                 \
-  template void rmsnorm_rope_fwd_cuda(cuda::CudaContext&, Y*, const X*, const float*,         \
-                                      const int32_t*, const float*, float, int64_t, int64_t,  \
+  template void rmsnorm_rope_fwd_cuda(cuda::CudaContext&, Y*, const X*, const float*,        \
+                                      const int32_t*, const float*, float, int64_t, int64_t, \
                                       int64_t, double);
 DFLASH_INST_T(float)
 DFLASH_INST_T(uint16_t)

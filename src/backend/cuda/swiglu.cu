@@ -19,7 +19,6 @@ __device__ __forceinline__ float swiglu_value(float g, float u) {
   return g * sig * u;
 }
 
-
 template <typename T>
 __global__ void swiglu_fwd_kernel(T* y, const T* gate, const T* up, int64_t Tn, int64_t I,
                                   int64_t ld) {
@@ -107,7 +106,9 @@ bool vec_ok(int64_t I, int64_t ld, std::initializer_list<const void*> ptrs) {
 }
 
 // Blocks of the vector kernels: one row per block at first, at most 8 per SM's worth of rows.
-unsigned vec_grid(int64_t Tn) { return static_cast<unsigned>(Tn < 65535 * 4 ? Tn : 65535 * 4); }
+unsigned vec_grid(int64_t Tn) {
+  return static_cast<unsigned>(Tn < 65535 * 4 ? Tn : 65535 * 4);
+}
 
 }  // namespace
 
