@@ -134,8 +134,21 @@ __global__ void rmsnorm_dw_part_kernel(float* part, const G* dy, const X* x, con
   if (j >= D) return;
   const int64_t c = blockIdx.y, r0 = c * rows_per_chunk;
   const int64_t r1 = r0 + rows_per_chunk < R ? r0 + rows_per_chunk : R;
+  // Four rows' loads ahead of their sums (the sums in row order, as one row at a time).
   float s = 0.f;
-  for (int64_t r = r0; r < r1; ++r) s += to_f32(dy[r * D + j]) * (to_f32(x[r * D + j]) * rstd[r]);
+  auto term = [&](int64_t r) { return to_f32(dy[r * D + j]) * (to_f32(x[r * D + j]) * rstd[r]); };
+  int64_t r = r0;
+  for (; r + 3 < r1; r += 4) {
+    const float y0 = to_f32(dy[r * D + j]), y1 = to_f32(dy[(r + 1) * D + j]),
+                y2 = to_f32(dy[(r + 2) * D + j]), y3 = to_f32(dy[(r + 3) * D + j]);
+    const float x0 = to_f32(x[r * D + j]), x1 = to_f32(x[(r + 1) * D + j]),
+                x2 = to_f32(x[(r + 2) * D + j]), x3 = to_f32(x[(r + 3) * D + j]);
+    s += y0 * (x0 * rstd[r]);
+    s += y1 * (x1 * rstd[r + 1]);
+    s += y2 * (x2 * rstd[r + 2]);
+    s += y3 * (x3 * rstd[r + 3]);
+  }
+  for (; r < r1; ++r) s += term(r);
   part[c * D + j] = s;
 }
 
