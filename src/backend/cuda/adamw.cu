@@ -5,8 +5,8 @@
 // bit-identical to adamw_step_cpu (backend/cpu/adamw.cpp). No fmt in this file (nvcc).
 #include <cmath>
 
+#include "backend/cuda/adamw_launch.hpp"
 #include "backend/cuda/common.cuh"
-#include "backend/cuda/launch.hpp"
 
 namespace dflash::cuda {
 namespace {

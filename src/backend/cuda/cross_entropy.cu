@@ -9,7 +9,7 @@
 #include <cmath>
 
 #include "backend/cuda/common.cuh"
-#include "backend/cuda/launch.hpp"
+#include "backend/cuda/cross_entropy_launch.hpp"
 
 namespace dflash::cuda {
 namespace {

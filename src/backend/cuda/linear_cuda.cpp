@@ -6,7 +6,7 @@
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/entry.hpp"
 #include "backend/cuda/gemm.hpp"
-#include "backend/cuda/launch.hpp"
+#include "backend/cuda/linear_launch.hpp"
 #include "core/error.hpp"
 #include "ops/linear.hpp"
 

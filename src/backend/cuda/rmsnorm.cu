@@ -6,7 +6,7 @@
 #include <cmath>
 
 #include "backend/cuda/common.cuh"
-#include "backend/cuda/launch.hpp"
+#include "backend/cuda/rmsnorm_launch.hpp"
 #include "ops/rmsnorm.hpp"
 
 namespace dflash::cuda {

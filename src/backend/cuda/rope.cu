@@ -6,7 +6,7 @@
 #include <cmath>
 
 #include "backend/cuda/common.cuh"
-#include "backend/cuda/launch.hpp"
+#include "backend/cuda/rope_launch.hpp"
 
 namespace dflash::cuda {
 namespace {

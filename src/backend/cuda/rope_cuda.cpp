@@ -1,13 +1,13 @@
 // dflash.cpp — checked CUDA entry points of RoPE (contract: src/ops/rope.hpp). Each checks sizes
 // and pointers (errors name the entry point and the bad value), takes any scratch from the
 // context's caching allocator and runs a raw launcher of backend/cuda/rope.cu (declared in
-// launch.hpp) on the context's stream. Templates are instantiated at the end for float and uint16_t
-// (bf16 bits); the fused RMSNorm + RoPE for the same type in and out.
+// rope_launch.hpp) on the context's stream. Templates are instantiated at the end for float and
+// uint16_t (bf16 bits); the fused RMSNorm + RoPE for the same type in and out.
 #include <cmath>
 
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/entry.hpp"
-#include "backend/cuda/launch.hpp"
+#include "backend/cuda/rope_launch.hpp"
 #include "core/error.hpp"
 #include "ops/rope.hpp"
 

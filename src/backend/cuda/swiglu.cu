@@ -8,7 +8,7 @@
 #include <initializer_list>
 
 #include "backend/cuda/common.cuh"
-#include "backend/cuda/launch.hpp"
+#include "backend/cuda/swiglu_launch.hpp"
 
 namespace dflash::cuda {
 namespace {
