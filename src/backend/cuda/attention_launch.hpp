@@ -1,7 +1,7 @@
 // dflash.cpp — raw-pointer launchers of the attention kernels (attention.cu: CUDA cores;
 // attention_tc.cu: tensor cores), checked entry points in backend/cuda/attention_cuda.cpp
-// (contract: src/ops/attention.hpp). Every other op family F declares its launchers in
-// backend/cuda/F_launch.hpp. Internal to the backend: model code calls the checked entry points.
+// (contract: src/ops/attention.hpp); as for every op family F, in backend/cuda/F_launch.hpp.
+// Internal to the backend: model code calls the checked entry points.
 // Each launcher enqueues on `stream` and checks the launch (throws dflash::Error via
 // backend/cuda/check.hpp). Statistics (lse, Δ) are always f32. No fmt in this header.
 #pragma once
