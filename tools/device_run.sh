@@ -7,7 +7,7 @@
 #
 #   bash tools/device_run.sh --stage DIR [TARGET...]
 #       here: build the CMake TARGETs (BUILD_DIR, default build; JOBS, default 2; default targets:
-#       dflash, every *_cuda_test and decode_cuda_bench) and put into DIR (an ignored folder, e.g.
+#       dflash, every *_cuda_test, decode_cuda_bench and gemm_bench) and put into DIR (an ignored folder, e.g.
 #       .dev/mine; carry it in the device call) bin.tar.xz (the stripped binaries), libs.tar.xz
 #       (the libraries they link) and the Qwen3 tokenizer (for the q8b parts).
 #   bash tools/device_run.sh DIR PART...
@@ -26,6 +26,8 @@
 #                     verify, drafter-block and speculative steps at batch 1 and 8 with cuBLASLt
 #                     projections (the default) and decode_linear_cuda ones (…RowGemm); BM_Gemm and
 #                     BM_DecodeLinear weight GB/s; tiny tokens/s at batch 1 and 64
+#   gemm-bench        gemm_bench: every cuBLASLt GEMM shape of the reference step (ms, TFLOP/s, the
+#                     plan's tile/stages/split-K) and the heuristic's other candidates against it
 #   train:NAME[:KEY=V...]
 #                     `dflash train --config configs/tiny-reference.yaml KEY=V...` into run NAME:
 #                     rc, wall, first/last loss and simulated τ, s_per_step
@@ -52,7 +54,7 @@ stage() {
         -DDFLASH_CUDA_ARCHS=90a > /dev/null
   if [[ ${#targets[@]} == 0 ]]; then
     mapfile -t targets < <(ninja -C "$build" -t targets all |
-                           grep -oE '^(tests/[a-z_]+_cuda_test|bench/decode_cuda_bench): ' |
+                           grep -oE '^(tests/[a-z_]+_cuda_test|bench/(decode_cuda|gemm)_bench): ' |
                            sed -E 's|^[a-z]+/||; s|: $||')
     targets=(dflash "${targets[@]}")
   fi
@@ -284,6 +286,10 @@ for part in "$@"; do
       timeout 300 "$B/decode_cuda_bench" --benchmark_counters_tabular=true > "$out/decode_bench.log" 2>&1
       echo "decode bench rc=$?" >> "$summary"
       grep -E "^BM_" "$out/decode_bench.log" >> "$summary" ;;
+    gemm-bench)
+      timeout 120 "$B/gemm_bench" > "$out/gemm_bench.txt" 2>&1
+      echo "gemm bench rc=$?" >> "$summary"
+      cat "$out/gemm_bench.txt" >> "$summary" ;;
     train:*)
       rest=${part#train:}
       IFS=: read -r -a kv <<< "$rest"

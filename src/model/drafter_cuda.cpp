@@ -131,7 +131,6 @@ void DrafterCuda::take_buffers(cuda::DeviceArena& a) {
   row_w_ = a.get<float>("drafter.row_weights", NK);
   dh_ = a.get<float>("drafter.dh", NK * H);
   dh_bf_ = a.get<uint16_t>("drafter.dh_bf", NK * H);
-  dtmp_ = a.get<float>("drafter.dtmp", NK * H);
   d_act_ = a.get<uint16_t>("drafter.d_act", NK * I);
   d_gu_ = a.get<uint16_t>("drafter.d_gu", NK * 2 * I);
   dhn2_ = a.get<float>("drafter.dhn2", NK * H);
@@ -227,12 +226,12 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   // kernels on the same inputs in the forward and, when recomputed, again in the backward.
   const bool recompute = activations_ == DrafterActivations::recompute;
   auto norm_rope_q = [&](const LayerBuf& a, int64_t l) {
-    rmsnorm_fwd_cuda(ctx_, a.q, nullf, a.q_raw, pf(layer(l).q_norm), NK * NH, D, eps);
-    rope_fwd_cuda(ctx_, a.q, a.q, pos_q, inv_freq, rope_scaling_, NK, NH, D);
+    rmsnorm_rope_fwd_cuda(ctx_, a.q, a.q_raw, pf(layer(l).q_norm), pos_q, inv_freq, rope_scaling_,
+                          NK, NH, D, eps);
   };
   auto norm_rope_k = [&](const LayerBuf& a, int64_t l) {
-    rmsnorm_fwd_cuda(ctx_, a.k, nullf, a.k_raw, pf(layer(l).k_norm), TK * NKV, D, eps);
-    rope_fwd_cuda(ctx_, a.k, a.k, in.pos, inv_freq, rope_scaling_, TK, NKV, D);
+    rmsnorm_rope_fwd_cuda(ctx_, a.k, a.k_raw, pf(layer(l).k_norm), in.pos, inv_freq, rope_scaling_,
+                          TK, NKV, D, eps);
   };
   auto swiglu = [&](const LayerBuf& a) {
     swiglu_fwd_cuda(ctx_, a.act, a.gu, a.gu + I, NK, I, 2 * I);
@@ -274,15 +273,11 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
     norm_rope_k(a, l);
     linear_fwd_cuda(ctx_, a.v, a.kvin, wb(L.v_proj), TK, H, KD);
     attention_fwd_cuda(ctx_, a.o, a.lse, a.q, a.k, a.v, in.ranges, ap);
-    DFLASH_CUDA_CHECK(
-        cudaMemcpyAsync(a.h_mid, h, static_cast<size_t>(NK * H) * kF, cudaMemcpyDeviceToDevice, s));
-    linear_fwd_acc_cuda(ctx_, a.h_mid, a.o, wb(L.o_proj), NK, QD, H);
+    linear_fwd_res_cuda(ctx_, a.h_mid, h, a.o, wb(L.o_proj), NK, QD, H);  // h_mid = h + o_proj
     post_norm(a, l);
     linear_fwd_cuda(ctx_, a.gu, a.hn2, wb(L.gate_proj), NK, H, 2 * I);  // [gate | up]
     swiglu(a);
-    DFLASH_CUDA_CHECK(cudaMemcpyAsync(a.h_out, a.h_mid, static_cast<size_t>(NK * H) * kF,
-                                      cudaMemcpyDeviceToDevice, s));
-    linear_fwd_acc_cuda(ctx_, a.h_out, a.act, wb(L.down_proj), NK, I, H);
+    linear_fwd_res_cuda(ctx_, a.h_out, a.h_mid, a.act, wb(L.down_proj), NK, I, H);
     h = a.h_out;
   }
 
@@ -308,26 +303,25 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
                        in.objective);
     rows_scale_cuda(ctx_, d_hf_, row_w_, NK, H);
   }
-  rmsnorm_bwd_cuda(ctx_, dh_, gf(norm_i), d_hf_, h, pf(norm_i), NK, H, eps);
+  // dh = d(h) and its bf16 copy, the input of the last layer's down_proj backward.
+  rmsnorm_bwd_res_cuda(ctx_, dh_, dh_bf_, false, gf(norm_i), d_hf_, h, pf(norm_i), NK, H, eps);
   if (phase_events_.after_head) DFLASH_CUDA_CHECK(cudaEventRecord(phase_events_.after_head, s));
 
   // ---- backward, layer by layer (phases bwd mlp, bwd attn)
   for (int64_t l = c.num_layers - 1; l >= 0; --l) {
     LayerBuf& a = layers_[static_cast<size_t>(l)];
     const DrafterLayerOffsets& L = layer(l);
-    // MLP: h_out = h_mid + down(SwiGLU(gu)), gu = norm(h_mid)·Wguᵀ.
-    cast_cuda(ctx_, dh_bf_, dh_, NK * H);
+    // MLP: h_out = h_mid + down(SwiGLU(gu)), gu = norm(h_mid)·Wguᵀ. dh_bf = bf16(dh) on entry.
     if (recompute) swiglu(a);
     linear_bwd_cuda(ctx_, d_act_, gf(L.down_proj), dh_bf_, a.act, wb(L.down_proj), NK, I, H);
     swiglu_bwd_cuda(ctx_, d_gu_, d_gu_ + I, d_act_, a.gu, a.gu + I, NK, I, 2 * I);
     if (recompute) post_norm(a, l);
     // gate and up are adjacent in the layout: one [2I, H] linear.
     linear_bwd_cuda(ctx_, dhn2_, gf(L.gate_proj), d_gu_, a.hn2, wb(L.gate_proj), NK, H, 2 * I);
-    rmsnorm_bwd_cuda(ctx_, dtmp_, gf(L.post_attention_layernorm), dhn2_, a.h_mid,
-                     pf(L.post_attention_layernorm), NK, H, eps);
-    residual_accumulate_cuda(ctx_, dh_, dtmp_, NK * H);  // dh = d(h_mid)
+    // dh = d(h_mid) = dh + norm's dx, and dh_bf = bf16(dh).
+    rmsnorm_bwd_res_cuda(ctx_, dh_, dh_bf_, true, gf(L.post_attention_layernorm), dhn2_, a.h_mid,
+                         pf(L.post_attention_layernorm), NK, H, eps);
     // Attention: h_mid = x_in + o_proj(o).
-    cast_cuda(ctx_, dh_bf_, dh_, NK * H);
     linear_bwd_cuda(ctx_, d_o_, gf(L.o_proj), dh_bf_, a.o, wb(L.o_proj), NK, QD, H);
     const float* x_in = l == 0 ? h0_ : layers_[static_cast<size_t>(l - 1)].h_out;
     if (recompute) {
@@ -350,10 +344,12 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
     linear_bwd_cuda(ctx_, nullf, gf(L.k_proj), dk_raw_, a.kvin, wb(L.k_proj), TK, H, KD);
     linear_bwd_cuda(ctx_, nullf, gf(L.v_proj), dv_, a.kvin, wb(L.v_proj), TK, H, KD);
     linear_bwd_cuda(ctx_, nullf, gf(L.q_proj), dq_raw_, hn_of(a), wb(L.q_proj), NK, H, QD);
-    // input_layernorm of the block rows; ctx rows enter every layer unnormed.
-    rmsnorm_bwd_cuda(ctx_, dtmp_, gf(L.input_layernorm), dx_ + T * H, x_in, pf(L.input_layernorm),
-                     NK, H, eps);
-    residual_accumulate_cuda(ctx_, dh_, dtmp_, NK * H);  // dh = d(x_in)
+    // input_layernorm of the block rows; ctx rows enter every layer unnormed. dh = d(x_in) and
+    // its bf16 copy for the layer below; layer 0's x_in is the frozen block embedding: only dw.
+    const bool below = l > 0;
+    rmsnorm_bwd_res_cuda(ctx_, below ? dh_ : nullf, below ? dh_bf_ : nullptr, true,
+                         gf(L.input_layernorm), dx_ + T * H, x_in, pf(L.input_layernorm), NK, H,
+                         eps);
     if (l == c.num_layers - 1) {
       DFLASH_CUDA_CHECK(cudaMemcpyAsync(dctx_, dx_, static_cast<size_t>(T * H) * kF,
                                         cudaMemcpyDeviceToDevice, s));
@@ -363,9 +359,8 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   }
 
   // ---- phase bwd ctx: ctx = hidden_norm(fc(features)); the features are frozen.
-  rmsnorm_bwd_cuda(ctx_, dctx_pre_, gf(layout_.hidden_norm), dctx_, ctx_pre_,
-                   pf(layout_.hidden_norm), T, H, eps);
-  cast_cuda(ctx_, dctx_bf_, dctx_pre_, T * H);
+  rmsnorm_bwd_res_cuda(ctx_, dctx_pre_, dctx_bf_, false, gf(layout_.hidden_norm), dctx_, ctx_pre_,
+                       pf(layout_.hidden_norm), T, H, eps);
   linear_bwd_cuda(ctx_, nullf, gf(layout_.fc), dctx_bf_, in.features, wb(layout_.fc), T, F, H);
 
   grad_sumsq_cuda(ctx_, sumsq_, segs_, 1);

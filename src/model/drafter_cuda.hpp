@@ -149,7 +149,7 @@ class DrafterCuda {
   void* ce_ws_;
   uint64_t ce_ws_bytes_;
   // Backward scratch.
-  float *dh_, *dtmp_, *dhn2_, *dx_, *dctx_, *dctx_pre_;
+  float *dh_, *dhn2_, *dx_, *dctx_, *dctx_pre_;
   uint16_t *dh_bf_, *d_act_, *d_gu_, *d_o_, *dq_, *dq_raw_, *dk_, *dk_raw_, *dv_, *dctx_bf_;
   std::vector<LayerBuf> layers_;
   PhaseEvents phase_events_;

@@ -291,10 +291,9 @@ void plan_drafter_step(ArenaPlanner& p, const DrafterConfig& c, const DrafterLay
   // Backward.
   const char* g = kGroupBackward;
   const PhaseMask bm = step_phases({kPhaseBwdMlp}), ba = step_phases({kPhaseBwdAttn});
-  const PhaseMask both = step_phases({kPhaseBwdMlp, kPhaseBwdAttn});
   p.add("drafter.dh", g, NK * H * kF, step_phases({kPhaseHead, kPhaseBwdMlp, kPhaseBwdAttn}));
-  p.add("drafter.dh_bf", g, NK * H * kBf, both);
-  p.add("drafter.dtmp", g, NK * H * kF, both);
+  // dh's bf16 copy, first written by the final norm's backward in the head phase.
+  p.add("drafter.dh_bf", g, NK * H * kBf, step_phases({kPhaseHead, kPhaseBwdMlp, kPhaseBwdAttn}));
   p.add("drafter.d_act", g, NK * I * kBf, bm);
   p.add("drafter.d_gu", g, NK * 2 * I * kBf, bm);
   p.add("drafter.dhn2", g, NK * H * kF, bm);

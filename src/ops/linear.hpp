@@ -53,6 +53,15 @@ void linear_fwd_cuda(cuda::CudaContext& ctx, Y* y, const uint16_t* x, const uint
 template <typename Y>
 void linear_fwd_acc_cuda(cuda::CudaContext& ctx, Y* y, const uint16_t* x, const uint16_t* w_bf16,
                          int64_t T, int64_t IN, int64_t OUT);
+/// CUDA y[T,OUT] = res[T,OUT] + x[T,IN]·W[OUT,IN]ᵀ: the residual add in the GEMM's epilogue
+/// (cuBLASLt with C = res, D = y, beta = 1), so the branch output is added to the fp32 residual
+/// stream before any rounding and no copy of res is made first. The same bits as a copy of res
+/// into y followed by linear_fwd_acc_cuda (the same epilogue, alpha·acc + 1·C). res is read only
+/// and must not overlap y (an error otherwise; use linear_fwd_acc_cuda in place). Y ∈ {float,
+/// bf16}.
+template <typename Y>
+void linear_fwd_res_cuda(cuda::CudaContext& ctx, Y* y, const Y* res, const uint16_t* x,
+                         const uint16_t* w_bf16, int64_t T, int64_t IN, int64_t OUT);
 /// CUDA y[T,OUT] = x·Wᵀ + bias[OUT]: the GEMM above, then bias_add_cuda (`bias` null: none).
 template <typename Y>
 void linear_fwd_cuda(cuda::CudaContext& ctx, Y* y, const uint16_t* x, const uint16_t* w_bf16,

@@ -65,6 +65,20 @@ void rmsnorm_fwd_cuda(cuda::CudaContext& ctx, Y* y, float* rstd, const X* x, con
 template <typename G, typename X>
 void rmsnorm_bwd_cuda(cuda::CudaContext& ctx, G* dx, float* dw, const G* dy, const X* x,
                       const float* w, int64_t R, int64_t D, double eps);
+/// CUDA backward fused with the gradient of the residual stream that feeds the norm (the drafter's
+/// full-width norms, whose input x is the fp32 stream and whose dx joins the stream's gradient).
+/// With dx[r,:] the fp32 value rmsnorm_bwd_cuda<float, float> computes (kept in registers):
+///   dres[r,:] = dx[r,:]                   when !accumulate (overwritten),
+///   dres[r,:] = dres[r,:] + dx[r,:]       when accumulate (fp32 add, one rounding),
+///   dres_bf[r,:] = bf16(dres[r,:])        (round to nearest even; dres_bf may be null),
+///   dw += Σ_rows dy ⊙ x · rstd           (as rmsnorm_bwd_cuda; dw may be null).
+/// dres null: only dw (dres_bf must then be null). dy, x, dres [R, D] f32, dres_bf [R, D] bf16
+/// bits, w, dw [D] f32. The same bits as rmsnorm_bwd_cuda into a temporary, then
+/// residual_accumulate_cuda (or the copy) and cast_cuda, in one pass: the temporary's write and
+/// two reads, and the cast's read of dres, are saved. Scratch as rmsnorm_bwd_cuda.
+void rmsnorm_bwd_res_cuda(cuda::CudaContext& ctx, float* dres, uint16_t* dres_bf, bool accumulate,
+                          float* dw, const float* dy, const float* x, const float* w, int64_t R,
+                          int64_t D, double eps);
 #endif
 
 }  // namespace dflash

@@ -80,6 +80,19 @@ void rope_fwd_cuda(cuda::CudaContext& ctx, T* y, const T* x, const int32_t* pos,
 template <typename T>
 void rope_bwd_cuda(cuda::CudaContext& ctx, T* dx, const T* dy, const int32_t* pos,
                    const float* inv_freq, float scaling, int64_t Tn, int64_t NH, int64_t D);
+/// CUDA per-head RMSNorm then RoPE in one pass (the q/k path of Qwen3 attention: q_norm/k_norm,
+/// then apply_rotary_pos_emb): for each token t < Tn and head h < NH, with x_h = x[t, h, :] and
+/// r = 1/sqrt(mean_j x_h[j]² + eps),
+///   n = Y(w ⊙ x_h · r)                   (rmsnorm_fwd_cuda's formula and rounding to Y),
+///   y[t, h, :] = rotate(n) by pos[t]·inv_freq, cos and sin times `scaling` (rope_fwd_cuda's).
+/// x, y [Tn, NH, D] (Y, X ∈ {float, bf16 bits}), w [D] f32, pos int32 [Tn], inv_freq [D/2] f32, all
+/// on the device; D even. y is OVERWRITTEN and may alias x (when Y == X). The same bits as
+/// rmsnorm_fwd_cuda(y, x, w, Tn·NH, D) then rope_fwd_cuda(y, y): the normed rows are neither
+/// stored nor reloaded (one read of x and one write of y instead of two of each).
+template <typename Y, typename X>
+void rmsnorm_rope_fwd_cuda(cuda::CudaContext& ctx, Y* y, const X* x, const float* w,
+                           const int32_t* pos, const float* inv_freq, float scaling, int64_t Tn,
+                           int64_t NH, int64_t D, double eps);
 #endif
 
 }  // namespace dflash

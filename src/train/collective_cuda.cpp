@@ -28,7 +28,7 @@
 #include <set>
 
 #include "backend/cuda/check.hpp"
-#include "backend/cuda/launch.hpp"
+#include "backend/cuda/collective_launch.hpp"
 
 namespace dflash {
 

@@ -1,8 +1,12 @@
 // CUDA RMSNorm (full width and per head) vs rmsnorm_fwd_cpu/rmsnorm_bwd_cpu: fp32 and bf16
-// storage, dx overwritten, dw accumulated (+=) and bit-reproducible, guard bytes.
+// storage, dx overwritten, dw accumulated (+=) and bit-reproducible, guard bytes; the backward
+// fused with the residual gradient (rmsnorm_bwd_res_cuda) against the CPU and, bit for bit, against
+// the unfused chain rmsnorm_bwd_cuda → residual_accumulate_cuda → cast_cuda.
 #include "backend/cuda/context.hpp"
 #include "cuda/cuda_test_util.hpp"
 #include "cuda/tolerances.hpp"
+#include "ops/cast.hpp"
+#include "ops/residual.hpp"
 #include "ops/rmsnorm.hpp"
 #include "util/test_util.hpp"
 
@@ -58,7 +62,61 @@ void run(int64_t R, int64_t D, uint32_t seed) {
   EXPECT_TRUE(by.guard_intact() && bgx.guard_intact() && bgw.guard_intact());
 }
 
+void run_res(int64_t R, int64_t D, uint32_t seed) {
+  SCOPED_TRACE(::testing::Message() << "R=" << R << " D=" << D);
+  cuda::CudaContext ctx(0);
+  const double eps = 1e-6;
+  const size_t n = static_cast<size_t>(R * D);
+  const auto x = randn(n, seed, 2.0f), dy = randn(n, seed + 1), dres0 = randn(n, seed + 2);
+  const auto w = randn(static_cast<size_t>(D), seed + 3),
+             dw0 = randn(static_cast<size_t>(D), seed + 4);
+  std::vector<float> dx_ref(n), dw_ref = dw0, acc_ref(n);
+  rmsnorm_bwd_cpu(dx_ref.data(), dw_ref.data(), dy.data(), x.data(), w.data(), R, D, eps);
+  for (size_t i = 0; i < n; ++i) acc_ref[i] = dres0[i] + dx_ref[i];
+  DeviceGuarded<float> gx(x), gy(dy), gw(w);
+
+  // Fused: accumulate with a bf16 copy, and overwrite.
+  DeviceGuarded<float> acc(dres0), acc_dw(dw0), over(n);
+  DeviceGuarded<uint16_t> acc_bf(n), over_bf(n);
+  rmsnorm_bwd_res_cuda(ctx, acc.get(), acc_bf.get(), true, acc_dw.get(), gy.get(), gx.get(),
+                       gw.get(), R, D, eps);
+  rmsnorm_bwd_res_cuda(ctx, over.get(), over_bf.get(), false, nullptr, gy.get(), gx.get(), gw.get(),
+                       R, D, eps);
+  EXPECT_LT(rel_error(acc.download(), acc_ref), tol::kF32);
+  EXPECT_LT(rel_error(from_bf16(acc_bf.download()), acc_ref), tol::kBf16);
+  EXPECT_LT(rel_error(over.download(), dx_ref), tol::kF32);
+  EXPECT_LT(rel_error(acc_dw.download(), dw_ref), tol::kF32);
+  EXPECT_TRUE(same_bits(acc_bf.download(), to_bf16(acc.download())));
+  EXPECT_TRUE(same_bits(over_bf.download(), to_bf16(over.download())));
+  EXPECT_TRUE(acc.guard_intact() && acc_bf.guard_intact() && over.guard_intact() &&
+              over_bf.guard_intact() && acc_dw.guard_intact());
+
+  // The unfused chain gives the same bits.
+  DeviceGuarded<float> tmp(n), chain(dres0), chain_dw(dw0);
+  DeviceGuarded<uint16_t> chain_bf(n);
+  rmsnorm_bwd_cuda(ctx, tmp.get(), chain_dw.get(), gy.get(), gx.get(), gw.get(), R, D, eps);
+  residual_accumulate_cuda(ctx, chain.get(), tmp.get(), static_cast<int64_t>(n));
+  cast_cuda(ctx, chain_bf.get(), chain.get(), static_cast<int64_t>(n));
+  EXPECT_TRUE(same_bits(acc.download(), chain.download()));
+  EXPECT_TRUE(same_bits(acc_bf.download(), chain_bf.download()));
+  EXPECT_TRUE(same_bits(acc_dw.download(), chain_dw.download()));
+  EXPECT_TRUE(same_bits(over.download(), tmp.download()));
+
+  // No dres: the weight gradient alone, the same bits.
+  DeviceGuarded<float> only_dw(dw0);
+  rmsnorm_bwd_res_cuda(ctx, nullptr, nullptr, true, only_dw.get(), gy.get(), gx.get(), gw.get(), R,
+                       D, eps);
+  EXPECT_TRUE(same_bits(only_dw.download(), acc_dw.download()));
+}
+
 }  // namespace
+
+TEST(RmsNormCuda, BackwardFusedWithTheResidualGradient) {
+  DFLASH_REQUIRE_GPU();
+  run_res(1, 384, 11);
+  run_res(17, 1000, 12);
+  run_res(129, 4096, 13);
+}
 
 TEST(RmsNormCuda, FullWidth) {
   DFLASH_REQUIRE_GPU();

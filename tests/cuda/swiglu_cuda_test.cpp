@@ -1,5 +1,7 @@
 // CUDA SwiGLU vs swiglu_fwd_cpu/swiglu_bwd_cpu: fused [T, 2I] gate|up (ld_in = 2I) and separate
-// arrays (ld_in = I), fp32 and bf16, guard bytes.
+// arrays (ld_in = I), fp32 and bf16, guard bytes; the bf16 vector path (I and ld multiples of 8,
+// 16-byte aligned rows) against the scalar path (the same data one element off alignment), bit for
+// bit.
 #include "backend/cuda/context.hpp"
 #include "cuda/cuda_test_util.hpp"
 #include "cuda/tolerances.hpp"
@@ -53,4 +55,29 @@ TEST(SwigluCuda, MatchesCpu) {
   run(17, 129, false, 2);
   run(129, 1000, true, 3);
   run(1000, 256, false, 4);
+}
+
+TEST(SwigluCuda, VectorAndScalarPathsGiveTheSameBits) {
+  DFLASH_REQUIRE_GPU();
+  cuda::CudaContext ctx(0);
+  const int64_t T = 33, I = 1024, ld = 2 * I;
+  const size_t n = static_cast<size_t>(T * ld), ny = static_cast<size_t>(T * I);
+  const auto in = to_bf16(randn(n, 21, 3.0f)), dy = to_bf16(randn(ny, 22));
+  // The same values at offset 0 (vector path) and at offset 1 (scalar path).
+  std::vector<uint16_t> in1(n + 1, 0), dy1(ny + 1, 0);
+  std::copy(in.begin(), in.end(), in1.begin() + 1);
+  std::copy(dy.begin(), dy.end(), dy1.begin() + 1);
+  DeviceGuarded<uint16_t> a(in), ady(dy), ay(ny), adg(n);
+  DeviceGuarded<uint16_t> b(in1), bdy(dy1), by(ny + 1), bdg(n + 1);
+  swiglu_fwd_cuda(ctx, ay.get(), a.get(), a.get() + I, T, I, ld);
+  swiglu_bwd_cuda(ctx, adg.get(), adg.get() + I, ady.get(), a.get(), a.get() + I, T, I, ld);
+  swiglu_fwd_cuda(ctx, by.get() + 1, b.get() + 1, b.get() + 1 + I, T, I, ld);
+  swiglu_bwd_cuda(ctx, bdg.get() + 1, bdg.get() + 1 + I, bdy.get() + 1, b.get() + 1,
+                  b.get() + 1 + I, T, I, ld);
+  auto from1 = [](std::vector<uint16_t> v) {
+    return std::vector<uint16_t>(v.begin() + 1, v.end());
+  };
+  EXPECT_TRUE(same_bits(ay.download(), from1(by.download())));
+  EXPECT_TRUE(same_bits(adg.download(), from1(bdg.download())));
+  EXPECT_TRUE(ay.guard_intact() && adg.guard_intact() && by.guard_intact() && bdg.guard_intact());
 }

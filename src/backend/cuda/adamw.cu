@@ -5,8 +5,8 @@
 // bit-identical to adamw_step_cpu (backend/cpu/adamw.cpp). No fmt in this file (nvcc).
 #include <cmath>
 
+#include "backend/cuda/adamw_launch.hpp"
 #include "backend/cuda/common.cuh"
-#include "backend/cuda/launch.hpp"
 
 namespace dflash::cuda {
 namespace {
@@ -35,7 +35,7 @@ __global__ void adamw_kernel(const AdamWSegment* segs, float b1, float b2, float
   }
 }
 
-// Pass 1: block b of segment s sums g² over i ≡ b·256 + tid (mod 64·256), in double.
+// Pass 1: block b of segment s sums g² over i ≡ b·256 + tid (mod kSumsqBlocks·256), in double.
 __global__ void sumsq_part_kernel(double* partials, const AdamWSegment* segs) {
   __shared__ double sh[32];
   const AdamWSegment sg = segs[blockIdx.y];

@@ -1,13 +1,13 @@
 // dflash.cpp — checked CUDA entry points of AdamW, the gradient norm, the clip factor and the non-
 // finite check (contract: src/ops/adamw.hpp). Each checks sizes and pointers (errors name the entry
 // point and the bad value), takes any scratch from the context's caching allocator and runs a raw
-// launcher of backend/cuda/adamw.cu (declared in launch.hpp) on the context's stream. Templates are
-// instantiated at the end for float and uint16_t (bf16 bits).
+// launcher of backend/cuda/adamw.cu (declared in adamw_launch.hpp) on the context's stream.
+// Templates are instantiated at the end for float and uint16_t (bf16 bits).
 #include <cmath>
 
+#include "backend/cuda/adamw_launch.hpp"
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/entry.hpp"
-#include "backend/cuda/launch.hpp"
 #include "core/error.hpp"
 #include "ops/adamw.hpp"
 

@@ -17,8 +17,8 @@
 // includes it and the backward needs no change.
 #include <cmath>
 
+#include "backend/cuda/attention_launch.hpp"
 #include "backend/cuda/common.cuh"
-#include "backend/cuda/launch.hpp"
 
 namespace dflash::cuda {
 namespace {

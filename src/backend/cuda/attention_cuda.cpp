@@ -2,13 +2,13 @@
 // kernels (contract: src/ops/attention.hpp). Each checks sizes and pointers (errors name the entry
 // point and the bad value), takes any scratch from the context's caching allocator and runs a raw
 // launcher of backend/cuda/attention.cu (CUDA cores) or attention_tc.cu (tensor cores) (declared in
-// launch.hpp) on the context's stream.
+// attention_launch.hpp) on the context's stream.
 #include <algorithm>
 #include <cmath>
 
+#include "backend/cuda/attention_launch.hpp"
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/entry.hpp"
-#include "backend/cuda/launch.hpp"
 #include "core/error.hpp"
 #include "ops/attention.hpp"
 

@@ -1,8 +1,8 @@
 // dflash.cpp — launchers of the tensor-core attention kernels (src/backend/cuda/attention_tc.cuh:
 // the work split, tiles and numerics are described there). Forward: one kernel. Backward: Δ, then
 // dq per query item, then the key-tile spans and dk/dv per key tile; all on one stream.
+#include "backend/cuda/attention_launch.hpp"
 #include "backend/cuda/attention_tc.cuh"
-#include "backend/cuda/launch.hpp"
 
 namespace dflash::cuda {
 namespace {

@@ -1,7 +1,7 @@
 // dflash.cpp — CUDA kernel of the element type conversion (semantics: src/ops/cast.hpp): f32 <->
 // bf16 or a same-type copy, grid-stride, rounding as core/dtype.hpp. No fmt in this file (nvcc).
+#include "backend/cuda/cast_launch.hpp"
 #include "backend/cuda/common.cuh"
-#include "backend/cuda/launch.hpp"
 
 namespace dflash::cuda {
 namespace {

@@ -1,11 +1,11 @@
 // dflash.cpp — checked CUDA entry points of the element type conversion (contract:
 // src/ops/cast.hpp). Each checks sizes and pointers (errors name the entry point and the bad
 // value), takes any scratch from the context's caching allocator and runs a raw launcher of
-// backend/cuda/cast.cu (declared in launch.hpp) on the context's stream. Templates are instantiated
-// at the end for float and uint16_t (bf16 bits).
+// backend/cuda/cast.cu (declared in cast_launch.hpp) on the context's stream. Templates are
+// instantiated at the end for float and uint16_t (bf16 bits).
+#include "backend/cuda/cast_launch.hpp"
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/entry.hpp"
-#include "backend/cuda/launch.hpp"
 #include "core/error.hpp"
 #include "ops/cast.hpp"
 

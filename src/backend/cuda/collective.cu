@@ -2,8 +2,8 @@
 // rank reduces its own chunk of every rank's buffer, in rank order, and writes the sum back into
 // every buffer. Plain f32 adds with round-to-nearest intrinsics (no contraction), so the result is
 // a pure function of the inputs and identical in every buffer.
+#include "backend/cuda/collective_launch.hpp"
 #include "backend/cuda/common.cuh"
-#include "backend/cuda/launch.hpp"
 
 namespace dflash::cuda {
 namespace {

@@ -52,6 +52,40 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+/// 1/sqrt(mean_j x_j² + eps) of one row x[0, D), computed by the calling warp (lane l sums
+/// j = l, l + 32, … in order, then warp_sum): every lane gets it. The RMSNorm kernels' statistic
+/// (rmsnorm.cu, and the fused RMSNorm + RoPE of rope.cu, which must round the same way).
+/// The loads run four columns ahead of the sums (the same order of additions as one at a time).
+template <typename X>
+__device__ __forceinline__ float row_rstd(const X* x, int64_t D, float eps) {
+  float ss = 0.f;
+  int64_t j = threadIdx.x & 31;
+  for (; j + 96 < D; j += 128) {
+    const float a = to_f32(x[j]), b = to_f32(x[j + 32]), c = to_f32(x[j + 64]),
+                d = to_f32(x[j + 96]);
+    ss += a * a;
+    ss += b * b;
+    ss += c * c;
+    ss += d * d;
+  }
+  for (; j < D; j += 32) {
+    const float v = to_f32(x[j]);
+    ss += v * v;
+  }
+  ss = warp_sum(ss);
+  return 1.0f / sqrtf(ss / static_cast<float>(D) + eps);
+}
+
+/// Calls f(j0, j1, j2, j3) for the calling lane's columns of a row of D, j = lane + 32·k, four at
+/// a time, then f1(j) for the rest: a row loop whose body loads four columns before it uses
+/// them (memory-level parallelism for the one-warp-per-row kernels).
+template <typename F4, typename F1>
+__device__ __forceinline__ void lane_cols(int64_t D, F4&& f4, F1&& f1) {
+  int64_t j = threadIdx.x & 31;
+  for (; j + 96 < D; j += 128) f4(j, j + 32, j + 64, j + 96);
+  for (; j < D; j += 32) f1(j);
+}
+
 /// Sum over the block (blockDim.x a multiple of 32, ≤ 1024) in a fixed order; every thread gets the
 /// result. `sh` holds at least 32 values.
 template <typename S>

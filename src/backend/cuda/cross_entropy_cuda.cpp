@@ -7,9 +7,9 @@
 #include <cmath>
 
 #include "backend/cuda/context.hpp"
+#include "backend/cuda/cross_entropy_launch.hpp"
 #include "backend/cuda/entry.hpp"
 #include "backend/cuda/gemm.hpp"
-#include "backend/cuda/launch.hpp"
 #include "core/error.hpp"
 #include "ops/cross_entropy.hpp"
 

@@ -2,7 +2,7 @@
 // per token row, fp32 arithmetic whatever the storage type; an id outside [0, V) writes a quiet NaN
 // row (the checked entry point cannot see device ids). No fmt in this file (nvcc).
 #include "backend/cuda/common.cuh"
-#include "backend/cuda/launch.hpp"
+#include "backend/cuda/embedding_launch.hpp"
 
 namespace dflash::cuda {
 namespace {

@@ -2,7 +2,7 @@
 // and the same two fp32 roundings as the CPU, so both give the same bits for the same
 // (seed, index). No fmt in this file (nvcc).
 #include "backend/cuda/common.cuh"
-#include "backend/cuda/launch.hpp"
+#include "backend/cuda/fill_launch.hpp"
 
 namespace dflash::cuda {
 namespace {

@@ -1,12 +1,12 @@
 // dflash.cpp — checked CUDA entry points of the uniform fill (contract: src/ops/fill.hpp). Each
 // checks sizes and pointers (errors name the entry point and the bad value), takes any scratch from
 // the context's caching allocator and runs a raw launcher of backend/cuda/fill.cu (declared in
-// launch.hpp) on the context's stream.
+// fill_launch.hpp) on the context's stream.
 #include <cmath>
 
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/entry.hpp"
-#include "backend/cuda/launch.hpp"
+#include "backend/cuda/fill_launch.hpp"
 #include "core/error.hpp"
 #include "ops/fill.hpp"
 

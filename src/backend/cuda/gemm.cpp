@@ -38,9 +38,9 @@ uint32_t alignment_of(const void* p) {
 
 }  // namespace
 
-void gemm_bf16(CudaContext& ctx, void* c, DType c_dtype, int64_t ldc, const uint16_t* a,
+void gemm_bf16(CudaContext& ctx, void* d, DType c_dtype, int64_t ldc, const uint16_t* a,
                int64_t lda, bool trans_a, const uint16_t* b, int64_t ldb, bool trans_b, int64_t M,
-               int64_t N, int64_t K, float alpha, float beta) {
+               int64_t N, int64_t K, float alpha, float beta, const void* c_in) {
   const std::string what =
       fmt::format("gemm M={} N={} K={} lda={} ldb={} ldc={} ta={} tb={} out={}", M, N, K, lda, ldb,
                   ldc, trans_a, trans_b, dtype_name(c_dtype));
@@ -50,8 +50,16 @@ void gemm_bf16(CudaContext& ctx, void* c, DType c_dtype, int64_t ldc, const uint
   if (M == 0 || N == 0) return;
   DFLASH_CHECK(lda >= (trans_a ? M : K) && ldb >= (trans_b ? K : N) && ldc >= N,
                "leading dimension too small: {}", what);
-  DFLASH_CHECK(a && b && c, "null pointer: {}", what);
-  const uint32_t al_a = alignment_of(a), al_b = alignment_of(b), al_c = alignment_of(c);
+  DFLASH_CHECK(a && b && d, "null pointer: {}", what);
+  const void* c = c_in ? c_in : d;
+  if (c != d) {  // C must not overlap D (cuBLASLt reads C while it writes D)
+    const size_t elem = c_dtype == DType::f32 ? 4 : 2;
+    const size_t span = (static_cast<size_t>(M - 1) * ldc + N) * elem;
+    const auto cu = reinterpret_cast<uintptr_t>(c), du = reinterpret_cast<uintptr_t>(d);
+    DFLASH_CHECK(cu + span <= du || du + span <= cu, "C overlaps D (not in place): {}", what);
+  }
+  const uint32_t al_a = alignment_of(a), al_b = alignment_of(b),
+                 al_c = std::min(alignment_of(c), alignment_of(d));
   const std::string key = fmt::format("{}|{}|{}|{}|{}|{}", what, beta != 0.0f, al_a, al_b, al_c,
                                       ctx.workspace_bytes());
   auto& plans = ctx.gemm_plans();
@@ -106,7 +114,7 @@ void gemm_bf16(CudaContext& ctx, void* c, DType c_dtype, int64_t ldc, const uint
     it = plans.emplace(key, std::move(plan)).first;
   }
   const GemmPlan& p = *it->second;
-  LT_CHECK(cublasLtMatmul(ctx.cublaslt(), p.op, &alpha, b, p.a, a, p.b, &beta, c, p.c, c, p.c,
+  LT_CHECK(cublasLtMatmul(ctx.cublaslt(), p.op, &alpha, b, p.a, a, p.b, &beta, c, p.c, d, p.c,
                           &p.algo, ctx.workspace(), ctx.workspace_bytes(), ctx.stream()),
            what);
 }

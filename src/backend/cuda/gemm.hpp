@@ -27,13 +27,17 @@ struct GemmPlan {
   ~GemmPlan();
 };
 
-/// C[M,N] = alpha·op(A)·op(B) + beta·C, all row-major: op(A) is [M,K] (A stored [M,K] with
+/// D[M,N] = alpha·op(A)·op(B) + beta·C, all row-major: op(A) is [M,K] (A stored [M,K] with
 /// leading dimension lda, or [K,M] when trans_a), op(B) is [K,N] (B stored [K,N], or [N,K] when
-/// trans_b). A and B are bf16 (raw bits); C is `c_dtype` (f32 or bf16) with leading dimension ldc;
-/// accumulation and alpha/beta are fp32. M, N or K may be 1; M = 0 or N = 0 does nothing.
-/// Throws dflash::Error (naming the sizes) on bad arguments or when cuBLASLt finds no algorithm.
-void gemm_bf16(CudaContext& ctx, void* c, DType c_dtype, int64_t ldc, const uint16_t* a,
+/// trans_b). A and B are bf16 (raw bits); D (`d`) and C are `c_dtype` (f32 or bf16) with the same
+/// leading dimension ldc; accumulation and alpha/beta are fp32. C is `c_in` when given (read only,
+/// same layout as D, must not overlap D: the residual stream y = x + A·B in the GEMM's epilogue
+/// instead of a copy of x before an in-place update), else D itself (in place); C is not read when
+/// beta = 0. M, N or K may be 1; M = 0 or N = 0 does nothing. Throws dflash::Error (naming the
+/// sizes) on bad arguments or when cuBLASLt finds no algorithm.
+void gemm_bf16(CudaContext& ctx, void* d, DType c_dtype, int64_t ldc, const uint16_t* a,
                int64_t lda, bool trans_a, const uint16_t* b, int64_t ldb, bool trans_b, int64_t M,
-               int64_t N, int64_t K, float alpha = 1.0f, float beta = 0.0f);
+               int64_t N, int64_t K, float alpha = 1.0f, float beta = 0.0f,
+               const void* c_in = nullptr);
 
 }  // namespace dflash::cuda

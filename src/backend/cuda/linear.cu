@@ -2,7 +2,7 @@
 // every row of a GEMM's output (semantics: src/ops/linear.hpp). Elementwise, one thread per
 // element, fp32 arithmetic, bf16 outputs rounded as core/dtype.hpp. No fmt in this file (nvcc).
 #include "backend/cuda/common.cuh"
-#include "backend/cuda/launch.hpp"
+#include "backend/cuda/linear_launch.hpp"
 
 namespace dflash::cuda {
 namespace {

@@ -6,7 +6,7 @@
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/entry.hpp"
 #include "backend/cuda/gemm.hpp"
-#include "backend/cuda/launch.hpp"
+#include "backend/cuda/linear_launch.hpp"
 #include "core/error.hpp"
 #include "ops/linear.hpp"
 
@@ -31,6 +31,18 @@ void linear_fwd_acc_cuda(cuda::CudaContext& ctx, Y* y, const uint16_t* x, const 
   // y[T,OUT] += x[T,IN] · W[OUT,IN]ᵀ
   cuda::gemm_bf16(ctx, y, cuda::dtype_of<Y>(), OUT, x, IN, false, w_bf16, IN, true, T, OUT, IN,
                   1.0f, 1.0f);
+}
+
+template <typename Y>
+void linear_fwd_res_cuda(cuda::CudaContext& ctx, Y* y, const Y* res, const uint16_t* x,
+                         const uint16_t* w_bf16, int64_t T, int64_t IN, int64_t OUT) {
+  DFLASH_CHECK(T >= 0 && IN > 0 && OUT > 0, "linear_fwd_res_cuda: bad sizes T={} IN={} OUT={}", T,
+               IN, OUT);
+  if (T == 0) return;
+  DFLASH_CHECK(res, "linear_fwd_res_cuda: null residual");
+  // y[T,OUT] = res[T,OUT] + x[T,IN] · W[OUT,IN]ᵀ
+  cuda::gemm_bf16(ctx, y, cuda::dtype_of<Y>(), OUT, x, IN, false, w_bf16, IN, true, T, OUT, IN,
+                  1.0f, 1.0f, res);
 }
 
 template <typename Y>
@@ -84,6 +96,8 @@ void linear_bwd_dx_acc_cuda(cuda::CudaContext& ctx, DX* dx, const uint16_t* dy,
                                 int64_t, int64_t);                                                 \
   template void linear_fwd_acc_cuda(cuda::CudaContext&, T*, const uint16_t*, const uint16_t*,      \
                                     int64_t, int64_t, int64_t);                                    \
+  template void linear_fwd_res_cuda(cuda::CudaContext&, T*, const T*, const uint16_t*,             \
+                                    const uint16_t*, int64_t, int64_t, int64_t);                   \
   template void linear_bwd_cuda(cuda::CudaContext&, T*, float*, const uint16_t*, const uint16_t*,  \
                                 const uint16_t*, int64_t, int64_t, int64_t);                       \
   template void linear_bwd_dx_acc_cuda(cuda::CudaContext&, T*, const uint16_t*, const uint16_t*,   \

@@ -7,7 +7,7 @@
 #include <cmath>
 
 #include "backend/cuda/common.cuh"
-#include "backend/cuda/launch.hpp"
+#include "backend/cuda/loss_weights_launch.hpp"
 #include "ops/loss_weights.hpp"
 
 namespace dflash::cuda {

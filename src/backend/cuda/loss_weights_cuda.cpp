@@ -1,7 +1,7 @@
 // dflash.cpp — checked CUDA entry points of ops/loss_weights.hpp (sizes and pointers checked here,
 // the kernels in loss_weights.cu).
 #include "backend/cuda/context.hpp"
-#include "backend/cuda/launch.hpp"
+#include "backend/cuda/loss_weights_launch.hpp"
 #include "core/error.hpp"
 #include "ops/loss_weights.hpp"
 

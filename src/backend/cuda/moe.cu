@@ -18,7 +18,7 @@
 #include <cmath>
 
 #include "backend/cuda/common.cuh"
-#include "backend/cuda/launch.hpp"
+#include "backend/cuda/moe_launch.hpp"
 
 namespace dflash::cuda {
 namespace {

@@ -6,7 +6,7 @@
 #include <type_traits>
 
 #include "backend/cuda/context.hpp"
-#include "backend/cuda/launch.hpp"
+#include "backend/cuda/moe_launch.hpp"
 #include "core/error.hpp"
 #include "ops/moe.hpp"
 

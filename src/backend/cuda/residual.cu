@@ -2,7 +2,7 @@
 // y += b, elementwise, grid-stride, fp32 arithmetic, bf16 stores rounded as core/dtype.hpp.
 // No fmt in this file (nvcc).
 #include "backend/cuda/common.cuh"
-#include "backend/cuda/launch.hpp"
+#include "backend/cuda/residual_launch.hpp"
 
 namespace dflash::cuda {
 namespace {

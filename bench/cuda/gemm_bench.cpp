@@ -1,0 +1,202 @@
+// Every cuBLASLt GEMM shape of one training step at the reference batch (`dflash bench --preset
+// qwen3-8b`: Qwen3-8B target, 5-layer drafter, 4 × 2,048 context tokens, 2,048 blocks of 16), timed
+// alone through gemm_bf16 exactly as the ops call it (same transposes, output dtype, beta, C ≠ D
+// for the residual epilogue), with the plan's algorithm (tile, stages, split-K, CTA swizzle) and
+// the TFLOP/s against the 825 TFLOP/s ceiling. Then the heuristic's other candidates for the same
+// descriptors (up to 8, deterministic reduction schemes only) are timed too: a candidate more
+// than 3 % faster than the chosen one is printed, the evidence for or against choosing plans by
+// measurement. GPU time from CUDA events: the median of 9 runs after 2 warm-up runs.
+//
+//     build/bench/gemm_bench            (one H200: about 20 s)
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/check.hpp"
+#include "backend/cuda/context.hpp"
+#include "backend/cuda/device.hpp"
+#include "backend/cuda/gemm.hpp"
+#include "core/dtype.hpp"
+#include "core/error.hpp"
+#include "ops/fill.hpp"
+
+using namespace dflash;
+
+namespace {
+
+constexpr double kPeakTflops = 825.0;
+constexpr int kWarmup = 2, kRuns = 9;
+
+// One GEMM of the step: D[M,N] = op(A)·op(B) (+ C), as gemm_bf16's arguments.
+struct Case {
+  const char* name;
+  int64_t M, N, K;
+  bool trans_a, trans_b;
+  DType out;
+  float beta;
+  bool c_separate;  // C ≠ D (the residual epilogue of linear_fwd_res_cuda)
+  int per_step;     // calls per training step (target 34 layers, drafter 5)
+};
+
+// Sizes of the reference batch.
+constexpr int64_t T = 8192, NK = 32768, TK = T + NK, H = 4096, I = 12288, QD = 4096, KD = 1024;
+constexpr int64_t F = 5 * H, V = 151936, CE = 8192;
+constexpr DType f32 = DType::f32, bf = DType::bf16;
+
+// linear_fwd: y[T,OUT] = x·Wᵀ → (M T, N OUT, K IN, ta false, tb true).
+// linear_bwd dx: dx[T,IN] = dy·W → (T, IN, OUT, false, false); dW[OUT,IN] += dyᵀ·x → (OUT, IN, T,
+// true, false, f32, beta 1).
+const std::vector<Case> kCases = {
+    {"target q_proj", T, QD, H, false, true, bf, 0, false, 34},
+    {"target k/v_proj", T, KD, H, false, true, bf, 0, false, 68},
+    {"target o_proj (+= stream)", T, H, QD, false, true, f32, 1, false, 34},
+    {"target gate|up", T, 2 * I, H, false, true, bf, 0, false, 34},
+    {"target down (+= stream)", T, H, I, false, true, f32, 1, false, 34},
+    {"drafter fc", T, H, F, false, true, f32, 0, false, 1},
+    {"drafter q_proj", NK, QD, H, false, true, bf, 0, false, 5},
+    {"drafter k/v_proj", TK, KD, H, false, true, bf, 0, false, 10},
+    {"drafter o_proj (res epilogue)", NK, H, QD, false, true, f32, 1, true, 5},
+    {"drafter gate|up", NK, 2 * I, H, false, true, bf, 0, false, 5},
+    {"drafter down (res epilogue)", NK, H, I, false, true, f32, 1, true, 5},
+    {"CE logits chunk", CE, V, H, false, true, f32, 0, false, 4},
+    {"CE d_hidden chunk", CE, H, V, false, false, f32, 0, false, 4},
+    {"bwd down dx", NK, I, H, false, false, bf, 0, false, 5},
+    {"bwd down dW", H, I, NK, true, false, f32, 1, false, 5},
+    {"bwd gate|up dx", NK, H, 2 * I, false, false, f32, 0, false, 5},
+    {"bwd gate|up dW", 2 * I, H, NK, true, false, f32, 1, false, 5},
+    {"bwd o_proj dx", NK, QD, H, false, false, bf, 0, false, 5},
+    {"bwd o_proj dW", H, QD, NK, true, false, f32, 1, false, 5},
+    {"bwd k_proj dx", TK, H, KD, false, false, f32, 0, false, 5},
+    {"bwd v_proj dx (+=)", TK, H, KD, false, false, f32, 1, false, 5},
+    {"bwd q_proj dx (+=)", NK, H, QD, false, false, f32, 1, false, 5},
+    {"bwd k/v_proj dW", KD, H, TK, true, false, f32, 1, false, 10},
+    {"bwd q_proj dW", QD, H, NK, true, false, f32, 1, false, 5},
+    {"bwd fc dW", H, F, T, true, false, f32, 1, false, 1},
+};
+
+float median_ms(cudaStream_t s, const std::function<void()>& fn) {
+  cudaEvent_t a, b;
+  DFLASH_CUDA_CHECK(cudaEventCreate(&a));
+  DFLASH_CUDA_CHECK(cudaEventCreate(&b));
+  for (int i = 0; i < kWarmup; ++i) fn();
+  std::vector<float> ms;
+  for (int i = 0; i < kRuns; ++i) {
+    DFLASH_CUDA_CHECK(cudaEventRecord(a, s));
+    fn();
+    DFLASH_CUDA_CHECK(cudaEventRecord(b, s));
+    DFLASH_CUDA_CHECK(cudaEventSynchronize(b));
+    float t = 0;
+    DFLASH_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+template <typename V>
+V algo_attr(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
+  V v{};
+  size_t written = 0;
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof v, &written);
+  return v;
+}
+
+std::string algo_string(const cublasLtMatmulAlgo_t& algo) {
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "id %d tile %u stages %u splitK %d swizzle %u",
+                algo_attr<int32_t>(algo, CUBLASLT_ALGO_CONFIG_ID),
+                algo_attr<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
+                algo_attr<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID),
+                algo_attr<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+                algo_attr<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING));
+  return buf;
+}
+
+}  // namespace
+
+int main() {
+  if (cuda::device_count() == 0) {
+    std::fprintf(stderr, "gemm_bench: no CUDA device\n");
+    return 1;
+  }
+  cuda::CudaContext ctx(0);
+  // Operand buffers sized for the largest case of each role.
+  size_t max_a = 0, max_b = 0, max_c = 0;
+  for (const Case& c : kCases) {
+    max_a = std::max(max_a, static_cast<size_t>(c.M * c.K));
+    max_b = std::max(max_b, static_cast<size_t>(c.K * c.N));
+    max_c = std::max(max_c, static_cast<size_t>(c.M * c.N));
+  }
+  cuda::DeviceBuffer a = ctx.scratch(max_a * 2), b = ctx.scratch(max_b * 2);
+  cuda::DeviceBuffer c = ctx.scratch(max_c * 4), c_in = ctx.scratch(max_c * 4);
+  fill_uniform_cuda(ctx, a.as<uint16_t>(), static_cast<int64_t>(max_a), 0.0f, 0.05f, 1);
+  fill_uniform_cuda(ctx, b.as<uint16_t>(), static_cast<int64_t>(max_b), 0.0f, 0.05f, 2);
+  DFLASH_CUDA_CHECK(cudaMemsetAsync(c.data(), 0, max_c * 4, ctx.stream()));
+  DFLASH_CUDA_CHECK(cudaMemsetAsync(c_in.data(), 0, max_c * 4, ctx.stream()));
+  ctx.synchronize();
+
+  std::printf("%-30s %6s %6s %6s %2s %4s %4s %9s %8s %6s %9s  %s\n", "gemm", "M", "N", "K", "ta",
+              "out", "beta", "ms", "TFLOP/s", "%825", "ms/step", "cuBLASLt plan");
+  double step_ms = 0, step_tflop = 0;
+  for (const Case& k : kCases) {
+    const int64_t lda = k.trans_a ? k.M : k.K, ldb = k.trans_b ? k.K : k.N, ldc = k.N;
+    auto run = [&] {
+      cuda::gemm_bf16(ctx, c.data(), k.out, ldc, a.as<uint16_t>(), lda, k.trans_a,
+                      b.as<uint16_t>(), ldb, k.trans_b, k.M, k.N, k.K, 1.0f, k.beta,
+                      k.c_separate ? c_in.data() : nullptr);
+    };
+    ctx.gemm_plans().clear();
+    const float ms = median_ms(ctx.stream(), run);
+    const double tflop = 2.0 * k.M * k.N * k.K / 1e12;
+    const cuda::GemmPlan& plan = *ctx.gemm_plans().begin()->second;
+    std::printf("%-30s %6ld %6ld %6ld %2d %4s %4.0f %9.3f %8.0f %6.1f %9.2f  %s\n", k.name, k.M,
+                k.N, k.K, k.trans_a ? 1 : 0, k.out == f32 ? "f32" : "bf16", k.beta, ms,
+                tflop / ms * 1e3, 100.0 * tflop / ms * 1e3 / kPeakTflops, ms * k.per_step,
+                algo_string(plan.algo).c_str());
+    step_ms += ms * k.per_step;
+    step_tflop += tflop * k.per_step;
+
+    // The heuristic's other candidates for the same descriptors (deterministic schemes only).
+    cublasLtMatmulPreference_t pref = nullptr;
+    DFLASH_CHECK(cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS, "preference");
+    const uint64_t ws = ctx.workspace_bytes();
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                         sizeof ws);
+    const uint32_t schemes =
+        CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE | CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE;
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                                         &schemes, sizeof schemes);
+    cublasLtMatmulHeuristicResult_t res[8];
+    int found = 0;
+    cublasLtMatmulAlgoGetHeuristic(ctx.cublaslt(), plan.op, plan.a, plan.b, plan.c, plan.c, pref,
+                                   8, res, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    float best = ms;
+    int best_i = -1;
+    const float alpha = 1.0f, beta = k.beta;
+    for (int i = 1; i < found; ++i) {  // res[0] is the plan's own choice
+      if (res[i].state != CUBLAS_STATUS_SUCCESS || res[i].workspaceSize > ws) continue;
+      const void* cp = k.c_separate ? c_in.data() : c.data();
+      const float t = median_ms(ctx.stream(), [&] {
+        cublasLtMatmul(ctx.cublaslt(), plan.op, &alpha, b.data(), plan.a, a.data(), plan.b, &beta,
+                       cp, plan.c, c.data(), plan.c, &res[i].algo, ctx.workspace(), ws,
+                       ctx.stream());
+      });
+      if (t < best) best = t, best_i = i;
+    }
+    if (best_i >= 0 && best < 0.97f * ms)
+      std::printf("%-30s   candidate %d of %d is faster: %.3f ms (%.0f TFLOP/s), %s\n", "",
+                  best_i, found, best, tflop / best * 1e3, algo_string(res[best_i].algo).c_str());
+  }
+  std::printf("sum over one step's GEMMs: %.1f ms, %.1f TFLOP, %.0f TFLOP/s (%.1f %% of %.0f)\n",
+              step_ms, step_tflop, step_tflop / step_ms * 1e3,
+              100.0 * step_tflop / step_ms * 1e3 / kPeakTflops, kPeakTflops);
+  return 0;
+}
