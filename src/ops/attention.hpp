@@ -49,6 +49,8 @@ enum class AttnCudaKernels {
   tensor_core,  ///< bf16 mma.sync tiles (src/backend/cuda/attention_tc.cu): the default
   ffma,         ///< the first CUDA-core version (src/backend/cuda/attention.cu), kept as a
                 ///< cross-check of the tensor-core kernels
+  wgmma,        ///< Hopper forward (src/backend/cuda/attention_wgmma.cu: wgmma, sm_90 only; an
+                ///< error on any other device); its backward is the tensor_core one
 };
 
 /// Sizes and softmax scale of one attention call.
@@ -116,6 +118,9 @@ class CudaContext;
 /// CUDA attention_window_ranges over DEVICE arrays (graph-capturable; out may alias in).
 void attention_window_ranges_cuda(cuda::CudaContext& ctx, AttnRange* out, const AttnRange* in,
                                   int64_t T, int64_t window);
+
+/// True when ctx's device can run the wgmma kernels (AttnCudaKernels::wgmma): an sm_90 GPU.
+bool attention_wgmma_available_cuda(cuda::CudaContext& ctx);
 
 /// CUDA forward: q, k, v, o bf16 (raw bits), lse f32 [NH, Tq] (may be null), `ranges` [Tq] a
 /// DEVICE array. D must be 64 or 128. p.kernels picks the kernels: tensor_core

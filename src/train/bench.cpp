@@ -746,6 +746,18 @@ BenchReport run_bench(const BenchOptions& o) {
     attention_fwd_cuda(ctx, out.as<uint16_t>(), lse.as<float>(), q.as<uint16_t>(), k.as<uint16_t>(),
                        v.as<uint16_t>(), br, ap);
   });
+  // The Hopper forward (attention_wgmma.cu) on the same inputs, for comparison (not measured,
+  // NaN, on a device other than sm_90).
+  const bool wgmma = attention_wgmma_available_cuda(ctx);
+  AttnParams apw = ap;
+  apw.kernels = AttnCudaKernels::wgmma;
+  BenchKernel afw{"DFlash attn fwd (wgmma)", dshape, NAN, attn_flops,
+                  attn_flops / kPeakBf16Flops * 1e3};
+  if (wgmma)
+    afw.ms = time_kernel(ctx, o.kernel_reps, [&] {
+    attention_fwd_cuda(ctx, out.as<uint16_t>(), lse.as<float>(), q.as<uint16_t>(), k.as<uint16_t>(),
+                       v.as<uint16_t>(), br, apw);
+  });
   BenchKernel ab{"DFlash attention bwd", dshape, NAN, 2.5 * attn_flops,
                  2.5 * attn_flops / kPeakBf16Flops * 1e3};
   ab.ms = time_kernel(ctx, o.kernel_reps, [&] {
@@ -777,6 +789,15 @@ BenchReport run_bench(const BenchOptions& o) {
     attention_fwd_cuda(ctx, to.as<uint16_t>(), nullptr, tq.as<uint16_t>(), tk.as<uint16_t>(),
                        tv.as<uint16_t>(), static_cast<const AttnRange*>(tranges.dev), tp);
   });
+  AttnParams tpw = tp;
+  tpw.kernels = AttnCudaKernels::wgmma;
+  BenchKernel pfw{"causal prefill (wgmma)", pfk.shape, NAN, pf_flops,
+                  pf_flops / kPeakBf16Flops * 1e3};
+  if (wgmma)
+    pfw.ms = time_kernel(ctx, o.kernel_reps, [&] {
+    attention_fwd_cuda(ctx, to.as<uint16_t>(), nullptr, tq.as<uint16_t>(), tk.as<uint16_t>(),
+                       tv.as<uint16_t>(), static_cast<const AttnRange*>(tranges.dev), tpw);
+  });
   // The fused LM-head CE with its input gradient, over the step's block rows.
   const int64_t H = d.hidden_size, V = d.vocab_size;
   DeviceMemory hid(Tq * H * 2), dhid(Tq * H * 4), amax(Tq * 4), sums(16);
@@ -797,7 +818,7 @@ BenchReport run_bench(const BenchOptions& o) {
                              static_cast<const int32_t*>(labels.dev),
                              static_cast<const float*>(weights.dev), cp, ws, ws_bytes);
   });
-  r.kernels = {af, ab, pfk, ce};
+  r.kernels = {af, afw, ab, pfk, pfw, ce};
   ctx.synchronize();
   return r;
 }

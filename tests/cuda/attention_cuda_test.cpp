@@ -1,6 +1,6 @@
-// CUDA attention vs the CPU reference (fp32 on the same bf16-rounded inputs), for both kernel
-// families (tensor cores, FFMA): causal varlen with GQA, the DFlash two-range training pattern
-// (NaN in keys nobody sees), block verification over a KV cache; forward o and lse, backward
+// CUDA attention vs the CPU reference (fp32 on the same bf16-rounded inputs), for every kernel
+// family (tensor cores, FFMA, the Hopper wgmma forward): causal varlen with GQA, the DFlash
+// two-range training pattern (NaN in keys nobody sees), block verification over a KV cache; forward o and lse, backward
 // dq/dk/dv; odd shapes that are multiples of no tile; guard bytes; bit-reproducible forward and
 // backward (two runs, identical bits).
 #include <cmath>
@@ -21,7 +21,12 @@ namespace {
 using Case = AttnCase;
 
 const char* kernels_name(AttnCudaKernels k) {
-  return k == AttnCudaKernels::tensor_core ? "tensor_core" : "ffma";
+  switch (k) {
+    case AttnCudaKernels::tensor_core: return "tensor_core";
+    case AttnCudaKernels::ffma: return "ffma";
+    case AttnCudaKernels::wgmma: return "wgmma";
+  }
+  return "?";
 }
 
 void run_case_with(const Case& c, uint32_t seed, AttnCudaKernels kernels) {
@@ -93,9 +98,11 @@ void run_case_with(const Case& c, uint32_t seed, AttnCudaKernels kernels) {
   EXPECT_TRUE(same_bits(gv.download(), dv1));
 }
 
-// Both kernel families against the CPU reference.
+// Every kernel family against the CPU reference (wgmma: its forward; the backward it shares
+// with tensor_core runs on its o and lse).
 void run_case(const Case& c, uint32_t seed) {
-  for (AttnCudaKernels k : {AttnCudaKernels::tensor_core, AttnCudaKernels::ffma})
+  for (AttnCudaKernels k :
+       {AttnCudaKernels::tensor_core, AttnCudaKernels::ffma, AttnCudaKernels::wgmma})
     run_case_with(c, seed, k);
 }
 
@@ -190,7 +197,7 @@ TEST(AttentionCuda, TensorCoresRejectMisalignedArrays) {
                                      p));
 }
 
-TEST(AttentionCuda, TensorCoreSinksJoinTheSoftmax) {
+TEST(AttentionCuda, TensorCoreAndWgmmaSinksJoinTheSoftmax) {
   DFLASH_REQUIRE_GPU();
   // Per-head sink logits (gpt-oss) against the CPU forward without them: a sink adds e^{sink} to
   // each row's denominator, so o scales by 1 / (1 + e^{sink − lse}) and lse becomes
@@ -213,12 +220,16 @@ TEST(AttentionCuda, TensorCoreSinksJoinTheSoftmax) {
       for (int64_t d = 0; d < c.D; ++d) o_ref[static_cast<size_t>((t * c.NH + h) * c.D + d)] *= w;
       l = std::max(l, sk) + std::log1p(std::exp(-std::abs(l - sk)));
     }
-  DeviceGuarded<uint16_t> dq(q), dk(k), dv(v), o(nq);
-  DeviceGuarded<AttnRange> dr(c.ranges);
-  DeviceGuarded<float> ds(sinks), lse(lse_ref.size());
-  p.sinks = ds.get();
-  attention_fwd_cuda(ctx, o.get(), lse.get(), dq.get(), dk.get(), dv.get(), dr.get(), p);
-  EXPECT_LT(rel_error(from_bf16(o.download()), o_ref), tol::kAttnBf16);
-  EXPECT_LT(rel_error(lse.download(), lse_ref), tol::kLse);
-  EXPECT_TRUE(o.guard_intact() && lse.guard_intact());
+  for (AttnCudaKernels kernels : {AttnCudaKernels::tensor_core, AttnCudaKernels::wgmma}) {
+    SCOPED_TRACE(kernels_name(kernels));
+    DeviceGuarded<uint16_t> dq(q), dk(k), dv(v), o(nq);
+    DeviceGuarded<AttnRange> dr(c.ranges);
+    DeviceGuarded<float> ds(sinks), lse(lse_ref.size());
+    p.sinks = ds.get();
+    p.kernels = kernels;
+    attention_fwd_cuda(ctx, o.get(), lse.get(), dq.get(), dk.get(), dv.get(), dr.get(), p);
+    EXPECT_LT(rel_error(from_bf16(o.download()), o_ref), tol::kAttnBf16);
+    EXPECT_LT(rel_error(lse.download(), lse_ref), tol::kLse);
+    EXPECT_TRUE(o.guard_intact() && lse.guard_intact());
+  }
 }

@@ -2,10 +2,12 @@
 // kernels (contract: src/ops/attention.hpp). Each checks sizes and pointers (errors name the entry
 // point and the bad value), takes any scratch from the context's caching allocator and runs a raw
 // launcher of backend/cuda/attention.cu (CUDA cores) or attention_tc.cu (tensor cores) (declared in
-// launch.hpp) on the context's stream.
+// launch.hpp) or attention_wgmma.cu (Hopper forward, attention_wgmma.hpp) on the context's stream.
 #include <algorithm>
 #include <cmath>
 
+#include "backend/cuda/attention_wgmma.hpp"
+#include "backend/cuda/check.hpp"
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/entry.hpp"
 #include "backend/cuda/launch.hpp"
@@ -34,12 +36,30 @@ void attention_window_ranges_cuda(cuda::CudaContext& ctx, AttnRange* out, const 
   cuda::launch::attention_window_ranges(out, in, T, window, ctx.stream());
 }
 
+bool attention_wgmma_available_cuda(cuda::CudaContext& ctx) {
+  int major = 0;
+  DFLASH_CUDA_CHECK(
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ctx.device()));
+  return major == 9;
+}
+
 void attention_fwd_cuda(cuda::CudaContext& ctx, uint16_t* o, float* lse, const uint16_t* q,
                         const uint16_t* k, const uint16_t* v, const AttnRange* ranges,
                         const AttnParams& p) {
   check_attn("attention_fwd_cuda", p);
   if (p.Tq == 0) return;
   DFLASH_CHECK(o && q && ranges && (p.Tk == 0 || (k && v)), "attention_fwd_cuda: null pointer");
+  if (p.kernels == AttnCudaKernels::wgmma) {
+    DFLASH_CHECK(
+        cuda::aligned16(o) && cuda::aligned16(q) && cuda::aligned16(k) && cuda::aligned16(v),
+        "attention_fwd_cuda (wgmma): o, q, k, v must be 16-byte aligned");
+    DFLASH_CHECK(attention_wgmma_available_cuda(ctx),
+                 "attention_fwd_cuda (wgmma): the wgmma kernels need an sm_90 GPU (Hopper); "
+                 "device {} is not one (choose the tensor_core kernels)",
+                 ctx.device());
+    cuda::launch::attention_wgmma_fwd(o, lse, q, k, v, ranges, p, ctx.stream());
+    return;
+  }
   if (p.kernels == AttnCudaKernels::tensor_core) {
     DFLASH_CHECK(
         cuda::aligned16(o) && cuda::aligned16(q) && cuda::aligned16(k) && cuda::aligned16(v),
@@ -59,7 +79,9 @@ void attention_bwd_cuda(cuda::CudaContext& ctx, uint16_t* dq, uint16_t* dk, uint
   check_attn("attention_bwd_cuda", p);
   DFLASH_CHECK((dout && q && k && v && o && lse && ranges) || p.Tq == 0,
                "attention_bwd_cuda: an input pointer is null");
-  const bool tc = p.kernels == AttnCudaKernels::tensor_core;
+  // The wgmma family has a forward only: its backward is the tensor-core (mma.sync) one.
+  const bool tc =
+      p.kernels == AttnCudaKernels::tensor_core || p.kernels == AttnCudaKernels::wgmma;
   if (tc)
     DFLASH_CHECK(cuda::aligned16(dq) && cuda::aligned16(dk) && cuda::aligned16(dv) &&
                      cuda::aligned16(dout) && cuda::aligned16(q) && cuda::aligned16(k) &&
