@@ -1,11 +1,11 @@
 #!/bin/bash
-# The device run of issue 13's Hopper attention forward (branch fa3, src/backend/cuda/
-# attention_wgmma.cu): the attention test (every kernel family against the CPU reference, the
-# wgmma forward included) plain and under compute-sanitizer memcheck, the GPU training-step test,
-# and `dflash bench --preset qwen3-8b` twice: the committed binary (attention kernels tensor_core
-# by default; its kernel table has the wgmma rows beside v2's) and `dflash_wg`, the same source
-# with the drafter's and the target's attention forward set to wgmma (a local, uncommitted
-# change, for the step time).
+# The device run of issue 13's Hopper attention kernels (branch fa3, src/backend/cuda/
+# attention_wgmma.cu): the attention test (every kernel family against the CPU reference, wgmma
+# included) plain and under compute-sanitizer memcheck, the GPU training-step test, and
+# `dflash bench --preset qwen3-8b` twice: the committed binary (attention kernels tensor_core by
+# default; its kernel table has the wgmma rows beside v2's) and `dflash_wg`, the same source with
+# the drafter's and the target's attention set to wgmma (a local, uncommitted change, for the
+# step time).
 #
 #   bash tools/fa3_device_run.sh --stage DIR   (here) stage the stripped binaries of BUILD_DIR
 #                                               (default build; WG_DFLASH: the dflash_wg binary),
@@ -14,8 +14,9 @@
 #   bash DIR/fa3_device_run.sh DIR             (on the GPU machine, from the repository root)
 #
 # What to read in $OUT/summary.txt: rc=0 and PASSED counts of the tests, "ERROR SUMMARY: 0
-# errors" of memcheck, the bench tables (rows "DFlash attn fwd (wgmma)" and "causal prefill
-# (wgmma)" against "DFlash attention fwd" and "causal prefill attention"; the step ms of both).
+# errors" of memcheck, the bench tables (rows "DFlash attn fwd/bwd (wgmma)" and "causal prefill
+# (wgmma)" against "DFlash attention fwd/bwd" and "causal prefill attention"; the step ms of
+# both).
 set -u
 if [[ "${1:-}" == "--stage" ]]; then
   set -e
@@ -47,18 +48,18 @@ run_test() {  # binary, timeout in s
   cp $L/summary.txt "$R/"
 }
 log "attention_cuda_test"
-run_test attention_cuda_test 60
+run_test attention_cuda_test 30
 log "dflash bench --preset qwen3-8b (tensor_core default; wgmma kernel rows)"
-timeout 80 $B/dflash bench --preset qwen3-8b --json $L/bench.json > $L/bench.txt 2>&1
+timeout 45 $B/dflash bench --preset qwen3-8b --json $L/bench.json > $L/bench.txt 2>&1
 echo "bench exit $?" >> $L/summary.txt; cat $L/bench.txt >> $L/summary.txt
 log "dflash_wg bench --preset qwen3-8b --graphs off (drafter and target forward on wgmma)"
-timeout 60 $B/dflash_wg bench --preset qwen3-8b --graphs off --json $L/bench_wg.json > $L/bench_wg.txt 2>&1
+timeout 30 $B/dflash_wg bench --preset qwen3-8b --graphs off --json $L/bench_wg.json > $L/bench_wg.txt 2>&1
 echo "bench_wg exit $?" >> $L/summary.txt; cat $L/bench_wg.txt >> $L/summary.txt
 log "train_step_cuda_test"
-run_test train_step_cuda_test 40
+run_test train_step_cuda_test 15
 log "compute-sanitizer memcheck, attention_cuda_test (DFlash and odd-shape cases)"
-timeout 60 compute-sanitizer --tool memcheck $B/attention_cuda_test --gtest_color=no \
-  --gtest_filter='*DFlashBlocksOfSixteen*:*OddShapes*:*EmptyRows*:*Sinks*' > $L/memcheck.log 2>&1
+timeout 20 compute-sanitizer --tool memcheck $B/attention_cuda_test --gtest_color=no \
+  --gtest_filter='*DFlash*:*OddShapes*:*EmptyRows*:*Sinks*:*KvCache*' > $L/memcheck.log 2>&1
 echo "memcheck rc=$?" >> $L/summary.txt
 grep -E "ERROR SUMMARY|^\[  (PASSED|FAILED)" $L/memcheck.log >> $L/summary.txt
 log done

@@ -49,8 +49,8 @@ enum class AttnCudaKernels {
   tensor_core,  ///< bf16 mma.sync tiles (src/backend/cuda/attention_tc.cu): the default
   ffma,         ///< the first CUDA-core version (src/backend/cuda/attention.cu), kept as a
                 ///< cross-check of the tensor-core kernels
-  wgmma,        ///< Hopper forward (src/backend/cuda/attention_wgmma.cu: wgmma, sm_90 only; an
-                ///< error on any other device); its backward is the tensor_core one
+  wgmma,        ///< Hopper kernels (src/backend/cuda/attention_wgmma.cu: wgmma, sm_90 only; an
+                ///< error on any other device)
 };
 
 /// Sizes and softmax scale of one attention call.

@@ -755,9 +755,9 @@ BenchReport run_bench(const BenchOptions& o) {
                   attn_flops / kPeakBf16Flops * 1e3};
   if (wgmma)
     afw.ms = time_kernel(ctx, o.kernel_reps, [&] {
-    attention_fwd_cuda(ctx, out.as<uint16_t>(), lse.as<float>(), q.as<uint16_t>(), k.as<uint16_t>(),
-                       v.as<uint16_t>(), br, apw);
-  });
+      attention_fwd_cuda(ctx, out.as<uint16_t>(), lse.as<float>(), q.as<uint16_t>(),
+                         k.as<uint16_t>(), v.as<uint16_t>(), br, apw);
+    });
   BenchKernel ab{"DFlash attention bwd", dshape, NAN, 2.5 * attn_flops,
                  2.5 * attn_flops / kPeakBf16Flops * 1e3};
   ab.ms = time_kernel(ctx, o.kernel_reps, [&] {
@@ -765,6 +765,14 @@ BenchReport run_bench(const BenchOptions& o) {
                        dout.as<uint16_t>(), q.as<uint16_t>(), k.as<uint16_t>(), v.as<uint16_t>(),
                        out.as<uint16_t>(), lse.as<float>(), br, ap);
   });
+  BenchKernel abw{"DFlash attn bwd (wgmma)", dshape, NAN, 2.5 * attn_flops,
+                  2.5 * attn_flops / kPeakBf16Flops * 1e3};
+  if (wgmma)
+    abw.ms = time_kernel(ctx, o.kernel_reps, [&] {
+      attention_bwd_cuda(ctx, dq.as<uint16_t>(), dk.as<uint16_t>(), dv.as<uint16_t>(),
+                         dout.as<uint16_t>(), q.as<uint16_t>(), k.as<uint16_t>(), v.as<uint16_t>(),
+                         out.as<uint16_t>(), lse.as<float>(), br, apw);
+    });
   // Causal prefill of the target (one layer), on its own q/k/v shapes.
   const ModelConfig& tc = s.target;
   const int64_t TT = packed.T, TQD = tc.num_attention_heads * tc.head_dim;
@@ -795,9 +803,9 @@ BenchReport run_bench(const BenchOptions& o) {
                   pf_flops / kPeakBf16Flops * 1e3};
   if (wgmma)
     pfw.ms = time_kernel(ctx, o.kernel_reps, [&] {
-    attention_fwd_cuda(ctx, to.as<uint16_t>(), nullptr, tq.as<uint16_t>(), tk.as<uint16_t>(),
-                       tv.as<uint16_t>(), static_cast<const AttnRange*>(tranges.dev), tpw);
-  });
+      attention_fwd_cuda(ctx, to.as<uint16_t>(), nullptr, tq.as<uint16_t>(), tk.as<uint16_t>(),
+                         tv.as<uint16_t>(), static_cast<const AttnRange*>(tranges.dev), tpw);
+    });
   // The fused LM-head CE with its input gradient, over the step's block rows.
   const int64_t H = d.hidden_size, V = d.vocab_size;
   DeviceMemory hid(Tq * H * 2), dhid(Tq * H * 4), amax(Tq * 4), sums(16);
@@ -818,7 +826,7 @@ BenchReport run_bench(const BenchOptions& o) {
                              static_cast<const int32_t*>(labels.dev),
                              static_cast<const float*>(weights.dev), cp, ws, ws_bytes);
   });
-  r.kernels = {af, afw, ab, pfk, pfw, ce};
+  r.kernels = {af, afw, ab, abw, pfk, pfw, ce};
   ctx.synchronize();
   return r;
 }

@@ -1,8 +1,8 @@
 // CUDA attention vs the CPU reference (fp32 on the same bf16-rounded inputs), for every kernel
-// family (tensor cores, FFMA, the Hopper wgmma forward): causal varlen with GQA, the DFlash
-// two-range training pattern (NaN in keys nobody sees), block verification over a KV cache; forward o and lse, backward
-// dq/dk/dv; odd shapes that are multiples of no tile; guard bytes; bit-reproducible forward and
-// backward (two runs, identical bits).
+// family (tensor cores, FFMA, Hopper wgmma): causal varlen with GQA, the DFlash two-range
+// training pattern (NaN in keys nobody sees), block verification over a KV cache; forward o and
+// lse, backward dq/dk/dv; odd shapes that are multiples of no tile; guard bytes; bit-reproducible
+// forward and backward (two runs, identical bits).
 #include <cmath>
 
 #include "backend/cuda/context.hpp"
@@ -22,9 +22,12 @@ using Case = AttnCase;
 
 const char* kernels_name(AttnCudaKernels k) {
   switch (k) {
-    case AttnCudaKernels::tensor_core: return "tensor_core";
-    case AttnCudaKernels::ffma: return "ffma";
-    case AttnCudaKernels::wgmma: return "wgmma";
+    case AttnCudaKernels::tensor_core:
+      return "tensor_core";
+    case AttnCudaKernels::ffma:
+      return "ffma";
+    case AttnCudaKernels::wgmma:
+      return "wgmma";
   }
   return "?";
 }
@@ -98,8 +101,7 @@ void run_case_with(const Case& c, uint32_t seed, AttnCudaKernels kernels) {
   EXPECT_TRUE(same_bits(gv.download(), dv1));
 }
 
-// Every kernel family against the CPU reference (wgmma: its forward; the backward it shares
-// with tensor_core runs on its o and lse).
+// Every kernel family against the CPU reference.
 void run_case(const Case& c, uint32_t seed) {
   for (AttnCudaKernels k :
        {AttnCudaKernels::tensor_core, AttnCudaKernels::ffma, AttnCudaKernels::wgmma})

@@ -79,9 +79,13 @@ void attention_bwd_cuda(cuda::CudaContext& ctx, uint16_t* dq, uint16_t* dk, uint
   check_attn("attention_bwd_cuda", p);
   DFLASH_CHECK((dout && q && k && v && o && lse && ranges) || p.Tq == 0,
                "attention_bwd_cuda: an input pointer is null");
-  // The wgmma family has a forward only: its backward is the tensor-core (mma.sync) one.
-  const bool tc =
-      p.kernels == AttnCudaKernels::tensor_core || p.kernels == AttnCudaKernels::wgmma;
+  const bool wg = p.kernels == AttnCudaKernels::wgmma;
+  const bool tc = p.kernels == AttnCudaKernels::tensor_core || wg;
+  if (wg)
+    DFLASH_CHECK(attention_wgmma_available_cuda(ctx),
+                 "attention_bwd_cuda (wgmma): the wgmma kernels need an sm_90 GPU (Hopper); "
+                 "device {} is not one (choose the tensor_core kernels)",
+                 ctx.device());
   if (tc)
     DFLASH_CHECK(cuda::aligned16(dq) && cuda::aligned16(dk) && cuda::aligned16(dv) &&
                      cuda::aligned16(dout) && cuda::aligned16(q) && cuda::aligned16(k) &&
@@ -96,7 +100,10 @@ void attention_bwd_cuda(cuda::CudaContext& ctx, uint16_t* dq, uint16_t* dk, uint
   const int64_t tiles = (p.Tk + cuda::launch::kAttnKeyTile - 1) / cuda::launch::kAttnKeyTile;
   cuda::DeviceBuffer span =
       ctx.scratch(static_cast<size_t>(std::max<int64_t>(tiles, 1)) * 2 * sizeof(int));
-  if (tc)
+  if (wg)
+    cuda::launch::attention_wgmma_bwd(dq, dk, dv, dout, q, k, v, o, lse, ranges, p,
+                                      delta.as<float>(), span.as<int>(), ctx.stream());
+  else if (tc)
     cuda::launch::attention_tc_bwd(dq, dk, dv, dout, q, k, v, o, lse, ranges, p, delta.as<float>(),
                                    span.as<int>(), ctx.stream());
   else
