@@ -2,10 +2,9 @@
 # The device run of issue 13's Hopper attention kernels (branch fa3, src/backend/cuda/
 # attention_wgmma.cu): the attention test (every kernel family against the CPU reference, wgmma
 # included) plain and under compute-sanitizer memcheck, the GPU training-step test, and
-# `dflash bench --preset qwen3-8b` twice: the committed binary (attention kernels tensor_core by
-# default; its kernel table has the wgmma rows beside v2's) and `dflash_wg`, the same source with
-# the drafter's and the target's attention set to wgmma (a local, uncommitted change, for the
-# step time).
+# `dflash bench --preset qwen3-8b` twice: the committed binary and `dflash_wg`, the same source
+# with the drafter's and the target's attention set to wgmma explicitly (a local, uncommitted
+# change; before the default became `automatic`, this gave the step time with wgmma).
 #
 #   bash tools/fa3_device_run.sh --stage DIR   (here) stage the stripped binaries of BUILD_DIR
 #                                               (default build; WG_DFLASH: the dflash_wg binary),
@@ -14,9 +13,8 @@
 #   bash DIR/fa3_device_run.sh DIR             (on the GPU machine, from the repository root)
 #
 # What to read in $OUT/summary.txt: rc=0 and PASSED counts of the tests, "ERROR SUMMARY: 0
-# errors" of memcheck, the bench tables (rows "DFlash attn fwd/bwd (wgmma)" and "causal prefill
-# (wgmma)" against "DFlash attention fwd/bwd" and "causal prefill attention"; the step ms of
-# both).
+# errors" of memcheck, the bench tables (the wgmma rows against the mma.sync rows; the step ms
+# of both).
 set -u
 if [[ "${1:-}" == "--stage" ]]; then
   set -e

@@ -28,6 +28,8 @@ const char* kernels_name(AttnCudaKernels k) {
       return "ffma";
     case AttnCudaKernels::wgmma:
       return "wgmma";
+    case AttnCudaKernels::automatic:
+      return "automatic";
   }
   return "?";
 }
@@ -174,6 +176,37 @@ TEST(AttentionCuda, BlockVerificationOverKvCache) {
 TEST(AttentionCuda, EmptyRowsGiveZeroAndMinusInf) {
   DFLASH_REQUIRE_GPU();
   run_case(attn_empty_rows(), 30);
+}
+
+TEST(AttentionCuda, AutomaticIsWgmmaOnHopperAndTensorCoresElsewhere) {
+  DFLASH_REQUIRE_GPU();
+  // The default family resolves by device (ops/attention.hpp): the same bits as the family it
+  // names, forward and backward.
+  cuda::CudaContext ctx(0);
+  const AttnCudaKernels expect = attention_wgmma_available_cuda(ctx) ? AttnCudaKernels::wgmma
+                                                                     : AttnCudaKernels::tensor_core;
+  EXPECT_EQ(attention_kernels_cuda(ctx, AttnCudaKernels::automatic), expect);
+  EXPECT_EQ(AttnParams{}.kernels, AttnCudaKernels::automatic);
+  const Case c = attn_dflash_blocks({150, 203}, {0, 3, 17, 64, 150, 200, 351}, 1, 16, 8, 2, 128);
+  const size_t nq = static_cast<size_t>(c.Tq * c.NH * c.D);
+  const size_t nk = static_cast<size_t>(c.Tk * c.NKV * c.D);
+  DeviceGuarded<uint16_t> q(to_bf16(randn(nq, 90))), k(to_bf16(randn(nk, 91))),
+      v(to_bf16(randn(nk, 92))), dout(to_bf16(randn(nq, 93)));
+  DeviceGuarded<AttnRange> dr(c.ranges);
+  std::vector<std::vector<uint16_t>> got[2];
+  const AttnCudaKernels kinds[2] = {AttnCudaKernels::automatic, expect};
+  for (int i = 0; i < 2; ++i) {
+    SCOPED_TRACE(kernels_name(kinds[i]));
+    AttnParams p{c.Tq, c.Tk, c.NH, c.NKV, c.D, 0.088};
+    p.kernels = kinds[i];
+    DeviceGuarded<uint16_t> o(nq), gq(nq), gk(nk), gv(nk);
+    DeviceGuarded<float> lse(static_cast<size_t>(c.NH * c.Tq));
+    attention_fwd_cuda(ctx, o.get(), lse.get(), q.get(), k.get(), v.get(), dr.get(), p);
+    attention_bwd_cuda(ctx, gq.get(), gk.get(), gv.get(), dout.get(), q.get(), k.get(), v.get(),
+                       o.get(), lse.get(), dr.get(), p);
+    got[i] = {o.download(), gq.download(), gk.download(), gv.download()};
+  }
+  for (size_t j = 0; j < got[0].size(); ++j) EXPECT_TRUE(same_bits(got[0][j], got[1][j])) << j;
 }
 
 TEST(AttentionCuda, RejectsUnsupportedHeadDim) {

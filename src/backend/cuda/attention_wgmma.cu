@@ -117,7 +117,8 @@ __device__ __forceinline__ void fence_regs(uint32_t (&r)[4][4]) {
     for (int j = 0; j < 4; ++j) cute::warpgroup_fence_operand(r[i][j]);
 }
 
-/// S (64 × 64 keys, 32 floats per thread) = Q·Kᵀ over D: D/16 k-steps, issued, not waited for.
+/// s (64 × 64, 32 floats per thread) = A·Bᵀ over D for two K-major 64-row tiles (Q·Kᵀ, dO·Vᵀ,
+/// K·Qᵀ, V·dOᵀ): D/16 k-steps, issued, not waited for.
 template <int D>
 __device__ __forceinline__ void issue_qk(float (&s)[32], uint32_t q_tile, uint32_t k_tile) {
   using Atom = gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>;
@@ -127,7 +128,8 @@ __device__ __forceinline__ void issue_qk(float (&s)[32], uint32_t q_tile, uint32
                   ks == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One,
                   std::make_index_sequence<32>{});
 }
-/// O (64 × D, D/2 floats per thread) += P·V over the tile's 64 keys: 4 k-steps of 16 keys.
+/// o (64 × D, D/2 floats per thread) += P·B, P the A fragments of a 64 × 64 matrix (pack_p), B an
+/// MN-major 64-row tile (P·V, dS·K, Pᵀ·dO, dSᵀ·Q): 4 k-steps of 16, issued, not waited for.
 template <int D>
 __device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&p)[4][4],
                                          uint32_t v_tile) {
