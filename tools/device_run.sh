@@ -19,6 +19,8 @@
 #   tests             every staged *_cuda_test (TESTS="a_cuda_test b" narrows, GTEST_FILTER filters,
 #                     TEST_TIMEOUT s each, default 150): "NAME rc=0 N s [ PASSED ] ..." per binary,
 #                     then the failure lines; the NCCL two-GPU test skips on one GPU
+#   memcheck:NAME     compute-sanitizer --tool memcheck on test binary NAME (GTEST_FILTER filters):
+#                     its "ERROR SUMMARY" line
 #   bench[:ARGS]      `dflash bench --preset qwen3-8b ARGS` (ARGS: comma-separated options, e.g.
 #                     bench:--recompute,always or bench:--loss-type,dpace): the phase table, the
 #                     step, plan vs measured memory, the kernel rows
@@ -274,6 +276,12 @@ for part in "$@"; do
   case $part in
     tests)
       for t in ${TESTS:-$(cd "$B" && ls -- *_cuda_test)}; do gtest "$t"; done ;;
+    memcheck:*)
+      t=${part#memcheck:}
+      timeout "${TEST_TIMEOUT:-300}" compute-sanitizer --tool memcheck "$B/$t" --gtest_color=no \
+        ${GTEST_FILTER:+"--gtest_filter=$GTEST_FILTER"} > "$out/memcheck-$t.log" 2>&1
+      echo "memcheck $t rc=$?: $(grep -E 'ERROR SUMMARY' "$out/memcheck-$t.log" | tail -1)" \
+        >> "$summary" ;;
     bench | bench:*)
       split=()
       [[ $part == bench:* ]] && split_args "${part#bench:}"

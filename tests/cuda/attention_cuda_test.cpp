@@ -1,8 +1,8 @@
-// CUDA attention vs the CPU reference (fp32 on the same bf16-rounded inputs), for both kernel
-// families (tensor cores, FFMA): causal varlen with GQA, the DFlash two-range training pattern
-// (NaN in keys nobody sees), block verification over a KV cache; forward o and lse, backward
-// dq/dk/dv; odd shapes that are multiples of no tile; guard bytes; bit-reproducible forward and
-// backward (two runs, identical bits).
+// CUDA attention vs the CPU reference (fp32 on the same bf16-rounded inputs), for every kernel
+// family (tensor cores, FFMA, Hopper wgmma): causal varlen with GQA, the DFlash two-range
+// training pattern (NaN in keys nobody sees), block verification over a KV cache; forward o and
+// lse, backward dq/dk/dv; odd shapes that are multiples of no tile; guard bytes; bit-reproducible
+// forward and backward (two runs, identical bits).
 #include <cmath>
 
 #include "backend/cuda/context.hpp"
@@ -21,7 +21,17 @@ namespace {
 using Case = AttnCase;
 
 const char* kernels_name(AttnCudaKernels k) {
-  return k == AttnCudaKernels::tensor_core ? "tensor_core" : "ffma";
+  switch (k) {
+    case AttnCudaKernels::tensor_core:
+      return "tensor_core";
+    case AttnCudaKernels::ffma:
+      return "ffma";
+    case AttnCudaKernels::wgmma:
+      return "wgmma";
+    case AttnCudaKernels::automatic:
+      return "automatic";
+  }
+  return "?";
 }
 
 void run_case_with(const Case& c, uint32_t seed, AttnCudaKernels kernels) {
@@ -93,9 +103,10 @@ void run_case_with(const Case& c, uint32_t seed, AttnCudaKernels kernels) {
   EXPECT_TRUE(same_bits(gv.download(), dv1));
 }
 
-// Both kernel families against the CPU reference.
+// Every kernel family against the CPU reference.
 void run_case(const Case& c, uint32_t seed) {
-  for (AttnCudaKernels k : {AttnCudaKernels::tensor_core, AttnCudaKernels::ffma})
+  for (AttnCudaKernels k :
+       {AttnCudaKernels::tensor_core, AttnCudaKernels::ffma, AttnCudaKernels::wgmma})
     run_case_with(c, seed, k);
 }
 
@@ -167,6 +178,37 @@ TEST(AttentionCuda, EmptyRowsGiveZeroAndMinusInf) {
   run_case(attn_empty_rows(), 30);
 }
 
+TEST(AttentionCuda, AutomaticIsWgmmaOnHopperAndTensorCoresElsewhere) {
+  DFLASH_REQUIRE_GPU();
+  // The default family resolves by device (ops/attention.hpp): the same bits as the family it
+  // names, forward and backward.
+  cuda::CudaContext ctx(0);
+  const AttnCudaKernels expect = attention_wgmma_available_cuda(ctx) ? AttnCudaKernels::wgmma
+                                                                     : AttnCudaKernels::tensor_core;
+  EXPECT_EQ(attention_kernels_cuda(ctx, AttnCudaKernels::automatic), expect);
+  EXPECT_EQ(AttnParams{}.kernels, AttnCudaKernels::automatic);
+  const Case c = attn_dflash_blocks({150, 203}, {0, 3, 17, 64, 150, 200, 351}, 1, 16, 8, 2, 128);
+  const size_t nq = static_cast<size_t>(c.Tq * c.NH * c.D);
+  const size_t nk = static_cast<size_t>(c.Tk * c.NKV * c.D);
+  DeviceGuarded<uint16_t> q(to_bf16(randn(nq, 90))), k(to_bf16(randn(nk, 91))),
+      v(to_bf16(randn(nk, 92))), dout(to_bf16(randn(nq, 93)));
+  DeviceGuarded<AttnRange> dr(c.ranges);
+  std::vector<std::vector<uint16_t>> got[2];
+  const AttnCudaKernels kinds[2] = {AttnCudaKernels::automatic, expect};
+  for (int i = 0; i < 2; ++i) {
+    SCOPED_TRACE(kernels_name(kinds[i]));
+    AttnParams p{c.Tq, c.Tk, c.NH, c.NKV, c.D, 0.088};
+    p.kernels = kinds[i];
+    DeviceGuarded<uint16_t> o(nq), gq(nq), gk(nk), gv(nk);
+    DeviceGuarded<float> lse(static_cast<size_t>(c.NH * c.Tq));
+    attention_fwd_cuda(ctx, o.get(), lse.get(), q.get(), k.get(), v.get(), dr.get(), p);
+    attention_bwd_cuda(ctx, gq.get(), gk.get(), gv.get(), dout.get(), q.get(), k.get(), v.get(),
+                       o.get(), lse.get(), dr.get(), p);
+    got[i] = {o.download(), gq.download(), gk.download(), gv.download()};
+  }
+  for (size_t j = 0; j < got[0].size(); ++j) EXPECT_TRUE(same_bits(got[0][j], got[1][j])) << j;
+}
+
 TEST(AttentionCuda, RejectsUnsupportedHeadDim) {
   DFLASH_REQUIRE_GPU();
   cuda::CudaContext ctx(0);
@@ -190,7 +232,7 @@ TEST(AttentionCuda, TensorCoresRejectMisalignedArrays) {
                                      p));
 }
 
-TEST(AttentionCuda, TensorCoreSinksJoinTheSoftmax) {
+TEST(AttentionCuda, TensorCoreAndWgmmaSinksJoinTheSoftmax) {
   DFLASH_REQUIRE_GPU();
   // Per-head sink logits (gpt-oss) against the CPU forward without them: a sink adds e^{sink} to
   // each row's denominator, so o scales by 1 / (1 + e^{sink − lse}) and lse becomes
@@ -213,12 +255,16 @@ TEST(AttentionCuda, TensorCoreSinksJoinTheSoftmax) {
       for (int64_t d = 0; d < c.D; ++d) o_ref[static_cast<size_t>((t * c.NH + h) * c.D + d)] *= w;
       l = std::max(l, sk) + std::log1p(std::exp(-std::abs(l - sk)));
     }
-  DeviceGuarded<uint16_t> dq(q), dk(k), dv(v), o(nq);
-  DeviceGuarded<AttnRange> dr(c.ranges);
-  DeviceGuarded<float> ds(sinks), lse(lse_ref.size());
-  p.sinks = ds.get();
-  attention_fwd_cuda(ctx, o.get(), lse.get(), dq.get(), dk.get(), dv.get(), dr.get(), p);
-  EXPECT_LT(rel_error(from_bf16(o.download()), o_ref), tol::kAttnBf16);
-  EXPECT_LT(rel_error(lse.download(), lse_ref), tol::kLse);
-  EXPECT_TRUE(o.guard_intact() && lse.guard_intact());
+  for (AttnCudaKernels kernels : {AttnCudaKernels::tensor_core, AttnCudaKernels::wgmma}) {
+    SCOPED_TRACE(kernels_name(kernels));
+    DeviceGuarded<uint16_t> dq(q), dk(k), dv(v), o(nq);
+    DeviceGuarded<AttnRange> dr(c.ranges);
+    DeviceGuarded<float> ds(sinks), lse(lse_ref.size());
+    p.sinks = ds.get();
+    p.kernels = kernels;
+    attention_fwd_cuda(ctx, o.get(), lse.get(), dq.get(), dk.get(), dv.get(), dr.get(), p);
+    EXPECT_LT(rel_error(from_bf16(o.download()), o_ref), tol::kAttnBf16);
+    EXPECT_LT(rel_error(lse.download(), lse_ref), tol::kLse);
+    EXPECT_TRUE(o.guard_intact() && lse.guard_intact());
+  }
 }

@@ -2,11 +2,16 @@
 // kernels (contract: src/ops/attention.hpp). Each checks sizes and pointers (errors name the entry
 // point and the bad value), takes any scratch from the context's caching allocator and runs a raw
 // launcher of backend/cuda/attention.cu (CUDA cores) or attention_tc.cu (tensor cores) (declared in
-// attention_launch.hpp) on the context's stream.
+// attention_launch.hpp) or attention_wgmma.cu (Hopper, attention_wgmma.hpp) on the context's
+// stream.
+// AttnCudaKernels::automatic resolves to wgmma on an sm_90 device, tensor_core on any other: a
+// choice by device, made before any launch, never a retry after an error.
 #include <algorithm>
 #include <cmath>
 
 #include "backend/cuda/attention_launch.hpp"
+#include "backend/cuda/attention_wgmma.hpp"
+#include "backend/cuda/check.hpp"
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/entry.hpp"
 #include "core/error.hpp"
@@ -34,13 +39,38 @@ void attention_window_ranges_cuda(cuda::CudaContext& ctx, AttnRange* out, const 
   cuda::launch::attention_window_ranges(out, in, T, window, ctx.stream());
 }
 
+bool attention_wgmma_available_cuda(cuda::CudaContext& ctx) {
+  int major = 0;
+  DFLASH_CUDA_CHECK(
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ctx.device()));
+  return major == 9;
+}
+
+AttnCudaKernels attention_kernels_cuda(cuda::CudaContext& ctx, AttnCudaKernels k) {
+  if (k != AttnCudaKernels::automatic) return k;
+  return attention_wgmma_available_cuda(ctx) ? AttnCudaKernels::wgmma
+                                             : AttnCudaKernels::tensor_core;
+}
+
 void attention_fwd_cuda(cuda::CudaContext& ctx, uint16_t* o, float* lse, const uint16_t* q,
                         const uint16_t* k, const uint16_t* v, const AttnRange* ranges,
                         const AttnParams& p) {
   check_attn("attention_fwd_cuda", p);
   if (p.Tq == 0) return;
   DFLASH_CHECK(o && q && ranges && (p.Tk == 0 || (k && v)), "attention_fwd_cuda: null pointer");
-  if (p.kernels == AttnCudaKernels::tensor_core) {
+  const AttnCudaKernels kind = attention_kernels_cuda(ctx, p.kernels);
+  if (kind == AttnCudaKernels::wgmma) {
+    DFLASH_CHECK(
+        cuda::aligned16(o) && cuda::aligned16(q) && cuda::aligned16(k) && cuda::aligned16(v),
+        "attention_fwd_cuda (wgmma): o, q, k, v must be 16-byte aligned");
+    DFLASH_CHECK(attention_wgmma_available_cuda(ctx),
+                 "attention_fwd_cuda (wgmma): the wgmma kernels need an sm_90 GPU (Hopper); "
+                 "device {} is not one (choose the tensor_core kernels)",
+                 ctx.device());
+    cuda::launch::attention_wgmma_fwd(o, lse, q, k, v, ranges, p, ctx.stream());
+    return;
+  }
+  if (kind == AttnCudaKernels::tensor_core) {
     DFLASH_CHECK(
         cuda::aligned16(o) && cuda::aligned16(q) && cuda::aligned16(k) && cuda::aligned16(v),
         "attention_fwd_cuda (tensor cores): o, q, k, v must be 16-byte aligned");
@@ -59,7 +89,14 @@ void attention_bwd_cuda(cuda::CudaContext& ctx, uint16_t* dq, uint16_t* dk, uint
   check_attn("attention_bwd_cuda", p);
   DFLASH_CHECK((dout && q && k && v && o && lse && ranges) || p.Tq == 0,
                "attention_bwd_cuda: an input pointer is null");
-  const bool tc = p.kernels == AttnCudaKernels::tensor_core;
+  const AttnCudaKernels kind = attention_kernels_cuda(ctx, p.kernels);
+  const bool wg = kind == AttnCudaKernels::wgmma;
+  const bool tc = kind == AttnCudaKernels::tensor_core || wg;
+  if (wg)
+    DFLASH_CHECK(attention_wgmma_available_cuda(ctx),
+                 "attention_bwd_cuda (wgmma): the wgmma kernels need an sm_90 GPU (Hopper); "
+                 "device {} is not one (choose the tensor_core kernels)",
+                 ctx.device());
   if (tc)
     DFLASH_CHECK(cuda::aligned16(dq) && cuda::aligned16(dk) && cuda::aligned16(dv) &&
                      cuda::aligned16(dout) && cuda::aligned16(q) && cuda::aligned16(k) &&
@@ -74,7 +111,10 @@ void attention_bwd_cuda(cuda::CudaContext& ctx, uint16_t* dq, uint16_t* dk, uint
   const int64_t tiles = (p.Tk + cuda::launch::kAttnKeyTile - 1) / cuda::launch::kAttnKeyTile;
   cuda::DeviceBuffer span =
       ctx.scratch(static_cast<size_t>(std::max<int64_t>(tiles, 1)) * 2 * sizeof(int));
-  if (tc)
+  if (wg)
+    cuda::launch::attention_wgmma_bwd(dq, dk, dv, dout, q, k, v, o, lse, ranges, p,
+                                      delta.as<float>(), span.as<int>(), ctx.stream());
+  else if (tc)
     cuda::launch::attention_tc_bwd(dq, dk, dv, dout, q, k, v, o, lse, ranges, p, delta.as<float>(),
                                    span.as<int>(), ctx.stream());
   else
