@@ -114,10 +114,16 @@ inline DecodeOptions decode_options_from(const DecodeArgs& a, const ModelConfig&
 /// The checks of the decoding commands that need the drafter and the tokenizer but not the
 /// target's weights, made before those are loaded: the drafter fits the target's config,
 /// --block-size is in [2, trained block size] (or 0), the drafter's mask id is no token of the
-/// tokenizer, and a chat template (when one is used) finds its special tokens in the tokenizer.
+/// tokenizer, a chat template (when one is used) finds its special tokens in the tokenizer, and
+/// --backend cuda is not asked of a DSpark drafter (the CUDA decoder drafts DFlash blocks only).
 inline void check_decoding_inputs(const DecodeArgs& a, const ModelConfig& target_cfg,
                                   const DrafterConfig& drafter, const Tokenizer& tok,
                                   const ChatTemplate* tmpl) {
+  DFLASH_CHECK(a.backend != "cuda" || !drafter.dspark.enabled,
+               "{}: a DSpark drafter (dflash_config.projector_type dspark) is decoded by the cpu "
+               "backend only; --backend cuda has no Markov head or all-slot drafting yet (use "
+               "--backend cpu)",
+               a.drafter);
   drafter_check_target(drafter, target_cfg);
   DFLASH_CHECK(a.block_size == 0 || (a.block_size >= 2 && a.block_size <= drafter.block_size),
                "block size {} (--block-size) is outside [2, {}] (the drafter was trained with "
