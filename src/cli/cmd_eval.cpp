@@ -108,7 +108,9 @@ void run_eval_command(const EvalArgs& a) {
                              {"template", tmpl.name()},
                              {"greedy", greedy},
                              {"baseline", baseline}};
-  const nlohmann::json rep = eval_report(run, K, greedy, baseline, settings);
+  // A DSpark drafter drafts K tokens: acceptance lengths reach K + 1 (the histogram's bins).
+  const int max_accept = drafter.config.dspark.enabled ? K + 1 : K;
+  const nlohmann::json rep = eval_report(run, max_accept, greedy, baseline, settings);
   if (!a.output.empty()) write_file_atomic(a.output, rep.dump(2) + "\n");
 
   const auto& t = rep["total"];
