@@ -184,5 +184,29 @@ TEST(DSparkDecode, AllKDraftsCanBeAccepted) {
   EXPECT_EQ(s.result.tokens, std::vector<int32_t>(ref.begin(), ref.begin() + 6));
 }
 
+// --backend cuda refuses a DSpark drafter by its projector_type, before looking for a device or
+// reading a weight (so on a machine without a GPU too).
+TEST(DSparkDecode, CudaBackendRefusesADSparkDrafter) {
+  TempDir dir;
+  const auto d = save_dspark_drafter(dir, DsparkHeads{true, 2, MarkovHeadType::vanilla, false,
+                                                      false}, 4, 2);
+  for (const char* cmd : {"eval", "generate"}) {
+    std::vector<std::string> args = {cmd, "--target", tiny_dir().string(), "--drafter",
+                                     d.string(), "--backend", "cuda"};
+    if (std::string(cmd) == "eval") {
+      args.insert(args.end(), {"--prompts", (test::assets_dir() / "data" /
+                                             "eval_prompts.jsonl").string()});
+    } else {
+      args.insert(args.end(), {"--prompt", "hi"});
+    }
+    const auto r = test::run_dflash(args);
+    EXPECT_NE(r.exit_code, 0) << cmd;
+    EXPECT_NE(r.err.find("a DSpark drafter (dflash_config.projector_type: dspark) is decoded by "
+                         "the cpu backend only"),
+              std::string::npos)
+        << cmd << ": " << r.err;
+  }
+}
+
 }  // namespace
 }  // namespace dflash

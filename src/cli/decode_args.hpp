@@ -11,6 +11,7 @@
 
 #include "cli/cli_util.hpp"
 #include "core/error.hpp"
+#include "core/json_util.hpp"
 #include "data/chat_template.hpp"
 #include "data/dataset.hpp"
 #include "data/tokenizer.hpp"
@@ -111,19 +112,27 @@ inline DecodeOptions decode_options_from(const DecodeArgs& a, const ModelConfig&
   return o;
 }
 
+/// With --backend cuda, reads the drafter's config.json (no weights) and refuses a DSpark drafter
+/// naming its dflash_config.projector_type: the CUDA decoder drafts DFlash blocks only. The first
+/// check of a decoding command, before the device is looked for.
+inline void check_cuda_drafter(const DecodeArgs& a) {
+  if (a.backend != "cuda") return;
+  const std::filesystem::path cfg = std::filesystem::path(a.drafter) / "config.json";
+  const DrafterConfig d = drafter_config_from_json(json_load_file(cfg), cfg.string());
+  DFLASH_CHECK(!d.dspark.enabled,
+               "{}: a DSpark drafter (dflash_config.projector_type: dspark) is decoded by the "
+               "cpu backend only; --backend cuda has no Markov head or all-slot drafting yet (use "
+               "--backend cpu)",
+               cfg.string());
+}
+
 /// The checks of the decoding commands that need the drafter and the tokenizer but not the
 /// target's weights, made before those are loaded: the drafter fits the target's config,
 /// --block-size is in [2, trained block size] (or 0), the drafter's mask id is no token of the
-/// tokenizer, a chat template (when one is used) finds its special tokens in the tokenizer, and
-/// --backend cuda is not asked of a DSpark drafter (the CUDA decoder drafts DFlash blocks only).
+/// tokenizer, and a chat template (when one is used) finds its special tokens in the tokenizer.
 inline void check_decoding_inputs(const DecodeArgs& a, const ModelConfig& target_cfg,
                                   const DrafterConfig& drafter, const Tokenizer& tok,
                                   const ChatTemplate* tmpl) {
-  DFLASH_CHECK(a.backend != "cuda" || !drafter.dspark.enabled,
-               "{}: a DSpark drafter (dflash_config.projector_type dspark) is decoded by the cpu "
-               "backend only; --backend cuda has no Markov head or all-slot drafting yet (use "
-               "--backend cpu)",
-               a.drafter);
   drafter_check_target(drafter, target_cfg);
   DFLASH_CHECK(a.block_size == 0 || (a.block_size >= 2 && a.block_size <= drafter.block_size),
                "block size {} (--block-size) is outside [2, {}] (the drafter was trained with "
