@@ -13,6 +13,7 @@
 #include "core/error.hpp"
 #include "model/drafter.hpp"
 #include "model/dspark_head.hpp"
+#include "model/step_plan.hpp"
 #include "util/test_util.hpp"
 
 using namespace dflash;
@@ -395,6 +396,10 @@ TEST(DSpark, ConfigValidationNamesTheField) {
   c.dspark.confidence_head = true;
   c.dspark.confidence_with_markov = true;
   EXPECT_THAT_ERROR(c.validate(), "confidence_head_with_markov needs");
+  // The CUDA drafter (training, the pipeline's GPU stages, the CUDA decoder) refuses the heads.
+  const std::vector<std::string> cuda = cuda_drafter_unsupported(p.cfg);
+  ASSERT_EQ(cuda.size(), 2u);  // head_dim 8 too
+  EXPECT_THAT(cuda[1], ::testing::HasSubstr("no DSpark heads (training.objective dspark"));
   c = p.cfg;
   c.dspark.enabled = false;
   c.dspark.markov_rank = 2;
