@@ -73,8 +73,7 @@ TEST(DSparkDecode, ExportIsSpecForgesLayoutAndLoadsBack) {
   EXPECT_EQ(l.config.dspark, heads);
   EXPECT_EQ(l.layout.find("markov_head.joint_proj.weight").shape,
             (std::vector<int64_t>{24, 16 + 384}));
-  EXPECT_EQ(l.layout.find("confidence_head.proj.weight").shape,
-            (std::vector<int64_t>{1, 384 + 8}));
+  EXPECT_EQ(l.layout.find("confidence_head.proj.weight").shape, (std::vector<int64_t>{1, 384 + 8}));
   // SpecForge's defaults when the keys are absent: vanilla, no confidence head unless
   // confidence_head_alpha > 0; a DSpark key on a DFlash config is refused by name.
   nlohmann::json k = j;
@@ -104,8 +103,8 @@ TEST(DSparkDecode, ExportIsSpecForgesLayoutAndLoadsBack) {
 // block's base logits plus the Markov bias of the token proposed at k−1 (prev₀ = the anchor).
 TEST(DSparkDecode, EverySlotDraftsFromThePreviousDraft) {
   TempDir dir;
-  for (MarkovHeadType type : {MarkovHeadType::vanilla, MarkovHeadType::gated,
-                              MarkovHeadType::rnn}) {
+  for (MarkovHeadType type :
+       {MarkovHeadType::vanilla, MarkovHeadType::gated, MarkovHeadType::rnn}) {
     const LoadedDrafter d =
         drafter_load(save_dspark_drafter(dir, DsparkHeads{true, 6, type, false, false}, 5, 7));
     const SpeculativeDecoder dec(tiny(), d);
@@ -188,14 +187,14 @@ TEST(DSparkDecode, AllKDraftsCanBeAccepted) {
 // reading a weight (so on a machine without a GPU too).
 TEST(DSparkDecode, CudaBackendRefusesADSparkDrafter) {
   TempDir dir;
-  const auto d = save_dspark_drafter(dir, DsparkHeads{true, 2, MarkovHeadType::vanilla, false,
-                                                      false}, 4, 2);
+  const auto d =
+      save_dspark_drafter(dir, DsparkHeads{true, 2, MarkovHeadType::vanilla, false, false}, 4, 2);
   for (const char* cmd : {"eval", "generate"}) {
-    std::vector<std::string> args = {cmd, "--target", tiny_dir().string(), "--drafter",
-                                     d.string(), "--backend", "cuda"};
+    std::vector<std::string> args = {
+        cmd, "--target", tiny_dir().string(), "--drafter", d.string(), "--backend", "cuda"};
     if (std::string(cmd) == "eval") {
-      args.insert(args.end(), {"--prompts", (test::assets_dir() / "data" /
-                                             "eval_prompts.jsonl").string()});
+      args.insert(args.end(),
+                  {"--prompts", (test::assets_dir() / "data" / "eval_prompts.jsonl").string()});
     } else {
       args.insert(args.end(), {"--prompt", "hi"});
     }

@@ -54,8 +54,8 @@ struct Problem {
 };
 
 template <typename S>
-Problem<S> make_problem(uint64_t seed, Heads h, std::vector<Anchor> anchors, int K = 4,
-                        int H = 16, int V = 23) {
+Problem<S> make_problem(uint64_t seed, Heads h, std::vector<Anchor> anchors, int K = 4, int H = 16,
+                        int V = 23) {
   Problem<S> p;
   Rng rng(seed);
   p.cfg.hidden_size = H;
@@ -133,14 +133,14 @@ double loss_acc_frozen(const Problem<S>& p, const std::vector<double>& acc0) {
 }
 
 // Runs `stmt`, which must throw dflash::Error whose message contains `text`.
-#define EXPECT_THAT_ERROR(stmt, text)                                       \
-  do {                                                                      \
-    try {                                                                   \
-      (void)(stmt);                                                         \
-      ADD_FAILURE() << #stmt " did not throw";                              \
-    } catch (const Error& e) {                                              \
-      EXPECT_THAT(e.what(), ::testing::HasSubstr(text));                    \
-    }                                                                       \
+#define EXPECT_THAT_ERROR(stmt, text)                    \
+  do {                                                   \
+    try {                                                \
+      (void)(stmt);                                      \
+      ADD_FAILURE() << #stmt " did not throw";           \
+    } catch (const Error& e) {                           \
+      EXPECT_THAT(e.what(), ::testing::HasSubstr(text)); \
+    }                                                    \
   } while (0)
 
 const std::vector<Anchor> kAnchors = {{1, 0}, {5, 0}, {6, 0}, {12, 1}, {17, 1}};
@@ -174,9 +174,8 @@ TEST(DSpark, AMaskedSecondLabelZeroesEverySlotAfterTheFirst) {
   std::vector<uint8_t> mask(12, 1);
   const int a = 3;
   mask[a + 2] = 0;
-  const BlockTargets t =
-      dspark_block_targets(tokens, mask, std::vector<int32_t>{0, 12},
-                           std::vector<Anchor>{{a, 0}}, 6, 4.0);
+  const BlockTargets t = dspark_block_targets(tokens, mask, std::vector<int32_t>{0, 12},
+                                              std::vector<Anchor>{{a, 0}}, 6, 4.0);
   EXPECT_EQ(t.counted, (std::vector<uint8_t>{1, 0, 0, 0, 0, 0}));
   EXPECT_EQ(t.weights[0], 1.0f);
   for (int k = 1; k < 6; ++k) EXPECT_EQ(t.weights[k], 0.0f) << k;
@@ -199,12 +198,13 @@ TEST(DSpark, GradientsMatchFiniteDifferencesInFloat64) {
     Rng pick(11);
     double worst = 0;
     for (const auto& info : p.layout->params) {
-      const bool head = info.name.rfind("markov_head", 0) == 0 ||
-                        info.name.rfind("confidence_head", 0) == 0;
+      const bool head =
+          info.name.rfind("markov_head", 0) == 0 || info.name.rfind("confidence_head", 0) == 0;
       const int64_t n = head && info.numel <= 64 ? info.numel : 3;
       for (int64_t s = 0; s < n; ++s) {
         // markov_w1: rows of tokens the batch reads as previous tokens (others have gradient 0).
-        int64_t i = info.offset + (n == info.numel ? s : static_cast<int64_t>(pick.below(info.numel)));
+        int64_t i =
+            info.offset + (n == info.numel ? s : static_cast<int64_t>(pick.below(info.numel)));
         if (info.name == "markov_head.markov_w1.weight") {
           i = info.offset + p.tokens[kAnchors[s % kAnchors.size()].pos] * h.rank + s % h.rank;
         }
@@ -253,8 +253,8 @@ TEST(DSpark, AlignedHiddenStatesGiveL1ZeroAndAccOne) {
   auto p = make_problem<double>(5, Heads{0, MarkovHeadType::vanilla, true, false}, anchors);
   const DrafterBatch b = p.batch();
   auto ws = std::make_unique<DrafterWorkspace<double>>();
-  drafter_block_logits<double>(p.cfg, *p.layout, p.params.data(), p.tables(), b,
-                               p.features.data(), *ws);
+  drafter_block_logits<double>(p.cfg, *p.layout, p.params.data(), p.tables(), b, p.features.data(),
+                               *ws);
   const int64_t K = p.cfg.block_size, H = p.cfg.hidden_size;
   for (size_t blk = 0; blk < anchors.size(); ++blk) {
     for (int64_t k = 0; k < K; ++k) {
@@ -313,8 +313,8 @@ TEST(DSpark, RankZeroWithOnlyCeIsThePooledNextTokenCe) {
 // then each slot's label as the previous token) reproduces the training block's logits, for each
 // head type.
 TEST(DSpark, SequentialTeacherForcedDraftingEqualsTheBlockLogits) {
-  for (MarkovHeadType type : {MarkovHeadType::vanilla, MarkovHeadType::gated,
-                              MarkovHeadType::rnn}) {
+  for (MarkovHeadType type :
+       {MarkovHeadType::vanilla, MarkovHeadType::gated, MarkovHeadType::rnn}) {
     auto p = make_problem<float>(17, Heads{5, type, true, true}, kAnchors);
     const DrafterBatch b = p.batch();
     auto ws = std::make_unique<DrafterWorkspace<float>>();
@@ -352,9 +352,9 @@ TEST(DSpark, SlotsAreDraftedInOrder) {
   std::vector<float> logits(p.cfg.vocab_size, 0.0f), h(p.cfg.hidden_size, 0.5f);
   DsparkSlotState st;
   dspark_slot_logits(p.cfg, *p.layout, p.params.data(), logits.data(), h.data(), 1, 0, st);
-  EXPECT_THROW(dspark_slot_logits(p.cfg, *p.layout, p.params.data(), logits.data(), h.data(), 1,
-                                  2, st),
-               Error);
+  EXPECT_THROW(
+      dspark_slot_logits(p.cfg, *p.layout, p.params.data(), logits.data(), h.data(), 1, 2, st),
+      Error);
   EXPECT_THROW(dspark_slot_logits(p.cfg, *p.layout, p.params.data(), logits.data(), h.data(),
                                   p.cfg.vocab_size, 1, st),
                Error);
@@ -405,8 +405,8 @@ TEST(DSpark, ConfigValidationNamesTheField) {
   c.dspark.markov_rank = 2;
   EXPECT_THAT_ERROR(c.validate(), "projector_type is not dspark");
   // A dflash batch for a DSpark drafter, and a DSpark step without the teacher.
-  Problem<double> d = make_problem<double>(2, Heads{2, MarkovHeadType::vanilla, false, false},
-                                           kAnchors);
+  Problem<double> d =
+      make_problem<double>(2, Heads{2, MarkovHeadType::vanilla, false, false}, kAnchors);
   DrafterBatch b = d.batch();
   auto ws = std::make_unique<DrafterWorkspace<double>>();
   EXPECT_THAT_ERROR(drafter_train_step<double>(d.cfg, *d.layout, d.params.data(), nullptr,
@@ -415,7 +415,7 @@ TEST(DSpark, ConfigValidationNamesTheField) {
   DrafterConfig dflash_cfg = d.cfg;
   dflash_cfg.dspark = {};
   const DrafterLayout dl(dflash_cfg);
-  EXPECT_THAT_ERROR(drafter_train_step<double>(dflash_cfg, dl, d.params.data(), nullptr,
-                                               d.tables(), b, d.features.data(), 1.0, *ws),
+  EXPECT_THAT_ERROR(drafter_train_step<double>(dflash_cfg, dl, d.params.data(), nullptr, d.tables(),
+                                               b, d.features.data(), 1.0, *ws),
                     "a batch of the dspark objective for a drafter without DSpark heads");
 }

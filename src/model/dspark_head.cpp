@@ -320,20 +320,20 @@ DsparkSums dspark_head_step(const DrafterConfig& cfg, const DrafterLayout& layou
       sums.l1_sum += w * st.l1;
       sums.bce_sum += w * bce;
       sums.acc_sum += w * acc;
-      sums.loss_sum += w * (obj.dspark_ce_alpha * st.ce + obj.dspark_l1_alpha * st.l1 + a_conf * bce);
+      sums.loss_sum +=
+          w * (obj.dspark_ce_alpha * st.ce + obj.dspark_l1_alpha * st.l1 + a_conf * bce);
     }
     if (!grads) continue;
     // ws.logits now holds dD. dhf = dD·LM (+ the heads' parts).
     S* dhfc = dhf + c.r0 * H;
-    linear_bwd_cpu(dhfc, static_cast<S*>(nullptr), static_cast<S*>(nullptr), ws.logits.data(),
-                   hfc, lm_head, c.M, H, V);
+    linear_bwd_cpu(dhfc, static_cast<S*>(nullptr), static_cast<S*>(nullptr), ws.logits.data(), hfc,
+                   lm_head, c.M, H, V);
     fit(ws.demb, c.M * r);
     std::fill(ws.demb.begin(), ws.demb.end(), S(0));
     if (conf) {
       fit(ws.dconf_in, c.M * Hc);
-      linear_bwd_cpu(ws.dconf_in.data(), grads + layout.dspark.conf_w,
-                     grads + layout.dspark.conf_b, ws.dconf.data(), ws.conf_in.data(),
-                     params + layout.dspark.conf_w, c.M, Hc, 1);
+      linear_bwd_cpu(ws.dconf_in.data(), grads + layout.dspark.conf_w, grads + layout.dspark.conf_b,
+                     ws.dconf.data(), ws.conf_in.data(), params + layout.dspark.conf_w, c.M, Hc, 1);
       for (int64_t i = 0; i < c.M; ++i) {
         for (int64_t h = 0; h < H; ++h) dhfc[i * H + h] += ws.dconf_in[i * Hc + h];
         for (int64_t j = 0; j < Hc - H; ++j) ws.demb[i * r + j] += ws.dconf_in[i * Hc + H + j];
@@ -411,13 +411,12 @@ void dspark_slot_logits(const DrafterConfig& cfg, const DrafterLayout& layout, c
   }
 }
 
-#define DFLASH_DSPARK_INSTANTIATE(S)                                                            \
-  template DsparkSums dspark_head_step<S>(const DrafterConfig&, const DrafterLayout&, const S*, \
-                                          S*, const S*, const DrafterBatch&, const S*, const S*, \
-                                          double, S*, int32_t*, const Objective&,               \
-                                          DsparkWorkspace<S>&);                                 \
-  template std::vector<S> dspark_block_logits<S>(const DrafterConfig&, const DrafterLayout&,    \
-                                                 const S*, const S*, const DrafterBatch&,       \
+#define DFLASH_DSPARK_INSTANTIATE(S)                                                           \
+  template DsparkSums dspark_head_step<S>(                                                     \
+      const DrafterConfig&, const DrafterLayout&, const S*, S*, const S*, const DrafterBatch&, \
+      const S*, const S*, double, S*, int32_t*, const Objective&, DsparkWorkspace<S>&);        \
+  template std::vector<S> dspark_block_logits<S>(const DrafterConfig&, const DrafterLayout&,   \
+                                                 const S*, const S*, const DrafterBatch&,      \
                                                  const S*, DsparkWorkspace<S>&);
 DFLASH_DSPARK_INSTANTIATE(float)
 DFLASH_DSPARK_INSTANTIATE(double)
