@@ -211,6 +211,14 @@ TEST(PipelineTrain, TwoDPaceReplicasOfOneRowTrainLikeOneReplicaOfTwoRows) {
       {"training.loss_type=dpace", "training.dpace_alpha=0.3"});
 }
 
+// DSpark divides by the step's Σw like dflash (its own prefix weights), the teacher rows travel with
+// each replica's features, and the heads' gradients are all-reduced with the rest.
+TEST(PipelineTrain, TwoDSparkReplicasOfOneRowTrainLikeOneReplicaOfTwoRows) {
+  expect_two_replicas_train_like_one_of_two_rows(
+      {"training.objective=dspark", "training.markov_rank=4", "training.markov_head_type=gated",
+       "training.confidence_head_with_markov=true"});
+}
+
 TEST(PipelineTrain, TwoByTwoResumesBitIdenticallyAndRefusesAnotherReplicaCount) {
   test::TempDir tmp;
   TrainOptions a;

@@ -136,6 +136,87 @@ TEST(RunConfig, LossTypeAndDPaceAlphaAreValidatedNamingTheKey) {
       "dpace");
 }
 
+TEST(RunConfig, DSparkKeysAreValidatedNamingTheKey) {
+  auto err = [](std::vector<std::string> o) {
+    return error_of([&] { RunConfig::from_yaml(kYaml, "run.yaml", o); });
+  };
+  const RunConfig def = RunConfig::from_yaml(kYaml, "run.yaml");
+  EXPECT_EQ(def.training.objective, "dflash");
+  EXPECT_FALSE(dspark_heads_of(def.training).enabled);
+  // Defaults of SpecForge's OnlineDSparkModel; the confidence head is on when its alpha is > 0.
+  const RunConfig c = RunConfig::from_yaml(kYaml, "run.yaml", {"training.objective=dspark"});
+  const Objective o = objective_of(c.training);
+  EXPECT_TRUE(o.dspark());
+  EXPECT_EQ(o.dspark_ce_alpha, 0.1);
+  EXPECT_EQ(o.dspark_l1_alpha, 0.9);
+  EXPECT_EQ(o.dspark_conf_alpha, 1.0);
+  const DsparkHeads h = dspark_heads_of(c.training);
+  EXPECT_TRUE(h.enabled && h.confidence_head && !h.confidence_with_markov);
+  EXPECT_EQ(h.markov_rank, 0);
+  EXPECT_FALSE(dspark_heads_of(RunConfig::from_yaml(kYaml, "run.yaml",
+                                                    {"training.objective=dspark",
+                                                     "training.dspark_confidence_head_alpha=0"})
+                                   .training)
+                   .confidence_head);
+  const RunConfig r = RunConfig::from_yaml(
+      kYaml, "run.yaml",
+      {"training.objective=dspark", "training.markov_rank=8", "training.markov_head_type=rnn",
+       "training.confidence_head_with_markov=true", "training.enable_confidence_head=true"});
+  EXPECT_EQ(dspark_heads_of(r.training),
+            (DsparkHeads{true, 8, MarkovHeadType::rnn, true, true}));
+  // The resolved YAML keeps them; the heads change the parameter shapes (resume refuses them).
+  const RunConfig back = RunConfig::from_yaml(r.to_yaml(), "resolved.yaml");
+  EXPECT_EQ(dspark_heads_of(back.training), dspark_heads_of(r.training));
+  EXPECT_TRUE(back.shape_changes(r).empty());
+  EXPECT_FALSE(c.shape_changes(r).empty());
+  EXPECT_NE(c.shape_changes(r)[0].find("training.markov_rank"), std::string::npos);
+  EXPECT_NE(def.shape_changes(c)[0].find("training.objective"), std::string::npos);
+  // Errors name the key.
+  EXPECT_NE(err({"training.objective=spark"})
+                .find("training.objective must be dflash or dspark, got 'spark'"),
+            std::string::npos);
+  EXPECT_NE(err({"training.objective=dspark", "training.loss_type=dpace"})
+                .find("training.loss_type dpace is a loss of the dflash objective"),
+            std::string::npos);
+  EXPECT_NE(err({"training.markov_rank=4"})
+                .find("training.markov_rank applies only to training.objective: dspark"),
+            std::string::npos);
+  EXPECT_NE(err({"training.dspark_l1_loss_alpha=0.5"})
+                .find("training.dspark_l1_loss_alpha applies only to training.objective: dspark"),
+            std::string::npos);
+  EXPECT_NE(err({"training.objective=dspark", "training.markov_rank=-1"})
+                .find("training.markov_rank must be >= 0"),
+            std::string::npos);
+  EXPECT_NE(err({"training.objective=dspark", "training.markov_head_type=gru"})
+                .find("training.markov_head_type must be vanilla, gated or rnn, got 'gru'"),
+            std::string::npos);
+  EXPECT_NE(err({"training.objective=dspark", "training.markov_head_type=gated"})
+                .find("training.markov_head_type gated needs training.markov_rank > 0"),
+            std::string::npos);
+  EXPECT_NE(err({"training.objective=dspark", "training.confidence_head_with_markov=true"})
+                .find("training.confidence_head_with_markov needs training.markov_rank > 0"),
+            std::string::npos);
+  EXPECT_NE(err({"training.objective=dspark", "training.markov_rank=2",
+                 "training.confidence_head_with_markov=true",
+                 "training.enable_confidence_head=false"})
+                .find("training.confidence_head_with_markov needs the confidence head"),
+            std::string::npos);
+  EXPECT_NE(err({"training.objective=dspark", "training.dspark_ce_loss_alpha=-1"})
+                .find("training.dspark_ce_loss_alpha must be a number >= 0, got -1"),
+            std::string::npos);
+  EXPECT_NE(err({"training.objective=dspark", "training.dspark_ce_loss_alpha=0",
+                 "training.dspark_l1_loss_alpha=0", "training.dspark_confidence_head_alpha=0"})
+                .find("the DSpark loss would be 0"),
+            std::string::npos);
+  EXPECT_NE(err({"training.objective=dspark", "training.enable_confidence_head=maybe"})
+                .find("training.enable_confidence_head must be true or false"),
+            std::string::npos);
+  // No silent fallback: the CUDA stages have no DSpark heads.
+  EXPECT_NE(err({"training.objective=dspark", "runtime.backend=cuda"})
+                .find("training.objective dspark is implemented on the cpu backend only"),
+            std::string::npos);
+}
+
 TEST(RunConfig, OverridesApplyAndUnknownPathsFail) {
   RunConfig c = RunConfig::from_yaml(kYaml, "run.yaml",
                                      {"training.lr=1e-3", "model.target_layer_ids=[2]",

@@ -244,6 +244,17 @@ TEST(Sampling, SpeculativeSamplingMatchesTargetOnTinyModel) {
   drafter_save(dir / "d", dc, layout, params, DType::f32);
   const LoadedDrafter drafter = drafter_load(dir / "d");
   const SpeculativeDecoder dec(target, drafter);
+  // A DSpark drafter (block 3: all 3 slots draft, each from the previous draft through its
+  // Markov head), its bias scaled up so that it shapes the drafts' q.
+  DrafterConfig sc = dc;
+  sc.dspark = DsparkHeads{true, 8, MarkovHeadType::rnn, false, false};
+  const DrafterLayout slayout(sc);
+  std::vector<float> sparams(static_cast<size_t>(slayout.total));
+  drafter_init(sparams, slayout, 22);
+  for (int64_t i = 0; i < sc.vocab_size * 8; ++i) sparams[slayout.dspark.markov_w2 + i] *= 100.0f;
+  drafter_save(dir / "s", sc, slayout, sparams, DType::f32);
+  const LoadedDrafter sdrafter = drafter_load(dir / "s");
+  const SpeculativeDecoder sdec(target, sdrafter);
 
   const Tokenizer tok = Tokenizer::load(tiny_dir());
   // A definition being written: the next tokens are uncertain but not spread over the whole
@@ -266,6 +277,8 @@ TEST(Sampling, SpeculativeSamplingMatchesTargetOnTinyModel) {
   }
   ASSERT_EQ(base_opt->anchor, t1_argmax);
   const SpecState base = *base_opt;
+  const SpecState sbase = sdec.start(prompt, o);  // the same seed: the same first token
+  ASSERT_EQ(sbase.anchor, t1_argmax);
   ASSERT_FALSE(base.done);
   const int32_t t1 = base.anchor;
 
@@ -298,7 +311,8 @@ TEST(Sampling, SpeculativeSamplingMatchesTargetOnTinyModel) {
   const double crit = chi2_critical_1e4(df);
 
   std::vector<int64_t> plain(cats.probs.size(), 0), spec(cats.probs.size(), 0),
-      oracle(cats.probs.size(), 0), naive(cats.probs.size(), 0);
+      oracle(cats.probs.size(), 0), naive(cats.probs.size(), 0), dspark(cats.probs.size(), 0);
+  int64_t dspark_accepted = 0;  // drafts the DSpark loop accepted (the check's power)
   std::vector<double> scratch, pa;
   const SamplingParams soft{1.6, 0, 1.0};  // the oracle drafter's q: the target at temperature 1.6
   for (int64_t i = 0; i < n; ++i) {
@@ -322,6 +336,15 @@ TEST(Sampling, SpeculativeSamplingMatchesTargetOnTinyModel) {
       ASSERT_EQ(s.result.tokens[0], t1);
       ++spec[cats.of(s.result.tokens[1], s.result.tokens[2])];
     }
+    // Full speculative loop with the DSpark drafter.
+    {
+      SpecState s = sbase;
+      s.rng.reseed(derive_seed(500, {static_cast<uint64_t>(i)}));
+      while (!s.done) sdec.step(s, o);
+      ASSERT_EQ(s.result.tokens.size(), 3u);
+      for (int a : s.result.accept_lengths) dspark_accepted += a - 1;
+      ++dspark[cats.of(s.result.tokens[1], s.result.tokens[2])];
+    }
     // Oracle drafter: d1 ~ q1 = target(·|…t1) at temperature 1.6, d2 ~ q2 = target(·|…t1 d1).
     {
       SpecState s = base;
@@ -344,13 +367,17 @@ TEST(Sampling, SpeculativeSamplingMatchesTargetOnTinyModel) {
   }
   const double x_plain = chi2_stat(plain, cats.probs, n), x_spec = chi2_stat(spec, cats.probs, n),
                x_oracle = chi2_stat(oracle, cats.probs, n),
-               x_naive = chi2_stat(naive, cats.probs, n);
+               x_naive = chi2_stat(naive, cats.probs, n),
+               x_dspark = chi2_stat(dspark, cats.probs, n);
   std::printf(
       "trials %lld, categories %d (covered mass %.3f), critical %.1f: plain %.1f, "
-      "spec(random drafter) %.1f, spec(oracle q) %.1f, drafts alone %.1f\n",
-      static_cast<long long>(n), df + 1, covered, crit, x_plain, x_spec, x_oracle, x_naive);
+      "spec(random drafter) %.1f, spec(random DSpark drafter, %lld drafts accepted) %.1f, "
+      "spec(oracle q) %.1f, drafts alone %.1f\n",
+      static_cast<long long>(n), df + 1, covered, crit, x_plain, x_spec,
+      static_cast<long long>(dspark_accepted), x_dspark, x_oracle, x_naive);
   EXPECT_LT(x_plain, crit);
   EXPECT_LT(x_spec, crit);
+  EXPECT_LT(x_dspark, crit);
   EXPECT_LT(x_oracle, crit);
   EXPECT_GT(x_naive, crit) << "negative control: the test cannot tell q from p";
 }

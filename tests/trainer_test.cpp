@@ -4,6 +4,8 @@
 // metrics.jsonl after crashes (issue 18). Runs are tiny (a 200-conversation slice of the corpus,
 // 256-token rows, 2 anchors per document) so that each takes seconds.
 #include <gtest/gtest.h>
+
+#include <algorithm>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -19,6 +21,7 @@
 #include "model/safetensors.hpp"
 #include "train/run_dir.hpp"
 #include "train/trainer.hpp"
+#include "model/drafter_io.hpp"
 #include "util/test_util.hpp"
 
 using namespace dflash;
@@ -121,7 +124,9 @@ void expect_resume_bit_identical(const std::vector<std::string>& overrides) {
   for (size_t i = 0; i < ma.size(); ++i) EXPECT_EQ(ma[i], mb[i]) << "metrics line " << i;
   // The export folder is a loadable drafter config.
   json cfg = json::parse(test::read_file(tmp / "a" / "checkpoint-6" / "config.json"));
-  EXPECT_EQ(cfg["architectures"][0], "DFlashDraftModel");
+  const bool dspark = std::find(overrides.begin(), overrides.end(), "training.objective=dspark") !=
+                      overrides.end();
+  EXPECT_EQ(cfg["architectures"][0], dspark ? "DSparkDraftModel" : "DFlashDraftModel");
   EXPECT_EQ(cfg["dflash_config"]["mask_token_id"], 8000);
   // The loss went down over the run (first vs last logged step).
   EXPECT_LT(ma.back()["loss"].get<double>(), ma.front()["loss"].get<double>());
@@ -147,6 +152,31 @@ TEST(Trainer, InterruptedAndResumedDPaceRunIsBitIdenticalToAnUninterruptedOne) {
   EXPECT_GT(std::abs(l_dpace - l_dflash), 0.1 * l_dflash);
   EXPECT_NE(test::read_file(tmp / "dpace" / "log.txt").find("loss: dpace (alpha 0.5)"),
             std::string::npos);
+}
+
+// DSpark: its heads (every type) are in the optimizer state and the checkpoint like the rest of
+// the drafter; the run optimises the DSpark loss (the log says so) and exports a DSpark drafter.
+TEST(Trainer, InterruptedAndResumedDSparkRunIsBitIdenticalToAnUninterruptedOne) {
+  for (const char* type : {"vanilla", "gated", "rnn"}) {
+    expect_resume_bit_identical({"training.objective=dspark", "training.gamma=4",
+                                 "training.markov_rank=4",
+                                 std::string("training.markov_head_type=") + type,
+                                 "training.confidence_head_with_markov=true"});
+  }
+  test::TempDir tmp;
+  TrainOptions o;
+  o.config = config_for(tmp / "s", 1,
+                        {"training.objective=dspark", "training.markov_rank=4",
+                         "training.markov_head_type=rnn"});
+  train(o);
+  EXPECT_NE(test::read_file(tmp / "s" / "log.txt")
+                .find("objective: dspark, Σ w·(0.1·CE + 0.9·L1 + 1·BCE) / Σ w"),
+            std::string::npos);
+  const LoadedDrafter d = drafter_load(tmp / "s" / "checkpoint-1");
+  EXPECT_EQ(d.config.dspark, (DsparkHeads{true, 4, MarkovHeadType::rnn, true, false}));
+  // The heads trained: their exported weights are not drafter_init's (biases start at 0).
+  EXPECT_NE(d.params[d.layout.dspark.joint_b], 0.0f);
+  EXPECT_NE(d.params[d.layout.dspark.conf_b], 0.0f);
 }
 
 TEST(Trainer, ResumeRefusesChangedModelOrDataKeysUnlessForced) {

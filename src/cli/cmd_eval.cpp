@@ -42,6 +42,7 @@ std::string hist_str(const nlohmann::json& h) {
 void run_eval_command(const EvalArgs& a) {
   // Every argument is checked before the target's weights are loaded and a prompt is decoded.
   if (!a.output.empty()) check_file_writable(a.output, "--output");
+  check_cuda_drafter(a.d);
   if (a.d.backend == "cuda") check_cuda_backend();
   const ModelConfig target_cfg = model_config_load(a.d.target);
   const DecodeOptions opts = decode_options_from(a.d, target_cfg);
@@ -108,7 +109,9 @@ void run_eval_command(const EvalArgs& a) {
                              {"template", tmpl.name()},
                              {"greedy", greedy},
                              {"baseline", baseline}};
-  const nlohmann::json rep = eval_report(run, K, greedy, baseline, settings);
+  // A DSpark drafter drafts K tokens: acceptance lengths reach K + 1 (the histogram's bins).
+  const int max_accept = drafter.config.dspark.enabled ? K + 1 : K;
+  const nlohmann::json rep = eval_report(run, max_accept, greedy, baseline, settings);
   if (!a.output.empty()) write_file_atomic(a.output, rep.dump(2) + "\n");
 
   const auto& t = rep["total"];

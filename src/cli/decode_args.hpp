@@ -11,6 +11,7 @@
 
 #include "cli/cli_util.hpp"
 #include "core/error.hpp"
+#include "core/json_util.hpp"
 #include "data/chat_template.hpp"
 #include "data/dataset.hpp"
 #include "data/tokenizer.hpp"
@@ -109,6 +110,20 @@ inline DecodeOptions decode_options_from(const DecodeArgs& a, const ModelConfig&
       o.stop_ids.push_back(id);
   o.sampling.validate();
   return o;
+}
+
+/// With --backend cuda, reads the drafter's config.json (no weights) and refuses a DSpark drafter
+/// naming its dflash_config.projector_type: the CUDA decoder drafts DFlash blocks only. The first
+/// check of a decoding command, before the device is looked for.
+inline void check_cuda_drafter(const DecodeArgs& a) {
+  if (a.backend != "cuda") return;
+  const std::filesystem::path cfg = std::filesystem::path(a.drafter) / "config.json";
+  const DrafterConfig d = drafter_config_from_json(json_load_file(cfg), cfg.string());
+  DFLASH_CHECK(!d.dspark.enabled,
+               "{}: a DSpark drafter (dflash_config.projector_type: dspark) is decoded by the "
+               "cpu backend only; --backend cuda has no Markov head or all-slot drafting yet (use "
+               "--backend cpu)",
+               cfg.string());
 }
 
 /// The checks of the decoding commands that need the drafter and the tokenizer but not the

@@ -128,19 +128,19 @@ EvalRun run_eval(Decoder& dec, const std::vector<EvalPrompt>& prompts, const Dec
   return run;
 }
 
-nlohmann::json eval_report(const EvalRun& run, int block_size, bool greedy, bool baseline,
+nlohmann::json eval_report(const EvalRun& run, int max_accept, bool greedy, bool baseline,
                            const nlohmann::json& settings) {
   using nlohmann::json;
   const std::vector<EvalPromptResult>& results = run.results;
   json rows = json::array();
-  Tally total(block_size);
+  Tally total(max_accept);
   std::map<std::string, Tally> by_source;
   int64_t target_tokens = 0, lossless_n = 0;
   for (const EvalPromptResult& r : results) {
-    Tally t(block_size);
+    Tally t(max_accept);
     t.add(r.spec);
     total.add(r.spec);
-    auto it = by_source.try_emplace(r.source, block_size).first;
+    auto it = by_source.try_emplace(r.source, max_accept).first;
     it->second.add(r.spec);
     const double ss = r.spec.prefill_seconds + r.spec.decode_seconds;
     const double ts = r.target.prefill_seconds + r.target.decode_seconds;

@@ -77,17 +77,18 @@ EvalRun run_eval(Decoder& dec, const std::vector<EvalPrompt>& prompts, const Dec
                  int batch_size, bool baseline = true, const EvalProgress& progress = {});
 
 /// The JSON report of a run: {"settings": ..., "prompts": [{id, source, prompt_tokens,
-/// new_tokens, steps, tau, accept_histogram [K counts for lengths 1..K], stopped, seconds_spec,
-/// tokens_per_s_spec, and with a baseline target_new_tokens, seconds_target, tokens_per_s_target,
-/// lossless (greedy)}], "total": {prompts, batch_size, new_tokens, steps, tau, tau_prompt_mean,
-/// accept_histogram, seconds_spec, tokens_per_s_spec, and with a baseline target_new_tokens,
-/// seconds_target, tokens_per_s_target, speedup, lossless and lossless_prompts (greedy)},
+/// new_tokens, steps, tau, accept_histogram [max_accept counts for lengths 1..max_accept],
+/// stopped, seconds_spec, tokens_per_s_spec, and with a baseline target_new_tokens,
+/// seconds_target, tokens_per_s_target, lossless (greedy)}], "total": {prompts, batch_size,
+/// new_tokens, steps, tau, tau_prompt_mean, accept_histogram, seconds_spec, tokens_per_s_spec,
+/// and with a baseline target_new_tokens, seconds_target, tokens_per_s_target, speedup, lossless and lossless_prompts (greedy)},
 /// "per_source": {source: {prompts, new_tokens, steps, tau, tau_prompt_mean, accept_histogram}}}.
 /// A prompt's seconds are its request's own wall time (decoder.hpp); the totals' seconds are the
 /// calls' wall times, and their tokens/s and speedup are aggregates over those (with several
 /// requests in flight the per-prompt seconds overlap and do not add up to the wall time).
-/// `settings` is copied in as given.
-nlohmann::json eval_report(const EvalRun& run, int block_size, bool greedy, bool baseline,
+/// `settings` is copied in as given. `max_accept` is the longest acceptance length, the number of
+/// histogram bins: the block size K (DFlash), K + 1 for a DSpark drafter (K drafts).
+nlohmann::json eval_report(const EvalRun& run, int max_accept, bool greedy, bool baseline,
                            const nlohmann::json& settings);
 
 }  // namespace dflash

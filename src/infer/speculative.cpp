@@ -1,6 +1,7 @@
 // dflash.cpp — speculative decoding loop (see speculative.hpp for the step and its invariants).
 #include "infer/speculative.hpp"
 
+#include "model/dspark_head.hpp"
 #include <algorithm>
 #include <chrono>
 #include <numeric>
@@ -139,16 +140,30 @@ void SpeculativeDecoder::step(SpecState& s, const DecodeOptions& opts,
       drafter_draft_block(s.drafter_cache, cfg, drafter_.layout, drafter_.params.data(), tables_,
                           s.anchor, s.drafter_ws);
   const bool greedy = opts.sampling.greedy();
-  s.proposals.resize(static_cast<size_t>(K - 1));
-  s.draft_q.resize(greedy ? 0 : static_cast<size_t>(K - 1));  // inner vectors keep capacity
-  for (int64_t k = 1; k < K; ++k) {
-    const std::span<const float> row(dlogits.data() + k * V, static_cast<size_t>(V));
-    if (greedy) {
-      s.proposals[k - 1] = argmax_row(row.data(), V);
-    } else {
-      sampling_probs(s.draft_q[k - 1], row, opts.sampling);
-      s.proposals[k - 1] = sample_index(s.draft_q[k - 1], s.rng);
+  // DFlash drafts with slots 1..K−1 (slot 0 holds the anchor); DSpark with all K slots, slot k's
+  // logits biased by the token drafted at slot k−1 (prev₀ = the anchor, the bonus token).
+  const bool dspark = cfg.dspark.enabled;
+  const int64_t P = dspark ? K : K - 1, first = dspark ? 0 : 1;
+  s.proposals.resize(static_cast<size_t>(P));
+  s.draft_q.resize(greedy ? 0 : static_cast<size_t>(P));  // inner vectors keep capacity
+  int32_t prev = s.anchor;
+  for (int64_t j = 0; j < P; ++j) {
+    const int64_t k = first + j;  // the slot that drafts proposal j
+    std::span<const float> row(dlogits.data() + k * V, static_cast<size_t>(V));
+    if (dspark) {
+      s.dspark_row.assign(row.begin(), row.end());
+      dspark_slot_logits(cfg, drafter_.layout, drafter_.params.data(), s.dspark_row.data(),
+                         s.drafter_ws.hf.data() + k * cfg.hidden_size, prev, static_cast<int>(k),
+                         s.dspark_slot);
+      row = s.dspark_row;
     }
+    if (greedy) {
+      s.proposals[j] = argmax_row(row.data(), V);
+    } else {
+      sampling_probs(s.draft_q[j], row, opts.sampling);
+      s.proposals[j] = sample_index(s.draft_q[j], s.rng);
+    }
+    prev = s.proposals[j];
   }
   s.result.decode_seconds += seconds_since(t0);
   verify(s, opts, s.proposals, s.draft_q, on_tokens);

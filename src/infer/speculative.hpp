@@ -18,6 +18,12 @@
 //           bonus becomes the next anchor. Acceptance length of the step = n + 1.
 // The first output token comes from the prefill (taps of the prompt go to the drafter cache).
 //
+// A DSpark drafter (OBJECTIVES.md §1.3, vLLM's DSpark proposer) drafts with all K slots: the same
+// block, slot k (k = 0..K−1) proposing the token at L+1+k from its logits plus the Markov bias of
+// the token drafted at slot k−1 (prev₀ = anchor); the verify block is [anchor, d_0..d_{K−1}], so an
+// acceptance length is in [1, K+1]. Sampling draws each d_k from its biased q_k, which the
+// rejection rule reads as for DFlash.
+//
 // Invariants: greedy output equals the target's own greedy decoding token for token (the
 // verification logits are the target's); sampled output is distributed exactly as the target's
 // (Leviathan et al. 2023, Thm. 1). Output stops after the first stop token (included) or at
@@ -34,6 +40,7 @@
 #include "infer/sampling.hpp"
 #include "model/drafter.hpp"
 #include "model/drafter_io.hpp"
+#include "model/dspark_head.hpp"
 #include "model/target.hpp"
 
 namespace dflash {
@@ -53,7 +60,7 @@ using TokenCallback = std::function<void(std::span<const int32_t>)>;
 /// Outcome of one generation.
 struct DecodeResult {
   std::vector<int32_t> tokens;      ///< generated tokens (stop token included when hit)
-  std::vector<int> accept_lengths;  ///< per speculative step, in [1, block_size]
+  std::vector<int> accept_lengths;  ///< per speculative step, in [1, K] (DSpark: [1, K+1])
   bool stopped = false;             ///< ended on a stop token (else on max_new_tokens)
   double prefill_seconds = 0;       ///< prompt prefill (first token included)
   double decode_seconds = 0;        ///< everything after the prefill
@@ -80,6 +87,8 @@ struct SpecState {
   std::vector<std::vector<double>> draft_q;
   std::vector<float> target_logits;
   std::vector<double> target_p, sample_scratch;
+  std::vector<float> dspark_row;  // a DSpark drafter: one slot's logits with the Markov bias
+  DsparkSlotState dspark_slot;    // and its head's state between slots
   explicit SpecState(const ModelConfig& c) : target_cache(c) {}
 };
 

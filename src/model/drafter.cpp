@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "core/error.hpp"
+#include "model/dspark_head.hpp"
 #include "ops/attention.hpp"
 #include "ops/cross_entropy.hpp"
 #include "ops/embedding.hpp"
@@ -39,12 +40,46 @@ void DrafterConfig::validate() const {
   DFLASH_CHECK(mask_token_id >= 0 && mask_token_id < vocab_size,
                "mask_token_id {} is outside the target's embedding rows [0, {})", mask_token_id,
                vocab_size);
+  const DsparkHeads& ds = dspark;
+  if (!ds.enabled) {
+    DFLASH_CHECK(ds == DsparkHeads{},
+                 "markov_rank / confidence head set on a drafter whose projector_type is not "
+                 "dspark");
+    return;
+  }
+  DFLASH_CHECK(ds.markov_rank >= 0, "markov_rank must be >= 0 (got {})", ds.markov_rank);
+  DFLASH_CHECK(ds.markov_rank > 0 || ds.markov_type == MarkovHeadType::vanilla,
+               "markov_head_type {} needs markov_rank > 0 (markov_rank 0 means no Markov head)",
+               markov_head_type_name(ds.markov_type));
+  DFLASH_CHECK(!ds.confidence_with_markov || (ds.confidence_head && ds.markov_rank > 0),
+               "confidence_head_with_markov needs enable_confidence_head and markov_rank > 0 "
+               "(got enable_confidence_head {}, markov_rank {})",
+               ds.confidence_head, ds.markov_rank);
+}
+
+std::optional<MarkovHeadType> markov_head_type_parse(std::string_view name) {
+  for (MarkovHeadType t : {MarkovHeadType::vanilla, MarkovHeadType::gated, MarkovHeadType::rnn}) {
+    if (name == markov_head_type_name(t)) return t;
+  }
+  return std::nullopt;
+}
+
+const char* markov_head_type_name(MarkovHeadType t) {
+  switch (t) {
+    case MarkovHeadType::vanilla:
+      return "vanilla";
+    case MarkovHeadType::gated:
+      return "gated";
+    case MarkovHeadType::rnn:
+      return "rnn";
+  }
+  fail("Markov head type {} is not a MarkovHeadType", static_cast<int>(t));
 }
 
 DrafterLayout::DrafterLayout(const DrafterConfig& c) {
   const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
   const int64_t QD = c.num_heads * D, KD = c.num_kv_heads * D;
-  auto add = [&](std::string name, std::vector<int64_t> shape, bool norm) {
+  auto add = [&](std::string name, std::vector<int64_t> shape, bool norm, bool bias = false) {
     ParamInfo p;
     p.name = std::move(name);
     p.numel = 1;
@@ -58,6 +93,7 @@ DrafterLayout::DrafterLayout(const DrafterConfig& c) {
     p.shape = std::move(shape);
     p.offset = total - p.numel;
     p.is_norm = norm;
+    p.is_bias = bias;
     params.push_back(std::move(p));
   };
   add("fc.weight", {H, c.n_taps() * H}, false);
@@ -77,6 +113,37 @@ DrafterLayout::DrafterLayout(const DrafterConfig& c) {
     add(p + "mlp.down_proj.weight", {H, I}, false);
   }
   add("norm.weight", {H}, true);
+  const DsparkHeads& ds = c.dspark;
+  const int64_t r = ds.markov_rank;
+  if (ds.enabled && r > 0) {
+    add("markov_head.markov_w1.weight", {c.vocab_size, r}, false);
+    add("markov_head.markov_w2.weight", {c.vocab_size, r}, false);
+    if (ds.markov_type == MarkovHeadType::gated) {
+      add("markov_head.gate_proj.weight", {r, H + r}, false);
+      add("markov_head.gate_proj.bias", {r}, false, true);
+    } else if (ds.markov_type == MarkovHeadType::rnn) {
+      add("markov_head.joint_proj.weight", {3 * r, 2 * r + H}, false);
+      add("markov_head.joint_proj.bias", {3 * r}, false, true);
+    }
+  }
+  if (ds.enabled && ds.confidence_head) {
+    add("confidence_head.proj.weight", {1, ds.confidence_in(H)}, false);
+    add("confidence_head.proj.bias", {1}, false, true);
+  }
+  auto offset_of = [&](const char* name) {
+    for (const auto& p : params) {
+      if (p.name == name) return p.offset;
+    }
+    return int64_t(-1);
+  };
+  dspark.markov_w1 = offset_of("markov_head.markov_w1.weight");
+  dspark.markov_w2 = offset_of("markov_head.markov_w2.weight");
+  dspark.gate_w = offset_of("markov_head.gate_proj.weight");
+  dspark.gate_b = offset_of("markov_head.gate_proj.bias");
+  dspark.joint_w = offset_of("markov_head.joint_proj.weight");
+  dspark.joint_b = offset_of("markov_head.joint_proj.bias");
+  dspark.conf_w = offset_of("confidence_head.proj.weight");
+  dspark.conf_b = offset_of("confidence_head.proj.bias");
   fc = find("fc.weight").offset;
   hidden_norm = find("hidden_norm.weight").offset;
   norm = find("norm.weight").offset;
@@ -114,7 +181,11 @@ void drafter_init(std::span<float> params, const DrafterLayout& layout, uint64_t
   for (const auto& p : layout.params) {
     float* w = params.data() + p.offset;
     for (int64_t i = 0; i < p.numel; ++i) {
-      w[i] = p.is_norm ? 1.0f : static_cast<float>(0.02 * rng.normal());
+      if (p.is_bias) {
+        w[i] = 0.0f;  // draws nothing: the following tensors' values do not depend on biases
+      } else {
+        w[i] = p.is_norm ? 1.0f : static_cast<float>(0.02 * rng.normal());
+      }
     }
   }
 }
@@ -329,6 +400,11 @@ CrossEntropyStats dpace_reweight(DrafterWorkspace<S>& ws, const DrafterBatch& ba
   return st;
 }
 
+template <typename S>
+void drafter_backward(const DrafterConfig& cfg, const DrafterLayout& layout, const S* params,
+                      S* grads, const S* features, int64_t T, int64_t NK,
+                      DrafterWorkspace<S>& ws);
+
 }  // namespace
 
 // ------------------------------------------------------------------------------------ train step
@@ -337,9 +413,14 @@ template <typename S>
 DrafterTrainResult drafter_train_step(const DrafterConfig& cfg, const DrafterLayout& layout,
                                       const S* params, S* grads, const DrafterTables<S>& tables,
                                       const DrafterBatch& batch, const S* features,
-                                      double grad_scale, DrafterWorkspace<S>& ws) {
+                                      double grad_scale, DrafterWorkspace<S>& ws,
+                                      const S* target_final) {
   const Dims<S> d(cfg);
   const int64_t T = batch.T(), N = batch.N(), NK = N * d.K;
+  DFLASH_CHECK(cfg.dspark.enabled == batch.objective.dspark(),
+               "drafter step: a batch of the {} objective for a drafter {}",
+               objective_kind_name(batch.objective.kind),
+               cfg.dspark.enabled ? "with DSpark heads" : "without DSpark heads");
   plan_batch(cfg, batch, features, ws);
   DrafterTrainResult res;
   res.argmax.assign(static_cast<size_t>(NK), -1);
@@ -353,6 +434,24 @@ DrafterTrainResult drafter_train_step(const DrafterConfig& cfg, const DrafterLay
   const S* norm_w = params + layout.norm;
   fit(ws.hf, NK * d.H);
   rmsnorm_fwd_cpu(ws.hf.data(), nullptr, ws.h.data(), norm_w, NK, d.H, cfg.rms_norm_eps);
+  if (cfg.dspark.enabled) {
+    // DSpark: the heads and the loss on every block row; dh = ∂/∂hf of the scaled loss.
+    fit(ws.dh, NK * d.H);
+    const DsparkSums ds = dspark_head_step(cfg, layout, params, grads, tables.lm_head, batch,
+                                           ws.hf.data(), target_final, grad_scale, ws.dh.data(),
+                                           res.argmax.data(), batch.objective, ws.dspark);
+    res.loss_sum = ds.loss_sum;
+    res.weight_sum = ds.weight_sum;
+    res.dspark_ce_sum = ds.ce_sum;
+    res.dspark_l1_sum = ds.l1_sum;
+    res.dspark_bce_sum = ds.bce_sum;
+    res.dspark_acc_sum = ds.acc_sum;
+    res.dspark_conf = ds.conf;
+    res.dspark_acc = ds.acc;
+    if (!grads) return res;
+    drafter_backward(cfg, layout, params, grads, features, T, NK, ws);
+    return res;
+  }
   // Only the supervised rows go through the LM head (about 2/3 of them on short documents): a
   // row of weight 0 (slot 0, past the document end, outside the loss mask) adds nothing to the
   // loss or to any gradient, and its argmax is not reported (-1). The selected rows are packed.
@@ -400,8 +499,20 @@ DrafterTrainResult drafter_train_step(const DrafterConfig& cfg, const DrafterLay
   for (int64_t j = 0; j < R; ++j) {
     std::copy_n(ws.ce_grad.data() + j * d.H, d.H, ws.dh.data() + ws.ce_rows[j] * d.H);
   }
+  drafter_backward(cfg, layout, params, grads, features, T, NK, ws);
+  return res;
+}
 
-  // ---- backward
+namespace {
+
+// The backward of the drafter from ws.dh = ∂loss/∂(final-norm rows) [NK, H]: through the final
+// norm, the layers and the context projection, accumulating into `grads`.
+template <typename S>
+void drafter_backward(const DrafterConfig& cfg, const DrafterLayout& layout, const S* params,
+                      S* grads, const S* features, int64_t T, int64_t NK,
+                      DrafterWorkspace<S>& ws) {
+  const Dims<S> d(cfg);
+  const S* norm_w = params + layout.norm;
   S* g_norm = grads + layout.norm;
   fit(ws.dtmp, NK * d.H);
   rmsnorm_bwd_cpu(ws.dtmp.data(), g_norm, ws.dh.data(), ws.h.data(), norm_w, NK, d.H,
@@ -485,8 +596,9 @@ DrafterTrainResult drafter_train_step(const DrafterConfig& cfg, const DrafterLay
     linear_bwd_cpu(static_cast<S*>(nullptr), g_fc, nullptr, ws.dctx_pre.data(), features,
                    params + layout.fc, T, d.F, d.H);
   }
-  return res;
 }
+
+}  // namespace
 
 template <typename S>
 std::vector<S> drafter_block_logits(const DrafterConfig& cfg, const DrafterLayout& layout,
@@ -503,6 +615,10 @@ std::vector<S> drafter_block_logits(const DrafterConfig& cfg, const DrafterLayou
   fit(ws.hf, NK * d.H);
   rmsnorm_fwd_cpu(ws.hf.data(), nullptr, ws.h.data(), params + layout.norm, NK, d.H,
                   cfg.rms_norm_eps);
+  if (cfg.dspark.enabled) {
+    return dspark_block_logits(cfg, layout, params, tables.lm_head, batch, ws.hf.data(),
+                               ws.dspark);
+  }
   std::vector<S> logits(static_cast<size_t>(NK * d.V));
   linear_fwd_cpu(logits.data(), ws.hf.data(), tables.lm_head, nullptr, NK, d.H, d.V);
   return logits;
@@ -605,7 +721,7 @@ std::span<const float> drafter_draft_block(DrafterCache& cache, const DrafterCon
 #define DFLASH_DRAFTER_INSTANTIATE(S)                                                    \
   template DrafterTrainResult drafter_train_step<S>(                                     \
       const DrafterConfig&, const DrafterLayout&, const S*, S*, const DrafterTables<S>&, \
-      const DrafterBatch&, const S*, double, DrafterWorkspace<S>&);                      \
+      const DrafterBatch&, const S*, double, DrafterWorkspace<S>&, const S*);            \
   template std::vector<S> drafter_block_logits<S>(                                       \
       const DrafterConfig&, const DrafterLayout&, const S*, const DrafterTables<S>&,     \
       const DrafterBatch&, const S*, DrafterWorkspace<S>&);

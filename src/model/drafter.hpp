@@ -23,8 +23,10 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/rng.hpp"
@@ -34,6 +36,35 @@
 #include "ops/rope.hpp"
 
 namespace dflash {
+
+/// DSpark's Markov bias head (OBJECTIVES.md §1.3, SpecForge `dspark.py`): with e = W1[prev]
+/// (W1 [V, r]) and W2 [V, r], the bias added to slot k's logits is
+///   vanilla: W2·e_k
+///   gated:   W2·(σ(Wg·[h_k; e_k] + bg) ⊙ e_k)                      Wg [r, H+r], bg [r]
+///   rnn:     (g, c, o) = split(J·[s_{k−1}; e_k; h_k] + bJ), s_k = σ(g)⊙s_{k−1} + (1−σ(g))⊙tanh c,
+///            bias W2·tanh o, s_{−1} = 0 in every block              J [3r, 2r+H], bJ [3r]
+/// (h_k: the drafter's final hidden state after its final norm).
+enum class MarkovHeadType { vanilla, gated, rnn };
+
+/// The MarkovHeadType of a `markov_head_type` value (vanilla, gated, rnn); nullopt otherwise.
+std::optional<MarkovHeadType> markov_head_type_parse(std::string_view name);
+/// The config spelling of `t`.
+const char* markov_head_type_name(MarkovHeadType t);
+
+/// The DSpark heads of a drafter (export `dflash_config`: projector_type "dspark", markov_rank,
+/// markov_head_type, enable_confidence_head, confidence_head_with_markov). A drafter without them
+/// (enabled false) is a plain DFlash drafter.
+struct DsparkHeads {
+  bool enabled = false;  ///< projector_type dspark: shifted labels, all K slots draft
+  int markov_rank = 0;   ///< r; 0: no Markov head
+  MarkovHeadType markov_type = MarkovHeadType::vanilla;
+  /// The confidence head c_k = wc·x_k + bc (x_k = h_k, or [h_k; e_k] with confidence_with_markov).
+  bool confidence_head = false;
+  bool confidence_with_markov = false;
+  /// Width of the confidence head's input: H, or H + r with confidence_with_markov.
+  int64_t confidence_in(int64_t H) const { return H + (confidence_with_markov ? markov_rank : 0); }
+  bool operator==(const DsparkHeads&) const = default;
+};
 
 /// Sizes and settings of a drafter (the Qwen3 fields of its export config.json plus DFlash's).
 struct DrafterConfig {
@@ -51,11 +82,14 @@ struct DrafterConfig {
   int mask_token_id = -1;
   std::vector<int> target_layer_ids;
   int num_target_layers = 0;
+  DsparkHeads dspark;             ///< DSpark's heads (enabled false: a DFlash drafter)
 
   /// Number of tapped target layers (features are [T, n_taps·H]).
   int64_t n_taps() const { return static_cast<int64_t>(target_layer_ids.size()); }
   /// Throws dflash::Error naming the field when sizes are inconsistent, tap ids are outside
-  /// [0, num_target_layers), or mask_token_id is outside [0, vocab_size).
+  /// [0, num_target_layers), mask_token_id is outside [0, vocab_size), or the DSpark heads are
+  /// inconsistent (markov_rank < 0, a gated/rnn or Markov confidence head without a Markov rank,
+  /// DSpark fields on a drafter that is not DSpark).
   void validate() const;
 };
 
@@ -66,6 +100,7 @@ struct ParamInfo {
   int64_t offset = 0;          ///< elements from the start of the flat array
   int64_t numel = 0;
   bool is_norm = false;        ///< RMSNorm weight (initialised to 1)
+  bool is_bias = false;        ///< a linear's bias (initialised to 0)
 };
 
 /// Offsets (elements from the start of the flat array) of one decoder layer's parameters, named
@@ -75,9 +110,23 @@ struct DrafterLayerOffsets {
           k_norm = 0, post_attention_layernorm = 0, gate_proj = 0, up_proj = 0, down_proj = 0;
 };
 
+/// Offsets of the DSpark heads' parameters (−1 where the config has no such parameter), named as
+/// in the export (OBJECTIVES.md §1.3, DeepSeek's dspark_qwen3_4b_block7).
+struct DsparkOffsets {
+  int64_t markov_w1 = -1;  ///< markov_head.markov_w1.weight [V, r] (the embedding W1)
+  int64_t markov_w2 = -1;  ///< markov_head.markov_w2.weight [V, r] (the projection W2)
+  int64_t gate_w = -1;     ///< markov_head.gate_proj.weight [r, H+r] (gated)
+  int64_t gate_b = -1;     ///< markov_head.gate_proj.bias [r]
+  int64_t joint_w = -1;    ///< markov_head.joint_proj.weight [3r, 2r+H] (rnn)
+  int64_t joint_b = -1;    ///< markov_head.joint_proj.bias [3r]
+  int64_t conf_w = -1;     ///< confidence_head.proj.weight [1, H(+r)]
+  int64_t conf_b = -1;     ///< confidence_head.proj.bias [1]
+};
+
 /// The flat parameter layout of a config, in export order:
 /// fc, hidden_norm, per layer {input_layernorm, q, k, v, o, q_norm, k_norm,
-/// post_attention_layernorm, gate, up, down}, norm. gate_proj and up_proj of a layer are adjacent
+/// post_attention_layernorm, gate, up, down}, norm, then the DSpark heads' tensors (DsparkOffsets
+/// order) that the config has. gate_proj and up_proj of a layer are adjacent
 /// (up follows gate), so the two can be read as one [2I, H] matrix. Code reaches a parameter
 /// through the named offsets below (resolved by export name at construction), never by its index in
 /// `params`.
@@ -88,14 +137,16 @@ struct DrafterLayout {
   int64_t hidden_norm = 0;                  ///< offset of hidden_norm.weight [H]
   int64_t norm = 0;                         ///< offset of the final norm.weight [H]
   std::vector<DrafterLayerOffsets> layers;  ///< per decoder layer
+  DsparkOffsets dspark;                     ///< the DSpark heads (all −1 for a DFlash drafter)
   /// Throws dflash::Error when the parameter count of `c` overflows int64 (corrupt sizes).
   explicit DrafterLayout(const DrafterConfig& c);
   /// A parameter by export name; throws dflash::Error naming it if unknown.
   const ParamInfo& find(const std::string& name) const;
 };
 
-/// Fills `params` (layout.total values): linear weights ~ N(0, 0.02²) from `seed` in layout order,
-/// norm weights 1. Reproducible bit for bit from the seed.
+/// Fills `params` (layout.total values): linear and embedding weights ~ N(0, 0.02²) from `seed`
+/// in layout order, norm weights 1, biases 0 (HF's initializer_range 0.02). Reproducible bit for
+/// bit from the seed; a DFlash drafter's values do not depend on whether DSpark heads follow.
 void drafter_init(std::span<float> params, const DrafterLayout& layout, uint64_t seed);
 
 /// Result of a forward (and backward) over one DrafterBatch.
@@ -104,12 +155,25 @@ struct DrafterTrainResult {
   double weight_sum = 0;        ///< Σ w (the same weights)
   std::vector<int32_t> argmax;  ///< [N·K] drafter argmax per supervised slot (-1 elsewhere:
                                 ///< rows of weight 0 skip the LM head)
+  /// DSpark only: Σ w·CE, Σ w·L1, Σ w·BCE and Σ w·acc of the step's rows (loss_sum is their
+  /// αce/αl1/αconf combination).
+  double dspark_ce_sum = 0, dspark_l1_sum = 0, dspark_bce_sum = 0, dspark_acc_sum = 0;
+  /// DSpark only, per block row [N·K]: confidence logit and acc (DsparkSums::conf, ::acc).
+  std::vector<double> dspark_conf, dspark_acc;
 };
 
 /// Per-layer activations kept for the backward (internal to the drafter step).
 template <typename S>
 struct LayerActs {
   std::vector<S> x_in, hn, q_raw, q, k_raw, k, v, o, lse, h_mid, hn2, gate_up, act;
+};
+
+/// Scratch of the DSpark head (model/dspark_head.hpp; capacity kept between calls).
+template <typename S>
+struct DsparkWorkspace {
+  std::vector<S> logits, teacher, tlogits, emb, z, gate_in, gate_pre, rnn_in, rnn_u, rnn_s;
+  std::vector<S> conf_in, conf, dconf, dconf_in, dz, demb, dgate_pre, dgate_in, du, din;
+  std::vector<int32_t> prev;
 };
 
 /// Scratch buffers of the step (capacity kept between calls; one per thread).
@@ -127,6 +191,7 @@ struct DrafterWorkspace {
   std::vector<uint8_t> dpace_mask;          // one block's supervision mask [K]
   std::vector<S> inv_freq;
   std::vector<AttnRange> ranges;
+  DsparkWorkspace<S> dspark;                // the DSpark head's scratch
 };
 
 
@@ -142,15 +207,21 @@ struct DrafterTables {
 /// target features of its context, `features` [T, n_taps·H]; when `grads` is not null, also the
 /// backward, accumulating parameter gradients (+=) scaled by `grad_scale` (use
 /// 1/batch.loss_normaliser() so that the gradient is that of the step's loss: Σw·CE/Σw for
-/// dflash, Σ m·w·CE / sequences for D-PACE with w held constant). Throws dflash::Error on
-/// inconsistent inputs (naming them). `ws` must not be shared between threads.
+/// dflash, Σ m·w·CE / sequences for D-PACE with w held constant, DSpark's numerator / Σw).
+/// For objective dspark (cfg.dspark.enabled) `target_final` [T, H] holds the target's
+/// final-norm hidden states of the batch's context (the teacher, model/dspark_head.hpp). Throws
+/// dflash::Error on inconsistent inputs (naming them), a DSpark batch for a drafter without DSpark
+/// heads or the reverse. `ws` must not be shared between threads.
 template <typename S>
 DrafterTrainResult drafter_train_step(const DrafterConfig& cfg, const DrafterLayout& layout,
                                       const S* params, S* grads, const DrafterTables<S>& tables,
                                       const DrafterBatch& batch, const S* features,
-                                      double grad_scale, DrafterWorkspace<S>& ws);
+                                      double grad_scale, DrafterWorkspace<S>& ws,
+                                      const S* target_final = nullptr);
 
-/// Logits [N·K, V] of the blocks of `batch` (training layout; no loss). For tests and tools.
+/// Logits [N·K, V] of the blocks of `batch` (training layout; no loss): for a DSpark drafter
+/// the draft logits D with teacher-forced previous tokens (dspark_block_logits). ws.hf holds the
+/// final-norm rows [N·K, H] afterwards. For tests and tools.
 template <typename S>
 std::vector<S> drafter_block_logits(const DrafterConfig& cfg, const DrafterLayout& layout,
                                     const S* params, const DrafterTables<S>& tables,
@@ -176,8 +247,9 @@ void drafter_cache_append(DrafterCache& cache, const DrafterConfig& cfg,
                           int64_t n, DrafterWorkspace<float>& ws);
 
 /// Inference layout: the block [anchor_token, MASK × (K−1)] at positions cache.len ..
-/// cache.len+K−1, attending to every cache row and to itself. Returns logits [K, V], a view of
-/// `ws.logits` valid until `ws` is used again. The cache keeps its rows and length: its buffers
+/// cache.len+K−1, attending to every cache row and to itself. Returns logits [K, V] (for a DSpark
+/// drafter the base logits U, before the Markov bias of dspark_slot_logits), a view of
+/// `ws.logits` valid until `ws` is used again; ws.hf then holds the K final-norm rows [K, H]. The cache keeps its rows and length: its buffers
 /// are borrowed for the block's k/v rows (no copy of the context) and handed back, also when an
 /// error is thrown. Throws dflash::Error when a cache layer does not hold len rows.
 std::span<const float> drafter_draft_block(DrafterCache& cache, const DrafterConfig& cfg,

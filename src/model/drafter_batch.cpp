@@ -49,6 +49,11 @@ void DrafterBatch::append_row(std::span<const int32_t> row_tokens,
                what, row_offsets.back(), n);
   check_anchors(row_anchors, row_offsets, what);
   check_targets(row_targets, block_size, row_anchors.size(), what);
+  if (targets.labels.empty()) targets.first_slot = row_targets.first_slot;
+  DFLASH_CHECK(row_targets.first_slot == targets.first_slot,
+               "{}: targets whose first supervised slot is {} appended to a batch whose is {} "
+               "(dflash and dspark targets mixed)",
+               what, row_targets.first_slot, targets.first_slot);
   const auto t0 = static_cast<int32_t>(T());
   const auto d0 = static_cast<int32_t>(n_docs());
   tokens.insert(tokens.end(), row_tokens.begin(), row_tokens.end());
@@ -74,6 +79,9 @@ void DrafterBatch::validate() const {
                T(), rows, row_length);
   check_anchors(anchors, doc_offsets, "drafter batch");
   check_targets(targets, block_size, anchors.size(), "drafter batch");
+  DFLASH_CHECK(targets.first_slot == (objective.dspark() ? 0 : 1),
+               "drafter batch: the targets' first supervised slot is {}, the {} objective's is {}",
+               targets.first_slot, objective_kind_name(objective.kind), objective.dspark() ? 0 : 1);
 }
 
 double DrafterBatch::loss_denominator() const {
@@ -107,6 +115,7 @@ DrafterBatch drafter_batch_from_rows(const Batch& b, int64_t row_begin, int64_t 
                R);
   DrafterBatch out(o.block_size);
   out.objective = o.objective;
+  out.targets.first_slot = o.objective.dspark() ? 0 : 1;
   // D-PACE ignores γ: every supervised slot gets the static weight 1 (its mask m_k).
   const double gamma = o.objective.dpace() ? 0.0 : o.gamma;
   int64_t supervised = 0;
@@ -121,7 +130,10 @@ DrafterBatch drafter_batch_from_rows(const Batch& b, int64_t row_begin, int64_t 
     Rng rng(derive_seed(o.seed, {static_cast<uint64_t>(b.epoch), static_cast<uint64_t>(b.index),
                                  static_cast<uint64_t>(r)}));
     const std::vector<Anchor> anchors = sample_anchors(mask, offsets, o.num_anchors, rng);
-    const BlockTargets targets = block_targets(toks, mask, offsets, anchors, o.block_size, gamma);
+    const BlockTargets targets =
+        o.objective.dspark()
+            ? dspark_block_targets(toks, mask, offsets, anchors, o.block_size, gamma)
+            : block_targets(toks, mask, offsets, anchors, o.block_size, gamma);
     out.append_row(toks, offsets, anchors, targets);
   }
   out.row_length = L;

@@ -21,6 +21,9 @@
 //   is the number of sequences of the step: its documents (n_docs, step_documents across
 //   replicas). The per-slot D-PACE weights depend on the drafter's CE and are computed in the
 //   step (dpace_block_weights), not here.
+// - The DSpark objective (OBJECTIVES.md §1.3) has dspark_block_targets (labels x[a+1+k], slot 0
+//   supervised: targets.first_slot = 0); its loss normaliser is Σw as for dflash. Its teacher,
+//   the target's final-norm hidden state of each context token, comes with the target features.
 // - Anchors are a pure function of (seed, epoch, batch index, row) (docs/design-notes.md), so a
 //   batch is rebuilt identically from the same Batch and options.
 // - The block-row rule (positions anchor − doc_start + j, keys [doc_start, anchor) plus the block's
@@ -105,7 +108,8 @@ struct DrafterBatchOptions {
 
 /// The DrafterBatch of a data Batch: per row, anchors sampled per document (sample_anchors with
 /// the row's Rng above) and their block targets (block_targets with `gamma` for dflash, with all
-/// supervised weights 1 for the D-PACE losses), rows appended in order; rows without tokens add
+/// supervised weights 1 for the D-PACE losses, dspark_block_targets for DSpark), rows appended in
+/// order; rows without tokens add
 /// nothing but count in `rows`. Throws dflash::Error on malformed batches.
 DrafterBatch drafter_batch_from_batch(const Batch& batch, const DrafterBatchOptions& opts);
 

@@ -22,6 +22,9 @@ using nlohmann::json;
 namespace {
 
 constexpr const char* kArch = "DFlashDraftModel";
+// SpecForge's DSpark export (configs/*-dspark.json, DSparkDraftModel in modeling/draft/dspark.py):
+// the DFlash config plus dflash_config.projector_type "dspark" and the heads' keys.
+constexpr const char* kDsparkArch = "DSparkDraftModel";
 constexpr const char* kConfigFile = "config.json";
 constexpr const char* kWeightsFile = "model.safetensors";
 
@@ -101,6 +104,62 @@ int required_int(const json& j, const std::string& key, const std::string& sourc
   return static_cast<int>(x);
 }
 
+/// The DSpark heads a config declares (OBJECTIVES.md §1.3): enabled when `architectures` names
+/// DSparkDraftModel or dflash_config.projector_type is "dspark"; markov_rank (default 0),
+/// markov_head_type (vanilla), enable_confidence_head (default: confidence_head_alpha > 0, as
+/// SpecForge), confidence_head_with_markov (false). Throws naming the key on a bad value.
+DsparkHeads dspark_heads_from_json(const json& j, bool dspark_arch, const std::string& source) {
+  const json proj = dflash_key(j, "projector_type", source);
+  DFLASH_CHECK(proj.is_null() || proj.is_string(),
+               "{}: key 'dflash_config.projector_type' must be a string, got {}", source,
+               proj.dump());
+  const bool dspark_proj = proj.is_string() && proj.get<std::string>() == "dspark";
+  DFLASH_CHECK(!dspark_arch || proj.is_null() || dspark_proj,
+               "{}: 'architectures' names {} but dflash_config.projector_type is {}", source,
+               kDsparkArch, proj.dump());
+  DsparkHeads h;
+  if (!dspark_arch && !dspark_proj) {
+    for (const char* key : {"markov_rank", "enable_confidence_head"}) {
+      const json v = dflash_key(j, key, source);
+      DFLASH_CHECK(v.is_null() || v == json(0) || v == json(false),
+                   "{}: key 'dflash_config.{}' is set ({}) but the drafter is not DSpark "
+                   "(projector_type is not dspark)",
+                   source, key, v.dump());
+    }
+    return h;
+  }
+  h.enabled = true;
+  auto get = [&](const char* key, const json& fallback) {
+    const json v = dflash_key(j, key, source);
+    return v.is_null() ? fallback : v;
+  };
+  const json rank = get("markov_rank", 0);
+  DFLASH_CHECK(rank.is_number_integer() && rank.get<int64_t>() >= 0 &&
+                   rank.get<int64_t>() <= (1 << 20),
+               "{}: key 'dflash_config.markov_rank' must be an integer in [0, 2^20], got {}",
+               source, rank.dump());
+  h.markov_rank = rank.get<int>();
+  const json type = get("markov_head_type", "vanilla");
+  const std::optional<MarkovHeadType> t =
+      type.is_string() ? markov_head_type_parse(type.get<std::string>()) : std::nullopt;
+  DFLASH_CHECK(t.has_value(),
+               "{}: key 'dflash_config.markov_head_type' must be vanilla, gated or rnn, got {}",
+               source, type.dump());
+  h.markov_type = *t;
+  const json alpha = get("confidence_head_alpha", 0.0);
+  DFLASH_CHECK(alpha.is_number(), "{}: key 'dflash_config.confidence_head_alpha' must be a number",
+               source);
+  const json conf = get("enable_confidence_head", alpha.get<double>() > 0);
+  const json with_markov = get("confidence_head_with_markov", false);
+  DFLASH_CHECK(conf.is_boolean() && with_markov.is_boolean(),
+               "{}: keys 'dflash_config.enable_confidence_head' and "
+               "'dflash_config.confidence_head_with_markov' must be true or false, got {} and {}",
+               source, conf.dump(), with_markov.dump());
+  h.confidence_head = conf.get<bool>();
+  h.confidence_with_markov = with_markov.get<bool>();
+  return h;
+}
+
 }  // namespace
 
 json drafter_export_config(const DrafterConfig& cfg) {
@@ -131,6 +190,18 @@ json drafter_export_config(const DrafterConfig& cfg) {
   j["num_target_layers"] = cfg.num_target_layers;
   j["dflash_config"] = {{"mask_token_id", cfg.mask_token_id},
                         {"target_layer_ids", cfg.target_layer_ids}};
+  if (cfg.dspark.enabled) {
+    const DsparkHeads& h = cfg.dspark;
+    j["architectures"] = json::array({kDsparkArch});
+    json& d = j["dflash_config"];
+    d["projector_type"] = "dspark";
+    // SpecForge's DSparkDraftModel: gqa (its default) needs fewer KV heads than heads, mha equal.
+    d["attention_mode"] = cfg.num_kv_heads < cfg.num_heads ? "gqa" : "mha";
+    d["markov_rank"] = h.markov_rank;
+    d["markov_head_type"] = markov_head_type_name(h.markov_type);
+    d["enable_confidence_head"] = h.confidence_head;
+    d["confidence_head_with_markov"] = h.confidence_with_markov;
+  }
   return j;
 }
 
@@ -138,10 +209,14 @@ DrafterConfig drafter_config_from_json(const json& j_in, const std::string& sour
   DFLASH_CHECK(j_in.is_object(), "{}: expected a JSON object, got a JSON {}", source,
                json_type(j_in));
   json j = j_in;
-  bool is_dflash = false;
+  bool is_dflash = false, is_dspark = false;
   if (auto a = j.find("architectures"); a != j.end() && a->is_array()) {
-    for (const json& s : *a) is_dflash |= s.is_string() && s.get<std::string>() == kArch;
+    for (const json& s : *a) {
+      is_dspark |= s.is_string() && s.get<std::string>() == kDsparkArch;
+      is_dflash |= s.is_string() && s.get<std::string>() == kArch;
+    }
   }
+  is_dflash |= is_dspark;  // a DSpark drafter is a DFlash backbone
   if (!j.contains("model_type") || j["model_type"].is_null()) {
     // The reference trainer's config omits model_type; DFlashDraftModel is a Qwen3 decoder.
     DFLASH_CHECK(is_dflash,
@@ -197,6 +272,7 @@ DrafterConfig drafter_config_from_json(const json& j_in, const std::string& sour
         v.dump(), c.num_target_layers);
     c.target_layer_ids.push_back(v.get<int>());
   }
+  c.dspark = dspark_heads_from_json(j, is_dspark, source);
   try {
     c.validate();
   } catch (const Error& e) {
@@ -266,8 +342,8 @@ void drafter_check_weights(const fs::path& dir, const DrafterConfig& cfg,
                dir.string(), fmt::join(missing, ", "), cfg.num_layers);
   DFLASH_CHECK(wrong.empty(), "{}: {}", dir.string(), fmt::join(wrong, "; "));
   DFLASH_CHECK(unexpected.empty(),
-               "{}: unexpected tensor(s) {} (a drafter folder holds only the DFlash layers; no "
-               "embedding or LM head)",
+               "{}: unexpected tensor(s) {} (a drafter folder holds only the DFlash layers and "
+               "the DSpark heads its config.json declares; no embedding or LM head)",
                dir.string(), fmt::join(unexpected, ", "));
 }
 

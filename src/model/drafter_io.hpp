@@ -35,7 +35,11 @@ class SafetensorsCheckpoint;
 /// variant), `max_position_embeddings`, `tie_word_embeddings: false`, `attention_bias: false`,
 /// `hidden_act: "silu"`, `layer_types`), `architectures: ["DFlashDraftModel"]`,
 /// `model_type: "qwen3"`, top-level `block_size` and `num_target_layers`, and
-/// `dflash_config: {mask_token_id, target_layer_ids}`. Throws dflash::Error if `cfg` is invalid.
+/// `dflash_config: {mask_token_id, target_layer_ids}`. A DSpark drafter (cfg.dspark.enabled) is
+/// written as SpecForge's DSpark export: `architectures: ["DSparkDraftModel"]` and dflash_config
+/// also {projector_type: "dspark", attention_mode: gqa (fewer KV heads than heads) | mha,
+/// markov_rank, markov_head_type, enable_confidence_head, confidence_head_with_markov}. Throws
+/// dflash::Error if `cfg` is invalid.
 nlohmann::json drafter_export_config(const DrafterConfig& cfg);
 
 /// Parses a drafter config.json object; `source` names the file in errors. The Qwen3 fields are
@@ -45,7 +49,10 @@ nlohmann::json drafter_export_config(const DrafterConfig& cfg);
 /// `target_layer_ids` and `num_target_layers` are each read at the top level or inside
 /// `dflash_config`; both places may hold a key only with the same value (else an error naming
 /// both), and a key in neither is an error. Attention biases, sliding-window layers and partial
-/// rotary factors are refused (the drafter has none).
+/// rotary factors are refused (the drafter has none). `architectures` ["DSparkDraftModel"] or
+/// dflash_config.projector_type "dspark" make a DSpark drafter (its heads' keys with SpecForge's
+/// defaults; enable_confidence_head defaults to confidence_head_alpha > 0); DSpark keys on
+/// another drafter are an error naming the key.
 DrafterConfig drafter_config_from_json(const nlohmann::json& j, const std::string& source);
 
 /// Writes the drafter folder `dir` (created if needed): `model.safetensors` with every parameter

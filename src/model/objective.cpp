@@ -94,6 +94,50 @@ BlockTargets block_targets(std::span<const int32_t> tokens, std::span<const uint
   return t;
 }
 
+BlockTargets dspark_block_targets(std::span<const int32_t> tokens, std::span<const uint8_t> mask,
+                                  std::span<const int32_t> off, std::span<const Anchor> anchors,
+                                  int K, double gamma) {
+  BlockTargets t = block_targets(tokens, mask, off, anchors, K, gamma);  // checks the inputs
+  t.first_slot = 0;
+  std::fill(t.labels.begin(), t.labels.end(), -1);
+  std::fill(t.weights.begin(), t.weights.end(), 0.0f);
+  std::fill(t.counted.begin(), t.counted.end(), uint8_t(0));
+  for (size_t b = 0; b < anchors.size(); ++b) {
+    const Anchor& a = anchors[b];
+    const int32_t e = off[a.doc + 1];
+    bool prefix = true;  // e_k: every label up to slot k is in the document and supervised
+    for (int k = 0; k < K; ++k) {
+      const int64_t p = static_cast<int64_t>(a.pos) + 1 + k;
+      const size_t i = b * K + k;
+      if (p >= e) break;
+      t.labels[i] = tokens[p];
+      prefix = prefix && mask[p];
+      if (!prefix) continue;
+      t.weights[i] = gamma > 0 ? static_cast<float>(std::exp(-static_cast<double>(k) / gamma))
+                               : 1.0f;
+      t.counted[i] = 1;
+    }
+  }
+  return t;
+}
+
+std::optional<ObjectiveKind> objective_kind_parse(std::string_view name) {
+  for (ObjectiveKind k : {ObjectiveKind::dflash, ObjectiveKind::dspark}) {
+    if (name == objective_kind_name(k)) return k;
+  }
+  return std::nullopt;
+}
+
+const char* objective_kind_name(ObjectiveKind k) {
+  switch (k) {
+    case ObjectiveKind::dflash:
+      return "dflash";
+    case ObjectiveKind::dspark:
+      return "dspark";
+  }
+  fail("objective {} is not an ObjectiveKind", static_cast<int>(k));
+}
+
 std::optional<LossType> loss_type_parse(std::string_view name) {
   for (LossType t : {LossType::dflash, LossType::dpace, LossType::dpace_cumulative_confidence_only,
                      LossType::dpace_continuation_value_only}) {
@@ -153,10 +197,12 @@ void accumulate_metrics(ObjectiveMetrics& m, const BlockTargets& t, std::span<co
                ce.size(), t.labels.size());
   const int K = t.K;
   const int64_t N = t.num_blocks();
+  DFLASH_CHECK(t.first_slot == 0 || t.first_slot == 1, "targets' first slot is {} (0 or 1)",
+               t.first_slot);
   for (int64_t b = 0; b < N; ++b) {
     bool leading = true;
     int accepted = 0;
-    for (int k = 1; k < K; ++k) {
+    for (int k = t.first_slot; k < K; ++k) {
       const size_t i = static_cast<size_t>(b * K + k);
       const bool ok = t.counted[i] && argmax[i] == t.labels[i];
       if (t.counted[i]) {

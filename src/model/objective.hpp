@@ -48,11 +48,14 @@ std::vector<Anchor> sample_anchors(std::span<const uint8_t> loss_mask,
                                    std::span<const int32_t> doc_offsets, int num_anchors, Rng& rng);
 
 /// Labels and loss weights of N blocks of K slots, [N*K] each (slot-major within a block).
+/// dflash (block_targets): slot k predicts x[a+k], slot 0 is never supervised (first_slot 1).
+/// dspark (dspark_block_targets): slot k predicts x[a+1+k], slot 0 included (first_slot 0).
 struct BlockTargets {
   int K = 0;
-  std::vector<int32_t> labels;   ///< x[a+k], or -1 where a+k is past the document end
-  std::vector<float> weights;    ///< DESIGN.md §1 weight (0 for slot 0 and invalid slots)
-  std::vector<uint8_t> counted;  ///< 1 where the slot is supervised (k ≥ 1, in the doc, mask 1)
+  std::vector<int32_t> labels;   ///< the slot's label, or -1 where it is past the document end
+  std::vector<float> weights;    ///< the slot's loss weight (0 where not supervised)
+  std::vector<uint8_t> counted;  ///< 1 where the slot is supervised
+  int first_slot = 1;            ///< the first slot that can be supervised (1 dflash, 0 dspark)
   int64_t num_blocks() const { return K ? static_cast<int64_t>(labels.size()) / K : 0; }
 };
 
@@ -66,7 +69,22 @@ BlockTargets block_targets(std::span<const int32_t> tokens, std::span<const uint
                            std::span<const int32_t> doc_offsets, std::span<const Anchor> anchors,
                            int K, double gamma);
 
+/// DSpark's labels and weights (OBJECTIVES.md §1.3, SpecForge `_build_dspark_labels_and_mask`)
+/// for blocks of `K` slots at `anchors`: slot k's label is x[a+1+k] (−1 past the document end),
+/// its mask the prefix product e_k = Π_{j≤k} [a+1+j < doc_end]·loss_mask[a+1+j] (a slot after an
+/// unsupervised one is never supervised), its weight e_k·exp(−k/γ) (γ ≤ 0: e_k). first_slot is 0.
+/// Throws dflash::Error as block_targets.
+BlockTargets dspark_block_targets(std::span<const int32_t> tokens,
+                                  std::span<const uint8_t> loss_mask,
+                                  std::span<const int32_t> doc_offsets,
+                                  std::span<const Anchor> anchors, int K, double gamma);
+
 // LossType, Objective and dpace_block_weights: ops/loss_weights.hpp (the ops layer).
+
+/// The ObjectiveKind named by a `training.objective` value (`dflash`, `dspark`); nullopt else.
+std::optional<ObjectiveKind> objective_kind_parse(std::string_view name);
+/// The config spelling of `k`.
+const char* objective_kind_name(ObjectiveKind k);
 
 /// The LossType named by a `training.loss_type` value (`dflash`, `dpace`,
 /// `dpace-cumulative-confidence-only`, `dpace-continuation-value-only`); nullopt for any other.
@@ -77,11 +95,14 @@ const char* loss_type_name(LossType t);
 /// Accumulated metrics over blocks (one batch, or a log interval).
 struct ObjectiveMetrics {
   int K = 0;
-  double loss_weighted_sum = 0;  ///< Σ w·CE (w: the step's loss weights, D-PACE's included)
+  /// Σ w·CE (w: the step's loss weights, D-PACE's included); for DSpark the whole numerator
+  /// Σ w·(αce·CE + αl1·L1 + αconf·BCE)
+  double loss_weighted_sum = 0;
   /// Σ of the loss's denominators: Σ w for dflash, the number of sequences (documents) for the
   /// D-PACE losses, so that loss() is the loss the steps optimised.
   double weight_sum = 0;
-  std::vector<int64_t> slot_correct, slot_count;  ///< per slot k (k = 0 never counted)
+  /// Per slot k (k < BlockTargets::first_slot never counted)
+  std::vector<int64_t> slot_correct, slot_count;
   double accept_len_sum = 0;  ///< Σ over blocks of (1 + leading correct supervised slots)
   int64_t blocks = 0;
 
@@ -92,8 +113,8 @@ struct ObjectiveMetrics {
   double accuracy() const;
   /// Accuracy of slot k (NaN when the slot was never supervised).
   double slot_accuracy(int k) const;
-  /// Simulated acceptance length: mean over blocks of 1 + the number of leading slots k ≥ 1 that
-  /// are supervised and whose argmax equals the label.
+  /// Simulated acceptance length: mean over blocks of 1 + the number of leading slots
+  /// k ≥ first_slot that are supervised and whose argmax equals the label.
   double tau() const { return blocks ? accept_len_sum / static_cast<double>(blocks) : 0.0; }
   /// Adds another accumulation (same K).
   void merge(const ObjectiveMetrics& o);

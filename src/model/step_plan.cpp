@@ -77,6 +77,11 @@ std::vector<std::string> cuda_drafter_unsupported(const DrafterConfig& c) {
     out.push_back(fmt::format("the CUDA drafter supports head_dim 64 or 128 (drafter head_dim {})",
                               c.head_dim));
   }
+  if (c.dspark.enabled) {
+    out.push_back(
+        "the CUDA drafter has no DSpark heads (training.objective dspark, "
+        "dflash_config.projector_type dspark): train and decode DSpark on the cpu backend");
+  }
   return out;
 }
 

@@ -26,12 +26,25 @@ enum class LossType {
   dpace_continuation_value_only,     ///< w_k = R_k / max(P_k, tiny)
 };
 
-/// What a step optimises: the loss type and D-PACE's smoothing α ∈ [0, 1] (unused by dflash).
+/// The training objective (`training.objective`): `dflash` (DESIGN.md §1, with the loss types of
+/// LossType) or `dspark` (OBJECTIVES.md §1.3: labels shifted by one, a prefix-contiguous mask, the
+/// drafter's logits plus a Markov bias, an L1 distance to the target's own distribution and a
+/// confidence head; its loss is always Σ w·(αce·CE + αl1·L1 + αconf·BCE) / Σ w).
+enum class ObjectiveKind { dflash, dspark };
+
+/// What a step optimises: the objective, the loss type and D-PACE's smoothing α ∈ [0, 1] (unused
+/// by plain dflash), and DSpark's three loss weights (unused by dflash).
 struct Objective {
   LossType loss = LossType::dflash;
   double dpace_alpha = 0.5;
+  ObjectiveKind kind = ObjectiveKind::dflash;
+  double dspark_ce_alpha = 0.1;    ///< αce of the DSpark loss (SpecForge dspark_ce_loss_alpha)
+  double dspark_l1_alpha = 0.9;    ///< αl1 (dspark_l1_loss_alpha)
+  double dspark_conf_alpha = 1.0;  ///< αconf (dspark_confidence_head_alpha)
   /// True for the three D-PACE losses.
   bool dpace() const { return loss != LossType::dflash; }
+  /// True for the DSpark objective.
+  bool dspark() const { return kind == ObjectiveKind::dspark; }
   bool operator==(const Objective&) const = default;
 };
 

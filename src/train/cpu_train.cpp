@@ -1,6 +1,7 @@
 // dflash.cpp — the CPU backend of the step contract (train_backend.hpp): the reference path.
 //
-// Target stage: TargetModel::forward_taps over the batch's packed context (f32 features).
+// Target stage: TargetModel::forward_taps over the batch's packed context (f32 features); for a
+// DSpark drafter one forward gives the taps and the final norm's output (the teacher's input).
 // Drafter stage: drafter_train_step<float> over the whole DrafterBatch (one packed sequence; equal
 // to the sum over its rows, tests/drafter_batch_test.cpp), gradient norm in double in index order
 // (sum_squares_cpu), AdamW of src/ops/adamw.hpp on fp32 master weights.
@@ -31,32 +32,51 @@ namespace {
 
 class CpuTargetStage;
 
-// Features made by a CpuTargetStage: f32 [T, n_taps·H] in host memory.
+// Features made by a CpuTargetStage: f32 [T, n_taps·H] in host memory, and for a DSpark drafter
+// the target's final-norm hidden states [T, H] (DSpark's teacher).
 class CpuTargetFeatures final : public TargetFeatures {
  public:
-  CpuTargetFeatures(const CpuTargetStage* source, uint64_t batch, Tensor taps)
-      : source_(source), batch_(batch), taps_(std::move(taps)) {}
+  CpuTargetFeatures(const CpuTargetStage* source, uint64_t batch, Tensor taps, Tensor final_norm)
+      : source_(source), batch_(batch), taps_(std::move(taps)), final_(std::move(final_norm)) {}
   const CpuTargetStage* source() const { return source_; }
   uint64_t batch() const { return batch_; }  ///< DrafterBatch::fingerprint of their batch
   const Tensor& taps() const { return taps_; }
   Tensor& taps() { return taps_; }
+  /// [T, H] for a DSpark drafter; undefined otherwise.
+  const Tensor& final_norm() const { return final_; }
+  Tensor& final_norm() { return final_; }
 
  private:
   const CpuTargetStage* source_;
   uint64_t batch_;
   Tensor taps_;
+  Tensor final_;
 };
 
 class CpuTargetStage final : public TargetStage {
  public:
-  CpuTargetStage(const TargetModel& target, std::vector<int> taps)
-      : target_(target), taps_(std::move(taps)) {}
+  CpuTargetStage(const TargetModel& target, std::vector<int> taps, bool final_norm)
+      : target_(target), taps_(std::move(taps)), final_norm_(final_norm) {}
 
   std::unique_ptr<TargetFeatures> forward_taps(const DrafterBatch& batch) override {
-    const int64_t F = static_cast<int64_t>(taps_.size()) * target_.hidden_size();
-    Tensor taps = batch.T() > 0 ? target_.forward_taps(batch.tokens, batch.doc_offsets, taps_)
-                                : Tensor::empty({0, F}, DType::f32);
-    return std::make_unique<CpuTargetFeatures>(this, batch.fingerprint(), std::move(taps));
+    const int64_t H = target_.hidden_size();
+    const int64_t F = static_cast<int64_t>(taps_.size()) * H;
+    Tensor taps = Tensor::empty({0, F}, DType::f32);
+    Tensor final_norm = final_norm_ ? Tensor::empty({0, H}, DType::f32) : Tensor();
+    if (batch.T() > 0 && !final_norm_) {
+      taps = target_.forward_taps(batch.tokens, batch.doc_offsets, taps_);
+    } else if (batch.T() > 0) {
+      // DSpark: the taps and the final norm's output of one forward (no logits).
+      ForwardOptions o;
+      o.tap_layers = taps_;
+      o.logits = LogitsRows::none;
+      o.final_norm = true;
+      ForwardResult r = target_.forward(batch.tokens, batch.doc_offsets, o);
+      taps = std::move(r.taps);
+      final_norm = std::move(r.final_norm);
+    }
+    return std::make_unique<CpuTargetFeatures>(this, batch.fingerprint(), std::move(taps),
+                                               std::move(final_norm));
   }
 
   void fill_nan(TargetFeatures& features) override {
@@ -70,6 +90,7 @@ class CpuTargetStage final : public TargetStage {
  private:
   const TargetModel& target_;
   std::vector<int> taps_;
+  bool final_norm_;  // also the final norm's output (a DSpark drafter's teacher)
 };
 
 class CpuDrafterStage final : public DrafterStage {
@@ -108,6 +129,17 @@ class CpuDrafterStage final : public DrafterStage {
         f->taps().dtype() == DType::f32 && f->taps().dim(0) == batch.T() && f->taps().dim(1) == F,
         "cpu drafter stage: features {} for a batch of {} tokens and {} tap columns",
         shape_str(f->taps().shape()), batch.T(), F);
+    const float* target_final = nullptr;
+    if (cfg_.dspark.enabled && batch.T() > 0) {
+      const Tensor& fin = f->final_norm();
+      DFLASH_CHECK(fin.defined() && fin.dtype() == DType::f32 && fin.dim(0) == batch.T() &&
+                       fin.dim(1) == cfg_.hidden_size,
+                   "cpu drafter stage: a DSpark step needs the target's final hidden states "
+                   "[{}, {}], the features have {}",
+                   batch.T(), cfg_.hidden_size,
+                   fin.defined() ? shape_str(fin.shape()) : std::string("none"));
+      target_final = fin.data<float>();
+    }
     DrafterStepResult r;
     r.metrics = ObjectiveMetrics(cfg_.block_size);
     // A step without a supervised slot is one on every replica alike: all of them skip, none
@@ -121,7 +153,7 @@ class CpuDrafterStage final : public DrafterStage {
     if (batch.weight_sum > 0) {  // else: this replica's batch adds nothing to the step's gradient
       const DrafterTrainResult out = drafter_train_step<float>(
           cfg_, layout_, state_.params.data(), grads_.data(), tables_, batch,
-          f->taps().data<float>(), 1.0 / batch.loss_normaliser(), ws_);
+          f->taps().data<float>(), 1.0 / batch.loss_normaliser(), ws_, target_final);
       accumulate_metrics(r.metrics, batch.targets, out.argmax, {});
       r.metrics.loss_weighted_sum = out.loss_sum;
       r.metrics.weight_sum = out.weight_sum;
@@ -192,7 +224,7 @@ void check_sizes(const TargetModel& target, const DrafterConfig& cfg) {
 std::unique_ptr<TargetStage> cpu_target_stage_create(const TargetModel& target,
                                                      const DrafterConfig& cfg) {
   check_sizes(target, cfg);
-  return std::make_unique<CpuTargetStage>(target, cfg.target_layer_ids);
+  return std::make_unique<CpuTargetStage>(target, cfg.target_layer_ids, cfg.dspark.enabled);
 }
 
 std::unique_ptr<DrafterStage> cpu_drafter_stage_create(const TrainBackendOptions& opts,

@@ -3,6 +3,7 @@
 #include <utf8proc.h>
 #include <yaml-cpp/yaml.h>
 
+#include <cmath>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -51,10 +52,15 @@ void check_text(const std::string& v, const YAML::Node& n, const std::string& ke
 }
 
 template <typename T>
+struct is_optional : std::false_type {};
+template <typename T>
+struct is_optional<std::optional<T>> : std::true_type {};
+
+template <typename T>
 void read_into(T& dst, const YAML::Node& n, const std::string& key, const std::string& src) {
-  if constexpr (std::is_same_v<T, std::optional<int>>) {
+  if constexpr (is_optional<T>::value) {
     if (n.IsNull()) dst.reset();
-    else dst = as<int>(n, key, src);
+    else dst = as<typename T::value_type>(n, key, src);
   } else if constexpr (std::is_same_v<T, std::vector<int>>) {
     dst.clear();
     if (n.IsNull()) return;
@@ -71,7 +77,7 @@ void read_into(T& dst, const YAML::Node& n, const std::string& key, const std::s
 
 template <typename T>
 YAML::Node to_node(const T& v) {
-  if constexpr (std::is_same_v<T, std::optional<int>>) {
+  if constexpr (is_optional<T>::value) {
     return v ? YAML::Node(*v) : YAML::Node(YAML::NodeType::Null);
   } else if constexpr (std::is_same_v<T, std::vector<int>>) {
     YAML::Node n(YAML::NodeType::Sequence);
@@ -147,6 +153,20 @@ const std::vector<Field>& schema() {
     f.push_back(make_field("training", "gamma", T, &TrainingSection::gamma, true));
     f.push_back(make_field("training", "loss_type", T, &TrainingSection::loss_type, true));
     f.push_back(make_field("training", "dpace_alpha", T, &TrainingSection::dpace_alpha, true));
+    f.push_back(make_field("training", "objective", T, &TrainingSection::objective, true));
+    f.push_back(make_field("training", "markov_rank", T, &TrainingSection::markov_rank, true));
+    f.push_back(
+        make_field("training", "markov_head_type", T, &TrainingSection::markov_head_type, true));
+    f.push_back(make_field("training", "enable_confidence_head", T,
+                           &TrainingSection::enable_confidence_head, true));
+    f.push_back(make_field("training", "confidence_head_with_markov", T,
+                           &TrainingSection::confidence_head_with_markov, true));
+    f.push_back(make_field("training", "dspark_ce_loss_alpha", T,
+                           &TrainingSection::dspark_ce_loss_alpha, true));
+    f.push_back(make_field("training", "dspark_l1_loss_alpha", T,
+                           &TrainingSection::dspark_l1_loss_alpha, true));
+    f.push_back(make_field("training", "dspark_confidence_head_alpha", T,
+                           &TrainingSection::dspark_confidence_head_alpha, true));
     f.push_back(make_field("training", "seed", T, &TrainingSection::seed, true));
     f.push_back(make_field("training", "save_interval", T, &TrainingSection::save_interval, false));
     f.push_back(make_field("training", "keep_last", T, &TrainingSection::keep_last, false));
@@ -365,9 +385,14 @@ void RunConfig::validate() const {
   DFLASH_CHECK(training.recompute == "auto" || training.recompute == "always" ||
                    training.recompute == "never",
                "training.recompute must be auto, always or never, got '{}'", training.recompute);
-  objective_of(training);  // names training.loss_type when it is not a loss
+  objective_of(training);  // names training.loss_type / training.objective when unknown
   DFLASH_CHECK(training.dpace_alpha >= 0 && training.dpace_alpha <= 1,
                "training.dpace_alpha must be in [0, 1], got {}", training.dpace_alpha);
+  dspark_heads_of(training);  // the DSpark keys, or that none is set for dflash
+  // The CUDA stages compute the dflash objective only: refused here, before any weight is read.
+  DFLASH_CHECK(runtime.backend != "cuda" || training.objective != "dspark",
+               "training.objective dspark is implemented on the cpu backend only "
+               "(runtime.backend: cuda has no DSpark heads yet); use runtime.backend: cpu");
   DFLASH_CHECK(runtime.backend == "cpu" || runtime.backend == "cuda",
                "runtime.backend must be cpu or cuda, got '{}'", runtime.backend);
   DFLASH_CHECK(!runtime.devices.empty(), "runtime.devices must list at least one device");
@@ -411,7 +436,74 @@ Objective objective_of(const TrainingSection& t) {
                "training.loss_type must be dflash, dpace, dpace-cumulative-confidence-only or "
                "dpace-continuation-value-only, got '{}'",
                t.loss_type);
-  return Objective{*loss, t.dpace_alpha};
+  const std::optional<ObjectiveKind> kind = objective_kind_parse(t.objective);
+  DFLASH_CHECK(kind.has_value(), "training.objective must be dflash or dspark, got '{}'",
+               t.objective);
+  Objective o;
+  o.loss = *loss;
+  o.dpace_alpha = t.dpace_alpha;
+  o.kind = *kind;
+  if (o.kind == ObjectiveKind::dflash) return o;
+  // D-PACE weighs slots by the drafter's own CE; DSpark's loss is a sum of three terms with its
+  // own weights and denominator (SpecForge's OnlineDSparkModel fixes loss_type to dflash).
+  DFLASH_CHECK(o.loss == LossType::dflash,
+               "training.loss_type {} is a loss of the dflash objective; training.objective "
+               "dspark has its own loss (training.dspark_*_alpha): set training.loss_type: dflash",
+               t.loss_type);
+  o.dspark_ce_alpha = t.dspark_ce_loss_alpha;
+  o.dspark_l1_alpha = t.dspark_l1_loss_alpha;
+  o.dspark_conf_alpha = t.dspark_confidence_head_alpha;
+  for (auto [key, v] : {std::pair{"dspark_ce_loss_alpha", o.dspark_ce_alpha},
+                        std::pair{"dspark_l1_loss_alpha", o.dspark_l1_alpha},
+                        std::pair{"dspark_confidence_head_alpha", o.dspark_conf_alpha}}) {
+    DFLASH_CHECK(std::isfinite(v) && v >= 0, "training.{} must be a number >= 0, got {}", key, v);
+  }
+  DFLASH_CHECK(o.dspark_ce_alpha + o.dspark_l1_alpha + o.dspark_conf_alpha > 0,
+               "training.dspark_ce_loss_alpha, dspark_l1_loss_alpha and "
+               "dspark_confidence_head_alpha are all 0: the DSpark loss would be 0");
+  return o;
+}
+
+DsparkHeads dspark_heads_of(const TrainingSection& t) {
+  const Objective o = objective_of(t);
+  const TrainingSection defaults;
+  if (!o.dspark()) {
+    // A DSpark key given to a dflash run would be ignored: refuse it by name.
+    const std::pair<const char*, bool> unused[] = {
+        {"markov_rank", t.markov_rank != defaults.markov_rank},
+        {"markov_head_type", t.markov_head_type != defaults.markov_head_type},
+        {"enable_confidence_head", t.enable_confidence_head.has_value()},
+        {"confidence_head_with_markov", t.confidence_head_with_markov},
+        {"dspark_ce_loss_alpha", t.dspark_ce_loss_alpha != defaults.dspark_ce_loss_alpha},
+        {"dspark_l1_loss_alpha", t.dspark_l1_loss_alpha != defaults.dspark_l1_loss_alpha},
+        {"dspark_confidence_head_alpha",
+         t.dspark_confidence_head_alpha != defaults.dspark_confidence_head_alpha}};
+    for (const auto& [key, set] : unused) {
+      DFLASH_CHECK(!set, "training.{} applies only to training.objective: dspark (the objective "
+                   "is {})", key, t.objective);
+    }
+    return {};
+  }
+  DsparkHeads h;
+  h.enabled = true;
+  DFLASH_CHECK(t.markov_rank >= 0, "training.markov_rank must be >= 0 (0: no Markov head), got {}",
+               t.markov_rank);
+  h.markov_rank = t.markov_rank;
+  const std::optional<MarkovHeadType> type = markov_head_type_parse(t.markov_head_type);
+  DFLASH_CHECK(type.has_value(), "training.markov_head_type must be vanilla, gated or rnn, got '{}'",
+               t.markov_head_type);
+  h.markov_type = *type;
+  DFLASH_CHECK(h.markov_rank > 0 || h.markov_type == MarkovHeadType::vanilla,
+               "training.markov_head_type {} needs training.markov_rank > 0 (0: no Markov head)",
+               t.markov_head_type);
+  h.confidence_head = t.enable_confidence_head.value_or(o.dspark_conf_alpha > 0);
+  h.confidence_with_markov = t.confidence_head_with_markov;
+  DFLASH_CHECK(!h.confidence_with_markov || h.markov_rank > 0,
+               "training.confidence_head_with_markov needs training.markov_rank > 0");
+  DFLASH_CHECK(!h.confidence_with_markov || h.confidence_head,
+               "training.confidence_head_with_markov needs the confidence head "
+               "(training.enable_confidence_head)");
+  return h;
 }
 
 int64_t RunConfig::block_budget() const {
@@ -430,6 +522,17 @@ std::vector<std::string> RunConfig::shape_changes(const RunConfig& other) const 
                                             : c.model.target_layer_ids.size();
   };
   std::vector<std::string> diffs;
+  // The DSpark heads add tensors: the objective, markov_rank, markov_head_type and the confidence
+  // head's keys change the parameter shapes.
+  if (dspark_heads_of(training) != dspark_heads_of(other.training)) {
+    for (const char* key : {"objective", "markov_rank", "markov_head_type",
+                            "enable_confidence_head", "confidence_head_with_markov",
+                            "dspark_confidence_head_alpha"}) {
+      const Field* f = find_field("training", key);
+      const std::string a = YAML::Dump(f->get(*this)), b = YAML::Dump(f->get(other));
+      if (a != b) diffs.push_back(f->path() + ": " + a + " -> " + b);
+    }
+  }
   for (const auto& f : schema()) {
     const bool taps = f.section == "model" && f.key == "target_layer_ids";
     if (f.section != "model" || (!size_keys.count(f.key) && !taps)) continue;

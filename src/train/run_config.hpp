@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "model/drafter.hpp"
 #include "model/objective.hpp"
 
 namespace dflash {
@@ -67,6 +68,18 @@ struct TrainingSection {
   /// (OBJECTIVES.md §1.1; LossType), on either backend.
   std::string loss_type = "dflash";
   double dpace_alpha = 0.5;  ///< D-PACE smoothing α of s_k = (1−α)q_k + α, in [0, 1]
+  /// dflash | dspark (ObjectiveKind). loss_type selects among the dflash objective's losses;
+  /// dspark takes loss_type dflash only and the keys below (OBJECTIVES.md §1.3, SpecForge's
+  /// names and defaults), which a dflash run refuses.
+  std::string objective = "dflash";
+  int markov_rank = 0;                         ///< r of the Markov head; 0: none
+  std::string markov_head_type = "vanilla";    ///< vanilla | gated | rnn (MarkovHeadType)
+  /// The confidence head; unset: on when dspark_confidence_head_alpha > 0.
+  std::optional<bool> enable_confidence_head;
+  bool confidence_head_with_markov = false;    ///< its input is [h; W1[prev]] instead of h
+  double dspark_ce_loss_alpha = 0.1;           ///< αce
+  double dspark_l1_loss_alpha = 0.9;           ///< αl1
+  double dspark_confidence_head_alpha = 1.0;   ///< αconf
   uint64_t seed = 0;
   int64_t save_interval = 0;         ///< 0 = only at the end
   int keep_last = 3;                 ///< complete checkpoints kept
@@ -141,9 +154,17 @@ struct RunConfig {
   std::vector<std::string> shape_changes(const RunConfig& other) const;
 };
 
-/// The Objective of a validated `training` section (loss_type parsed, dpace_alpha); throws
-/// dflash::Error naming training.loss_type when it is not one of LossType's names.
+/// The Objective of a `training` section (objective and loss_type parsed, dpace_alpha, the
+/// DSpark alphas); throws dflash::Error naming training.loss_type or training.objective when it is
+/// not one of their names, training.loss_type when a D-PACE loss is asked of objective dspark,
+/// and the alpha that is negative or not finite.
 Objective objective_of(const TrainingSection& training);
+
+/// The DSpark heads of the drafter a `training` section trains (enabled false for dflash);
+/// throws dflash::Error naming the key that is inconsistent (a DSpark key given to a dflash run,
+/// markov_rank < 0, an unknown markov_head_type, gated/rnn or confidence_head_with_markov without
+/// markov_rank, confidence_head_with_markov without the confidence head).
+DsparkHeads dspark_heads_of(const TrainingSection& training);
 
 /// The resume-compatibility check of `dflash train --resume DIR`: `saved` is the configuration of
 /// the checkpoint, `requested` the one the run would continue with. Throws dflash::Error naming

@@ -11,11 +11,20 @@
 
 namespace dflash {
 
+void cuda_check_objective(const DrafterConfig& cfg) {
+  DFLASH_CHECK(!cfg.dspark.enabled,
+               "training.objective dspark is implemented on the cpu backend only (runtime.backend: "
+               "cuda has no DSpark heads, no teacher tap and no DSpark loss yet)");
+}
+
 TrainBackend train_backend_create(const TrainBackendOptions& opts, const TargetModel& target,
                                   const DrafterConfig& cfg, const DrafterLayout& layout) {
   train_backend_check(opts);
   if (opts.backend == "cpu") return cpu_train_backend_create(opts, target, cfg, layout);
-  if (opts.backend == "cuda") return cuda_train_backend_create(opts, target, cfg, layout);
+  if (opts.backend == "cuda") {
+    cuda_check_objective(cfg);
+    return cuda_train_backend_create(opts, target, cfg, layout);
+  }
   fail("runtime.backend '{}' is not known (cpu or cuda)", opts.backend);
 }
 
@@ -29,7 +38,10 @@ std::unique_ptr<TargetStage> target_stage_create(const TrainBackendOptions& opts
                                                  const TargetModel& target,
                                                  const DrafterConfig& cfg) {
   if (opts.backend == "cpu") return cpu_target_stage_create(target, cfg);
-  if (opts.backend == "cuda") return cuda_target_stage_create(opts, device, target, cfg);
+  if (opts.backend == "cuda") {
+    cuda_check_objective(cfg);
+    return cuda_target_stage_create(opts, device, target, cfg);
+  }
   fail("runtime.backend '{}' is not known (cpu or cuda)", opts.backend);
 }
 
@@ -45,6 +57,7 @@ std::unique_ptr<DrafterStage> drafter_stage_create(const TrainBackendOptions& op
     return cpu_drafter_stage_create(opts, target, cfg, layout, std::move(member));
   }
   if (opts.backend == "cuda") {
+    cuda_check_objective(cfg);
     return cuda_drafter_stage_create(opts, device, target, cfg, layout, group, replica);
   }
   fail("runtime.backend '{}' is not known (cpu or cuda)", opts.backend);

@@ -737,6 +737,16 @@ TrainResult train_loop(Session& s, const TrainOptions& opts, const DrafterState&
   po.fault = fault_spec_from_env(s.topo, s.rank, s.ranks);
   po.collective = collective_group_create(s.cfg.runtime.backend, s.topo.drafter_devices, s.job);
   if (po.collective) s.report.log(fmt::format("collective: {}", po.collective->kind()));
+  if (s.batch_opts.objective.dspark()) {
+    const Objective& o = s.batch_opts.objective;
+    const DsparkHeads& h = s.dcfg.dspark;
+    s.report.log(fmt::format(
+        "objective: dspark, Σ w·({}·CE + {}·L1 + {}·BCE) / Σ w, w = prefix mask · exp(-k/{}); "
+        "Markov head {} (rank {}), confidence head {}{}",
+        o.dspark_ce_alpha, o.dspark_l1_alpha, o.dspark_conf_alpha, s.cfg.training.gamma,
+        h.markov_rank > 0 ? markov_head_type_name(h.markov_type) : "none", h.markov_rank,
+        h.confidence_head ? "on" : "off", h.confidence_with_markov ? " (with the Markov input)" : ""));
+  }
   if (s.batch_opts.objective.dpace()) {
     s.report.log(fmt::format(
         "loss: {} (alpha {}): Σ w·CE divided by the step's sequences "
@@ -818,8 +828,11 @@ DrafterConfig drafter_config_for_run(const RunConfig& cfg, const ModelConfig& ta
   sizes.block_size = cfg.training.block_size;
   std::optional<std::vector<int>> taps;
   if (!cfg.model.target_layer_ids.empty()) taps = cfg.model.target_layer_ids;
-  return drafter_config_for_target(target, cfg.model.drafter_layers, sizes, cfg.model.mask_token_id,
-                                   taps, tok);
+  DrafterConfig c = drafter_config_for_target(target, cfg.model.drafter_layers, sizes,
+                                              cfg.model.mask_token_id, taps, tok);
+  c.dspark = dspark_heads_of(cfg.training);
+  c.validate();
+  return c;
 }
 
 std::string print_train_memory_plan(const RunConfig& cfg) {
