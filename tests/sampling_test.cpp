@@ -32,26 +32,8 @@
 namespace dflash {
 namespace {
 
-// Upper 1e-4 quantile of chi-square with `df` degrees of freedom (Wilson–Hilferty).
-double chi2_critical_1e4(int df) {
-  const double z = 3.7190164854556804;  // standard normal upper 1e-4 quantile
-  const double a = 2.0 / (9.0 * df);
-  return df * std::pow(1.0 - a + z * std::sqrt(a), 3.0);
-}
-
-// Pearson statistic of counts (by category index, the last one "other") against probabilities.
-double chi2_stat(const std::vector<int64_t>& counts, const std::vector<double>& probs, int64_t n) {
-  double s = 0;
-  for (size_t i = 0; i < counts.size(); ++i) {
-    const double e = probs[i] * static_cast<double>(n);
-    if (e <= 0) {
-      if (counts[i] > 0) return INFINITY;
-      continue;
-    }
-    s += (counts[i] - e) * (counts[i] - e) / e;
-  }
-  return s;
-}
+using test::chi2_critical_1e4;
+using test::chi2_stat;
 
 std::vector<float> logits_of(std::initializer_list<double> probs) {
   std::vector<float> l;

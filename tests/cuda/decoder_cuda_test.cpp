@@ -37,6 +37,9 @@
 namespace dflash {
 namespace {
 
+using test::chi2_critical_1e4;
+using test::chi2_stat;
+
 using test::DeviceGuarded;
 
 const TargetModel& tiny() {
@@ -508,26 +511,6 @@ struct PairCategories {
     return it == index.end() ? probs.size() - 1 : it->second;
   }
 };
-
-// Upper 1e-4 quantile of chi-square with `df` degrees of freedom (Wilson–Hilferty) and Pearson's
-// statistic, as tests/sampling_test.cpp.
-double chi2_critical_1e4(int df) {
-  const double z = 3.7190164854556804;
-  const double a = 2.0 / (9.0 * df);
-  return df * std::pow(1.0 - a + z * std::sqrt(a), 3.0);
-}
-double chi2_stat(const std::vector<int64_t>& counts, const std::vector<double>& probs, int64_t n) {
-  double s = 0;
-  for (size_t i = 0; i < counts.size(); ++i) {
-    const double e = probs[i] * static_cast<double>(n);
-    if (e <= 0) {
-      if (counts[i] > 0) return INFINITY;
-      continue;
-    }
-    s += (counts[i] - e) * (counts[i] - e) / e;
-  }
-  return s;
-}
 
 // n = 3,000 requests of one prompt (request i: seed 500 + i) decoded speculatively on the GPU, 2
 // tokens each, batch 64: t1 is drawn from the target's processed p(·|prompt) at the prefill, t2 by

@@ -16,33 +16,15 @@
 #include "cuda_test_util.hpp"
 #include "infer/sampling.hpp"
 #include "ops/sample.hpp"
+#include "util/test_util.hpp"
 
 namespace dflash {
 namespace {
 
+using test::chi2_critical_1e4;
+using test::chi2_stat;
+
 using test::DeviceGuarded;
-
-// Upper 1e-4 quantile of chi-square with `df` degrees of freedom (Wilson–Hilferty), as
-// tests/sampling_test.cpp.
-double chi2_critical_1e4(int df) {
-  const double z = 3.7190164854556804;
-  const double a = 2.0 / (9.0 * df);
-  return df * std::pow(1.0 - a + z * std::sqrt(a), 3.0);
-}
-
-// Pearson statistic of counts against probabilities (n draws), as tests/sampling_test.cpp.
-double chi2_stat(const std::vector<int64_t>& counts, const std::vector<double>& probs, int64_t n) {
-  double s = 0;
-  for (size_t i = 0; i < counts.size(); ++i) {
-    const double e = probs[i] * static_cast<double>(n);
-    if (e <= 0) {
-      if (counts[i] > 0) return INFINITY;
-      continue;
-    }
-    s += (counts[i] - e) * (counts[i] - e) / e;
-  }
-  return s;
-}
 
 // The GPU's processed rows of `logits` [R, V] under `sp`.
 std::vector<float> gpu_probs(cuda::CudaContext& ctx, const std::vector<float>& logits, int64_t R,

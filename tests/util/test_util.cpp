@@ -1,5 +1,4 @@
 #include "util/test_util.hpp"
-#include "model/drafter_io.hpp"
 
 #include <lzma.h>
 #include <sys/prctl.h>
@@ -15,6 +14,8 @@
 #include <random>
 #include <sstream>
 #include <thread>
+
+#include "model/drafter_io.hpp"
 
 namespace dflash::test {
 
@@ -39,7 +40,9 @@ fs::path shared_dir() {
   return p;
 }
 
-fs::path assets_dir() { return source_dir() / "assets"; }
+fs::path assets_dir() {
+  return source_dir() / "assets";
+}
 
 TempDir::TempDir() {
   std::string tmpl = (fs::temp_directory_path() / "dflash-test-XXXXXX").string();
@@ -61,8 +64,10 @@ namespace {
 std::string shell_quote(const std::string& s) {
   std::string r = "'";
   for (char c : s) {
-    if (c == '\'') r += "'\\''";
-    else r += c;
+    if (c == '\'')
+      r += "'\\''";
+    else
+      r += c;
   }
   return r + "'";
 }
@@ -234,15 +239,33 @@ std::vector<nlohmann::json> deterministic_metrics(const fs::path& run_dir) {
   std::istringstream in(read_file(run_dir / "metrics.jsonl"));
   for (std::string line; std::getline(in, line);) {
     nlohmann::json j = nlohmann::json::parse(line);
-    for (const char* k :
-         {"tokens_per_s", "supervised_tokens_per_s", "s_per_step", "s_data", "s_target",
-          "s_drafter", "rss_bytes", "target_busy", "drafter_busy", "queue_depth",
-          "checkpoint_state_s"}) {
+    for (const char* k : {"tokens_per_s", "supervised_tokens_per_s", "s_per_step", "s_data",
+                          "s_target", "s_drafter", "rss_bytes", "target_busy", "drafter_busy",
+                          "queue_depth", "checkpoint_state_s"}) {
       j.erase(k);
     }
     out.push_back(j);
   }
   return out;
+}
+
+double chi2_critical_1e4(int df) {
+  const double z = 3.7190164854556804;  // the standard normal's upper 1e-4 quantile
+  const double a = 2.0 / (9.0 * df);
+  return df * std::pow(1.0 - a + z * std::sqrt(a), 3.0);
+}
+
+double chi2_stat(const std::vector<int64_t>& counts, const std::vector<double>& probs, int64_t n) {
+  double s = 0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    const double e = probs[i] * static_cast<double>(n);
+    if (e <= 0) {
+      if (counts[i] > 0) return INFINITY;
+      continue;
+    }
+    s += (static_cast<double>(counts[i]) - e) * (static_cast<double>(counts[i]) - e) / e;
+  }
+  return s;
 }
 
 }  // namespace dflash::test

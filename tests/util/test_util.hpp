@@ -71,7 +71,7 @@ pid_t spawn_program(const std::string& program, const std::vector<std::string>& 
 
 /// Limits on a spawned run (wait_exit): how long it may take and how large its log may grow.
 struct RunLimits {
-  double timeout_s = 300;                    ///< seconds from the call to the exit
+  double timeout_s = 300;                   ///< seconds from the call to the exit
   std::uintmax_t max_log_bytes = 1u << 20;  ///< a larger log counts as runaway output
 };
 /// Waits for process `pid` to end; its exit code, or 128 + the signal that killed it. A run that
@@ -122,5 +122,16 @@ void save_random_drafter(const fs::path& dir, const ModelConfig& target, int lay
 /// time (throughput, seconds per step and phase, resident memory, busy fractions, queue depths):
 /// what two runs of the same data and seed must agree on. Fails the test on an unreadable file.
 std::vector<nlohmann::json> deterministic_metrics(const std::filesystem::path& run_dir);
+
+/// The upper 1e-4 quantile of the chi-square distribution with `df` degrees of freedom, by the
+/// Wilson–Hilferty cube-root normal approximation (Wilson & Hilferty 1931): the critical value
+/// of the sampling tests' Pearson statistic.
+double chi2_critical_1e4(int df);
+
+/// Pearson's chi-square statistic Σ (O − E)² / E of `counts` (observed per category) against
+/// `probs` (expected probability per category, same length) over `n` draws. A category with
+/// E = 0 but some observation gives +∞ (a draw the distribution cannot produce); E = 0 and O = 0
+/// adds nothing.
+double chi2_stat(const std::vector<int64_t>& counts, const std::vector<double>& probs, int64_t n);
 
 }  // namespace dflash::test
