@@ -23,17 +23,6 @@ namespace {
 
 using test::TempDir;
 
-const std::filesystem::path& tiny_dir() {
-  static const std::filesystem::path p = test::assets_dir() / "tiny-qwen3";
-  return p;
-}
-
-const TargetModel& tiny() {
-  static const TargetModel m =
-      TargetModel::load(tiny_dir(), TargetLoadOptions{.f32_weights = true});
-  return m;
-}
-
 // A seeded DSpark drafter for the tiny target, saved in the export format; its Markov projection
 // scaled up so that the bias moves the argmax.
 std::filesystem::path save_dspark_drafter(const TempDir& dir, DsparkHeads heads, int K,
@@ -41,7 +30,7 @@ std::filesystem::path save_dspark_drafter(const TempDir& dir, DsparkHeads heads,
   DrafterSizes sizes;
   sizes.block_size = K;
   sizes.intermediate_size = 128;
-  DrafterConfig c = drafter_config_for_target(tiny().config(), 1, sizes, 8000);
+  DrafterConfig c = drafter_config_for_target(test::tiny_qwen3_f32().config(), 1, sizes, 8000);
   c.dspark = heads;
   const DrafterLayout layout(c);
   std::vector<float> params(static_cast<size_t>(layout.total));
@@ -107,8 +96,8 @@ TEST(DSparkDecode, EverySlotDraftsFromThePreviousDraft) {
        {MarkovHeadType::vanilla, MarkovHeadType::gated, MarkovHeadType::rnn}) {
     const LoadedDrafter d =
         drafter_load(save_dspark_drafter(dir, DsparkHeads{true, 6, type, false, false}, 5, 7));
-    const SpeculativeDecoder dec(tiny(), d);
-    const Tokenizer tok = Tokenizer::load(tiny_dir());
+    const SpeculativeDecoder dec(test::tiny_qwen3_f32(), d);
+    const Tokenizer tok = Tokenizer::load(test::tiny_qwen3_dir());
     DecodeOptions o;
     o.max_new_tokens = 12;
     SpecState s = dec.start(tok.encode("The history of the river"), o);
@@ -118,7 +107,7 @@ TEST(DSparkDecode, EverySlotDraftsFromThePreviousDraft) {
     ASSERT_EQ(s.last_proposals.size(), 5u) << markov_head_type_name(type);
     // The same draft by hand.
     DrafterWorkspace<float> ws;
-    std::vector<float> embed = tiny().embedding_f32();
+    std::vector<float> embed = test::tiny_qwen3_f32().embedding_f32();
     const DrafterTables<float> tables{embed.data(), embed.data()};  // tied head
     const std::span<const float> U =
         drafter_draft_block(cache, d.config, d.layout, d.params.data(), tables, anchor, ws);
@@ -143,17 +132,18 @@ TEST(DSparkDecode, GreedyOutputIsTheTargetsOwn) {
   TempDir dir;
   const LoadedDrafter d = drafter_load(
       save_dspark_drafter(dir, DsparkHeads{true, 6, MarkovHeadType::rnn, true, true}, 4, 9));
-  const SpeculativeDecoder dec(tiny(), d);
-  const Tokenizer tok = Tokenizer::load(tiny_dir());
-  const ChatTemplate tmpl = resolve_chat_template(tiny_dir(), "");
+  const SpeculativeDecoder dec(test::tiny_qwen3_f32(), d);
+  const Tokenizer tok = Tokenizer::load(test::tiny_qwen3_dir());
+  const ChatTemplate tmpl = resolve_chat_template(test::tiny_qwen3_dir(), "");
   const std::vector<EvalPrompt> prompts =
       load_eval_prompts(test::assets_dir() / "data" / "eval_prompts.jsonl", tmpl, tok, 0, 1);
   ASSERT_EQ(prompts.size(), 4u);
   DecodeOptions o;
   o.max_new_tokens = 24;
-  o.stop_ids = generation_eos_ids(tiny_dir(), tiny().config());
+  o.stop_ids = generation_eos_ids(test::tiny_qwen3_dir(), test::tiny_qwen3_f32().config());
   for (const EvalPrompt& p : prompts) {
-    const auto ref = greedy_generate(tiny(), p.tokens, o.max_new_tokens, o.stop_ids, true);
+    const auto ref =
+        greedy_generate(test::tiny_qwen3_f32(), p.tokens, o.max_new_tokens, o.stop_ids, true);
     const DecodeResult r = dec.generate(p.tokens, o);
     EXPECT_EQ(r.tokens, ref) << p.id;
     for (int a : r.accept_lengths) {
@@ -169,12 +159,12 @@ TEST(DSparkDecode, AllKDraftsCanBeAccepted) {
   TempDir dir;
   const LoadedDrafter d = drafter_load(
       save_dspark_drafter(dir, DsparkHeads{true, 4, MarkovHeadType::vanilla, false, false}, 4, 5));
-  const SpeculativeDecoder dec(tiny(), d);
-  const Tokenizer tok = Tokenizer::load(tiny_dir());
+  const SpeculativeDecoder dec(test::tiny_qwen3_f32(), d);
+  const Tokenizer tok = Tokenizer::load(test::tiny_qwen3_dir());
   const std::vector<int32_t> prompt = tok.encode("Once upon a time");
   DecodeOptions o;
   o.max_new_tokens = 10;
-  const auto ref = greedy_generate(tiny(), prompt, 10, {}, true);
+  const auto ref = greedy_generate(test::tiny_qwen3_f32(), prompt, 10, {}, true);
   SpecState s = dec.start(prompt, o);
   const std::vector<int32_t> prop(ref.begin() + 1, ref.begin() + 5);
   dec.verify(s, o, prop, {});
@@ -190,8 +180,9 @@ TEST(DSparkDecode, CudaBackendRefusesADSparkDrafter) {
   const auto d =
       save_dspark_drafter(dir, DsparkHeads{true, 2, MarkovHeadType::vanilla, false, false}, 4, 2);
   for (const char* cmd : {"eval", "generate"}) {
-    std::vector<std::string> args = {
-        cmd, "--target", tiny_dir().string(), "--drafter", d.string(), "--backend", "cuda"};
+    std::vector<std::string> args = {cmd,         "--target", test::tiny_qwen3_dir().string(),
+                                     "--drafter", d.string(), "--backend",
+                                     "cuda"};
     if (std::string(cmd) == "eval") {
       args.insert(args.end(),
                   {"--prompts", (test::assets_dir() / "data" / "eval_prompts.jsonl").string()});

@@ -27,18 +27,6 @@ namespace {
 
 using test::TempDir;
 
-const std::filesystem::path& tiny_dir() {
-  static const std::filesystem::path p = test::assets_dir() / "tiny-qwen3";
-  return p;
-}
-
-const TargetModel& tiny() {
-  // f32 weight copies: same results as the bf16 views (exact conversion), no per-call conversion.
-  static const TargetModel m =
-      TargetModel::load(tiny_dir(), TargetLoadOptions{.f32_weights = true});
-  return m;
-}
-
 // An untrained drafter (seeded init) saved in the export format and loaded back through the
 // normal path.
 LoadedDrafter random_drafter(const TempDir& dir, int layers, int block_size, uint64_t seed,
@@ -47,15 +35,16 @@ LoadedDrafter random_drafter(const TempDir& dir, int layers, int block_size, uin
   sizes.block_size = block_size;
   sizes.intermediate_size = 256;
   const auto d = dir / ("drafter" + std::to_string(seed));
-  test::save_random_drafter(d, tiny().config(), layers, sizes, seed, std::move(taps));
+  test::save_random_drafter(d, test::tiny_qwen3_f32().config(), layers, sizes, seed,
+                            std::move(taps));
   return drafter_load(d);
 }
 
 // The first `per_source` records of every source, in file order (the file holds 700 wordnet,
 // then 16 moby, 2 sotu and 400 math records).
 std::vector<EvalPrompt> eval_subset(int per_source) {
-  const Tokenizer tok = Tokenizer::load(tiny_dir());
-  const ChatTemplate tmpl = resolve_chat_template(tiny_dir(), "");
+  const Tokenizer tok = Tokenizer::load(test::tiny_qwen3_dir());
+  const ChatTemplate tmpl = resolve_chat_template(test::tiny_qwen3_dir(), "");
   return load_eval_prompts(test::assets_dir() / "data" / "eval_prompts.jsonl", tmpl, tok, 0,
                            per_source);
 }
@@ -79,7 +68,7 @@ void expect_error(F&& f, const std::vector<std::string>& parts) {
 }
 
 TEST(Speculative, PromptsAreFirstUserTurnWithGenerationPrompt) {
-  const Tokenizer tok = Tokenizer::load(tiny_dir());
+  const Tokenizer tok = Tokenizer::load(test::tiny_qwen3_dir());
   const auto prompts = eval_subset(2);
   ASSERT_EQ(prompts.size(), 8u);
   std::set<std::string> sources;
@@ -95,7 +84,7 @@ TEST(Speculative, PromptsAreFirstUserTurnWithGenerationPrompt) {
 TEST(Speculative, GreedyLosslessRandomDrafterOnEvalPrompts) {
   TempDir dir;
   const LoadedDrafter d = random_drafter(dir, 1, 8, 11);
-  const SpeculativeDecoder dec(tiny(), d);
+  const SpeculativeDecoder dec(test::tiny_qwen3_f32(), d);
   // Optimised builds: 20 prompts (6 wordnet, 6 moby, 2 sotu, 6 math) × 32 tokens; Debug and
   // sanitizer builds: 8 prompts × 16 tokens (CPU time).
 #ifdef NDEBUG
@@ -109,11 +98,12 @@ TEST(Speculative, GreedyLosslessRandomDrafterOnEvalPrompts) {
 #endif
   DecodeOptions o;
   o.max_new_tokens = max_new;
-  o.stop_ids = generation_eos_ids(tiny_dir(), tiny().config());
+  o.stop_ids = generation_eos_ids(test::tiny_qwen3_dir(), test::tiny_qwen3_f32().config());
   int64_t steps = 0, total = 0;
   for (size_t pi = 0; pi < prompts.size(); ++pi) {
     const EvalPrompt& p = prompts[pi];
-    const auto ref = greedy_generate(tiny(), p.tokens, o.max_new_tokens, o.stop_ids, true);
+    const auto ref =
+        greedy_generate(test::tiny_qwen3_f32(), p.tokens, o.max_new_tokens, o.stop_ids, true);
     std::vector<int32_t> streamed;
     const DecodeResult r = dec.generate(p.tokens, o, [&](std::span<const int32_t> t) {
       streamed.insert(streamed.end(), t.begin(), t.end());
@@ -132,7 +122,7 @@ TEST(Speculative, GreedyLosslessRandomDrafterOnEvalPrompts) {
     total += sum;
     // Target-only baseline of eval agrees too (a few prompts: CPU time).
     if (pi % 5 == 0) {
-      EXPECT_EQ(target_generate(tiny(), p.tokens, o).tokens, ref) << p.id;
+      EXPECT_EQ(target_generate(test::tiny_qwen3_f32(), p.tokens, o).tokens, ref) << p.id;
     }
   }
   // An untrained drafter accepts (almost) nothing: τ ≈ 1.
@@ -144,15 +134,15 @@ TEST(Speculative, GreedyLosslessRandomDrafterOnEvalPrompts) {
 TEST(Speculative, GreedyOracleProposalsEveryAcceptLength) {
   TempDir dir;
   const LoadedDrafter d = random_drafter(dir, 1, 6, 12);
-  const SpeculativeDecoder dec(tiny(), d);
+  const SpeculativeDecoder dec(test::tiny_qwen3_f32(), d);
   const auto prompts = eval_subset(1);
-  const int64_t V = tiny().vocab_size();
+  const int64_t V = test::tiny_qwen3_f32().vocab_size();
   for (int K : {1, 2, 5, 9}) {
     for (const char* src : {"wordnet", "math"}) {
       const EvalPrompt& p = first_of(prompts, src);
       DecodeOptions o;
       o.max_new_tokens = 30;  // no stop token: the full length
-      const auto ref = greedy_generate(tiny(), p.tokens, 30 + K, {}, true);
+      const auto ref = greedy_generate(test::tiny_qwen3_f32(), p.tokens, 30 + K, {}, true);
       SpecState s = dec.start(p.tokens, o);
       int step = 0;
       while (!s.done) {
@@ -179,14 +169,14 @@ TEST(Speculative, GreedyOracleProposalsEveryAcceptLength) {
 TEST(Speculative, BlockSizeOverrideAndRefusal) {
   TempDir dir;
   const LoadedDrafter d = random_drafter(dir, 2, 8, 13);
-  const SpeculativeDecoder dec(tiny(), d);
+  const SpeculativeDecoder dec(test::tiny_qwen3_f32(), d);
   const auto prompts = eval_subset(1);
   const auto& prompt = first_of(prompts, "math").tokens;
   for (int K : {2, 3, 8}) {
     DecodeOptions o;
     o.max_new_tokens = 17;
     o.block_size = K;
-    const auto ref = greedy_generate(tiny(), prompt, 17, {}, true);
+    const auto ref = greedy_generate(test::tiny_qwen3_f32(), prompt, 17, {}, true);
     const DecodeResult r = dec.generate(prompt, o);
     EXPECT_EQ(r.tokens, ref) << "block " << K;
     for (int a : r.accept_lengths) EXPECT_LE(a, K);
@@ -201,10 +191,10 @@ TEST(Speculative, BlockSizeOverrideAndRefusal) {
 TEST(Speculative, StopTokensAndMaxNewTokens) {
   TempDir dir;
   const LoadedDrafter d = random_drafter(dir, 1, 4, 14);
-  const SpeculativeDecoder dec(tiny(), d);
+  const SpeculativeDecoder dec(test::tiny_qwen3_f32(), d);
   const auto prompts = eval_subset(1);
   const auto& prompt = prompts[0].tokens;
-  const auto ref = greedy_generate(tiny(), prompt, 30, {}, true);
+  const auto ref = greedy_generate(test::tiny_qwen3_f32(), prompt, 30, {}, true);
   ASSERT_EQ(ref.size(), 30u);
   // Stop on the token at index 7 (its first occurrence): output ends right after it.
   const int32_t stop = ref[7];
@@ -227,7 +217,7 @@ TEST(Speculative, StopTokensAndMaxNewTokens) {
     }
   }
   // The fixture's generation_config.json lists two eos ids ([2, 0]): both are read.
-  const auto eos = generation_eos_ids(tiny_dir(), tiny().config());
+  const auto eos = generation_eos_ids(test::tiny_qwen3_dir(), test::tiny_qwen3_f32().config());
   EXPECT_EQ(eos, (std::vector<int64_t>{2, 0}));
   o.max_new_tokens = 0;
   expect_error([&] { dec.generate(prompt, o); }, {"max_new_tokens"});
@@ -239,7 +229,7 @@ TEST(Speculative, DrafterTargetMismatchNamed) {
   {
     DrafterSizes sizes;
     sizes.block_size = 4;
-    ModelConfig other = tiny().config();
+    ModelConfig other = test::tiny_qwen3_f32().config();
     other.num_hidden_layers = 8;
     const DrafterConfig c = drafter_config_for_target(other, 1, sizes, 8000);
     const DrafterLayout layout(c);
@@ -247,13 +237,14 @@ TEST(Speculative, DrafterTargetMismatchNamed) {
     drafter_init(params, layout, 1);
     drafter_save(dir / "layers", c, layout, params);
     const LoadedDrafter d = drafter_load(dir / "layers");
-    expect_error([&] { SpeculativeDecoder dec(tiny(), d); }, {"num_target_layers", "8", "6"});
+    expect_error([&] { SpeculativeDecoder dec(test::tiny_qwen3_f32(), d); },
+                 {"num_target_layers", "8", "6"});
   }
   // Hidden size != the target's 384.
   {
     DrafterSizes sizes;
     sizes.block_size = 4;
-    ModelConfig other = tiny().config();
+    ModelConfig other = test::tiny_qwen3_f32().config();
     other.hidden_size = 256;
     other.head_dim = 64;
     const DrafterConfig c = drafter_config_for_target(other, 1, sizes, 8000);
@@ -262,13 +253,14 @@ TEST(Speculative, DrafterTargetMismatchNamed) {
     drafter_init(params, layout, 1);
     drafter_save(dir / "hidden", c, layout, params);
     const LoadedDrafter d = drafter_load(dir / "hidden");
-    expect_error([&] { SpeculativeDecoder dec(tiny(), d); }, {"hidden", "256", "384"});
+    expect_error([&] { SpeculativeDecoder dec(test::tiny_qwen3_f32(), d); },
+                 {"hidden", "256", "384"});
   }
   // A tap outside the target's layers (drafter exported for a deeper target).
   {
     DrafterSizes sizes;
     sizes.block_size = 4;
-    ModelConfig other = tiny().config();
+    ModelConfig other = test::tiny_qwen3_f32().config();
     other.num_hidden_layers = 12;
     const DrafterConfig c = drafter_config_for_target(other, 1, sizes, 8000, std::vector<int>{9});
     const DrafterLayout layout(c);
@@ -277,7 +269,7 @@ TEST(Speculative, DrafterTargetMismatchNamed) {
     drafter_save(dir / "taps", c, layout, params);
     const LoadedDrafter d = drafter_load(dir / "taps");
     try {
-      SpeculativeDecoder dec(tiny(), d);
+      SpeculativeDecoder dec(test::tiny_qwen3_f32(), d);
       ADD_FAILURE() << "no error";
     } catch (const Error& e) {
       const std::string m = e.what();
@@ -291,11 +283,11 @@ TEST(Speculative, DrafterTargetMismatchNamed) {
 TEST(Speculative, EvalReportFigures) {
   TempDir dir;
   const LoadedDrafter d = random_drafter(dir, 1, 4, 15);
-  DecoderCpu dec(tiny(), &d);
+  DecoderCpu dec(test::tiny_qwen3_f32(), &d);
   const auto prompts = eval_subset(1);
   DecodeOptions o;
   o.max_new_tokens = 9;
-  o.stop_ids = generation_eos_ids(tiny_dir(), tiny().config());
+  o.stop_ids = generation_eos_ids(test::tiny_qwen3_dir(), test::tiny_qwen3_f32().config());
   std::vector<std::pair<std::string, size_t>> done;
   std::string phase;
   EvalProgress progress;
@@ -345,18 +337,19 @@ TEST(Speculative, CliGenerateAndEval) {
   TempDir dir;
   const auto d = random_drafter(dir, 1, 4, 16);
   const std::string ddir = (dir / "drafter16").string();
-  const std::string tdir = tiny_dir().string();
+  const std::string tdir = test::tiny_qwen3_dir().string();
   auto g = test::run_dflash({"generate", "--target", tdir, "--drafter", ddir, "--prompt",
                              "What is 10 times 6?", "--chat", "--max-new-tokens", "12"});
   ASSERT_EQ(g.exit_code, 0) << g.err;
   for (const char* key : {"tokens: ", "steps: ", "tau: ", "tokens/s: "})
     EXPECT_NE(g.out.find(key), std::string::npos) << g.out;
   // The streamed text is the target's greedy continuation of the rendered prompt.
-  const Tokenizer tok = Tokenizer::load(tiny_dir());
+  const Tokenizer tok = Tokenizer::load(test::tiny_qwen3_dir());
   const auto ids =
       tok.encode("<|im_start|>user\nWhat is 10 times 6?<|im_end|>\n<|im_start|>assistant\n");
-  const auto ref =
-      greedy_generate(tiny(), ids, 12, generation_eos_ids(tiny_dir(), tiny().config()), true);
+  const auto ref = greedy_generate(
+      test::tiny_qwen3_f32(), ids, 12,
+      generation_eos_ids(test::tiny_qwen3_dir(), test::tiny_qwen3_f32().config()), true);
   EXPECT_EQ(g.out.rfind(tok.decode(ref), 0), 0u) << g.out;
 
   // --show-steps: the same stdout text, and on stderr one line per step whose acceptance lengths
@@ -393,8 +386,9 @@ TEST(Speculative, CliGenerateAndEval) {
   ASSERT_EQ(g2.exit_code, 0) << g2.err;
   const auto ids2 =
       tok.encode("<|im_start|>user\nDefine the word cat.<|im_end|>\n<|im_start|>assistant\n");
-  const auto ref2 =
-      greedy_generate(tiny(), ids2, 12, generation_eos_ids(tiny_dir(), tiny().config()), true);
+  const auto ref2 = greedy_generate(
+      test::tiny_qwen3_f32(), ids2, 12,
+      generation_eos_ids(test::tiny_qwen3_dir(), test::tiny_qwen3_f32().config()), true);
   EXPECT_EQ(g2.out.rfind("[prompt 1]\n" + tok.decode(ref) + "\n\n[prompt 2]\n" + tok.decode(ref2) +
                              "\n\ntokens: " + std::to_string(ref.size() + ref2.size()) + "\n",
                          0),

@@ -249,6 +249,17 @@ std::vector<nlohmann::json> deterministic_metrics(const fs::path& run_dir) {
   return out;
 }
 
+const fs::path& tiny_qwen3_dir() {
+  static const fs::path p = assets_dir() / "tiny-qwen3";
+  return p;
+}
+
+const TargetModel& tiny_qwen3_f32() {
+  static const TargetModel m =
+      TargetModel::load(tiny_qwen3_dir(), TargetLoadOptions{.f32_weights = true});
+  return m;
+}
+
 double chi2_critical_1e4(int df) {
   const double z = 3.7190164854556804;  // the standard normal's upper 1e-4 quantile
   const double a = 2.0 / (9.0 * df);

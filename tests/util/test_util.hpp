@@ -15,6 +15,7 @@
 #include "core/tensor.hpp"
 #include "model/config.hpp"
 #include "model/drafter_io.hpp"
+#include "model/target.hpp"
 
 namespace dflash::test {
 
@@ -122,6 +123,12 @@ void save_random_drafter(const fs::path& dir, const ModelConfig& target, int lay
 /// time (throughput, seconds per step and phase, resident memory, busy fractions, queue depths):
 /// what two runs of the same data and seed must agree on. Fails the test on an unreadable file.
 std::vector<nlohmann::json> deterministic_metrics(const std::filesystem::path& run_dir);
+
+/// The tiny Qwen3 fixture's folder (assets/tiny-qwen3: a real 6-layer checkpoint and tokenizer).
+const fs::path& tiny_qwen3_dir();
+/// The tiny Qwen3 target loaded once per test process with f32 weight copies (the same results
+/// as the bf16 views, without per-call conversion): the decoding tests' reference target.
+const TargetModel& tiny_qwen3_f32();
 
 /// The upper 1e-4 quantile of the chi-square distribution with `df` degrees of freedom, by the
 /// Wilson–Hilferty cube-root normal approximation (Wilson & Hilferty 1931): the critical value
