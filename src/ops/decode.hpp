@@ -48,20 +48,6 @@ void decode_rows_cuda(cuda::CudaContext& ctx, int32_t* pos, int32_t* slots, Attn
 void kv_scatter_cuda(cuda::CudaContext& ctx, uint16_t* cache, const uint16_t* rows,
                      const int32_t* slots, int64_t R, int64_t W);
 
-/// The spread layout of a step's query rows for the cached attention: every request's K rows
-/// start a group of Kp rows (Kp ≥ K, a multiple of the attention's 16-row query tile), so that no
-/// query tile holds rows of two requests and each tile streams its own request's keys only. For
-/// b < B, j < Kp: rows[b·K + j] = b·Kp + j (j < K); ranges[b·Kp + j] = causal[b·K + j] for
-/// j < K, else {0, 0, 0, 0} (a padding row: no key). Throws dflash::Error for B < 1, K < 1,
-/// Kp < K or a null pointer.
-void decode_spread_rows_cuda(cuda::CudaContext& ctx, int32_t* rows, AttnRange* ranges,
-                             const AttnRange* causal, int64_t B, int64_t K, int64_t Kp);
-
-/// dst[r·W + i] = src[rows[r]·W + i] for r < R, i < W (bf16 bits): the inverse of kv_scatter_cuda
-/// for the same rows. Throws dflash::Error for R < 0, W < 1 or a null pointer.
-void rows_gather_cuda(cuda::CudaContext& ctx, uint16_t* dst, const uint16_t* src,
-                      const int32_t* rows, int64_t R, int64_t W);
-
 /// out[r] = the smallest i with logits[r·V + i] maximal (f32 [R, V]; the rule of the CPU's
 /// argmax_row; NaN entries are never chosen unless the row has nothing else). Throws
 /// dflash::Error for R < 0, V < 1 or a null pointer.

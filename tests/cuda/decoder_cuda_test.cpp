@@ -181,47 +181,6 @@ TEST(DecodeOpsCuda, ArgmaxTakesTheSmallestIndexOfTheMaximum) {
   EXPECT_TRUE(d_out.guard_intact());
 }
 
-// The spread layout: every request's K rows start a group of Kp; padding rows see no key; a
-// gather of the scattered rows gives them back.
-TEST(DecodeOpsCuda, SpreadRowsGiveEveryRequestTilesOfItsOwn) {
-  DFLASH_REQUIRE_GPU();
-  cuda::CudaContext ctx(0);
-  const int64_t B = 3, K = 5, Kp = 16, W = 7;
-  std::vector<AttnRange> causal(B * K);
-  for (int64_t r = 0; r < B * K; ++r)
-    causal[r] = AttnRange{static_cast<int32_t>(r), static_cast<int32_t>(2 * r + 1), 0, 0};
-  DeviceGuarded<AttnRange> d_causal(causal), d_ranges(static_cast<size_t>(B * Kp));
-  DeviceGuarded<int32_t> d_rows(static_cast<size_t>(B * K));
-  decode_spread_rows_cuda(ctx, d_rows.get(), d_ranges.get(), d_causal.get(), B, K, Kp);
-  const std::vector<int32_t> rows = d_rows.download();
-  const std::vector<AttnRange> ranges = d_ranges.download();
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t j = 0; j < Kp; ++j) {
-      const AttnRange& g = ranges[static_cast<size_t>(b * Kp + j)];
-      if (j < K) {
-        EXPECT_EQ(rows[b * K + j], b * Kp + j);
-        EXPECT_EQ(g.lo1, causal[b * K + j].lo1);
-        EXPECT_EQ(g.hi1, causal[b * K + j].hi1);
-      } else {
-        EXPECT_TRUE(g.lo1 == 0 && g.hi1 == 0 && g.lo2 == 0 && g.hi2 == 0) << b << " " << j;
-      }
-    }
-  }
-  EXPECT_TRUE(d_rows.guard_intact() && d_ranges.guard_intact());
-  // Scatter B·K rows of W values to the spread rows, gather them back.
-  std::vector<uint16_t> vals(static_cast<size_t>(B * K * W));
-  for (size_t i = 0; i < vals.size(); ++i) vals[i] = static_cast<uint16_t>(i * 3 + 1);
-  DeviceGuarded<uint16_t> src(vals), spread(static_cast<size_t>(B * Kp * W)),
-      back(static_cast<size_t>(B * K * W));
-  kv_scatter_cuda(ctx, spread.get(), src.get(), d_rows.get(), B * K, W);
-  rows_gather_cuda(ctx, back.get(), spread.get(), d_rows.get(), B * K, W);
-  EXPECT_EQ(back.download(), vals);
-  const std::vector<uint16_t> sp = spread.download();
-  EXPECT_EQ(sp[static_cast<size_t>((1 * Kp + 2) * W + 3)],
-            vals[static_cast<size_t>((1 * K + 2) * W + 3)]);
-  EXPECT_TRUE(spread.guard_intact() && back.guard_intact());
-}
-
 // The target's cached forward: all rows' logits of a prefill of P tokens, and of a prefill of P1
 // followed by a block of P − P1 appended over the cache, against the CPU target's logits of the
 // whole sequence (the bf16 tolerance of whole target forwards).

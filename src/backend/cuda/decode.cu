@@ -36,31 +36,6 @@ __global__ void kv_scatter_kernel(uint16_t* cache, const uint16_t* rows, const i
   }
 }
 
-// One thread per padded row b·Kp + j.
-__global__ void decode_spread_rows_kernel(int32_t* rows, AttnRange* ranges, const AttnRange* causal,
-                                          int B, int K, int Kp) {
-  const int p = blockIdx.x * blockDim.x + threadIdx.x;
-  if (p >= B * Kp) return;
-  const int b = p / Kp, j = p % Kp;
-  if (j < K) {
-    rows[b * K + j] = p;
-    ranges[p] = causal[b * K + j];
-  } else {
-    ranges[p] = AttnRange{0, 0, 0, 0};
-  }
-}
-
-// A grid-stride loop over the R·W values of the gathered rows.
-__global__ void rows_gather_kernel(uint16_t* dst, const uint16_t* src, const int32_t* rows,
-                                   int64_t R, int64_t W) {
-  const int64_t n = R * W;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / W, c = i % W;
-    dst[i] = src[static_cast<int64_t>(rows[r]) * W + c];
-  }
-}
-
 constexpr int kArgmaxThreads = 256;
 
 // One CTA per row: each thread scans a strided slice keeping (max, smallest index), then a
@@ -148,20 +123,6 @@ void kv_scatter(uint16_t* cache, const uint16_t* rows, const int32_t* slots, int
                 cudaStream_t s) {
   if (R == 0) return;
   kv_scatter_kernel<<<grid_for(R * W, 256), 256, 0, s>>>(cache, rows, slots, R, W);
-  DFLASH_CUDA_LAUNCH_CHECK();
-}
-
-void decode_spread_rows(int32_t* rows, AttnRange* ranges, const AttnRange* causal, int B, int K,
-                        int Kp, cudaStream_t s) {
-  const int n = B * Kp;
-  decode_spread_rows_kernel<<<(n + 127) / 128, 128, 0, s>>>(rows, ranges, causal, B, K, Kp);
-  DFLASH_CUDA_LAUNCH_CHECK();
-}
-
-void rows_gather(uint16_t* dst, const uint16_t* src, const int32_t* rows, int64_t R, int64_t W,
-                 cudaStream_t s) {
-  if (R == 0) return;
-  rows_gather_kernel<<<grid_for(R * W, 256), 256, 0, s>>>(dst, src, rows, R, W);
   DFLASH_CUDA_LAUNCH_CHECK();
 }
 

@@ -36,23 +36,6 @@ void kv_scatter_cuda(cuda::CudaContext& ctx, uint16_t* cache, const uint16_t* ro
   cuda::launch::kv_scatter(cache, rows, slots, R, W, ctx.stream());
 }
 
-void decode_spread_rows_cuda(cuda::CudaContext& ctx, int32_t* rows, AttnRange* ranges,
-                             const AttnRange* causal, int64_t B, int64_t K, int64_t Kp) {
-  DFLASH_CHECK(B >= 1 && K >= 1 && Kp >= K && B * Kp <= kI32,
-               "decode_spread_rows_cuda: bad sizes B={} K={} Kp={}", B, K, Kp);
-  DFLASH_CHECK(rows && ranges && causal, "decode_spread_rows_cuda: null pointer");
-  cuda::launch::decode_spread_rows(rows, ranges, causal, static_cast<int>(B), static_cast<int>(K),
-                                   static_cast<int>(Kp), ctx.stream());
-}
-
-void rows_gather_cuda(cuda::CudaContext& ctx, uint16_t* dst, const uint16_t* src,
-                      const int32_t* rows, int64_t R, int64_t W) {
-  DFLASH_CHECK(R >= 0 && W >= 1, "rows_gather_cuda: bad sizes R={} W={}", R, W);
-  if (R == 0) return;
-  DFLASH_CHECK(dst && src && rows, "rows_gather_cuda: null pointer");
-  cuda::launch::rows_gather(dst, src, rows, R, W, ctx.stream());
-}
-
 void argmax_rows_cuda(cuda::CudaContext& ctx, int32_t* out, const float* logits, int64_t R,
                       int64_t V) {
   DFLASH_CHECK(R >= 0 && R <= kI32 && V >= 1, "argmax_rows_cuda: bad sizes R={} V={}", R, V);

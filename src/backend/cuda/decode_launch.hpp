@@ -15,10 +15,6 @@ void decode_rows(int32_t* pos, int32_t* slots, AttnRange* causal, AttnRange* blo
                  const int32_t* lens, int B, int K, int first, int C, cudaStream_t s);
 void kv_scatter(uint16_t* cache, const uint16_t* rows, const int32_t* slots, int64_t R, int64_t W,
                 cudaStream_t s);
-void decode_spread_rows(int32_t* rows, AttnRange* ranges, const AttnRange* causal, int B, int K,
-                        int Kp, cudaStream_t s);
-void rows_gather(uint16_t* dst, const uint16_t* src, const int32_t* rows, int64_t R, int64_t W,
-                 cudaStream_t s);
 /// Row r of `logits` [R, V] → out[r], skipping rows with r % skip == 0 when skip > 0 (out is then
 /// indexed like the rows).
 void argmax_rows(int32_t* out, const float* logits, int64_t R, int64_t V, int skip, cudaStream_t s);
