@@ -98,9 +98,9 @@ class SpeculativeDecoderCuda final : public Decoder {
   ~SpeculativeDecoderCuda() override;
 
   /// Decoder::generate on the GPU, greedy or sampled (file comment). Throws dflash::Error, besides
-  /// the contract's errors, for a decoder made without a drafter, batch_size above the limits' max_batch, a request whose prompt or
-  /// context exceeds the limits (naming its index and sizes), and a sampled logits row with a NaN
-  /// or no finite logit (naming the request).
+  /// the contract's errors, for a decoder made without a drafter, batch_size above the limits'
+  /// max_batch, a request whose prompt or context exceeds the limits (naming its index and sizes),
+  /// and a sampled logits row with a NaN or no finite logit (naming the request).
   std::vector<DecodeResult> generate(std::span<const std::vector<int32_t>> prompts,
                                      const DecodeOptions& opts, int batch_size,
                                      const BatchTokenCallback& on_tokens = {}) override;

@@ -48,11 +48,11 @@ namespace dflash {
 
 /// Settings of a regeneration.
 struct RegenerateOptions {
-  DecodeOptions decode;       ///< decode.seed is the base seed (file comment)
-  int batch_size = 1;         ///< requests in flight (≥ 1)
-  bool speculative = false;   ///< Decoder::generate (needs a drafter) or target_generate
-  bool skip_invalid = false;  ///< skip and count bad input records instead of stopping
-  int64_t window = 256;       ///< input records decoded per window (≥ 1; memory, not results)
+  DecodeOptions decode;           ///< decode.seed is the base seed (file comment)
+  int batch_size = 1;             ///< requests in flight (≥ 1)
+  bool speculative = false;       ///< Decoder::generate (needs a drafter) or target_generate
+  bool skip_invalid = false;      ///< skip and count bad input records instead of stopping
+  int64_t window = 256;           ///< input records decoded per window (≥ 1; memory, not results)
   int64_t max_prompt_tokens = 0;  ///< longest prompt the decoder was planned for (0: no bound)
 };
 
