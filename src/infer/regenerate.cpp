@@ -175,8 +175,8 @@ class Regenerator {
     if (opts_.max_prompt_tokens <= 0 || n <= opts_.max_prompt_tokens) return ids;
     const std::string msg = fmt::format(
         "{}:{}: record {}: the prompt of user turn {} is {} tokens, over the {} the decoder was "
-        "planned for (the earlier answers re-encode to more tokens than budgeted; raise "
-        "--max-context)",
+        "planned for (--max-context, or the input's bound when an answer re-encodes to more "
+        "tokens than budgeted: a larger --max-context plans for it)",
         in_name_, w.line, w.conv.id, r + 1, n, opts_.max_prompt_tokens);
     DFLASH_CHECK(opts_.skip_invalid, "{}", msg);
     spdlog::warn("skipped: {}", msg);
