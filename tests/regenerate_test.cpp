@@ -3,9 +3,13 @@
 // turn by turn against greedy_generate), speculative decoding writes the same file, the output does
 // not depend on the batch size or the window, a sampled run is reproduced by its seed, a resumed
 // run after a truncated file writes the same bytes as an uninterrupted one, bad input records stop
-// the run (naming file:line) or are skipped and counted, a bad output line is refused.
+// the run (naming file:line) or are skipped and counted, a bad output line is refused; the prompt
+// bound of a planned decoder covers every prompt a run builds, a prompt over the bound stops the
+// run (naming file:line) or skips its record (the others' bytes unchanged); `--backend cuda`
+// without a GPU and `--max-context` on the cpu backend are clear errors.
 #include "infer/regenerate.hpp"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -17,6 +21,10 @@
 #include "infer/decoder_cpu.hpp"
 #include "model/drafter_io.hpp"
 #include "util/test_util.hpp"
+
+#ifdef DFLASH_HAVE_CUDA
+#include "backend/cuda/device.hpp"
+#endif
 
 namespace dflash {
 namespace {
@@ -260,6 +268,135 @@ TEST(Regenerate, BadRecordsStopTheRunOrAreSkipped) {
   EXPECT_NE(e.find("none.jsonl: no such file"), std::string::npos) << e;
   e = error_of([&] { run(dir / "in2.jsonl", dir / "in2.jsonl", o); });
   EXPECT_NE(e.find("is the input file"), std::string::npos) << e;
+}
+
+// The token count of every prompt a regeneration of `out_text` (regenerate's output) built: per
+// record line (1-based, input order: every record written) the prompt of each user turn, rendered
+// with the answers written.
+std::vector<std::vector<int64_t>> prompt_sizes(const std::string& out_text) {
+  std::vector<std::vector<int64_t>> sizes;
+  for (const std::string& line : lines_of(out_text)) {
+    const Conversation c = parse_conversation(line, "out", 1);
+    Conversation prefix;
+    sizes.emplace_back();
+    for (const Message& m : c.messages) {
+      prefix.messages.push_back(m);
+      if (m.role != Role::user) continue;
+      const auto n =
+          static_cast<int64_t>(tok().encode(render_chat(tmpl(), prefix, true).text).size());
+      sizes.back().push_back(n);
+    }
+  }
+  return sizes;
+}
+
+TEST(Regenerate, PromptBoundCoversEveryPromptOfARun) {
+  TempDir dir;
+  write_text(dir / "in.jsonl", input_text());
+  const int64_t bound = regenerate_prompt_bound(tok(), tmpl(), dir / "in.jsonl", kMaxNew);
+  for (const bool speculative : {false, true}) {
+    run(dir / "in.jsonl", dir / "out.jsonl", options(0, 2, speculative));
+    for (const auto& rec : prompt_sizes(test::read_file(dir / "out.jsonl")))
+      for (const int64_t n : rec) EXPECT_LE(n, bound);
+    fs::remove(dir / "out.jsonl");
+  }
+  // The formula on the two-turn record alone: its last prompt rendered with an empty first
+  // answer, plus one answer's budget.
+  const std::string multi = lines_of(input_text())[4];
+  write_text(dir / "multi.jsonl", multi + "\n");
+  Conversation c = parse_conversation(multi, "multi", 1);
+  c.messages.pop_back();
+  c.messages[2].content.clear();
+  const auto empty = static_cast<int64_t>(tok().encode(render_chat(tmpl(), c, true).text).size());
+  EXPECT_EQ(regenerate_prompt_bound(tok(), tmpl(), dir / "multi.jsonl", kMaxNew),
+            empty + kMaxNew + kMaxNew / 4 + kRegenerateTurnSlack);
+  EXPECT_NE(error_of([&] {
+              regenerate_prompt_bound(tok(), tmpl(), dir / "none.jsonl", 8);
+            }).find("none.jsonl: no such file"),
+            std::string::npos);
+}
+
+TEST(Regenerate, PromptOverTheBoundStopsTheRunOrSkipsTheRecord) {
+  TempDir dir;
+  write_text(dir / "in.jsonl", input_text());
+  const RegenerateOptions unbounded = options(0.7, 3, false);
+  run(dir / "in.jsonl", dir / "free.jsonl", unbounded);
+  const std::string all = test::read_file(dir / "free.jsonl");
+  const std::vector<std::string> all_lines = lines_of(all);
+  // The bound: one token less than the longest prompt; the records that built a longer one fail.
+  const auto sizes = prompt_sizes(all);
+  int64_t longest = 0;
+  for (const auto& rec : sizes)
+    longest = std::max(longest, *std::max_element(rec.begin(), rec.end()));
+  RegenerateOptions bounded = unbounded;
+  bounded.max_prompt_tokens = longest - 1;
+  std::vector<size_t> over;
+  std::string kept;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (*std::max_element(sizes[i].begin(), sizes[i].end()) > bounded.max_prompt_tokens)
+      over.push_back(i);
+    else
+      kept += all_lines[i] + "\n";
+  }
+  ASSERT_EQ(all_lines.size(), 8u);  // every record written: line i of OUT is line i + 1 of IN
+  ASSERT_FALSE(over.empty());
+  const std::string e = error_of([&] { run(dir / "in.jsonl", dir / "stop.jsonl", bounded); });
+  bool named = false;
+  for (size_t i : over)
+    named |= e.find(fmt::format("{}:{}: record ", (dir / "in.jsonl").string(), i + 1)) !=
+             std::string::npos;
+  EXPECT_TRUE(named) << e;
+  EXPECT_NE(e.find(fmt::format("over the {} the decoder was planned for", longest - 1)),
+            std::string::npos)
+      << e;
+  bounded.skip_invalid = true;
+  const RegenerateStats st = run(dir / "in.jsonl", dir / "skip.jsonl", bounded);
+  EXPECT_EQ(st.invalid, static_cast<int64_t>(over.size()));
+  EXPECT_EQ(st.written, static_cast<int64_t>(8 - over.size()));
+  EXPECT_EQ(test::read_file(dir / "skip.jsonl"), kept);  // the others' bytes, none cut
+}
+
+bool gpu_visible() {
+#ifdef DFLASH_HAVE_CUDA
+  return cuda::device_count() > 0;
+#else
+  return false;
+#endif
+}
+
+TEST(Regenerate, CliBackendErrors) {
+  TempDir dir;
+  write_text(dir / "in.jsonl", input_text());
+  const std::vector<std::string> base = {"regenerate",
+                                         "--target",
+                                         tiny_dir().string(),
+                                         "--data",
+                                         (dir / "in.jsonl").string(),
+                                         "--out",
+                                         (dir / "o.jsonl").string()};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = base;
+    args.insert(args.end(), extra.begin(), extra.end());
+    return test::run_dflash(args);
+  };
+  auto r = with({"--max-context", "512"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("--max-context plans the cuda backend's memory"), std::string::npos)
+      << r.err;
+  if (!gpu_visible()) {
+    r = with({"--backend", "cuda"});
+    EXPECT_EQ(r.exit_code, 1);
+#ifdef DFLASH_HAVE_CUDA
+    EXPECT_NE(r.err.find("--backend cuda: no CUDA device is visible"), std::string::npos) << r.err;
+#else
+    EXPECT_NE(r.err.find("--backend cuda: this dflash was built without CUDA"), std::string::npos)
+        << r.err;
+#endif
+    EXPECT_EQ(r.err.find("regenerate: cuda plan"), std::string::npos) << r.err;  // before anything
+  }
+  r = with({"--backend", "tpu"});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_FALSE(fs::exists(dir / "o.jsonl"));
 }
 
 TEST(Regenerate, Cli) {

@@ -1,15 +1,27 @@
 // `dflash regenerate --target DIR --data IN.jsonl --out OUT.jsonl [--drafter DIR] [--temperature T]
-// [--max-new-tokens N] [--thinking on|off] [--batch-size N] [--skip-invalid] [--seed S]`: the
+// [--max-new-tokens N] [--thinking on|off] [--batch-size N] [--skip-invalid] [--seed S]
+// [--backend cpu|cuda] [--max-context N]`: the
 // target answers the corpus's user turns again (infer/regenerate.hpp: turn by turn, with its own
 // chat template, resumable, deterministic for a seed). With --drafter the decoding is speculative
 // (greedy: the same output, faster when the drafter is good), else target-only. Progress on
 // stderr; the counts and rates on stdout, one figure per line (stable keys).
+//
+// --backend cuda: the CUDA decoder allocates its caches at construction, but a turn's prompt holds
+// the earlier answers and exists only once they are decoded. The plan is made before decoding
+// from the input alone: regenerate_prompt_bound (infer/regenerate.hpp: each record's rendered user
+// turns plus a budget per earlier answer), or --max-context N (prompt + max_new_tokens + block
+// size per request) when the user knows better. A pre-pass is chosen over a required flag
+// because the bound is cheap (one render and encode per record) and the user cannot know the
+// prompts' token counts; the flag remains for an input whose answers re-encode longer than
+// budgeted. A prompt over the plan is an error naming IN:line (skipped under --skip-invalid),
+// never cut.
 #include <fmt/format.h>
 
 #include <optional>
 
 #include "cli/cli_util.hpp"
 #include "cli/commands.hpp"
+#include "cli/cuda_decoder.hpp"
 #include "cli/decode_args.hpp"
 #include "core/error.hpp"
 #include "core/log.hpp"
@@ -23,6 +35,7 @@ namespace {
 struct RegenerateArgs {
   DecodeArgs d;  // target, drafter (optional here), sampling, seed, stop ids, template
   std::string data, out, thinking;
+  int64_t max_context = 0;  // --max-context (cuda; 0: planned from the input)
   bool skip_invalid = false;
 };
 
@@ -45,6 +58,14 @@ ChatTemplate template_for(const RegenerateArgs& a) {
 
 void run_regenerate(const RegenerateArgs& a) {
   // Every argument is checked before the target's weights are loaded.
+  const bool cuda = a.d.backend == "cuda";
+  DFLASH_CHECK(cuda || a.max_context == 0,
+               "--max-context plans the cuda backend's memory; the cpu backend has no plan (drop "
+               "it or use --backend cuda)");
+  if (cuda) {
+    if (!a.d.drafter.empty()) check_cuda_drafter(a.d);
+    check_cuda_backend();
+  }
   const ModelConfig target_cfg = model_config_load(a.d.target);
   const DecodeOptions opts = decode_options_from(a.d, target_cfg);
   const Tokenizer tok = Tokenizer::load(a.d.target);
@@ -62,18 +83,41 @@ void run_regenerate(const RegenerateArgs& a) {
         },
         (std::filesystem::path(a.d.target) / "tokenizer.json").string());
   }
-  const TargetModel target = TargetModel::load(a.d.target, target_load_options());
-  DecoderCpu dec(target, drafter ? &*drafter : nullptr);
-
   RegenerateOptions ro;
+  if (cuda) {
+    // The plan's block size is the trained one (any --block-size is at most that), 1 without.
+    const int64_t K = drafter ? drafter->config.block_size : 1;
+    if (a.max_context > 0) {
+      ro.max_prompt_tokens = a.max_context - opts.max_new_tokens - K;
+      DFLASH_CHECK(ro.max_prompt_tokens >= 1,
+                   "--max-context {} leaves no prompt token after --max-new-tokens {} and the "
+                   "block size {}",
+                   a.max_context, opts.max_new_tokens, K);
+    } else {
+      ro.max_prompt_tokens = regenerate_prompt_bound(tok, tmpl, a.data, opts.max_new_tokens);
+    }
+    spdlog::info("regenerate: cuda plan: prompts of up to {} tokens ({}), context {}",
+                 ro.max_prompt_tokens, a.max_context > 0 ? "--max-context" : "bound of the input",
+                 ro.max_prompt_tokens + opts.max_new_tokens + K);
+  }
+  const TargetModel target = TargetModel::load(a.d.target, target_load_options());
+  std::optional<DecoderCpu> cpu_dec;
+  std::unique_ptr<Decoder> cuda_dec;
+  if (cuda)
+    cuda_dec = make_cuda_decoder(target, drafter ? &*drafter : nullptr, ro.max_prompt_tokens,
+                                 opts.max_new_tokens, a.d.batch_size);
+  else
+    cpu_dec.emplace(target, drafter ? &*drafter : nullptr);
+  Decoder& dec = cuda ? *cuda_dec : static_cast<Decoder&>(*cpu_dec);
+
   ro.decode = opts;
   ro.batch_size = a.d.batch_size;
   ro.speculative = drafter.has_value();
   ro.skip_invalid = a.skip_invalid;
   spdlog::info(
-      "regenerate: {} -> {}, {} decoding, template {}{}, max {} new tokens, batch size "
+      "regenerate: {} -> {}, {} decoding on {}, template {}{}, max {} new tokens, batch size "
       "{}, {}",
-      a.data, a.out, ro.speculative ? "speculative" : "target-only", tmpl.name(),
+      a.data, a.out, ro.speculative ? "speculative" : "target-only", dec.backend(), tmpl.name(),
       tmpl.family == TemplateFamily::qwen3
           ? (tmpl.enable_thinking ? " (thinking)" : " (no thinking)")
           : "",
@@ -146,6 +190,13 @@ void add_regenerate_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--template", a->d.chat_template,
                   "Chat template (chatml, qwen3, llama3); default: detected from the target");
+  sub->add_option("--backend", a->d.backend, "Where to decode: cpu, or cuda (GPU 0)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  sub->add_option("--max-context", a->max_context,
+                  "cuda: tokens of context per request to plan for (prompt + max new tokens + "
+                  "block size); default: a bound computed from the input")
+      ->check(at_least(1));
   sub->add_flag("--skip-invalid", a->skip_invalid,
                 "Skip (and count) bad input records instead of stopping at the first");
   sub->callback([a] { run_regenerate(*a); });

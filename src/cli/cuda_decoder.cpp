@@ -21,6 +21,8 @@ class OwnedCudaDecoder final : public Decoder {
   OwnedCudaDecoder(const TargetModel& target, const LoadedDrafter& drafter,
                    const DecoderCudaLimits& limits)
       : ctx_(0), dec_(ctx_, target, drafter, limits) {}
+  OwnedCudaDecoder(const TargetModel& target, const DecoderCudaLimits& limits)
+      : ctx_(0), dec_(ctx_, target, limits) {}
   std::vector<DecodeResult> generate(std::span<const std::vector<int32_t>> prompts,
                                      const DecodeOptions& opts, int batch_size,
                                      const BatchTokenCallback& on_tokens) override {
@@ -58,6 +60,21 @@ std::unique_ptr<Decoder> make_cuda_decoder(const TargetModel& target, const Load
   return std::make_unique<OwnedCudaDecoder>(target, drafter, limits);
 }
 
+std::unique_ptr<Decoder> make_cuda_decoder(const TargetModel& target, const LoadedDrafter* drafter,
+                                           int64_t max_prompt, int64_t max_new_tokens,
+                                           int batch_size) {
+  DFLASH_CHECK(drafter == nullptr || !drafter->config.dspark.enabled,
+               "the CUDA decoder drafts DFlash blocks only: a DSpark drafter "
+               "(dflash_config.projector_type: dspark) is decoded by the cpu backend");
+  check_cuda_backend();
+  DecoderCudaLimits limits;
+  limits.max_batch = batch_size;
+  limits.max_prefill = max_prompt;
+  limits.max_context = max_prompt + max_new_tokens + (drafter ? drafter->config.block_size : 1);
+  if (drafter) return std::make_unique<OwnedCudaDecoder>(target, *drafter, limits);
+  return std::make_unique<OwnedCudaDecoder>(target, limits);
+}
+
 #else
 
 void check_cuda_backend() {
@@ -68,6 +85,12 @@ void check_cuda_backend() {
 
 std::unique_ptr<Decoder> make_cuda_decoder(const TargetModel&, const LoadedDrafter&,
                                            std::span<const std::vector<int32_t>>, int64_t, int) {
+  check_cuda_backend();
+  return nullptr;
+}
+
+std::unique_ptr<Decoder> make_cuda_decoder(const TargetModel&, const LoadedDrafter*, int64_t,
+                                           int64_t, int) {
   check_cuda_backend();
   return nullptr;
 }

@@ -24,4 +24,12 @@ std::unique_ptr<Decoder> make_cuda_decoder(const TargetModel& target, const Load
                                            std::span<const std::vector<int32_t>> prompts,
                                            int64_t max_new_tokens, int batch_size);
 
+/// A Decoder on GPU 0 planned for prompts of up to `max_prompt` tokens decoded with up to
+/// `max_new_tokens` tokens, `batch_size` in flight (context per request: max_prompt +
+/// max_new_tokens + the drafter's trained block size, 1 without). `drafter` null: target-only
+/// (target_generate; generate throws). Errors as above.
+std::unique_ptr<Decoder> make_cuda_decoder(const TargetModel& target, const LoadedDrafter* drafter,
+                                           int64_t max_prompt, int64_t max_new_tokens,
+                                           int batch_size);
+
 }  // namespace dflash::cli

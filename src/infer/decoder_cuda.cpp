@@ -93,6 +93,24 @@ SpeculativeDecoderCuda::SpeculativeDecoderCuda(cuda::CudaContext& ctx, const Tar
                drafter.layout.total);
   init();
   upload_drafter(drafter);
+  upload_final_norm(target);
+}
+
+SpeculativeDecoderCuda::SpeculativeDecoderCuda(cuda::CudaContext& ctx, const TargetModel& target,
+                                               const DecoderCudaLimits& limits)
+    : ctx_(ctx), tcfg_(target.config()), limits_(limits), has_drafter_(false) {
+  // No drafter: block size 1 (the target-only step), no taps, no drafter buffers in the plan.
+  dcfg_.num_layers = 0;
+  dcfg_.block_size = 1;
+  dcfg_.mask_token_id = 0;  // written to the empty draft slots of a K = 1 block: none exist
+  dcfg_.target_layer_ids.clear();
+  check_setup();
+  target_ = std::make_unique<TargetCuda>(ctx, target, max_rows_);
+  init();
+  upload_final_norm(target);
+}
+
+void SpeculativeDecoderCuda::upload_final_norm(const TargetModel& target) {
   cuda::PinnedUploader up(ctx_);
   const std::vector<float>& fn = target.final_norm_weight();
   DFLASH_CHECK(static_cast<int64_t>(fn.size()) == tcfg_.hidden_size,
@@ -118,13 +136,15 @@ SpeculativeDecoderCuda::SpeculativeDecoderCuda(cuda::CudaContext& ctx,
 SpeculativeDecoderCuda::~SpeculativeDecoderCuda() = default;
 
 void SpeculativeDecoderCuda::check_setup() {
-  drafter_check_target(dcfg_, tcfg_);
+  if (has_drafter_) {
+    drafter_check_target(dcfg_, tcfg_);
+    DFLASH_CHECK(dcfg_.head_dim == 64 || dcfg_.head_dim == 128,
+                 "the CUDA attention supports head_dim 64 or 128 (drafter: head_dim {})",
+                 dcfg_.head_dim);
+  }
   DFLASH_CHECK(limits_.max_batch >= 1 && limits_.max_context >= 2 && limits_.max_prefill >= 1,
                "SpeculativeDecoderCuda: bad limits (max_batch {}, max_context {}, max_prefill {})",
                limits_.max_batch, limits_.max_context, limits_.max_prefill);
-  DFLASH_CHECK(dcfg_.head_dim == 64 || dcfg_.head_dim == 128,
-               "the CUDA attention supports head_dim 64 or 128 (drafter: head_dim {})",
-               dcfg_.head_dim);
   DFLASH_CHECK(int64_t{limits_.max_batch} * (limits_.max_context + kSlotAlign) <=
                    std::numeric_limits<int32_t>::max(),
                "SpeculativeDecoderCuda: {} requests × {} tokens of context overflow int32 slots",
@@ -136,7 +156,7 @@ void SpeculativeDecoderCuda::check_setup() {
 
 void SpeculativeDecoderCuda::init() {
   taps_ids_.assign(dcfg_.target_layer_ids.begin(), dcfg_.target_layer_ids.end());
-  dscaling_ = static_cast<float>(rope_attention_scaling(dcfg_.rope));
+  if (has_drafter_) dscaling_ = static_cast<float>(rope_attention_scaling(dcfg_.rope));
   plan_and_take();
   const int64_t KB = int64_t{limits_.max_batch} * (dcfg_.block_size + 1);
   out_h_ = cuda::PinnedBuffer(static_cast<size_t>(KB) * sizeof(int32_t));
@@ -172,6 +192,7 @@ void SpeculativeDecoderCuda::plan_and_take() {
     w.push_back(want(fmt::format("decode.target_cache.{}.k", l), S * KD, &tcache_.k[i]));
     w.push_back(want(fmt::format("decode.target_cache.{}.v", l), S * KD, &tcache_.v[i]));
   }
+  // The drafter's weights, caches and block buffers (none without a drafter: NLd = 0, no taps).
   dk_cache_.assign(static_cast<size_t>(NLd), nullptr);
   dv_cache_.assign(static_cast<size_t>(NLd), nullptr);
   dlayers_.resize(static_cast<size_t>(NLd));
@@ -191,10 +212,12 @@ void SpeculativeDecoderCuda::plan_and_take() {
     w.push_back(want(n + "wdown", H * Id, &d.wdown));
   }
   w.push_back(want("decode.target.final_norm", H, &final_norm_));
-  w.push_back(want("decode.drafter.fc", H * F, &fc_));
-  w.push_back(want("decode.drafter.hidden_norm", H, &hidden_norm_));
-  w.push_back(want("decode.drafter.norm", H, &dnorm_));
-  w.push_back(want("decode.drafter.inv_freq", dcfg_.head_dim / 2, &dinv_freq_));
+  if (has_drafter_) {
+    w.push_back(want("decode.drafter.fc", H * F, &fc_));
+    w.push_back(want("decode.drafter.hidden_norm", H, &hidden_norm_));
+    w.push_back(want("decode.drafter.norm", H, &dnorm_));
+    w.push_back(want("decode.drafter.inv_freq", dcfg_.head_dim / 2, &dinv_freq_));
+  }
   w.push_back(want("decode.step.tokens", R, &tokens_));
   w.push_back(want("decode.step.block", BK, &block_));
   w.push_back(want("decode.step.pos", R, &pos_));
@@ -209,11 +232,13 @@ void SpeculativeDecoderCuda::plan_and_take() {
   w.push_back(want("decode.step.zero", 1, &zero_));
   // The split-key attention of the steps (a row sees at most its request's stride_ cache rows).
   split_ = DecodeStepWork{nullptr, BK, stride_};
-  const int64_t split_floats =
-      std::max(decode_attention_work_floats(BK, tcfg_.num_attention_heads, tcfg_.head_dim, stride_),
-               decode_attention_work_floats(BK, dcfg_.num_heads, dcfg_.head_dim, stride_));
+  int64_t split_floats =
+      decode_attention_work_floats(BK, tcfg_.num_attention_heads, tcfg_.head_dim, stride_);
+  if (has_drafter_)
+    split_floats = std::max(
+        split_floats, decode_attention_work_floats(BK, dcfg_.num_heads, dcfg_.head_dim, stride_));
   w.push_back(want("decode.step.attn_split", split_floats, &split_.attn_part));
-  w.push_back(want("decode.step.taps", R * F, &taps_));
+  if (has_drafter_) w.push_back(want("decode.step.taps", R * F, &taps_));
   w.push_back(want("decode.step.final_rows", BK * H, &fnorm_));
   w.push_back(want("decode.step.logits", BK * V, &logits_));
   // Sampling: the drafter's processed rows q (the target's p replace its logits in place), the
@@ -223,16 +248,18 @@ void SpeculativeDecoderCuda::plan_and_take() {
   w.push_back(want("decode.sample.steps", B, &steps_));
   w.push_back(want("decode.sample.status", B, &status_));
   w.push_back(want("decode.sample.params", 1, &sparams_));
-  w.push_back(want("decode.drafter.h", BK * H, &dh_));
-  w.push_back(want("decode.drafter.ctx_pre", R * H, &dctx_pre_));
-  w.push_back(want("decode.drafter.hn", R * H, &dhn_));
-  w.push_back(want("decode.drafter.q", BK * QDd, &dq_));
-  w.push_back(want("decode.drafter.k", R * KDd, &dk_));
-  w.push_back(want("decode.drafter.v", R * KDd, &dv_));
-  w.push_back(want("decode.drafter.o", BK * QDd, &do_));
-  w.push_back(want("decode.drafter.gu", BK * 2 * Id, &dgu_));
-  w.push_back(want("decode.drafter.act", BK * Id, &dact_));
-  w.push_back(want("decode.drafter.qkv", BK * (QDd + 2 * KDd), &dqkv_));
+  if (has_drafter_) {
+    w.push_back(want("decode.drafter.h", BK * H, &dh_));
+    w.push_back(want("decode.drafter.ctx_pre", R * H, &dctx_pre_));
+    w.push_back(want("decode.drafter.hn", R * H, &dhn_));
+    w.push_back(want("decode.drafter.q", BK * QDd, &dq_));
+    w.push_back(want("decode.drafter.k", R * KDd, &dk_));
+    w.push_back(want("decode.drafter.v", R * KDd, &dv_));
+    w.push_back(want("decode.drafter.o", BK * QDd, &do_));
+    w.push_back(want("decode.drafter.gu", BK * 2 * Id, &dgu_));
+    w.push_back(want("decode.drafter.act", BK * Id, &dact_));
+    w.push_back(want("decode.drafter.qkv", BK * (QDd + 2 * KDd), &dqkv_));
+  }
   ArenaPlanner p({"decode"});
   for (const Want& x : w) p.add(x.name, "decode", x.bytes, PhaseMask{1});
   arena_ = std::make_unique<cuda::DeviceArena>(ctx_, p.finish());
@@ -626,6 +653,7 @@ std::vector<DecodeResult> SpeculativeDecoderCuda::run(std::span<const std::vecto
 std::vector<DecodeResult> SpeculativeDecoderCuda::generate(
     std::span<const std::vector<int32_t>> prompts, const DecodeOptions& opts, int batch_size,
     const BatchTokenCallback& on_tokens) {
+  check_drafter("generate");
   return run(prompts, opts, batch_size, on_tokens, true);
 }
 
@@ -637,7 +665,15 @@ std::vector<DecodeResult> SpeculativeDecoderCuda::target_generate(
 
 // ---- bench hooks ----
 
+void SpeculativeDecoderCuda::check_drafter(const char* what) const {
+  DFLASH_CHECK(has_drafter_,
+               "SpeculativeDecoderCuda::{}: this decoder was made without a drafter (target-only); "
+               "speculative decoding needs one (target_generate decodes without)",
+               what);
+}
+
 void SpeculativeDecoderCuda::bench_prefill(int B, std::span<const int32_t> prompt) {
+  check_drafter("bench_prefill");
   DFLASH_CHECK(B >= 1 && B <= limits_.max_batch && !prompt.empty() &&
                    static_cast<int64_t>(prompt.size()) <= limits_.max_prefill,
                "bench_prefill: {} requests of {} tokens for limits of {} × {}", B, prompt.size(),
@@ -647,6 +683,7 @@ void SpeculativeDecoderCuda::bench_prefill(int B, std::span<const int32_t> promp
 
 std::vector<float> SpeculativeDecoderCuda::draft_logits(std::span<const int32_t> prompt, int K,
                                                         int32_t& first) {
+  check_drafter("draft_logits");
   DFLASH_CHECK(K >= 2 && K <= dcfg_.block_size && !prompt.empty() &&
                    static_cast<int64_t>(prompt.size()) <= limits_.max_prefill &&
                    static_cast<int64_t>(prompt.size()) + K <= limits_.max_context,
@@ -664,6 +701,7 @@ std::vector<float> SpeculativeDecoderCuda::draft_logits(std::span<const int32_t>
 }
 
 void SpeculativeDecoderCuda::bench_enqueue(BenchPart part, int B, int K) {
+  check_drafter("bench_enqueue");
   DFLASH_CHECK(B >= 1 && B <= limits_.max_batch && K >= 1 && K <= dcfg_.block_size &&
                    (part == BenchPart::target_step || K >= 2),
                "bench_enqueue: B={} K={} for limits of {} requests, block size {}", B, K,

@@ -28,7 +28,8 @@
 //
 // Invariants: all device memory (target weights and activations, drafter weights, both KV caches
 // for max_batch × max_context tokens, the step's buffers) is planned and allocated at
-// construction (sampling's q rows too: max_batch × block size × V floats); a step allocates
+// construction (sampling's q rows too: max_batch × block size × V floats; made without a drafter,
+// the plan holds the target's part only, block size 1); a step allocates
 // nothing. Each (B, K, speculative, sampled) step is captured once as a CUDA graph and replayed
 // (use_graphs(false) runs the same launches eagerly); the sampling settings live in device memory,
 // so one graph serves every temperature, top-k and top-p. The target's attention in a step is the
@@ -70,7 +71,8 @@ struct DecoderCudaLimits {
 DecoderCudaLimits decoder_cuda_limits(std::span<const std::vector<int32_t>> prompts,
                                       int64_t max_new_tokens, int block_size, int batch);
 
-/// Speculative and target-only decoding of a target with a DFlash drafter on one GPU.
+/// Speculative and target-only decoding of a target with a DFlash drafter on one GPU, or
+/// target-only decoding without one.
 class SpeculativeDecoderCuda final : public Decoder {
  public:
   /// Uploads `target` (every layer) and `drafter` to ctx's device and allocates everything for
@@ -80,6 +82,12 @@ class SpeculativeDecoderCuda final : public Decoder {
   /// bytes asked and free).
   SpeculativeDecoderCuda(cuda::CudaContext& ctx, const TargetModel& target,
                          const LoadedDrafter& drafter, const DecoderCudaLimits& limits);
+  /// Target-only: uploads `target` and allocates the target's cache and the K = 1 step for
+  /// `limits`, nothing of a drafter. target_generate decodes as with a drafter (the same bits:
+  /// the target-only step does not read the drafter); generate, draft_logits and the bench hooks
+  /// throw dflash::Error (no drafter). Other errors as the constructor above.
+  SpeculativeDecoderCuda(cuda::CudaContext& ctx, const TargetModel& target,
+                         const DecoderCudaLimits& limits);
   /// The same with random weights made on the device from `seed` (no checkpoint; for the decode
   /// bench): the target of `target_cfg`'s shapes (TargetCuda's random constructor; final norm
   /// 1) and a drafter of `drafter_cfg`'s (matrices uniform with standard deviation 0.02, norms
@@ -90,9 +98,9 @@ class SpeculativeDecoderCuda final : public Decoder {
   ~SpeculativeDecoderCuda() override;
 
   /// Decoder::generate on the GPU, greedy or sampled (file comment). Throws dflash::Error, besides
-  /// the contract's errors, for batch_size above the limits' max_batch, a request whose prompt or
-  /// context exceeds the limits (naming its index and sizes), and a sampled logits row with a NaN
-  /// or no finite logit (naming the request).
+  /// the contract's errors, for a decoder made without a drafter, batch_size above the limits'
+  /// max_batch, a request whose prompt or context exceeds the limits (naming its index and sizes),
+  /// and a sampled logits row with a NaN or no finite logit (naming the request).
   std::vector<DecodeResult> generate(std::span<const std::vector<int32_t>> prompts,
                                      const DecodeOptions& opts, int batch_size,
                                      const BatchTokenCallback& on_tokens = {}) override;
@@ -155,6 +163,10 @@ class SpeculativeDecoderCuda final : public Decoder {
 
   /// The constructors' checks (drafter vs target, limits, head_dim); sets max_rows_.
   void check_setup();
+  /// Throws dflash::Error naming `what` when the decoder was made without a drafter.
+  void check_drafter(const char* what) const;
+  /// Uploads the target's final norm weights (checked against hidden_size).
+  void upload_final_norm(const TargetModel& target);
   /// The plan and the pinned mirrors (the target is already up).
   void init();
   void random_drafter(uint64_t seed);
@@ -222,6 +234,7 @@ class SpeculativeDecoderCuda final : public Decoder {
   uint16_t *dgu_ = nullptr, *dact_ = nullptr, *dqkv_ = nullptr;
   // Pinned host mirrors.
   cuda::PinnedBuffer out_h_, first_h_, active_h_, tokens_h_, sparams_h_;
+  bool has_drafter_ = true;  // false: target-only (dcfg_ is block size 1, no layers, no taps)
   bool use_graphs_ = true;
   bool sampled_ = false;  // the call in progress samples (temperature > 0)
   // Keyed by (B, K, what: 0 target-only, 1 speculative, 2+ a BenchPart, GEMM row padding,

@@ -115,8 +115,15 @@ json record_with_answers(json raw, const std::vector<std::string>& answers) {
 class Regenerator {
  public:
   Regenerator(Decoder& dec, const Tokenizer& tok, const ChatTemplate& tmpl,
-              const RegenerateOptions& opts, std::FILE* out, RegenerateStats& stats)
-      : dec_(dec), tok_(tok), tmpl_(tmpl), opts_(opts), out_(out), stats_(stats) {}
+              const RegenerateOptions& opts, std::string in_name, std::FILE* out,
+              RegenerateStats& stats)
+      : dec_(dec),
+        tok_(tok),
+        tmpl_(tmpl),
+        opts_(opts),
+        in_name_(std::move(in_name)),
+        out_(out),
+        stats_(stats) {}
 
   // Decodes every turn of the window's records, then appends them to OUT in order.
   void run_window(std::vector<WindowRecord>& window, const std::function<void()>& on_record) {
@@ -124,13 +131,20 @@ class Regenerator {
     for (const WindowRecord& w : window) turns = std::max(turns, w.user_turns);
     for (size_t r = 0; r < turns; ++r) {
       std::vector<WindowRecord*> reqs;
-      for (WindowRecord& w : window)
-        if (!w.dropped && w.user_turns > r) reqs.push_back(&w);
+      std::vector<std::vector<int32_t>> prompts;
+      for (WindowRecord& w : window) {
+        if (w.dropped || w.user_turns <= r) continue;
+        std::vector<int32_t> ids = prompt_tokens(w, r);
+        if (ids.empty()) continue;  // over the prompt bound, skipped (skip_invalid)
+        reqs.push_back(&w);
+        prompts.push_back(std::move(ids));
+      }
       // Calls over runs of consecutive lines: request i's seed opts.seed + i is then its own.
       for (size_t b = 0; b < reqs.size();) {
         size_t e = b + 1;
         while (e < reqs.size() && reqs[e]->line == reqs[e - 1]->line + 1) ++e;
-        decode_turn(std::span<WindowRecord*>(reqs).subspan(b, e - b), r);
+        decode_turn(std::span<WindowRecord*>(reqs).subspan(b, e - b),
+                    std::span<const std::vector<int32_t>>(prompts).subspan(b, e - b), r);
         b = e;
       }
     }
@@ -150,15 +164,30 @@ class Regenerator {
   }
 
  private:
-  // The answers to user turn r of `reqs` (consecutive input lines), in one decoder call.
-  void decode_turn(std::span<WindowRecord*> reqs, size_t r) {
-    std::vector<std::vector<int32_t>> prompts;
-    for (WindowRecord* w : reqs) {
-      const RenderedChat rc = render_chat(tmpl_, prompt_for_turn(*w, r), true);
-      prompts.push_back(tok_.encode(rc.text));
-      DFLASH_CHECK(!prompts.back().empty(), "record {} (line {}): the prompt encodes to no token",
-                   w->conv.id, w->line);
-    }
+  // The tokens of user turn r's prompt of `w`. Over opts_.max_prompt_tokens: an error naming
+  // IN:line, or (skip_invalid) the record is dropped, counted invalid, and no token is returned.
+  std::vector<int32_t> prompt_tokens(WindowRecord& w, size_t r) {
+    const RenderedChat rc = render_chat(tmpl_, prompt_for_turn(w, r), true);
+    std::vector<int32_t> ids = tok_.encode(rc.text);
+    DFLASH_CHECK(!ids.empty(), "record {} (line {}): the prompt encodes to no token", w.conv.id,
+                 w.line);
+    const auto n = static_cast<int64_t>(ids.size());
+    if (opts_.max_prompt_tokens <= 0 || n <= opts_.max_prompt_tokens) return ids;
+    const std::string msg = fmt::format(
+        "{}:{}: record {}: the prompt of user turn {} is {} tokens, over the {} the decoder was "
+        "planned for (--max-context, or the input's bound when an answer re-encodes to more "
+        "tokens than budgeted: a larger --max-context plans for it)",
+        in_name_, w.line, w.conv.id, r + 1, n, opts_.max_prompt_tokens);
+    DFLASH_CHECK(opts_.skip_invalid, "{}", msg);
+    spdlog::warn("skipped: {}", msg);
+    w.dropped = true;
+    ++stats_.invalid;
+    return {};
+  }
+
+  // The answers to user turn r of `reqs` (consecutive input lines) to `prompts`, in one call.
+  void decode_turn(std::span<WindowRecord*> reqs, std::span<const std::vector<int32_t>> prompts,
+                   size_t r) {
     DecodeOptions o = opts_.decode;
     o.seed = opts_.decode.seed + (static_cast<uint64_t>(r) << 32) +
              static_cast<uint64_t>(reqs.front()->line);
@@ -190,6 +219,7 @@ class Regenerator {
   const Tokenizer& tok_;
   const ChatTemplate& tmpl_;
   const RegenerateOptions& opts_;
+  std::string in_name_;
   std::FILE* out_;
   RegenerateStats& stats_;
 };
@@ -202,6 +232,34 @@ size_t count_user_turns(const Conversation& c) {
 }
 
 }  // namespace
+
+int64_t regenerate_prompt_bound(const Tokenizer& tok, const ChatTemplate& tmpl,
+                                const std::filesystem::path& in, int64_t max_new_tokens) {
+  DFLASH_CHECK(std::filesystem::is_regular_file(in), "{}: no such file (the input records)",
+               in.string());
+  const ParseOptions parse{.allow_trailing_user = true};
+  const std::string name = in.string();
+  const int64_t per_answer = max_new_tokens + max_new_tokens / 4 + kRegenerateTurnSlack;
+  int64_t bound = 1;
+  LineReader reader(in);
+  std::string line;
+  while (reader.next(line)) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    WindowRecord w;
+    try {
+      w.conv = parse_conversation(line, name, reader.line_number(), parse);
+    } catch (const RecordError&) {
+      continue;  // regenerate's validation pass reports it (or skips it)
+    }
+    w.user_turns = count_user_turns(w.conv);
+    if (w.user_turns == 0) continue;  // nothing to answer (the validation pass decides)
+    w.answers.assign(w.user_turns, std::string());
+    const RenderedChat rc = render_chat(tmpl, prompt_for_turn(w, w.user_turns - 1), true);
+    const auto rendered = static_cast<int64_t>(tok.encode(rc.text).size());
+    bound = std::max(bound, rendered + static_cast<int64_t>(w.user_turns - 1) * per_answer);
+  }
+  return bound;
+}
 
 RegenerateStats regenerate(Decoder& dec, const Tokenizer& tok, const ChatTemplate& tmpl,
                            const std::filesystem::path& in, const std::filesystem::path& out,
@@ -254,7 +312,7 @@ RegenerateStats regenerate(Decoder& dec, const Tokenizer& tok, const ChatTemplat
   DFLASH_CHECK(f != nullptr, "cannot open {} for appending: {}", out.string(),
                std::strerror(errno));
   const std::unique_ptr<std::FILE, int (*)(std::FILE*)> closer(f, &std::fclose);
-  Regenerator regen(dec, tok, tmpl, opts, f, stats);
+  Regenerator regen(dec, tok, tmpl, opts, name, f, stats);
   const auto t0 = std::chrono::steady_clock::now();
   int64_t handled = 0;
   const std::function<void()> count = [&] {

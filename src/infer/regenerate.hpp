@@ -27,7 +27,12 @@
 //     is an error naming OUT:line.
 //   - a bad input record (data/conversation.hpp's rules, a trailing user turn allowed; an id seen
 //     on an earlier line) is an error naming IN:line before anything is decoded, unless
-//     skip_invalid (then it is skipped and counted).
+//     skip_invalid (then it is skipped and counted);
+//   - prompt bound (a decoder planned ahead, the CUDA one): with max_prompt_tokens > 0, a turn
+//     whose prompt is longer is an error naming IN:line before that turn is decoded, or, under
+//     skip_invalid, its record is skipped and counted invalid; never cut. The bound is one number
+//     for the whole input (regenerate_prompt_bound over every valid record of IN, or the user's),
+//     so whether a record fits depends on neither batch_size nor resuming.
 #pragma once
 
 #include <cstdint>
@@ -43,12 +48,31 @@ namespace dflash {
 
 /// Settings of a regeneration.
 struct RegenerateOptions {
-  DecodeOptions decode;       ///< decode.seed is the base seed (file comment)
-  int batch_size = 1;         ///< requests in flight (≥ 1)
-  bool speculative = false;   ///< Decoder::generate (needs a drafter) or target_generate
-  bool skip_invalid = false;  ///< skip and count bad input records instead of stopping
-  int64_t window = 256;       ///< input records decoded per window (≥ 1; memory, not results)
+  DecodeOptions decode;           ///< decode.seed is the base seed (file comment)
+  int batch_size = 1;             ///< requests in flight (≥ 1)
+  bool speculative = false;       ///< Decoder::generate (needs a drafter) or target_generate
+  bool skip_invalid = false;      ///< skip and count bad input records instead of stopping
+  int64_t window = 256;           ///< input records decoded per window (≥ 1; memory, not results)
+  int64_t max_prompt_tokens = 0;  ///< longest prompt the decoder was planned for (0: no bound)
 };
+
+/// Tokens of answer budgeted per earlier turn by regenerate_prompt_bound beyond max_new_tokens:
+/// an answer re-enters later prompts as text, and its re-encoding need not be the generated
+/// tokens (byte-level BPE merges differently at the seams with the template, a non-canonical
+/// token sequence re-encodes otherwise), so each earlier answer is budgeted
+/// max_new_tokens + max_new_tokens / 4 + kRegenerateTurnSlack tokens.
+inline constexpr int64_t kRegenerateTurnSlack = 16;
+
+/// A bound on the longest prompt a regeneration of `in` builds, for planning a decoder before
+/// decoding (the CUDA decoder allocates its caches for it): over every record of IN that parses
+/// (a trailing user turn allowed; others are left to regenerate's validation), the tokens of its
+/// last user turn's prompt rendered with `tmpl` and empty earlier answers, plus (user turns − 1) ×
+/// (max_new_tokens + max_new_tokens / 4 + kRegenerateTurnSlack). Prompts grow turn by turn, so the
+/// last one is a record's longest. A heuristic, not a proof (see kRegenerateTurnSlack): regenerate
+/// refuses a prompt over it by IN:line (RegenerateOptions::max_prompt_tokens). Returns ≥ 1. Throws
+/// dflash::Error when IN cannot be read.
+int64_t regenerate_prompt_bound(const Tokenizer& tok, const ChatTemplate& tmpl,
+                                const std::filesystem::path& in, int64_t max_new_tokens);
 
 /// Counts of a regeneration.
 struct RegenerateStats {
