@@ -40,6 +40,10 @@
 #   cpu-decode        train the tiny reference on the GPU, then `dflash eval` on the CPU backend at
 #                     batch 1, 8 and 16 (outputs must agree) and `dflash regenerate` of 1,000 corpus
 #                     records twice (the same bytes): user/system s, faults, tokens/s, records/s
+#   regenerate:TAG[:OPTIONS]
+#                     `dflash regenerate` of 1,000 corpus records with the tiny target, T 0.7, seed
+#                     1, OPTIONS (comma-separated, e.g. regenerate:cuda64:--backend,cuda,--batch-size,64),
+#                     twice: records/s, user/system s, and whether the two outputs are identical
 #   pipeline-tiny     the tiny reference by 1 target + 1 drafter worker and 1 + 2 colocated (all
 #                     steps and 600 steps): the three simulated τ within 0.1
 #   pipeline-q8b      a random Qwen3-8B-shaped target (tools/make_random_qwen3.py), 1 + 1 colocated,
@@ -221,18 +225,27 @@ rows = {b: [(p["id"], p["new_tokens"], p["accept_histogram"])
         for b in (1, 8, 16)}
 print("eval outputs equal across batch sizes:", rows[1] == rows[8] == rows[16])
 PY
+  regenerate_twice cpu --batch-size 16
+}
+
+# regenerate_twice TAG OPTIONS...: `dflash regenerate` of the corpus's first 1,000 records with the
+# tiny target (T 0.7, seed 1, OPTIONS), twice: records/s of each run and whether the bytes agree.
+regenerate_twice() {
+  local tag=$1 r
+  shift
   xz -dc assets/data/train.jsonl.xz | head -1000 > "$work/in1000.jsonl"
   for r in 1 2; do
-    log "regenerate 1,000 records, run $r"
+    log "regenerate 1,000 records ($tag $*), run $r"
+    rm -f "$work/regen-$tag-$r.jsonl"
     timed "$B/dflash" --log-level warn regenerate --target assets/tiny-qwen3 \
-      --data "$work/in1000.jsonl" --out "$work/regen$r.jsonl" --temperature 0.7 --seed 1 \
-      --batch-size 16 > "$out/regen$r.log" 2>&1
-    grep -E "written|records/s|tokens/s|^user" "$out/regen$r.log" >> "$summary"
+      --data "$work/in1000.jsonl" --out "$work/regen-$tag-$r.jsonl" --temperature 0.7 --seed 1 \
+      "$@" > "$out/regen-$tag-$r.log" 2>&1
+    grep -E "written|records/s|tokens/s|^user|rror" "$out/regen-$tag-$r.log" >> "$summary"
   done
-  if cmp -s "$work/regen1.jsonl" "$work/regen2.jsonl"; then
-    echo "regenerate reruns identical" >> "$summary"
+  if cmp -s "$work/regen-$tag-1.jsonl" "$work/regen-$tag-2.jsonl"; then
+    echo "regenerate ($tag) reruns identical" >> "$summary"
   else
-    echo "regenerate reruns DIFFER" >> "$summary"
+    echo "regenerate ($tag) reruns DIFFER" >> "$summary"
   fi
 }
 
@@ -308,6 +321,11 @@ for part in "$@"; do
       [[ $rest == *:* ]] && split_args "${rest#*:}"
       eval_run "${rest%%:*}" "${split[@]}" ;;
     cpu-decode) cpu_decode ;;
+    regenerate:*)
+      rest=${part#regenerate:}
+      split=()
+      [[ $rest == *:* ]] && split_args "${rest#*:}"
+      regenerate_twice "${rest%%:*}" "${split[@]}" ;;
     pipeline-tiny)
       colocated=("runtime.target_devices=[0]" "runtime.drafter_devices=[0,0]" "runtime.colocated=true")
       train tiny-1x1 --config configs/tiny-reference.yaml
