@@ -7,16 +7,17 @@
 #
 #   bash tools/device_run.sh --stage DIR [TARGET...]
 #       here: build the CMake TARGETs (BUILD_DIR, default build; JOBS, default 2; default targets:
-#       dflash, every *_cuda_test, decode_cuda_bench and gemm_bench) and put into DIR (an ignored folder, e.g.
-#       .dev/mine; carry it in the device call) bin.tar.xz (the stripped binaries), libs.tar.xz
-#       (the libraries they link) and the Qwen3 tokenizer (for the q8b parts).
+#       dflash, every CUDA test binary (*cuda*_test), decode_cuda_bench and gemm_bench) and put
+#       into DIR (an ignored folder, e.g. .dev/mine; carry it in the device call) bin.tar.xz (the
+#       stripped binaries), libs.tar.xz (the libraries they link) and the Qwen3 tokenizer (for the
+#       q8b parts).
 #   bash tools/device_run.sh DIR PART...
 #       on the GPU machine, from the repository root (a copy of the checkout: assets, configs and
 #       fixtures are read from it); logs under $OUT: summary.txt, the small reports beside it and
 #       every other log in logs.tar.xz.
 #
 # PARTs (each appends to $OUT/summary.txt what to read):
-#   tests             every staged *_cuda_test (TESTS="a_cuda_test b" narrows, GTEST_FILTER filters,
+#   tests             every staged *cuda*_test (TESTS="a_cuda_test b" narrows, GTEST_FILTER filters,
 #                     TEST_TIMEOUT s each, default 150): "NAME rc=0 N s [ PASSED ] ..." per binary,
 #                     then the failure lines; the NCCL two-GPU test skips on one GPU
 #   memcheck:NAME     compute-sanitizer --tool memcheck on test binary NAME (GTEST_FILTER filters):
@@ -60,7 +61,7 @@ stage() {
         -DDFLASH_CUDA_ARCHS=90a > /dev/null
   if [[ ${#targets[@]} == 0 ]]; then
     mapfile -t targets < <(ninja -C "$build" -t targets all |
-                           grep -oE '^(tests/[a-z_]+_cuda_test|bench/(decode_cuda|gemm)_bench): ' |
+                           grep -oE '^(tests/[a-z_]*cuda[a-z_]*_test|bench/(decode_cuda|gemm)_bench): ' |
                            sed -E 's|^[a-z]+/||; s|: $||')
     targets=(dflash "${targets[@]}")
   fi
@@ -288,7 +289,7 @@ for part in "$@"; do
   log "$part"
   case $part in
     tests)
-      for t in ${TESTS:-$(cd "$B" && ls -- *_cuda_test)}; do gtest "$t"; done ;;
+      for t in ${TESTS:-$(cd "$B" && ls -- *cuda*_test)}; do gtest "$t"; done ;;
     memcheck:*)
       t=${part#memcheck:}
       timeout "${TEST_TIMEOUT:-300}" compute-sanitizer --tool memcheck "$B/$t" --gtest_color=no \
