@@ -116,8 +116,6 @@ DrafterBatch drafter_batch_from_rows(const Batch& b, int64_t row_begin, int64_t 
   DrafterBatch out(o.block_size);
   out.objective = o.objective;
   out.targets.first_slot = o.objective.dspark() ? 0 : 1;
-  // D-PACE ignores γ: every supervised slot gets the static weight 1 (its mask m_k).
-  const double gamma = o.objective.dpace() ? 0.0 : o.gamma;
   int64_t supervised = 0;
   for (int64_t r = row_begin; r < row_end; ++r) {
     const std::vector<int32_t>& offsets = b.doc_offsets[static_cast<size_t>(r)];
@@ -130,17 +128,26 @@ DrafterBatch drafter_batch_from_rows(const Batch& b, int64_t row_begin, int64_t 
     Rng rng(derive_seed(o.seed, {static_cast<uint64_t>(b.epoch), static_cast<uint64_t>(b.index),
                                  static_cast<uint64_t>(r)}));
     const std::vector<Anchor> anchors = sample_anchors(mask, offsets, o.num_anchors, rng);
-    const BlockTargets targets =
-        o.objective.dspark()
-            ? dspark_block_targets(toks, mask, offsets, anchors, o.block_size, gamma)
-            : block_targets(toks, mask, offsets, anchors, o.block_size, gamma);
-    out.append_row(toks, offsets, anchors, targets);
+    out.append_row(toks, offsets, anchors, drafter_row_targets(o, toks, mask, offsets, anchors));
   }
   out.row_length = L;
   out.epoch = b.epoch;
   out.index = b.index;
   out.n_supervised = supervised;
   return out;
+}
+
+BlockTargets drafter_row_targets(const DrafterBatchOptions& opts, std::span<const int32_t> tokens,
+                                 std::span<const uint8_t> loss_mask,
+                                 std::span<const int32_t> doc_offsets,
+                                 std::span<const Anchor> anchors) {
+  if (opts.objective.dspark()) {
+    return dspark_block_targets(tokens, loss_mask, doc_offsets, anchors, opts.block_size,
+                                opts.gamma);
+  }
+  // D-PACE ignores γ: every supervised slot gets the static weight 1 (its mask m_k).
+  const double gamma = opts.objective.dpace() ? 0.0 : opts.gamma;
+  return block_targets(tokens, loss_mask, doc_offsets, anchors, opts.block_size, gamma);
 }
 
 DrafterBatch drafter_batch_from_batch(const Batch& b, const DrafterBatchOptions& o) {

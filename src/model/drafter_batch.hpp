@@ -106,6 +106,16 @@ struct DrafterBatchOptions {
   Objective objective;    ///< the step's loss (DrafterBatch::objective)
 };
 
+/// The block targets of one row's anchors under `opts`' objective: dspark_block_targets for
+/// DSpark (shifted labels), else block_targets with `opts.gamma` for dflash and with all
+/// supervised weights 1 for the D-PACE losses (they ignore γ, OBJECTIVES.md §1.1). `tokens` and
+/// `loss_mask` are the row's real tokens [n], `doc_offsets` its documents [d+1] (0 .. n).
+/// Throws as block_targets.
+BlockTargets drafter_row_targets(const DrafterBatchOptions& opts, std::span<const int32_t> tokens,
+                                 std::span<const uint8_t> loss_mask,
+                                 std::span<const int32_t> doc_offsets,
+                                 std::span<const Anchor> anchors);
+
 /// The DrafterBatch of a data Batch: per row, anchors sampled per document (sample_anchors with
 /// the row's Rng above) and their block targets (block_targets with `gamma` for dflash, with all
 /// supervised weights 1 for the D-PACE losses, dspark_block_targets for DSpark), rows appended in

@@ -333,13 +333,13 @@ StagedStep stage_bench_step(HostBatch& b, const BenchSetup& s, const BenchOption
                             int64_t step) {
   DrafterBatch d(o.block_size);
   d.objective = o.objective;
-  // As drafter_batch_from_batch: the D-PACE losses ignore the slot decay (weights = the mask).
-  const double gamma = o.objective.dpace() ? 0.0 : 7.0;
+  DrafterBatchOptions rule;  // the trainer's slot weights: γ = 7 decay, or D-PACE's mask
+  rule.block_size = o.block_size;
+  rule.objective = o.objective;
   for (size_t r = 0; r < b.tokens.size(); ++r) {
     Rng rng(derive_seed(o.seed, {static_cast<uint64_t>(step), static_cast<uint64_t>(r)}));
     b.anchors[r] = sample_anchors(b.mask[r], b.offsets[r], o.anchors, rng);
-    b.targets[r] =
-        block_targets(b.tokens[r], b.mask[r], b.offsets[r], b.anchors[r], o.block_size, gamma);
+    b.targets[r] = drafter_row_targets(rule, b.tokens[r], b.mask[r], b.offsets[r], b.anchors[r]);
     d.append_row(b.tokens[r], b.offsets[r], b.anchors[r], b.targets[r]);
   }
   d.row_length = o.token_budget;
