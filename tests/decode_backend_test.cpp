@@ -9,20 +9,8 @@
 #include "model/target.hpp"
 #include "util/test_util.hpp"
 
-#ifdef DFLASH_HAVE_CUDA
-#include "backend/cuda/device.hpp"
-#endif
-
 namespace dflash {
 namespace {
-
-bool gpu_visible() {
-#ifdef DFLASH_HAVE_CUDA
-  return cuda::device_count() > 0;
-#else
-  return false;
-#endif
-}
 
 class DecodeBackendCli : public ::testing::Test {
  protected:
@@ -48,7 +36,8 @@ class DecodeBackendCli : public ::testing::Test {
 };
 
 TEST_F(DecodeBackendCli, CudaWithoutAGpuIsAClearError) {
-  if (gpu_visible()) GTEST_SKIP() << "a GPU is visible: tests/cuda/decoder_cuda_test covers it";
+  if (test::gpu_visible())
+    GTEST_SKIP() << "a GPU is visible: tests/cuda/decoder_cuda_test covers it";
   const std::string prompts = (test::assets_dir() / "data" / "eval_prompts.jsonl").string();
   for (const auto& [cmd, extra] : std::vector<std::pair<std::string, std::vector<std::string>>>{
            {"generate", {"--prompt", "hi", "--backend", "cuda"}},

@@ -22,10 +22,6 @@
 #include "model/drafter_io.hpp"
 #include "util/test_util.hpp"
 
-#ifdef DFLASH_HAVE_CUDA
-#include "backend/cuda/device.hpp"
-#endif
-
 namespace dflash {
 namespace {
 
@@ -356,14 +352,6 @@ TEST(Regenerate, PromptOverTheBoundStopsTheRunOrSkipsTheRecord) {
   EXPECT_EQ(test::read_file(dir / "skip.jsonl"), kept);  // the others' bytes, none cut
 }
 
-bool gpu_visible() {
-#ifdef DFLASH_HAVE_CUDA
-  return cuda::device_count() > 0;
-#else
-  return false;
-#endif
-}
-
 TEST(Regenerate, CliBackendErrors) {
   TempDir dir;
   write_text(dir / "in.jsonl", input_text());
@@ -383,7 +371,7 @@ TEST(Regenerate, CliBackendErrors) {
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.err.find("--max-context plans the cuda backend's memory"), std::string::npos)
       << r.err;
-  if (!gpu_visible()) {
+  if (!test::gpu_visible()) {
     r = with({"--backend", "cuda"});
     EXPECT_EQ(r.exit_code, 1);
 #ifdef DFLASH_HAVE_CUDA

@@ -331,24 +331,23 @@ DFLASH_STEP_BENCH(BM_TargetVerify16);
 DFLASH_STEP_BENCH(BM_DrafterBlock16);
 DFLASH_STEP_BENCH(BM_SpecStep16);
 // {M, N, K}: q/o (4096²), k/v (1024 × 4096), fused q/k/v (6144 × 4096), gate+up (24576 × 4096),
-// down (4096 × 12288), LM head.
+// down (4096 × 12288), LM head; M = 1, 8, 16 and 128 step rows.
+static void decode_gemm_shapes(benchmark::internal::Benchmark* b) {
+  struct Shape {
+    int64_t n, k;
+  };
+  for (const Shape w : {Shape{4096, 4096}, Shape{6144, 4096}, Shape{1024, 4096}, Shape{24576, 4096},
+                        Shape{4096, 12288}, Shape{151936, 4096}}) {
+    b->ArgsProduct({{1, 8, 16, 128}, {w.n}, {w.k}});
+  }
+}
 BENCHMARK(BM_Gemm)
-    ->ArgsProduct({{1, 8, 16, 128}, {4096}, {4096}})
-    ->ArgsProduct({{1, 8, 16, 128}, {6144}, {4096}})
-    ->ArgsProduct({{1, 8, 16, 128}, {1024}, {4096}})
-    ->ArgsProduct({{1, 8, 16, 128}, {24576}, {4096}})
-    ->ArgsProduct({{1, 8, 16, 128}, {4096}, {12288}})
-    ->ArgsProduct({{1, 8, 16, 128}, {151936}, {4096}})
+    ->Apply(decode_gemm_shapes)
     ->UseManualTime()
     ->Iterations(kIters)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_DecodeLinear)
-    ->ArgsProduct({{1, 8, 16, 128}, {4096}, {4096}})
-    ->ArgsProduct({{1, 8, 16, 128}, {6144}, {4096}})
-    ->ArgsProduct({{1, 8, 16, 128}, {1024}, {4096}})
-    ->ArgsProduct({{1, 8, 16, 128}, {24576}, {4096}})
-    ->ArgsProduct({{1, 8, 16, 128}, {4096}, {12288}})
-    ->ArgsProduct({{1, 8, 16, 128}, {151936}, {4096}})
+    ->Apply(decode_gemm_shapes)
     ->UseManualTime()
     ->Iterations(kIters)
     ->Unit(benchmark::kMicrosecond);

@@ -17,6 +17,10 @@
 
 #include "model/drafter_io.hpp"
 
+#ifdef DFLASH_HAVE_CUDA
+#include "backend/cuda/device.hpp"
+#endif
+
 namespace dflash::test {
 
 fs::path source_dir() {
@@ -247,6 +251,14 @@ std::vector<nlohmann::json> deterministic_metrics(const fs::path& run_dir) {
     out.push_back(j);
   }
   return out;
+}
+
+bool gpu_visible() {
+#ifdef DFLASH_HAVE_CUDA
+  return cuda::device_count() > 0;
+#else
+  return false;
+#endif
 }
 
 const fs::path& tiny_qwen3_dir() {

@@ -124,6 +124,10 @@ void save_random_drafter(const fs::path& dir, const ModelConfig& target, int lay
 /// what two runs of the same data and seed must agree on. Fails the test on an unreadable file.
 std::vector<nlohmann::json> deterministic_metrics(const std::filesystem::path& run_dir);
 
+/// Whether this build has CUDA and a CUDA device is visible (tests of `--backend cuda` paths
+/// that need no GPU check the error they give without one).
+bool gpu_visible();
+
 /// The tiny Qwen3 fixture's folder (assets/tiny-qwen3: a real 6-layer checkpoint and tokenizer).
 const fs::path& tiny_qwen3_dir();
 /// The tiny Qwen3 target loaded once per test process with f32 weight copies (the same results
