@@ -49,6 +49,12 @@
 #                     steps and 600 steps): the three simulated τ within 0.1
 #   pipeline-q8b      a random Qwen3-8B-shaped target (tools/make_random_qwen3.py), 1 + 1 colocated,
 #                     40 steps: target_busy, drafter_busy and s/step per logged step
+#   peer              the reference PyTorch trainer's step at the same shapes (../shared/tools/
+#                     peer_step.py, copied by the stager, with SpecForge's sources: stage with
+#                     SPECFORGE_GIT=<a fetched git dir of sgl-project/SpecForge>, which archives its
+#                     specforge package and configs/qwen3-8b-dflash.json into DIR/peer.tar.xz): the
+#                     RESULT line (target and drafter ms, tokens/s, peak memory). Measure it in the
+#                     same call as `bench`: ratios count, absolute times drift between machines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -85,6 +91,11 @@ stage() {
   local tok=${DFLASH_SHARED_DIR:-../shared}/fixtures/qwen3-tokenizer
   mkdir -p "$dir/qwen3-tokenizer"
   cp "$tok/tokenizer.json.xz" "$tok/tokenizer_config.json" "$dir/qwen3-tokenizer/"
+  cp "${DFLASH_SHARED_DIR:-../shared}/tools/peer_step.py" "$dir/"
+  if [[ -n "${SPECFORGE_GIT:-}" ]]; then
+    git --git-dir="$SPECFORGE_GIT" archive --prefix=peer/ HEAD specforge \
+      configs/qwen3-8b-dflash.json | xz > "$dir/peer.tar.xz"
+  fi
   rm -rf "$tmp"
   du -sh "$dir"/*
   echo "staged in $dir: on the GPU machine run 'bash tools/device_run.sh $dir PART...'"
@@ -333,6 +344,14 @@ for part in "$@"; do
       train tiny-1x2 --config configs/tiny-reference.yaml "${colocated[@]}"
       train tiny-1x2-600 --config configs/tiny-reference.yaml "${colocated[@]}" training.max_steps=600 ;;
     pipeline-q8b) pipeline_q8b ;;
+    peer)
+      [[ -f "$dir/peer.tar.xz" ]] || { echo "peer: no $dir/peer.tar.xz (stage with SPECFORGE_GIT)" \
+        >> "$summary"; continue; }
+      mkdir -p "$work/peer" && tar -C "$work/peer" -xJf "$dir/peer.tar.xz"
+      PYTHONUNBUFFERED=1 timeout 300 python3 "$dir/peer_step.py" --specforge "$work/peer/peer" \
+        --drafter-config "$work/peer/peer/configs/qwen3-8b-dflash.json" > "$out/peer.log" 2>&1
+      echo "peer rc=$?" >> "$summary"
+      grep -E "RESULT|Error" "$out/peer.log" | tail -3 >> "$summary" ;;
     *) echo "unknown part '$part'" >> "$summary" ;;
   esac
 done
