@@ -13,7 +13,9 @@
 // (ws: the workspace it needs; rebuild: whether AlgoInit plus the attributes gives back the same
 // words; words: the opaque cublasLtMatmulAlgo_t in hex), which tools/gemm_plan_table.py turns
 // into the table; a candidate more than 3 % faster than the plan used is also printed in words.
-// GPU time from CUDA events: the median of 9 runs after 2 warm-up runs.
+// GPU time from CUDA events: the plan used, the median of 9 runs after 2 warm-up runs; the
+// candidates, 2 warm-up runs each, then 15 rounds that run each candidate once in turn (drift
+// falls on all alike), the median per candidate.
 //
 //     build/bench/gemm_bench [table|heuristic]   (the plan source, default table; one H200:
 //                                                 about 15 s)
@@ -41,6 +43,9 @@ namespace {
 
 constexpr double kPeakTflops = 825.0;
 constexpr int kWarmup = 2, kRuns = 9;
+// Rounds of the candidates' timing: each round runs every candidate once, in order, so drift in
+// clocks or temperature over a shape's measurement falls on all of them alike.
+constexpr int kCandidateRounds = 15;
 constexpr int kCandidates = 16;  // the heuristic's answers timed per shape
 
 // One GEMM of the step: D[M,N] = op(A)·op(B) (+ C), as gemm_bf16's arguments.
@@ -63,8 +68,7 @@ constexpr DType f32 = DType::f32, bf = DType::bf16;
 // linear_bwd dx: dx[T,IN] = dy·W → (T, IN, OUT, false, false); dW[OUT,IN] += dyᵀ·x → (OUT, IN, T,
 // true, false, f32, beta 1).
 const std::vector<Case> kCases = {
-    {"target q_proj", T, QD, H, false, true, bf, 0, false, 34},
-    {"target k/v_proj", T, KD, H, false, true, bf, 0, false, 68},
+    {"target q|k|v_proj", T, QD + 2 * KD, H, false, true, bf, 0, false, 34},
     {"target o_proj (+= stream)", T, H, QD, false, true, f32, 1, false, 34},
     {"target gate|up", T, 2 * I, H, false, true, bf, 0, false, 34},
     {"target down (+= stream)", T, H, I, false, true, f32, 1, false, 34},
@@ -109,6 +113,36 @@ float median_ms(cudaStream_t s, const std::function<void()>& fn) {
   cudaEventDestroy(b);
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];
+}
+
+// Medians of fns[i]'s GPU time over kCandidateRounds interleaved rounds, after kWarmup runs each.
+std::vector<float> interleaved_median_ms(cudaStream_t s,
+                                         const std::vector<std::function<void()>>& fns) {
+  cudaEvent_t a, b;
+  DFLASH_CUDA_CHECK(cudaEventCreate(&a));
+  DFLASH_CUDA_CHECK(cudaEventCreate(&b));
+  for (const auto& fn : fns)
+    for (int i = 0; i < kWarmup; ++i) fn();
+  std::vector<std::vector<float>> ms(fns.size());
+  for (int round = 0; round < kCandidateRounds; ++round) {
+    for (size_t i = 0; i < fns.size(); ++i) {
+      DFLASH_CUDA_CHECK(cudaEventRecord(a, s));
+      fns[i]();
+      DFLASH_CUDA_CHECK(cudaEventRecord(b, s));
+      DFLASH_CUDA_CHECK(cudaEventSynchronize(b));
+      float t = 0;
+      DFLASH_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+      ms[i].push_back(t);
+    }
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::vector<float> med;
+  for (std::vector<float>& v : ms) {
+    std::sort(v.begin(), v.end());
+    med.push_back(v[v.size() / 2]);
+  }
+  return med;
 }
 
 std::string algo_string(const cublasLtMatmulAlgo_t& algo) {
@@ -209,23 +243,26 @@ int main(int argc, char** argv) {
 
     // The heuristic's candidates for the same descriptors and preferences (deterministic
     // schemes only), each timed and printed as a PLAN line; candidate 0 is the heuristic's first.
-    const auto res = cuda::gemm_heuristic(ctx, plan, kCandidates);
-    float best = ms, first = ms;
-    int best_i = -1;
+    auto res = cuda::gemm_heuristic(ctx, plan, kCandidates);
+    std::erase_if(res, [&](const auto& r) { return r.workspaceSize > ctx.workspace_bytes(); });
     const float alpha = 1.0f, beta = k.beta;
-    for (size_t i = 0; i < res.size(); ++i) {
-      if (res[i].workspaceSize > ctx.workspace_bytes()) continue;
-      const void* cp = k.c_separate ? c_in.data() : c.data();
-      const float t = median_ms(ctx.stream(), [&] {
+    const void* cp = k.c_separate ? c_in.data() : c.data();
+    std::vector<std::function<void()>> runs;
+    for (const cublasLtMatmulHeuristicResult_t& r : res) {
+      runs.push_back([&, algo = r.algo] {
         cublasLtMatmul(ctx.cublaslt(), plan.op, &alpha, b.data(), plan.a, a.data(), plan.b, &beta,
-                       cp, plan.c, c.data(), plan.c, &res[i].algo, ctx.workspace(),
-                       ctx.workspace_bytes(), ctx.stream());
+                       cp, plan.c, c.data(), plan.c, &algo, ctx.workspace(), ctx.workspace_bytes(),
+                       ctx.stream());
       });
+    }
+    const std::vector<float> cand_ms = interleaved_median_ms(ctx.stream(), runs);
+    float best = ms, first = cand_ms.empty() ? ms : cand_ms[0];
+    int best_i = -1;
+    for (size_t i = 0; i < res.size(); ++i) {
       const GemmAlgoConfig cfg = cuda::gemm_algo_config(res[i].algo);
-      print_plan_line(k, plan.key, static_cast<int>(i), t, cfg, res[i].workspaceSize,
+      print_plan_line(k, plan.key, static_cast<int>(i), cand_ms[i], cfg, res[i].workspaceSize,
                       rebuilds_from_attributes(ctx, plan.key, cfg));
-      if (i == 0) first = t;
-      if (t < best) best = t, best_i = static_cast<int>(i);
+      if (cand_ms[i] < best) best = cand_ms[i], best_i = static_cast<int>(i);
     }
     step_first_ms += first * k.per_step;
     if (best_i >= 0 && best < 0.97f * ms)
