@@ -2,11 +2,12 @@
 """Writes src/ops/gemm_plan_table_data.cpp from gemm_bench's PLAN lines (ops/gemm_plan_table.hpp).
 
     python3 tools/gemm_plan_table.py --device "NVIDIA H200 (driver …)" --command "…" \
-        LOG [LOG...] > src/ops/gemm_plan_table_data.cpp
+        --protocol "…" LOG [LOG...] > src/ops/gemm_plan_table_data.cpp
 
 Each LOG is a gemm_bench output (other lines are ignored). A candidate is one algorithm (its eight
 words) of one key (sm, cuBLASLt version, M, N, K, leading dimensions, transposes, output dtype,
-beta ≠ 0); its time is the median of its `ms` over the logs (each already a median of 9 runs).
+beta ≠ 0); its time is the median of its `ms` over the logs (each already a median over runs, as
+--protocol says: how the gemm_bench version that wrote the logs timed its candidates).
 Per key the entry names the fastest candidate, except that the heuristic's first one (cand=0) is
 kept unless the fastest beats it by more than MARGIN (3 %): a closer call is within the run-to-run
 spread of one shape (docs/perf.md), and the first plan is what runs without the table. A key is
@@ -90,6 +91,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", required=True, help="the device the logs were measured on")
     ap.add_argument("--command", required=True, help="the command that produced the logs")
+    ap.add_argument("--protocol", required=True,
+                    help="how that gemm_bench timed each candidate (runs, warm-up, order)")
     ap.add_argument("logs", nargs="+")
     args = ap.parse_args()
     shapes = read_logs(args.logs)
@@ -101,8 +104,8 @@ def main():
         changed += words != shape["first"]
         entries.append(cpp_entry(key, shape, words, ms, first_ms))
     about = (f"Device: {args.device}. Measured by: {args.command} ({len(args.logs)} log(s); per "
-             f"shape the heuristic's first 8 deterministic candidates, each the median of 9 timed "
-             f"runs after 2 warm-up runs, the median over the logs; the fastest kept when it "
+             f"shape the heuristic's first 8 deterministic candidates, {args.protocol}, the "
+             f"median over the logs; the fastest kept when it "
              f"beats the heuristic's first by more than {MARGIN * 100:.0f} %, else the first). "
              f"{len(entries)} entries, {changed} of them not the heuristic's first. Per entry: "
              f"name, key {{sm, cuBLASLt version, M, N, K, lda, ldb, ldc, trans_a, trans_b, out, "
@@ -122,10 +125,12 @@ namespace dflash {{
 
 namespace {{
 
+// clang-format off
 const std::array<GemmPlanEntry, {len(entries)}> kEntries{{{{
 """)
     sys.stdout.write("".join(entries))
     sys.stdout.write("""}};
+// clang-format on
 
 }  // namespace
 
