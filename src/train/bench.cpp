@@ -158,6 +158,21 @@ nlohmann::json target_forward_json(const BenchReport& r) {
           {"plan_gib", jnum(rounded(gib(r.planned_bytes), 2))}};
 }
 
+// "GEMM plans (--gemm-plans S): N shapes, A from the measured table, B from the heuristic", then
+// one line per plan.
+std::string gemm_plans_table(const BenchReport& r) {
+  if (r.gemm_plans.empty()) return {};
+  int64_t from_table = 0;
+  for (const BenchGemmPlan& g : r.gemm_plans) from_table += g.source != "heuristic";
+  std::string t = fmt::format(
+      "GEMM plans of the step (--gemm-plans {}): {} shapes, {} from the measured table, {} from "
+      "the heuristic\n",
+      r.gemm_plan_source, r.gemm_plans.size(), from_table,
+      static_cast<int64_t>(r.gemm_plans.size()) - from_table);
+  for (const BenchGemmPlan& g : r.gemm_plans) t += fmt::format("  {}: {}\n", g.shape, g.source);
+  return t;
+}
+
 // The table of `dflash bench --target-only`.
 std::string target_bench_table(const BenchReport& r) {
   std::string t = r.header + "\n";
@@ -178,22 +193,8 @@ std::string target_bench_table(const BenchReport& r) {
       "which context and handles {} GiB\n",
       num(gib(r.planned_bytes), "{:.2f}"), num(gib(r.arena_bytes), "{:.2f}"),
       num(gib(r.used_bytes), "{:.2f}"), num(gib(r.context_bytes), "{:.2f}"));
+  t += gemm_plans_table(r);
   t += "as tools/hf_target_forward.py prints: " + target_forward_json(r).dump();
-  return t;
-}
-
-// "GEMM plans (--gemm-plans S): N shapes, A from the measured table, B from the heuristic", then
-// one line per plan.
-std::string gemm_plans_table(const BenchReport& r) {
-  if (r.gemm_plans.empty()) return {};
-  int64_t from_table = 0;
-  for (const BenchGemmPlan& g : r.gemm_plans) from_table += g.source != "heuristic";
-  std::string t = fmt::format(
-      "GEMM plans of the step (--gemm-plans {}): {} shapes, {} from the measured table, {} from "
-      "the heuristic\n",
-      r.gemm_plan_source, r.gemm_plans.size(), from_table,
-      static_cast<int64_t>(r.gemm_plans.size()) - from_table);
-  for (const BenchGemmPlan& g : r.gemm_plans) t += fmt::format("  {}: {}\n", g.shape, g.source);
   return t;
 }
 
