@@ -31,6 +31,8 @@ void run_bench_command(BenchArgs& a) {
                "--graphs must be on, off or both (got '{}')", a.graphs);
   a.o.graphs_on = a.graphs != "off";
   a.o.graphs_off = a.graphs != "on";
+  DFLASH_CHECK(a.o.gemm_plans == "table" || a.o.gemm_plans == "heuristic",
+               "--gemm-plans must be table or heuristic (got '{}')", a.o.gemm_plans);
   if (a.mask >= 0) a.o.mask_token_id = a.mask;
   DFLASH_CHECK(a.o.recompute == "auto" || a.o.recompute == "always" || a.o.recompute == "never",
                "--recompute must be auto, always or never (got '{}')", a.o.recompute);
@@ -108,6 +110,10 @@ void add_bench_command(CLI::App& app) {
   b->add_option("--graphs", a->graphs, "Time the step with CUDA graphs on, off or both")
       ->capture_default_str();
   b->add_option("--device", a->o.device, "CUDA device")->capture_default_str();
+  b->add_option("--gemm-plans", a->o.gemm_plans,
+                "cuBLASLt GEMM plans from the measured table (the heuristic's first for shapes "
+                "it lacks) or from the heuristic alone (the table ignored)")
+      ->capture_default_str();
   b->add_option("--recompute", a->o.recompute,
                 "Drafter backward: recompute the forward's activations (always), keep them "
                 "(never), or keep them when the plan fits (auto), as training.recompute")

@@ -64,7 +64,7 @@ DrafterCuda::DrafterCuda(cuda::CudaContext& ctx, const DrafterConfig& cfg,
     arena = own_arena_.get();
   }
   take_buffers(*arena);
-  const AdamWSegment seg{params_, m_, v_, grads_, layout.total};
+  const AdamWSegment seg{params_, m_, v_, grads_, layout.total, wbf_};
   DFLASH_CUDA_CHECK(cudaMemcpy(segs_, &seg, sizeof seg, cudaMemcpyHostToDevice));
   const std::vector<double> f = rope_inv_freq(cfg.rope, cfg.head_dim);
   const std::vector<float> ff(f.begin(), f.end());
@@ -396,8 +396,7 @@ double DrafterCuda::grad_norm() {
 void DrafterCuda::adamw(const AdamWConfig& cfg, double lr, int64_t step, double grad_scale) {
   const float gs = static_cast<float>(grad_scale);
   DFLASH_CUDA_CHECK(cudaMemcpyAsync(clip_, &gs, sizeof gs, cudaMemcpyHostToDevice, ctx_.stream()));
-  adamw_step_cuda(ctx_, segs_, 1, layout_.total, cfg, lr, step, clip_, nullptr);
-  cast_cuda(ctx_, wbf_, params_, layout_.total);
+  adamw_step_cuda(ctx_, segs_, 1, layout_.total, cfg, lr, step, clip_, nullptr);  // and wbf_
   // `gs` lives on this stack frame: the copy must finish before returning.
   ctx_.synchronize();
 }

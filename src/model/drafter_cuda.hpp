@@ -106,8 +106,9 @@ class DrafterCuda {
   };
   Results fetch_results(int64_t NK);
 
-  /// AdamW on the master weights with gradient multiplier `grad_scale` (the clip factor), then the
-  /// bf16 copy is refreshed. Same per-element math as adamw_step_cpu. Enqueue only.
+  /// AdamW on the master weights with gradient multiplier `grad_scale` (the clip factor); the same
+  /// pass refreshes the bf16 copy (the segment names it). Same per-element math as
+  /// adamw_step_cpu. Enqueue only.
   void adamw(const AdamWConfig& cfg, double lr, int64_t step, double grad_scale);
 
   /// The feature buffer [max_ctx, n_taps·H] bf16 that the target's tap forward writes.

@@ -9,7 +9,10 @@
 //     v ← β2·v + (1 − β2)·g²
 //     p ← p − (lr / (1 − β1^t)) · m / (sqrt(v)·(1/sqrt(1 − β2^t)) + eps)
 // in fp32 with the scalars (1 − lr·wd, lr/(1 − β1^t), 1/sqrt(1 − β2^t)) computed once in double
-// and rounded to float. p, m, v are updated in place (=); the gradient is only read.
+// and rounded to float. p, m, v are updated in place (=); the gradient is only read. On CUDA a
+// segment may also name a bf16 copy of its parameters, written (=) in the same pass as
+// bf16(p) rounded to nearest even (f32_to_bf16_bits, as cast_cuda), so no separate cast pass
+// reads p again.
 // Grad norm: ‖g‖ = sqrt(Σ g²) over every parameter array, summed in double in a fixed order;
 // clip factor = min(1, max_norm / (‖g‖ + 1e-6)) (torch.nn.utils.clip_grad_norm_), 1 when
 // max_norm ≤ 0 (clipping off).
@@ -35,14 +38,16 @@ struct AdamWConfig {
 };
 
 /// One parameter array of a multi-tensor AdamW update or gradient-norm reduction: param, m, v
-/// (updated) and grad (read), n fp32 values each. On CUDA a table of these lives in device memory
-/// and all pointers are device pointers.
+/// (updated) and grad (read), n fp32 values each; param_bf16 (optional, n bf16 values) receives
+/// the updated param rounded to bf16 (=), the weights the next forward reads. On CUDA a table of
+/// these lives in device memory and all pointers are device pointers.
 struct AdamWSegment {
   float* param = nullptr;
   float* m = nullptr;
   float* v = nullptr;
   const float* grad = nullptr;
   int64_t n = 0;
+  uint16_t* param_bf16 = nullptr;  ///< null: no bf16 copy (adamw_step_cuda only)
 };
 
 /// One AdamW update (formula above) of the n values of param, m, v from grad at 1-based `step`

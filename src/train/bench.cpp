@@ -24,10 +24,13 @@
 #include "backend/cuda/check.hpp"
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/device.hpp"
+#include "backend/cuda/gemm.hpp"
 #include "backend/cuda/graph.hpp"
 #include "model/drafter_cuda.hpp"
 #include "model/target_cuda.hpp"
+#include "ops/adamw.hpp"
 #include "ops/attention.hpp"
+#include "ops/cast.hpp"
 #include "ops/cross_entropy.hpp"
 #include "ops/fill.hpp"
 #endif
@@ -155,6 +158,21 @@ nlohmann::json target_forward_json(const BenchReport& r) {
           {"plan_gib", jnum(rounded(gib(r.planned_bytes), 2))}};
 }
 
+// "GEMM plans (--gemm-plans S): N shapes, A from the measured table, B from the heuristic", then
+// one line per plan.
+std::string gemm_plans_table(const BenchReport& r) {
+  if (r.gemm_plans.empty()) return {};
+  int64_t from_table = 0;
+  for (const BenchGemmPlan& g : r.gemm_plans) from_table += g.source != "heuristic";
+  std::string t = fmt::format(
+      "GEMM plans of the step (--gemm-plans {}): {} shapes, {} from the measured table, {} from "
+      "the heuristic\n",
+      r.gemm_plan_source, r.gemm_plans.size(), from_table,
+      static_cast<int64_t>(r.gemm_plans.size()) - from_table);
+  for (const BenchGemmPlan& g : r.gemm_plans) t += fmt::format("  {}: {}\n", g.shape, g.source);
+  return t;
+}
+
 // The table of `dflash bench --target-only`.
 std::string target_bench_table(const BenchReport& r) {
   std::string t = r.header + "\n";
@@ -175,6 +193,7 @@ std::string target_bench_table(const BenchReport& r) {
       "which context and handles {} GiB\n",
       num(gib(r.planned_bytes), "{:.2f}"), num(gib(r.arena_bytes), "{:.2f}"),
       num(gib(r.used_bytes), "{:.2f}"), num(gib(r.context_bytes), "{:.2f}"));
+  t += gemm_plans_table(r);
   t += "as tools/hf_target_forward.py prints: " + target_forward_json(r).dump();
   return t;
 }
@@ -220,6 +239,7 @@ std::string bench_table(const BenchReport& r) {
       "GiB, of which context and handles {} GiB\n",
       num(r.planned_bytes / 1073741824.0, "{:.2f}"), num(r.arena_bytes / 1073741824.0, "{:.2f}"),
       num(r.used_bytes / 1073741824.0, "{:.2f}"), num(r.context_bytes / 1073741824.0, "{:.2f}"));
+  t += gemm_plans_table(r);
   t += fmt::format("{:<24} {:<34} {:>9} {:>9} {:>9} {:>8}\n", "kernel", "shape", "ms", "floor ms",
                    "TFLOP/s", "% floor");
   for (const BenchKernel& k : r.kernels) {
@@ -254,6 +274,10 @@ nlohmann::json bench_json(const BenchReport& r) {
                     {"host_ms", jnum(r.host_ms_on)}};
   j["tokens_per_step"] = r.tokens_per_step;
   j["target_only"] = r.target_only;
+  j["gemm_plan_source"] = r.gemm_plan_source;
+  j["gemm_plans"] = nlohmann::json::array();
+  for (const BenchGemmPlan& g : r.gemm_plans)
+    j["gemm_plans"].push_back({{"shape", g.shape}, {"source", g.source}});
   if (r.target_only && !r.phases.empty()) j["target_forward"] = target_forward_json(r);
   j["memory"] = {{"plan_total_bytes", jnum(r.planned_bytes)},
                  {"plan_arena_bytes", jnum(r.arena_bytes)},
@@ -292,9 +316,9 @@ double median(std::vector<double> v) {
 
 // The host side of one step: the rows' tokens are fixed, anchors are drawn afresh each step.
 struct HostBatch {
-  std::vector<std::vector<int32_t>> tokens, offsets;
-  std::vector<std::vector<uint8_t>> mask;
-  std::vector<std::vector<Anchor>> anchors;
+  std::vector<std::vector<int32_t> > tokens, offsets;
+  std::vector<std::vector<uint8_t> > mask;
+  std::vector<std::vector<Anchor> > anchors;
   std::vector<BlockTargets> targets;
 };
 
@@ -449,6 +473,15 @@ float elapsed(cudaEvent_t a, cudaEvent_t b) {
   return t;
 }
 
+// The context's GEMM plans into r (sorted by shape): which ones the measured table chose.
+void collect_gemm_plans(cuda::CudaContext& ctx, const BenchOptions& o, BenchReport& r) {
+  r.gemm_plan_source = o.gemm_plans;
+  for (const auto& [key, plan] : ctx.gemm_plans())
+    r.gemm_plans.push_back({gemm_shape_key_string(plan->key), plan->source});
+  std::sort(r.gemm_plans.begin(), r.gemm_plans.end(),
+            [](const BenchGemmPlan& a, const BenchGemmPlan& b) { return a.shape < b.shape; });
+}
+
 // `dflash bench --target-only`: the target's tap forward alone, in the plan of that forward
 // (bench_plan), on the inputs of the full bench's first step (same tokens, positions and document
 // ranges). Each forward is timed with device events (median over o.steps after o.warmup) and by
@@ -538,6 +571,7 @@ BenchReport run_target_bench(const BenchOptions& o, const BenchSetup& s,
     r.host_ms_on = wall - device;
   }
   r.used_bytes = static_cast<double>(used_device_memory());
+  collect_gemm_plans(ctx, o, r);
   ctx.synchronize();
   return r;
 }
@@ -553,6 +587,7 @@ BenchReport run_bench(const BenchOptions& o) {
   const int n_dev = cuda::device_count();
   DFLASH_CHECK(o.device >= 0 && o.device < n_dev, "bench: --device {}: {} CUDA devices visible",
                o.device, n_dev);
+  cuda::gemm_plan_source_set(cuda::gemm_plan_source_parse(o.gemm_plans, "bench: --gemm-plans"));
   if (o.target_only) return run_target_bench(o, s, plan);
   cuda::CudaContext ctx(o.device);
   r.context_bytes = static_cast<double>(used_device_memory());
@@ -623,7 +658,7 @@ BenchReport run_bench(const BenchOptions& o) {
   std::vector<cudaEvent_t> ev;
   for (int i = 0; i < kNumEv; ++i) ev.push_back(ctx.new_event(true));
   cuda::GraphCache<int64_t> target_graphs;
-  cuda::GraphCache<std::pair<int64_t, int64_t>> drafter_graphs;
+  cuda::GraphCache<std::pair<int64_t, int64_t> > drafter_graphs;
   int64_t step_no = 0;
   AdamWConfig adam;
 
@@ -682,7 +717,7 @@ BenchReport run_bench(const BenchOptions& o) {
   enum Col { kWall, kTgt, kFwd, kHd, kBwd, kDrafter, kOpt, kPack, kStage, kNumCol };
   auto measure = [&](bool graphs) {
     for (int i = 0; i < o.warmup; ++i) run_step(graphs);
-    std::vector<std::vector<double>> cols(kNumCol);
+    std::vector<std::vector<double> > cols(kNumCol);
     std::vector<double> device, host;
     for (int i = 0; i < o.steps; ++i) {
       const std::vector<double> v = run_step(graphs);
@@ -725,6 +760,7 @@ BenchReport run_bench(const BenchOptions& o) {
     r.host_ms_on = m[kNumCol + 1];
   }
   r.used_bytes = static_cast<double>(used_device_memory());
+  collect_gemm_plans(ctx, o, r);
 
   // ---- kernels alone, on random inputs of the step's shapes (outside the arena).
   drafter.set_phase_events({});
@@ -833,7 +869,34 @@ BenchReport run_bench(const BenchOptions& o) {
                              static_cast<const int32_t*>(labels.dev),
                              static_cast<const float*>(weights.dev), cp, ws, ws_bytes);
   });
-  r.kernels = {af, aft, ab, abt, pfk, pft, ce};
+  // AdamW over min(P, 2^28) parameters on zeroed state (the time does not depend on the values):
+  // the step's single pass that also writes the bf16 copy, against the path before the fusion
+  // (AdamW, then cast_cuda re-reading the fp32 parameters). Floor: the 30 bytes per parameter the
+  // fused pass must move (read p, m, v, g; write p, m, v, bf16 p) at kPeakCopyBytesPerS.
+  const int64_t n_opt = std::min<int64_t>(layout.total, int64_t{1} << 28);
+  const auto n_opt_z = static_cast<size_t>(n_opt);
+  DeviceMemory op(n_opt_z * 4), om(n_opt_z * 4), ov(n_opt_z * 4), og(n_opt_z * 4), obf(n_opt_z * 2),
+      oseg(2 * sizeof(AdamWSegment));
+  for (const DeviceMemory* m : {&op, &om, &ov, &og})
+    DFLASH_CUDA_CHECK(cudaMemsetAsync(m->as<float>(), 0, n_opt_z * 4, ctx.stream()));
+  const AdamWSegment oseg_host[2] = {
+      {op.as<float>(), om.as<float>(), ov.as<float>(), og.as<float>(), n_opt, obf.as<uint16_t>()},
+      {op.as<float>(), om.as<float>(), ov.as<float>(), og.as<float>(), n_opt, nullptr}};
+  DFLASH_CUDA_CHECK(
+      cudaMemcpy(oseg.as<AdamWSegment>(), oseg_host, sizeof oseg_host, cudaMemcpyHostToDevice));
+  const double opt_floor_ms = 30.0 * static_cast<double>(n_opt) / kPeakCopyBytesPerS * 1e3;
+  BenchKernel opt_fused{"AdamW + bf16 copy", fmt::format("{} params, one pass", n_opt), NAN, NAN,
+                        opt_floor_ms};
+  opt_fused.ms = time_kernel(ctx, o.kernel_reps, [&] {
+    adamw_step_cuda(ctx, oseg.as<AdamWSegment>(), 1, n_opt, adam, 6e-4, 1, nullptr, nullptr);
+  });
+  BenchKernel opt_split{"AdamW, then cast (old)", fmt::format("{} params, two passes", n_opt), NAN,
+                        NAN, opt_floor_ms};
+  opt_split.ms = time_kernel(ctx, o.kernel_reps, [&] {
+    adamw_step_cuda(ctx, oseg.as<AdamWSegment>() + 1, 1, n_opt, adam, 6e-4, 1, nullptr, nullptr);
+    cast_cuda(ctx, obf.as<uint16_t>(), op.as<const float>(), n_opt);
+  });
+  r.kernels = {af, aft, ab, abt, pfk, pft, ce, opt_fused, opt_split};
   ctx.synchronize();
   return r;
 }

@@ -63,6 +63,9 @@ struct BenchOptions {
   /// divide by the documents.
   Objective objective;
   uint64_t seed = 0;
+  /// Where new cuBLASLt GEMM plans come from (backend/cuda/gemm.hpp, GemmPlanSource): "table"
+  /// (the measured table, the heuristic for shapes it lacks) or "heuristic" (the table ignored).
+  std::string gemm_plans = "table";
 };
 
 /// The shapes of a bench run.
@@ -97,6 +100,11 @@ struct BenchKernel {
   double flops = 0;     ///< useful FLOPs (visible keys only for attention)
   double floor_ms = 0;  ///< flops / kPeakBf16Flops
 };
+/// One cuBLASLt GEMM plan of the bench's context after the timed steps: its key
+/// (gemm_shape_key_string) and where its algorithm came from (GemmPlan::source).
+struct BenchGemmPlan {
+  std::string shape, source;
+};
 /// Everything `dflash bench` measured.
 struct BenchReport {
   std::string header;              ///< model, shapes, device
@@ -118,6 +126,8 @@ struct BenchReport {
   double planned_bytes = NAN, arena_bytes = NAN;  ///< the plan's total and arena
   double context_bytes = NAN;  ///< measured: device memory in use after context creation
   double used_bytes = NAN;     ///< measured: device memory in use after the steps (cudaMemGetInfo)
+  std::string gemm_plan_source;           ///< BenchOptions::gemm_plans
+  std::vector<BenchGemmPlan> gemm_plans;  ///< the step's GEMM plans, sorted by shape
 };
 
 /// Runs the bench on the GPU (CUDA builds only; otherwise throws dflash::Error).

@@ -1,8 +1,11 @@
-// CUDA optimizer kernels vs the CPU: fused multi-tensor AdamW (bit-identical), the deterministic
-// gradient sum of squares, the clip factor, skipping on a non-finite norm, the non-finite check.
+// CUDA optimizer kernels vs the CPU: fused multi-tensor AdamW (bit-identical, and the bf16 copy it
+// writes in the same pass), the deterministic gradient sum of squares, the clip factor, skipping
+// on a non-finite norm, the non-finite check.
 #include <cmath>
+#include <vector>
 
 #include "backend/cuda/context.hpp"
+#include "core/dtype.hpp"
 #include "cuda/cuda_test_util.hpp"
 #include "cuda/tolerances.hpp"
 #include "train/optimizer.hpp"
@@ -29,19 +32,30 @@ struct Params {
   }
 };
 
-// Device copies of Params plus the segment table.
+// The sentinel the bf16 copies start from (a NaN pattern f32_to_bf16_bits never writes).
+constexpr uint16_t kBf16Sentinel = 0x7fa5;
+
+// Device copies of Params plus the segment table; with `bf16_copy` every segment also names a bf16
+// copy (bf[i], filled with kBf16Sentinel).
 struct DeviceParams {
   std::vector<std::unique_ptr<DeviceGuarded<float>>> p, m, v, g;
+  std::vector<std::unique_ptr<DeviceGuarded<uint16_t>>> bf;
   std::unique_ptr<DeviceGuarded<AdamWSegment>> table;
   int64_t max_n = 0;
-  explicit DeviceParams(const Params& h) {
+  explicit DeviceParams(const Params& h, bool bf16_copy = false) {
     std::vector<AdamWSegment> segs;
     for (size_t i = 0; i < h.sizes.size(); ++i) {
       p.push_back(std::make_unique<DeviceGuarded<float>>(h.p[i]));
       m.push_back(std::make_unique<DeviceGuarded<float>>(h.m[i]));
       v.push_back(std::make_unique<DeviceGuarded<float>>(h.v[i]));
       g.push_back(std::make_unique<DeviceGuarded<float>>(h.g[i]));
-      segs.push_back({p[i]->get(), m[i]->get(), v[i]->get(), g[i]->get(), h.sizes[i]});
+      uint16_t* copy = nullptr;
+      if (bf16_copy) {
+        bf.push_back(std::make_unique<DeviceGuarded<uint16_t>>(
+            std::vector<uint16_t>(static_cast<size_t>(h.sizes[i]), kBf16Sentinel)));
+        copy = bf.back()->get();
+      }
+      segs.push_back({p[i]->get(), m[i]->get(), v[i]->get(), g[i]->get(), h.sizes[i], copy});
       max_n = std::max(max_n, h.sizes[i]);
     }
     table = std::make_unique<DeviceGuarded<AdamWSegment>>(segs);
@@ -90,6 +104,35 @@ TEST(OptimizerCuda, AdamWBitIdenticalToCpuWithClipping) {
   }
 }
 
+// The bf16 copy written in AdamW's pass is bf16(p) of the updated p, bit for bit the CPU's
+// rounding (what cast_cuda wrote in a second pass before), and a skipped step leaves it as it was.
+TEST(OptimizerCuda, AdamWWritesTheBf16CopyInItsPass) {
+  DFLASH_REQUIRE_GPU();
+  cuda::CudaContext ctx(0);
+  Params h(5);
+  DeviceParams d(h, /*bf16_copy=*/true);
+  AdamWConfig cfg;
+  cfg.weight_decay = 0.01;
+  const int n_segs = static_cast<int>(h.sizes.size());
+  DeviceGuarded<int32_t> skip(std::vector<int32_t>{1});
+  adamw_step_cuda(ctx, d.table->get(), n_segs, d.max_n, cfg, 1e-3, 1, nullptr, skip.get());
+  for (size_t i = 0; i < h.sizes.size(); ++i) {
+    for (uint16_t b : d.bf[i]->download()) ASSERT_EQ(b, kBf16Sentinel) << "skipped step, seg " << i;
+  }
+  for (int64_t step = 1; step <= 2; ++step) {
+    adamw_step_cuda(ctx, d.table->get(), n_segs, d.max_n, cfg, 1e-3, step, nullptr, nullptr);
+    for (size_t i = 0; i < h.sizes.size(); ++i) {
+      adamw_step_cpu(h.p[i].data(), h.m[i].data(), h.v[i].data(), h.g[i].data(), h.sizes[i], cfg,
+                     1e-3, step);
+      std::vector<uint16_t> want(h.p[i].size());
+      for (size_t e = 0; e < want.size(); ++e) want[e] = f32_to_bf16_bits(h.p[i][e]);
+      EXPECT_TRUE(same_bits(d.p[i]->download(), h.p[i])) << "param " << i << " step " << step;
+      EXPECT_EQ(d.bf[i]->download(), want) << "bf16 copy " << i << " step " << step;
+      EXPECT_TRUE(d.bf[i]->guard_intact()) << "bf16 copy " << i;
+    }
+  }
+}
+
 TEST(OptimizerCuda, SumsqIsDeterministic) {
   DFLASH_REQUIRE_GPU();
   cuda::CudaContext ctx(0);
@@ -114,8 +157,7 @@ TEST(OptimizerCuda, NonFiniteGradientSkipsTheStep) {
   grad_sumsq_cuda(ctx, sumsq.get(), d.table->get(), 4);
   grad_clip_cuda(ctx, scale.get(), skip.get(), nullptr, sumsq.get(), 1.0);
   EXPECT_EQ(skip.download()[0], 1);
-  adamw_step_cuda(ctx, d.table->get(), 4, d.max_n, AdamWConfig{}, 1e-3, 1, scale.get(),
-                  skip.get());
+  adamw_step_cuda(ctx, d.table->get(), 4, d.max_n, AdamWConfig{}, 1e-3, 1, scale.get(), skip.get());
   for (size_t i = 0; i < h.sizes.size(); ++i) EXPECT_TRUE(same_bits(d.p[i]->download(), h.p[i]));
 }
 
