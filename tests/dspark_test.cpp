@@ -397,10 +397,17 @@ TEST(DSpark, ConfigValidationNamesTheField) {
   c.dspark.confidence_head = true;
   c.dspark.confidence_with_markov = true;
   EXPECT_THAT_ERROR(c.validate(), "confidence_head_with_markov needs");
-  // The CUDA drafter (training, the pipeline's GPU stages, the CUDA decoder) refuses the heads.
+  // The CUDA drafter step runs vanilla DSpark heads: only head_dim 8 is refused here (gated and
+  // rnn heads: CudaHeadRefusesGatedAndRnnByName; the CUDA decoder refuses DSpark in src/cli).
   const std::vector<std::string> cuda = cuda_drafter_unsupported(p.cfg);
-  ASSERT_EQ(cuda.size(), 2u);  // head_dim 8 too
-  EXPECT_THAT(cuda[1], ::testing::HasSubstr("no DSpark heads (training.objective dspark"));
+  ASSERT_EQ(cuda.size(), 1u);
+  EXPECT_THAT(cuda[0], ::testing::HasSubstr("head_dim"));
+  DrafterConfig gated = p.cfg;
+  gated.dspark.markov_rank = 2;
+  gated.dspark.markov_type = MarkovHeadType::gated;
+  ASSERT_EQ(cuda_drafter_unsupported(gated).size(), 2u);
+  EXPECT_THAT(cuda_drafter_unsupported(gated)[1],
+              ::testing::HasSubstr("markov_head_type gated is implemented on the cpu backend"));
   c = p.cfg;
   c.dspark.enabled = false;
   c.dspark.markov_rank = 2;
