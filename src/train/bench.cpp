@@ -7,11 +7,13 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <memory>
 
 #include "core/error.hpp"
 #include "core/rng.hpp"
 #include "model/drafter_batch.hpp"
 #include "model/drafter_io.hpp"
+#include "model/dspark_head_cuda.hpp"
 #include "model/objective.hpp"
 #include "model/presets.hpp"
 #include "model/step_plan.hpp"
@@ -72,6 +74,13 @@ BenchSetup bench_setup(const BenchOptions& o) {
   DrafterSizes sizes;
   sizes.block_size = o.block_size;
   s.drafter = drafter_config_for_target(s.target, o.drafter_layers, sizes, mask);
+  if (o.objective.dspark()) {
+    DFLASH_CHECK(o.markov_rank >= 0, "bench: --markov-rank must be >= 0 (got {})", o.markov_rank);
+    s.drafter.dspark.enabled = true;
+    s.drafter.dspark.markov_rank = o.markov_rank;
+    s.drafter.dspark.confidence_head = o.objective.dspark_conf_alpha > 0;
+    s.drafter.validate();
+  }
   s.docs_per_row = o.token_budget / o.doc_length;
   const int64_t per_doc = std::min<int64_t>(o.anchors, o.doc_length - 1);
   s.blocks = o.rows * s.docs_per_row * per_doc;
@@ -325,6 +334,7 @@ struct StagedStep {
   std::vector<int32_t> tokens, pos, block_tokens, labels;
   std::vector<AttnRange> context_ranges, block_ranges;
   std::vector<float> weights;
+  DsparkRowIndex dspark;  // DSpark only: the step's row index
 };
 
 // Samples anchors for step `step`, builds its DrafterBatch and stages it (what the trainer and the
@@ -359,6 +369,7 @@ StagedStep stage_bench_step(HostBatch& b, const BenchSetup& s, const BenchOption
   drafter_batch_stage(d, s.drafter.mask_token_id, 0,
                       {st.tokens, st.context_ranges, st.pos, st.block_tokens, st.block_ranges,
                        st.labels, st.weights});
+  if (o.objective.dspark()) st.dspark = dspark_row_index(d, st.NK, s.drafter.vocab_size);
   return st;
 }
 
@@ -566,6 +577,18 @@ BenchReport run_bench(const BenchOptions& o) {
   Staged pos(arena, "inputs.pos", (T + NK) * 4), btok(arena, "inputs.block_tokens", NK * 4);
   Staged branges(arena, "inputs.block_ranges", NK * 16), labels(arena, "inputs.labels", NK * 4);
   Staged weights(arena, "inputs.weights", NK * 4);
+  // DSpark: its row index, and the target's final norm (random weights: 1, as every norm's).
+  const bool dspark = s.drafter.dspark.enabled;
+  std::vector<std::unique_ptr<Staged> > dsp;
+  float* final_norm = nullptr;
+  if (dspark) {
+    for (const char* name : {kInputDsparkPrev, kInputDsparkTeacherPos, kInputDsparkW1Order}) {
+      dsp.push_back(std::make_unique<Staged>(arena, name, NK * 4));
+    }
+    dsp.push_back(std::make_unique<Staged>(arena, kInputDsparkW1Seg, (NK + 1) * 4));
+    final_norm = arena.get<float>(kTargetFinalNorm, s.target.hidden_size);
+    fill_uniform_cuda(ctx, final_norm, s.target.hidden_size, 1.0f, 0.0f, o.seed + 3);
+  }
   const uint64_t pool = arena.planned_bytes("workspace.op_scratch");
   ctx.allocator().use_pool(arena.get_bytes("workspace.op_scratch", pool), pool);
   const std::vector<std::string> unused = arena.untaken();
@@ -578,6 +601,11 @@ BenchReport run_bench(const BenchOptions& o) {
   r.loss_type = o.objective.dpace() ? fmt::format("{} (alpha {})", loss_type_name(o.objective.loss),
                                                   o.objective.dpace_alpha)
                                     : std::string(loss_type_name(o.objective.loss));
+  if (dspark) {
+    r.loss_type =
+        fmt::format("dspark (markov_rank {} vanilla, confidence head {})",
+                    s.drafter.dspark.markov_rank, s.drafter.dspark.confidence_head ? "on" : "off");
+  }
   r.documents = o.rows * s.docs_per_row;
   r.doc_length = o.doc_length;
   r.steps = o.steps;
@@ -597,9 +625,16 @@ BenchReport run_bench(const BenchOptions& o) {
     tokens.upload<int32_t>(st, 0, t);
     tranges.upload<AttnRange>(st, 0, t);
     pos.upload<int32_t>(st, 0, t);
-    target.forward_taps(drafter.features(), static_cast<int32_t*>(tokens.dev),
-                        static_cast<int32_t*>(pos.dev), static_cast<AttnRange*>(tranges.dev), t,
-                        s.drafter.target_layer_ids);
+    const auto* tk = static_cast<int32_t*>(tokens.dev);
+    const auto* ps = static_cast<int32_t*>(pos.dev);
+    const auto* rg = static_cast<AttnRange*>(tranges.dev);
+    if (dspark) {  // the taps, then the teacher's final-norm rows
+      uint16_t* f = drafter.features();
+      target.forward_taps_final(f, f + t * s.drafter.n_taps() * s.drafter.hidden_size, final_norm,
+                                tk, ps, rg, t, s.drafter.target_layer_ids);
+    } else {
+      target.forward_taps(drafter.features(), tk, ps, rg, t, s.drafter.target_layer_ids);
+    }
   };
   auto enqueue_drafter = [&](int64_t t, int64_t nk) {
     pos.upload<int32_t>(st, t, nk);
@@ -617,6 +652,13 @@ BenchReport run_bench(const BenchOptions& o) {
     in.labels = static_cast<int32_t*>(labels.dev);
     in.weights = static_cast<float*>(weights.dev);
     in.objective = o.objective;
+    if (dspark) {
+      for (size_t i = 0; i < dsp.size(); ++i) dsp[i]->upload<int32_t>(st, 0, i == 3 ? nk + 1 : nk);
+      in.dspark_prev = static_cast<int32_t*>(dsp[0]->dev);
+      in.dspark_teacher_pos = static_cast<int32_t*>(dsp[1]->dev);
+      in.dspark_w1_order = static_cast<int32_t*>(dsp[2]->dev);
+      in.dspark_w1_seg = static_cast<int32_t*>(dsp[3]->dev);
+    }
     drafter.forward_backward(in, 1.0);
   };
   enum Ev { kStart, kTarget, kForward, kHead, kBackward, kOptStart, kOptEnd, kNumEv };
@@ -639,6 +681,12 @@ BenchReport run_bench(const BenchOptions& o) {
     branges.fill(packed.block_ranges);
     labels.fill(packed.labels);
     weights.fill(packed.weights);
+    if (dspark) {
+      dsp[0]->fill(packed.dspark.prev);
+      dsp[1]->fill(packed.dspark.teacher_pos);
+      dsp[2]->fill(packed.dspark.w1_order);
+      dsp[3]->fill(packed.dspark.w1_seg);
+    }
     const double total_w = packed.loss_normaliser;
     const auto w2 = Clock::now();
     const int64_t t = packed.T, nk = packed.NK;
