@@ -373,6 +373,13 @@ StagedStep stage_bench_step(HostBatch& b, const BenchSetup& s, const BenchOption
   return st;
 }
 
+// FLOPs of the DSpark head over `rows` block rows: three [rows, H]·[H, V] GEMMs (the draft logits,
+// the teacher's, dhf) and three of rank r (the Markov bias, dE, dW2); 2 per multiply-add.
+double dspark_head_flops(const DrafterConfig& d, int64_t rows) {
+  const double n = static_cast<double>(rows), V = static_cast<double>(d.vocab_size);
+  return 6.0 * n * V * static_cast<double>(d.hidden_size + d.dspark.markov_rank);
+}
+
 // Keys the real block rows see (context prefix + own block) and the causal keys of real tokens.
 double drafter_visible_keys(const StagedStep& p, int K) {
   double n = 0;
@@ -756,7 +763,8 @@ BenchReport run_bench(const BenchOptions& o) {
     r.phases = {
         {"target forward", m[kTgt], tgt_flops, 0},
         {"drafter forward", m[kFwd], fv.fwd_gemm + fv.attn_fwd, 0},
-        {"LM-head CE (+ final norm)", m[kHd], fv.head, 0},
+        {dspark ? "DSpark head (+ final norm)" : "LM-head CE (+ final norm)", m[kHd],
+         dspark ? dspark_head_flops(s.drafter, packed.NK) : fv.head, 0},
         {"drafter backward", m[kBwd], fv.bwd_gemm + fv.attn_bwd, 0},
         {"optimizer (AdamW, bf16)", m[kOpt], 0, 30.0 * static_cast<double>(layout.total)},
     };
@@ -861,27 +869,69 @@ BenchReport run_bench(const BenchOptions& o) {
     attention_fwd_cuda(ctx, to.as<uint16_t>(), nullptr, tq.as<uint16_t>(), tk.as<uint16_t>(),
                        tv.as<uint16_t>(), static_cast<const AttnRange*>(tranges.dev), tpt);
   });
-  // The fused LM-head CE with its input gradient, over the step's block rows.
+  r.kernels = {af, aft, ab, abt, pfk, pft};
   const int64_t H = d.hidden_size, V = d.vocab_size;
-  DeviceMemory hid(Tq * H * 2), dhid(Tq * H * 4), amax(Tq * 4), sums(16);
-  fill_uniform_cuda(ctx, hid.as<uint16_t>(), Tq * H, 0.0f, 1.0f, 31);
-  FusedCeParams cp;
-  cp.R = Tq;
-  cp.H = H;
-  cp.V = V;
-  cp.chunk_rows = kDrafterCeChunkRows;
-  const uint64_t ws_bytes = cross_entropy_fused_cuda_workspace_bytes(cp, true, false);
-  void* ws = arena.get_bytes("drafter.ce_workspace", ws_bytes);  // idle outside the head phase
-  const double ce_flops = 4.0 * static_cast<double>(Tq * H) * static_cast<double>(V);
-  BenchKernel ce{"fused LM-head CE + grad", fmt::format("{} rows, H {}, V {}", Tq, H, V), NAN,
-                 ce_flops, ce_flops / kPeakBf16Flops * 1e3};
-  ce.ms = time_kernel(ctx, o.kernel_reps, [&] {
-    cross_entropy_fused_cuda(ctx, dhid.as<float>(), nullptr, amax.as<int32_t>(), nullptr,
-                             sums.as<double>(), hid.as<uint16_t>(), target.lm_head(),
-                             static_cast<const int32_t*>(labels.dev),
-                             static_cast<const float*>(weights.dev), cp, ws, ws_bytes);
-  });
-  r.kernels = {af, aft, ab, abt, pfk, pft, ce};
+  if (d.dspark.enabled) {
+    // The DSpark head with its gradients over the step's block rows (dspark_head_cuda: logits,
+    // teacher logits, the Markov bias, the row kernel and the backward GEMMs), random weights,
+    // the step's labels, weights, row index and teacher rows.
+    DeviceMemory hid(Tq * H * 2), dhid(Tq * H * 4), amax(Tq * 4), sums(6 * 8);
+    DeviceMemory pw(layout.total * 4), pb(layout.total * 2), pg(layout.total * 4);
+    fill_uniform_cuda(ctx, hid.as<uint16_t>(), Tq * H, 0.0f, 1.0f, 31);
+    fill_uniform_cuda(ctx, pw.as<float>(), layout.total, 0.0f, 0.02f, 32);
+    fill_uniform_cuda(ctx, pb.as<uint16_t>(), layout.total, 0.0f, 0.02f, 33);
+    DsparkCudaArgs da;
+    da.R = Tq;
+    da.params = pw.as<float>();
+    da.weights_bf16 = pb.as<uint16_t>();
+    da.grads = pg.as<float>();
+    da.lm_head = target.lm_head();
+    da.hf = hid.as<uint16_t>();
+    da.target_final = drafter.features() + packed.T * d.n_taps() * H;
+    da.labels = static_cast<const int32_t*>(labels.dev);
+    da.weights = static_cast<const float*>(weights.dev);
+    da.prev = static_cast<const int32_t*>(dsp[0]->dev);
+    da.teacher_pos = static_cast<const int32_t*>(dsp[1]->dev);
+    da.w1_order = static_cast<const int32_t*>(dsp[2]->dev);
+    da.w1_seg = static_cast<const int32_t*>(dsp[3]->dev);
+    da.dhf = dhid.as<float>();
+    da.argmax = amax.as<int32_t>();
+    da.sums = sums.as<double>();
+    da.workspace_bytes = dspark_head_cuda_workspace_bytes(d, Tq, kDrafterCeChunkRows);
+    da.workspace = arena.get_bytes("drafter.dspark.workspace", da.workspace_bytes);
+    da.rows_bytes = dspark_head_cuda_rows_bytes(d, Tq);
+    da.rows = arena.get_bytes("drafter.dspark.rows", da.rows_bytes);  // idle outside the head
+    da.grad_scale = 1.0;
+    da.chunk_rows = kDrafterCeChunkRows;
+    const double head_flops = dspark_head_flops(d, Tq);
+    BenchKernel dk_head{"DSpark head + grads",
+                        fmt::format("{} rows, H {}, V {}, r {}", Tq, H, V, d.dspark.markov_rank),
+                        NAN, head_flops, head_flops / kPeakBf16Flops * 1e3};
+    dk_head.ms =
+        time_kernel(ctx, o.kernel_reps, [&] { dspark_head_cuda(ctx, d, layout, o.objective, da); });
+    r.kernels.push_back(dk_head);
+  } else {
+    // The fused LM-head CE with its input gradient, over the step's block rows.
+    DeviceMemory hid(Tq * H * 2), dhid(Tq * H * 4), amax(Tq * 4), sums(16);
+    fill_uniform_cuda(ctx, hid.as<uint16_t>(), Tq * H, 0.0f, 1.0f, 31);
+    FusedCeParams cp;
+    cp.R = Tq;
+    cp.H = H;
+    cp.V = V;
+    cp.chunk_rows = kDrafterCeChunkRows;
+    const uint64_t ws_bytes = cross_entropy_fused_cuda_workspace_bytes(cp, true, false);
+    void* ws = arena.get_bytes("drafter.ce_workspace", ws_bytes);  // idle outside the head phase
+    const double ce_flops = 4.0 * static_cast<double>(Tq * H) * static_cast<double>(V);
+    BenchKernel ce{"fused LM-head CE + grad", fmt::format("{} rows, H {}, V {}", Tq, H, V), NAN,
+                   ce_flops, ce_flops / kPeakBf16Flops * 1e3};
+    ce.ms = time_kernel(ctx, o.kernel_reps, [&] {
+      cross_entropy_fused_cuda(ctx, dhid.as<float>(), nullptr, amax.as<int32_t>(), nullptr,
+                               sums.as<double>(), hid.as<uint16_t>(), target.lm_head(),
+                               static_cast<const int32_t*>(labels.dev),
+                               static_cast<const float*>(weights.dev), cp, ws, ws_bytes);
+    });
+    r.kernels.push_back(ce);
+  }
   ctx.synchronize();
   return r;
 }
