@@ -1,6 +1,7 @@
 // dflash.cpp — the DFlash drafter's training step on the CUDA backend (the same model and objective
 // as drafter_train_step in src/model/drafter.hpp, over a whole packed step at once; the inputs are
-// a DrafterBatch staged by drafter_batch_stage, src/model/drafter_batch.hpp).
+// a DrafterBatch staged by drafter_batch_stage, src/model/drafter_batch.hpp). A drafter with DSpark
+// heads runs the DSpark head (model/dspark_head_cuda.hpp) in place of the fused LM-head CE.
 //
 // Numerics (DESIGN.md §3): fp32 master weights, AdamW moments and gradients; a bf16 copy of the
 // weights feeds every GEMM (bf16 in, fp32 accumulate); the residual stream, norm statistics,

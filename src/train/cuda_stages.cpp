@@ -410,6 +410,11 @@ class CudaDrafterStage final : public DrafterStage {
     accumulate_metrics(r.metrics, b.targets, std::span<const int32_t>(res.argmax.data(), real_rows),
                        {});
     r.metrics.loss_weighted_sum = res.loss_sum;
+    r.metrics.dspark = b.objective.dspark();
+    r.metrics.dspark_ce_sum = res.dspark_ce_sum;
+    r.metrics.dspark_l1_sum = res.dspark_l1_sum;
+    r.metrics.dspark_bce_sum = res.dspark_bce_sum;
+    r.metrics.dspark_acc_sum = res.dspark_acc_sum;
     r.metrics.weight_sum = b.objective.dpace() ? b.loss_denominator() : res.weight_sum;
     if (!collective_) r.grad_norm = res.grad_norm * pending_scale_;
     queue_.stepped(std::move(r));
