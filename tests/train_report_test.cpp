@@ -212,7 +212,10 @@ TEST(TrainReport, DsparkTermsReachTheRecordAsMeansOverTheWeights) {
   EXPECT_DOUBLE_EQ(r.at("dspark_acc").get<double>(), 0.75);
   const IntervalMetrics back = IntervalMetrics::from_json(iv.to_json(), "state.json", kK);
   EXPECT_EQ(back.to_json(), iv.to_json());
-  EXPECT_EQ(interval_record(back, 2, 0, 1e-3, 0), r);
+  const json rb = interval_record(back, 2, 0, 1e-3, 0);
+  for (const char* k : {"loss", "dspark_ce", "dspark_l1", "dspark_bce", "dspark_acc"}) {
+    EXPECT_EQ(rb.at(k), r.at(k)) << k;
+  }
   IntervalMetrics plain(kK);
   plain.add_step(applied_step(1.0), 100, 40, StepTimes{0, 0, 0, 1});
   EXPECT_FALSE(plain.to_json().contains("dspark_sums"));
