@@ -13,6 +13,7 @@
 #include "core/error.hpp"
 #include "model/drafter.hpp"
 #include "model/dspark_head.hpp"
+#include "model/dspark_head_cuda.hpp"
 #include "model/step_plan.hpp"
 #include "util/test_util.hpp"
 
@@ -396,10 +397,17 @@ TEST(DSpark, ConfigValidationNamesTheField) {
   c.dspark.confidence_head = true;
   c.dspark.confidence_with_markov = true;
   EXPECT_THAT_ERROR(c.validate(), "confidence_head_with_markov needs");
-  // The CUDA drafter (training, the pipeline's GPU stages, the CUDA decoder) refuses the heads.
+  // The CUDA drafter step runs vanilla DSpark heads: only head_dim 8 is refused here (gated and
+  // rnn heads: CudaHeadRefusesGatedAndRnnByName; the CUDA decoder refuses DSpark in src/cli).
   const std::vector<std::string> cuda = cuda_drafter_unsupported(p.cfg);
-  ASSERT_EQ(cuda.size(), 2u);  // head_dim 8 too
-  EXPECT_THAT(cuda[1], ::testing::HasSubstr("no DSpark heads (training.objective dspark"));
+  ASSERT_EQ(cuda.size(), 1u);
+  EXPECT_THAT(cuda[0], ::testing::HasSubstr("head_dim"));
+  DrafterConfig gated = p.cfg;
+  gated.dspark.markov_rank = 2;
+  gated.dspark.markov_type = MarkovHeadType::gated;
+  ASSERT_EQ(cuda_drafter_unsupported(gated).size(), 2u);
+  EXPECT_THAT(cuda_drafter_unsupported(gated)[1],
+              ::testing::HasSubstr("markov_head_type gated is implemented on the cpu backend"));
   c = p.cfg;
   c.dspark.enabled = false;
   c.dspark.markov_rank = 2;
@@ -418,4 +426,80 @@ TEST(DSpark, ConfigValidationNamesTheField) {
   EXPECT_THAT_ERROR(drafter_train_step<double>(dflash_cfg, dl, d.params.data(), nullptr, d.tables(),
                                                b, d.features.data(), 1.0, *ws),
                     "a batch of the dspark objective for a drafter without DSpark heads");
+}
+
+// The CUDA head's host-side row index (model/dspark_head_cuda.hpp): teacher-forced previous tokens
+// and teacher rows as the CPU step reads them, and W1's rows in segments of one token each, rows
+// ascending within a segment; padding rows unsupervised.
+TEST(DSpark, CudaRowIndexSortsSupervisedRowsIntoTokenSegments) {
+  Problem<float> p =
+      make_problem<float>(3, Heads{2, MarkovHeadType::vanilla, false, false}, kAnchors);
+  p.tokens[1] = p.tokens[6] = p.tokens[12] = 7;  // several rows share previous token 7
+  const DrafterBatch b = p.batch();
+  const int64_t K = b.block_size, NK = b.N() * K, rows = NK + 3;
+  const DsparkRowIndex x = dspark_row_index(b, rows, p.cfg.vocab_size);
+  ASSERT_EQ(x.prev.size(), static_cast<size_t>(rows));
+  ASSERT_EQ(x.w1_seg.size(), static_cast<size_t>(rows) + 1);
+  std::vector<int32_t> sup;
+  for (int64_t row = 0; row < rows; ++row) {
+    const auto i = static_cast<size_t>(row);
+    if (row >= NK) {
+      EXPECT_EQ(x.prev[i], 0);
+      EXPECT_EQ(x.teacher_pos[i], -1);
+      continue;
+    }
+    const Anchor& a = b.anchors[static_cast<size_t>(row / K)];
+    const int32_t pos = a.pos + static_cast<int32_t>(row % K);
+    const bool in_doc = pos < b.doc_offsets[static_cast<size_t>(a.doc) + 1];
+    EXPECT_EQ(x.prev[i], in_doc ? b.tokens[static_cast<size_t>(pos)] : 0) << row;
+    const bool s = b.targets.weights[i] != 0.0f;
+    EXPECT_EQ(x.teacher_pos[i], s ? pos : -1) << row;
+    if (s) sup.push_back(static_cast<int32_t>(row));
+  }
+  // Every supervised row once; segments partition them by token, rows ascending inside.
+  const auto n = static_cast<int32_t>(sup.size());
+  std::vector<int32_t> seen(x.w1_order.begin(), x.w1_order.begin() + n);
+  std::sort(seen.begin(), seen.end());
+  EXPECT_EQ(seen, sup);
+  for (size_t i = static_cast<size_t>(n); i < x.w1_order.size(); ++i) EXPECT_EQ(x.w1_order[i], -1);
+  EXPECT_EQ(x.w1_seg[0], 0);
+  int segments = 0;
+  for (size_t s = 0; s + 1 < x.w1_seg.size(); ++s) {
+    const int32_t lo = x.w1_seg[s], hi = x.w1_seg[s + 1];
+    ASSERT_LE(lo, hi);
+    if (lo == hi) {
+      EXPECT_EQ(lo, n);  // trailing empty segments only
+      continue;
+    }
+    ++segments;
+    const int32_t tok = x.prev[static_cast<size_t>(x.w1_order[static_cast<size_t>(lo)])];
+    if (s > 0) {
+      EXPECT_LT(x.prev[static_cast<size_t>(x.w1_order[static_cast<size_t>(lo) - 1])], tok);
+    }
+    for (int32_t k = lo + 1; k < hi; ++k) {
+      EXPECT_EQ(x.prev[static_cast<size_t>(x.w1_order[static_cast<size_t>(k)])], tok);
+      EXPECT_LT(x.w1_order[static_cast<size_t>(k) - 1], x.w1_order[static_cast<size_t>(k)]);
+    }
+  }
+  EXPECT_LT(segments, n);  // token 7 collects several rows
+  EXPECT_EQ(x.w1_seg.back(), n);
+  // Errors: too few rows, a label outside the vocabulary.
+  EXPECT_THAT_ERROR(dspark_row_index(b, NK - 1, p.cfg.vocab_size), "rows for a batch of");
+  EXPECT_THAT_ERROR(dspark_row_index(b, rows, 3), "outside [0, 3)");
+}
+
+// The CUDA head runs vanilla Markov heads (any rank) and the confidence heads; gated and rnn
+// heads are refused by name.
+TEST(DSpark, CudaHeadRefusesGatedAndRnnByName) {
+  Problem<float> p =
+      make_problem<float>(4, Heads{2, MarkovHeadType::vanilla, true, true}, kAnchors);
+  EXPECT_TRUE(dspark_cuda_unsupported(p.cfg).empty());
+  for (MarkovHeadType t : {MarkovHeadType::gated, MarkovHeadType::rnn}) {
+    DrafterConfig c = p.cfg;
+    c.dspark.markov_type = t;
+    const std::vector<std::string> u = dspark_cuda_unsupported(c);
+    ASSERT_EQ(u.size(), 1u);
+    EXPECT_EQ(u[0], std::string("dflash_config.markov_head_type ") + markov_head_type_name(t) +
+                        " is implemented on the cpu backend only");
+  }
 }

@@ -190,3 +190,46 @@ TEST(TrainReport, UnmeasuredFiguresAreLeftOutAndOldStateStillReads) {
   old.erase("t_host_wait");
   EXPECT_EQ(IntervalMetrics::from_json(old, "state.json", 4).to_json(), iv.to_json());
 }
+
+// DSpark's term sums (ObjectiveMetrics) reach metrics.jsonl as means over Σw, survive a
+// checkpoint, and stay out of the other objectives' records; a malformed entry is named.
+TEST(TrainReport, DsparkTermsReachTheRecordAsMeansOverTheWeights) {
+  IntervalMetrics iv(kK);
+  DrafterStepResult a = applied_step(1.0), b = applied_step(1.0);
+  for (DrafterStepResult* r : {&a, &b}) {
+    r->metrics.dspark = true;
+    r->metrics.dspark_ce_sum = 4.0;
+    r->metrics.dspark_l1_sum = 1.0;
+    r->metrics.dspark_bce_sum = 0.5;
+    r->metrics.dspark_acc_sum = 1.5;
+  }
+  iv.add_step(a, 100, 40, StepTimes{0, 0, 0, 1});
+  iv.add_step(b, 100, 40, StepTimes{0, 0, 0, 1});
+  const json r = interval_record(iv, 2, 0, 1e-3, 0);
+  EXPECT_DOUBLE_EQ(r.at("dspark_ce").get<double>(), 2.0);  // Σ w·CE 8 over Σ w 4
+  EXPECT_DOUBLE_EQ(r.at("dspark_l1").get<double>(), 0.5);
+  EXPECT_DOUBLE_EQ(r.at("dspark_bce").get<double>(), 0.25);
+  EXPECT_DOUBLE_EQ(r.at("dspark_acc").get<double>(), 0.75);
+  const IntervalMetrics back = IntervalMetrics::from_json(iv.to_json(), "state.json", kK);
+  EXPECT_EQ(back.to_json(), iv.to_json());
+  const json rb = interval_record(back, 2, 0, 1e-3, 0);
+  for (const char* k : {"loss", "dspark_ce", "dspark_l1", "dspark_bce", "dspark_acc"}) {
+    EXPECT_EQ(rb.at(k), r.at(k)) << k;
+  }
+  IntervalMetrics plain(kK);
+  plain.add_step(applied_step(1.0), 100, 40, StepTimes{0, 0, 0, 1});
+  EXPECT_FALSE(plain.to_json().contains("dspark_sums"));
+  for (const char* k : {"dspark_ce", "dspark_l1", "dspark_bce", "dspark_acc"}) {
+    EXPECT_FALSE(interval_record(plain, 1, 0, 1e-3, 0).contains(k)) << k;
+  }
+  json bad = iv.to_json();
+  bad["dspark_sums"] = json::array({1.0, 2.0});
+  try {
+    IntervalMetrics::from_json(bad, "state.json", kK);
+    ADD_FAILURE() << "no error for a short dspark_sums";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("state.json: key 'dspark_sums' must be a list of 4"),
+              std::string::npos)
+        << e.what();
+  }
+}

@@ -12,6 +12,7 @@
 #include "model/presets.hpp"
 #include "model/step_plan.hpp"
 #include "train/bench.hpp"
+#include "train/run_config.hpp"
 
 namespace dflash::cli {
 
@@ -22,6 +23,7 @@ struct BenchArgs {
   std::string graphs = "both";
   std::string json;
   std::string loss_type = "dflash";
+  std::string objective = "dflash";
   bool plan = false;
   int mask = -1;
 };
@@ -42,6 +44,14 @@ void run_bench_command(BenchArgs& a) {
                "dpace-continuation-value-only (got '{}')",
                a.loss_type);
   a.o.objective.loss = *loss;
+  DFLASH_CHECK(a.objective == "dflash" || a.objective == "dspark",
+               "--objective must be dflash or dspark (got '{}')", a.objective);
+  if (a.objective == "dspark") {  // training.objective dspark with its default alphas
+    DFLASH_CHECK(a.loss_type == "dflash", "--objective dspark has its own loss: drop --loss-type");
+    TrainingSection t;
+    t.objective = "dspark";
+    a.o.objective = objective_of(t);
+  }
   DFLASH_CHECK(a.o.objective.dpace_alpha >= 0 && a.o.objective.dpace_alpha <= 1,
                "--dpace-alpha must be in [0, 1] (got {})", a.o.objective.dpace_alpha);
   const BenchSetup s = bench_setup(a.o);
@@ -103,6 +113,13 @@ void add_bench_command(CLI::App& app) {
   b->add_option("--loss-type", a->loss_type,
                 "The loss, as training.loss_type: dflash, dpace, "
                 "dpace-cumulative-confidence-only or dpace-continuation-value-only")
+      ->capture_default_str();
+  b->add_option("--objective", a->objective,
+                "The objective, as training.objective: dflash or dspark (its default alphas; "
+                "vanilla Markov head of --markov-rank, the confidence head)")
+      ->capture_default_str();
+  b->add_option("--markov-rank", a->o.markov_rank,
+                "DSpark's Markov rank r, as training.markov_rank")
       ->capture_default_str();
   b->add_option("--dpace-alpha", a->o.objective.dpace_alpha, "D-PACE's α, as training.dpace_alpha")
       ->capture_default_str();

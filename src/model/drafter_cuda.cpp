@@ -13,6 +13,7 @@
 
 #include "backend/cuda/check.hpp"
 #include "core/error.hpp"
+#include "model/dspark_head_cuda.hpp"
 #include "model/step_plan.hpp"
 #include "ops/attention.hpp"
 #include "ops/cast.hpp"
@@ -75,7 +76,7 @@ DrafterCuda::DrafterCuda(cuda::CudaContext& ctx, const DrafterConfig& cfg,
 void DrafterCuda::take_buffers(cuda::DeviceArena& a) {
   const DrafterConfig& c = cfg_;
   const int64_t P = layout_.total, T = max_ctx_, NK = max_rows_, TK = T + NK;
-  const int64_t H = c.hidden_size, I = c.intermediate_size, F = c.n_taps() * H;
+  const int64_t H = c.hidden_size, I = c.intermediate_size, F = drafter_feature_cols(c);
   const int64_t QD = c.num_heads * c.head_dim, KD = c.num_kv_heads * c.head_dim;
   params_ = a.get<float>("drafter.params", P);
   m_ = a.get<float>("drafter.adam_m", P);
@@ -121,13 +122,21 @@ void DrafterCuda::take_buffers(cuda::DeviceArena& a) {
   }
   hf_ = a.get<uint16_t>("drafter.hf", NK * H);
   d_hf_ = a.get<float>("drafter.d_hf", NK * H);
-  FusedCeParams cp;
-  cp.R = NK;
-  cp.H = H;
-  cp.V = c.vocab_size;
-  cp.chunk_rows = ce_chunk_rows_;
-  ce_ws_bytes_ = cross_entropy_fused_cuda_workspace_bytes(cp, true, false);
-  ce_ws_ = a.get_bytes("drafter.ce_workspace", ce_ws_bytes_);
+  if (c.dspark.enabled) {
+    dspark_ws_bytes_ = dspark_head_cuda_workspace_bytes(c, NK, ce_chunk_rows_);
+    dspark_ws_ = a.get_bytes("drafter.dspark.workspace", dspark_ws_bytes_);
+    dspark_rows_bytes_ = dspark_head_cuda_rows_bytes(c, NK);
+    dspark_rows_ = a.get_bytes("drafter.dspark.rows", dspark_rows_bytes_);
+    dspark_sums_ = a.get<double>("drafter.dspark.sums", 6);
+  } else {
+    FusedCeParams cp;
+    cp.R = NK;
+    cp.H = H;
+    cp.V = c.vocab_size;
+    cp.chunk_rows = ce_chunk_rows_;
+    ce_ws_bytes_ = cross_entropy_fused_cuda_workspace_bytes(cp, true, false);
+    ce_ws_ = a.get_bytes("drafter.ce_workspace", ce_ws_bytes_);
+  }
   row_w_ = a.get<float>("drafter.row_weights", NK);
   dh_ = a.get<float>("drafter.dh", NK * H);
   dh_bf_ = a.get<uint16_t>("drafter.dh_bf", NK * H);
@@ -204,6 +213,12 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
                c.block_size);
   DFLASH_CHECK(in.features && in.pos && in.block_tokens && in.ranges && in.labels && in.weights,
                "DrafterCuda::forward_backward: null input");
+  DFLASH_CHECK(in.objective.dspark() == c.dspark.enabled,
+               "DrafterCuda::forward_backward: the {} objective for a drafter {} DSpark heads",
+               objective_kind_name(in.objective.kind), c.dspark.enabled ? "with" : "without");
+  DFLASH_CHECK(!c.dspark.enabled || (in.dspark_prev && in.dspark_teacher_pos &&
+                                     in.dspark_w1_order && in.dspark_w1_seg),
+               "DrafterCuda::forward_backward: a DSpark step without its row index");
   const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim, NH = c.num_heads;
   const int64_t NKV = c.num_kv_heads, QD = NH * D, KD = NKV * D, F = c.n_taps() * H;
   const double eps = c.rms_norm_eps;
@@ -251,7 +266,7 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   DFLASH_CUDA_CHECK(cudaMemsetAsync(grads_, 0, static_cast<size_t>(layout_.total) * kF, s));
   // ctx = hidden_norm(fc(features)): the first T rows of layer 0's kvin, copied into the other
   // layers' kvin when each layer has its own.
-  linear_fwd_cuda(ctx_, ctx_pre_, in.features, wb(layout_.fc), T, F, H);
+  linear_fwd_cuda(ctx_, ctx_pre_, in.features, wb(layout_.fc), T, F, H);  // the taps [T, F]
   uint16_t* kvin0 = layers_.front().kvin;
   rmsnorm_fwd_cuda(ctx_, kvin0, nullf, ctx_pre_, pf(layout_.hidden_norm), T, H, eps);
   for (const LayerBuf& a : layers_) {
@@ -289,15 +304,45 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   // final norm's backward.
   const int64_t norm_i = layout_.norm;
   rmsnorm_fwd_cuda(ctx_, hf_, nullf, h, pf(norm_i), NK, H, eps);
-  FusedCeParams cp;
-  cp.R = NK;
-  cp.H = H;
-  cp.V = c.vocab_size;
-  cp.chunk_rows = ce_chunk_rows_;
-  cp.grad_scale = grad_scale;
   const bool dpace = in.objective.dpace();
-  cross_entropy_fused_cuda(ctx_, d_hf_, nullptr, argmax_, dpace ? row_w_ : nullptr, sums_, hf_,
-                           head_, in.labels, in.weights, cp, ce_ws_, ce_ws_bytes_);
+  if (c.dspark.enabled) {
+    DsparkCudaArgs da;
+    da.R = NK;
+    da.params = params_;
+    da.weights_bf16 = wbf_;
+    da.grads = grads_;
+    da.lm_head = head_;
+    da.hf = hf_;
+    da.target_final = in.features + T * F;  // after the taps (drafter_feature_cols)
+    da.labels = in.labels;
+    da.weights = in.weights;
+    da.prev = in.dspark_prev;
+    da.teacher_pos = in.dspark_teacher_pos;
+    da.w1_order = in.dspark_w1_order;
+    da.w1_seg = in.dspark_w1_seg;
+    da.dhf = d_hf_;
+    da.argmax = argmax_;
+    da.sums = dspark_sums_;
+    da.workspace = dspark_ws_;
+    da.workspace_bytes = dspark_ws_bytes_;
+    da.rows = dspark_rows_;
+    da.rows_bytes = dspark_rows_bytes_;
+    da.grad_scale = grad_scale;
+    da.chunk_rows = ce_chunk_rows_;
+    dspark_head_cuda(ctx_, c, layout_, in.objective, da);
+    // {Σ w·loss, Σ w} where fetch_results reads the other objectives' sums.
+    DFLASH_CUDA_CHECK(
+        cudaMemcpyAsync(sums_, dspark_sums_, 2 * sizeof(double), cudaMemcpyDeviceToDevice, s));
+  } else {
+    FusedCeParams cp;
+    cp.R = NK;
+    cp.H = H;
+    cp.V = c.vocab_size;
+    cp.chunk_rows = ce_chunk_rows_;
+    cp.grad_scale = grad_scale;
+    cross_entropy_fused_cuda(ctx_, d_hf_, nullptr, argmax_, dpace ? row_w_ : nullptr, sums_, hf_,
+                             head_, in.labels, in.weights, cp, ce_ws_, ce_ws_bytes_);
+  }
   if (dpace) {  // CE → D-PACE weights (and the sums), then d_hf row r ·= w_r
     dpace_weights_cuda(ctx_, row_w_, sums_, in.weights, NK / c.block_size, c.block_size,
                        in.objective);
@@ -377,10 +422,20 @@ DrafterCuda::Results DrafterCuda::fetch_results(int64_t NK) {
   DFLASH_CUDA_CHECK(cudaMemcpyAsync(r.argmax.data(), argmax_,
                                     static_cast<size_t>(NK) * sizeof(int32_t),
                                     cudaMemcpyDeviceToHost, s));
+  double d[6] = {0, 0, 0, 0, 0, 0};  // DSpark's sums (dspark_head_cuda)
+  if (cfg_.dspark.enabled) {
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(d, dspark_sums_, sizeof d, cudaMemcpyDeviceToHost, s));
+  }
   ctx_.synchronize();
   r.loss_sum = sums[0];
   r.weight_sum = sums[1];
   r.grad_norm = std::sqrt(sumsq);
+  if (cfg_.dspark.enabled) {
+    r.dspark_ce_sum = d[2];
+    r.dspark_l1_sum = d[3];
+    r.dspark_bce_sum = d[4];
+    r.dspark_acc_sum = d[5];
+  }
   return r;
 }
 

@@ -1,6 +1,7 @@
 // dflash.cpp — the DFlash drafter's training step on the CUDA backend (the same model and objective
 // as drafter_train_step in src/model/drafter.hpp, over a whole packed step at once; the inputs are
-// a DrafterBatch staged by drafter_batch_stage, src/model/drafter_batch.hpp).
+// a DrafterBatch staged by drafter_batch_stage, src/model/drafter_batch.hpp). A drafter with DSpark
+// heads runs the DSpark head (model/dspark_head_cuda.hpp) in place of the fused LM-head CE.
 //
 // Numerics (DESIGN.md §3): fp32 master weights, AdamW moments and gradients; a bf16 copy of the
 // weights feeds every GEMM (bf16 in, fp32 accumulate); the residual stream, norm statistics,
@@ -45,7 +46,13 @@ struct DrafterCudaInputs {
   const float* weights = nullptr;        ///< [NK] loss weights (0 for slot 0 and padding)
   /// The loss. dflash: Σ weights·CE. D-PACE: `weights` is the mask m_k of each row, and the step
   /// weighs each supervised row by dpace_weights_cuda of the rows' own CE (w held constant).
+  /// dspark (a drafter with DSpark heads): the DSpark loss of dspark_head_cuda, its teacher the
+  /// final-norm rows [T, H] that follow the taps in `features` (drafter_feature_cols).
   Objective objective;
+  /// DSpark only: the DsparkRowIndex arrays of the step (model/dspark_head_cuda.hpp), [NK] each
+  /// and w1_seg [NK + 1].
+  const int32_t *dspark_prev = nullptr, *dspark_teacher_pos = nullptr;
+  const int32_t *dspark_w1_order = nullptr, *dspark_w1_seg = nullptr;
 };
 
 /// Drafter weights, optimizer state and the activation workspace on one GPU.
@@ -90,11 +97,12 @@ class DrafterCuda {
   void download_grads(std::span<float> grads);
 
   /// Forward and backward of one step: zeroes the gradients, then accumulates d(Σ w·CE)·grad_scale
-  /// into them (use grad_scale = 1/DrafterBatch::loss_normaliser of the step: 1/Σw for dflash,
-  /// 1/sequences for D-PACE), and the global gradient sum of squares. D-PACE: one fused CE pass
-  /// with weights m_k gives each row's CE and unit-weight gradient; dpace_weights_cuda turns the
-  /// CE into the weights and rows_scale_cuda scales each row's gradient by its weight.
-  /// Outputs stay on the device until fetch_results. Enqueue only.
+  /// (DSpark: d(numerator)·grad_scale, dspark_head_cuda) into them (use grad_scale =
+  /// 1/DrafterBatch::loss_normaliser of the step: 1/Σw for dflash, 1/sequences for D-PACE), and the
+  /// global gradient sum of squares. D-PACE: one fused CE pass with weights m_k gives each row's CE
+  /// and unit-weight gradient; dpace_weights_cuda turns the CE into the weights and rows_scale_cuda
+  /// scales each row's gradient by its weight. Outputs stay on the device until fetch_results.
+  /// Enqueue only.
   void forward_backward(const DrafterCudaInputs& in, double grad_scale);
 
   /// Results of the last forward_backward copied to the host (synchronises the stream).
@@ -103,6 +111,9 @@ class DrafterCuda {
     double weight_sum = 0; ///< Σ w
     double grad_norm = 0;  ///< global L2 norm of the scaled gradient (before clipping)
     std::vector<int32_t> argmax;  ///< [NK] drafter argmax per block row
+    /// DSpark only: Σ w·CE, Σ w·L1, Σ w·BCE, Σ w·acc (loss_sum is Σ w·(αce·CE + αl1·L1 +
+    /// αconf·BCE)); 0 for the other objectives.
+    double dspark_ce_sum = 0, dspark_l1_sum = 0, dspark_bce_sum = 0, dspark_acc_sum = 0;
   };
   Results fetch_results(int64_t NK);
 
@@ -147,8 +158,12 @@ class DrafterCuda {
   // Step buffers (per-layer buffers: LayerBuf).
   uint16_t *features_, *hf_;
   float *ctx_pre_, *h0_, *d_hf_, *row_w_;
-  void* ce_ws_;
-  uint64_t ce_ws_bytes_;
+  void* ce_ws_ = nullptr;
+  uint64_t ce_ws_bytes_ = 0;
+  // DSpark's head (model/dspark_head_cuda.hpp): chunk workspace, row buffers, sums [6].
+  void *dspark_ws_ = nullptr, *dspark_rows_ = nullptr;
+  uint64_t dspark_ws_bytes_ = 0, dspark_rows_bytes_ = 0;
+  double* dspark_sums_ = nullptr;
   // Backward scratch.
   float *dh_, *dhn2_, *dx_, *dctx_, *dctx_pre_;
   uint16_t *dh_bf_, *d_act_, *d_gu_, *d_o_, *dq_, *dq_raw_, *dk_, *dk_raw_, *dv_, *dctx_bf_;

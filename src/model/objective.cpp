@@ -185,6 +185,11 @@ void ObjectiveMetrics::merge(const ObjectiveMetrics& o) {
   }
   accept_len_sum += o.accept_len_sum;
   blocks += o.blocks;
+  dspark = dspark || o.dspark;
+  dspark_ce_sum += o.dspark_ce_sum;
+  dspark_l1_sum += o.dspark_l1_sum;
+  dspark_bce_sum += o.dspark_bce_sum;
+  dspark_acc_sum += o.dspark_acc_sum;
 }
 
 void accumulate_metrics(ObjectiveMetrics& m, const BlockTargets& t, std::span<const int32_t> argmax,

@@ -105,6 +105,10 @@ struct ObjectiveMetrics {
   std::vector<int64_t> slot_correct, slot_count;
   double accept_len_sum = 0;  ///< Σ over blocks of (1 + leading correct supervised slots)
   int64_t blocks = 0;
+  /// DSpark only (dspark true): Σ w·CE, Σ w·L1, Σ w·BCE and Σ w·acc of its loss's terms
+  /// (DsparkSums; loss_weighted_sum is their αs' combination), each over weight_sum.
+  bool dspark = false;
+  double dspark_ce_sum = 0, dspark_l1_sum = 0, dspark_bce_sum = 0, dspark_acc_sum = 0;
 
   explicit ObjectiveMetrics(int K_ = 0) : K(K_), slot_correct(K_, 0), slot_count(K_, 0) {}
   /// loss_weighted_sum / weight_sum (0 when weight_sum = 0).

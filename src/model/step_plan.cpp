@@ -8,6 +8,7 @@
 #include <algorithm>
 
 #include "core/error.hpp"
+#include "model/dspark_head_cuda.hpp"
 #include "ops/adamw.hpp"
 #include "ops/attention.hpp"
 #include "ops/cross_entropy.hpp"
@@ -77,12 +78,17 @@ std::vector<std::string> cuda_drafter_unsupported(const DrafterConfig& c) {
     out.push_back(fmt::format("the CUDA drafter supports head_dim 64 or 128 (drafter head_dim {})",
                               c.head_dim));
   }
-  if (c.dspark.enabled) {
-    out.push_back(
-        "the CUDA drafter has no DSpark heads (training.objective dspark, "
-        "dflash_config.projector_type dspark): train and decode DSpark on the cpu backend");
-  }
+  for (std::string& d : dspark_cuda_unsupported(c)) out.push_back(std::move(d));
   return out;
+}
+
+int64_t drafter_feature_cols(const DrafterConfig& c) {
+  return (c.n_taps() + (c.dspark.enabled ? 1 : 0)) * c.hidden_size;
+}
+
+int64_t target_layers_for_drafter(const ModelConfig& target, const DrafterConfig& drafter) {
+  const int64_t taps = target_layers_needed(target, drafter.target_layer_ids);
+  return drafter.dspark.enabled ? target.num_hidden_layers : taps;
 }
 
 int64_t target_layers_needed(const ModelConfig& c, const std::vector<int>& taps) {
@@ -212,7 +218,8 @@ void plan_drafter_step(ArenaPlanner& p, const DrafterConfig& c, const DrafterLay
       "drafter step plan: bad sizes ({} context rows, {} block rows, CE chunk {})", s.max_ctx,
       s.max_rows, s.ce_chunk_rows);
   const uint64_t P = u(layout.total), T = u(s.max_ctx), NK = u(s.max_rows), TK = T + NK;
-  const uint64_t H = u(c.hidden_size), I = u(c.intermediate_size), F = u(c.n_taps()) * H;
+  const uint64_t H = u(c.hidden_size), I = u(c.intermediate_size);
+  const uint64_t F = u(drafter_feature_cols(c));  // the taps (and DSpark's teacher rows)
   const uint64_t QD = u(c.num_heads * c.head_dim), KD = u(c.num_kv_heads * c.head_dim);
   const uint64_t NH = u(c.num_heads);
   const PhaseMask all = step_all_phases();
@@ -288,8 +295,15 @@ void plan_drafter_step(ArenaPlanner& p, const DrafterConfig& c, const DrafterLay
   cp.chunk_rows = s.ce_chunk_rows;
   p.add("drafter.hf", kGroupHead, NK * H * kBf, head);
   p.add("drafter.d_hf", kGroupHead, NK * H * kF, head);
-  p.add("drafter.ce_workspace", kGroupHead,
-        cross_entropy_fused_cuda_workspace_bytes(cp, true, false), head);
+  if (c.dspark.enabled) {
+    p.add("drafter.dspark.workspace", kGroupHead,
+          dspark_head_cuda_workspace_bytes(c, s.max_rows, s.ce_chunk_rows), head);
+    p.add("drafter.dspark.rows", kGroupHead, dspark_head_cuda_rows_bytes(c, s.max_rows), head);
+    p.add("drafter.dspark.sums", kGroupDrafterState, 6 * sizeof(double), all);
+  } else {
+    p.add("drafter.ce_workspace", kGroupHead,
+          cross_entropy_fused_cuda_workspace_bytes(cp, true, false), head);
+  }
   // The D-PACE losses: each block row's CE, then its weight (ops/loss_weights.hpp).
   p.add("drafter.row_weights", kGroupHead, NK * kF, head);
 

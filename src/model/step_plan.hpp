@@ -93,8 +93,19 @@ inline constexpr const char* kGroupInputs = "step inputs";
 /// (the router). TargetCuda refuses these at construction; the memory plans report them first.
 std::vector<std::string> cuda_target_unsupported(const ModelConfig& c);
 /// The same for a drafter: head_dim other than 64 or 128 (DrafterCuda's attention), DSpark heads
-/// (DrafterCuda computes the DFlash drafter only).
+/// the CUDA DSpark head does not run (dspark_cuda_unsupported: gated and rnn Markov heads).
 std::vector<std::string> cuda_drafter_unsupported(const DrafterConfig& c);
+
+/// Columns per context row of the features a target forward hands the drafter step: the taps
+/// [n_taps·H], and for a DSpark drafter (cfg.dspark.enabled) also the target's final-norm hidden
+/// states [H] (the teacher). The features of T rows are laid out as the taps [T, n_taps·H]
+/// followed by the final-norm rows [T, H] (two blocks, so the taps keep their row stride).
+int64_t drafter_feature_cols(const DrafterConfig& c);
+/// Target layers a training step uploads and runs: the deepest tap + 1, or every layer for a
+/// DSpark drafter (the final norm reads the last layer's output). Throws as target_layers_needed.
+int64_t target_layers_for_drafter(const ModelConfig& target, const DrafterConfig& drafter);
+/// Name of the target's final-norm weight f32 [H] in a training step's plan (DSpark drafters only).
+inline constexpr const char* kTargetFinalNorm = "target.final_norm";
 
 /// Number of target layers a tap forward runs: the deepest tap + 1 (layers after it are never
 /// uploaded). Throws dflash::Error for an empty list or a tap outside [0, num_hidden_layers).
@@ -144,7 +155,9 @@ void plan_target_weights(ArenaPlanner& p, const ModelConfig& c, int64_t n_layers
 void plan_target_activations(ArenaPlanner& p, const ModelConfig& c, int64_t n_layers,
                              int64_t max_tokens);
 /// DrafterCuda's state, activations and workspaces ("drafter.*"), see the file comment.
-/// "drafter.features" [max_ctx, n_taps·H] bf16 is written by the target phase.
+/// "drafter.features" [max_ctx, drafter_feature_cols] bf16 is written by the target phase. A
+/// DSpark drafter's head phase uses "drafter.dspark.workspace", "drafter.dspark.rows" (model/
+/// dspark_head_cuda.hpp) and "drafter.dspark.sums" f64 [6] instead of the fused CE's workspace.
 void plan_drafter_step(ArenaPlanner& p, const DrafterConfig& c, const DrafterLayout& layout,
                        const DrafterStepSizes& s);
 /// The pool every op's internal scratch comes from during a step ("workspace.op_scratch"): the

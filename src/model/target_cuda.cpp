@@ -414,6 +414,27 @@ void TargetCuda::forward_taps(uint16_t* taps, const int32_t* tokens, const int32
   run_layers(taps, tokens, pos, ranges, T, T, layer_ids, n_run, nullptr, nullptr, nullptr);
 }
 
+void TargetCuda::forward_taps_final(uint16_t* taps, uint16_t* final_out, const float* final_norm,
+                                    const int32_t* tokens, const int32_t* pos,
+                                    const AttnRange* ranges, int64_t T,
+                                    std::span<const int> layer_ids) {
+  DFLASH_CHECK(T > 0 && T <= max_tokens_,
+               "TargetCuda::forward_taps_final: {} tokens for a workspace of {}", T, max_tokens_);
+  DFLASH_CHECK(!layer_ids.empty(), "TargetCuda::forward_taps_final: no tap layers");
+  DFLASH_CHECK(num_layers() == cfg_.num_hidden_layers,
+               "TargetCuda::forward_taps_final: {} of the target's {} layers were uploaded (the "
+               "final norm needs all)",
+               num_layers(), cfg_.num_hidden_layers);
+  DFLASH_CHECK(taps && final_out && final_norm, "TargetCuda::forward_taps_final: null pointer");
+  for (int l : layer_ids) {
+    DFLASH_CHECK(l >= 0 && l < num_layers(),
+                 "tap layer {} is outside the uploaded target layers [0, {})", l, num_layers());
+  }
+  run_layers(taps, tokens, pos, ranges, T, T, layer_ids, num_layers(), nullptr, nullptr, nullptr);
+  rmsnorm_fwd_cuda(ctx_, final_out, static_cast<float*>(nullptr), x_, final_norm, T,
+                   cfg_.hidden_size, cfg_.rms_norm_eps);
+}
+
 void TargetCuda::forward_cached(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
                                 const int32_t* slots, const AttnRange* ranges, int64_t T,
                                 int64_t gemm_rows, std::span<const int> layer_ids,

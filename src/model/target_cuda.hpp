@@ -87,6 +87,14 @@ class TargetCuda {
   void forward_taps(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
                     const AttnRange* ranges, int64_t T, std::span<const int> layer_ids);
 
+  /// forward_taps over every layer, then the final norm: `final_out` bf16 [T, H] =
+  /// RMSNorm(last layer's output) with `final_norm` f32 [H] (the caller's copy of the target's
+  /// final-norm weight; this class does not hold it). DSpark's teacher rows. Throws
+  /// dflash::Error as forward_taps, when not every layer was uploaded, or for null pointers.
+  void forward_taps_final(uint16_t* taps, uint16_t* final_out, const float* final_norm,
+                          const int32_t* tokens, const int32_t* pos, const AttnRange* ranges,
+                          int64_t T, std::span<const int> layer_ids);
+
   /// Decoding forward over KV caches (the causal attention of a prefill or of a verified block):
   /// every layer runs; its k/v rows of the T tokens are first written to cache rows `slots` [T]
   /// (kv_scatter_cuda), then the T queries attend to the cache rows of their `ranges` [T] (the

@@ -7,11 +7,13 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <memory>
 
 #include "core/error.hpp"
 #include "core/rng.hpp"
 #include "model/drafter_batch.hpp"
 #include "model/drafter_io.hpp"
+#include "model/dspark_head_cuda.hpp"
 #include "model/objective.hpp"
 #include "model/presets.hpp"
 #include "model/step_plan.hpp"
@@ -75,6 +77,13 @@ BenchSetup bench_setup(const BenchOptions& o) {
   DrafterSizes sizes;
   sizes.block_size = o.block_size;
   s.drafter = drafter_config_for_target(s.target, o.drafter_layers, sizes, mask);
+  if (o.objective.dspark()) {
+    DFLASH_CHECK(o.markov_rank >= 0, "bench: --markov-rank must be >= 0 (got {})", o.markov_rank);
+    s.drafter.dspark.enabled = true;
+    s.drafter.dspark.markov_rank = o.markov_rank;
+    s.drafter.dspark.confidence_head = o.objective.dspark_conf_alpha > 0;
+    s.drafter.validate();
+  }
   s.docs_per_row = o.token_budget / o.doc_length;
   const int64_t per_doc = std::min<int64_t>(o.anchors, o.doc_length - 1);
   s.blocks = o.rows * s.docs_per_row * per_doc;
@@ -349,6 +358,7 @@ struct StagedStep {
   std::vector<int32_t> tokens, pos, block_tokens, labels;
   std::vector<AttnRange> context_ranges, block_ranges;
   std::vector<float> weights;
+  DsparkRowIndex dspark;  // DSpark only: the step's row index
 };
 
 // Samples anchors for step `step`, builds its DrafterBatch and stages it (what the trainer and the
@@ -383,7 +393,15 @@ StagedStep stage_bench_step(HostBatch& b, const BenchSetup& s, const BenchOption
   drafter_batch_stage(d, s.drafter.mask_token_id, 0,
                       {st.tokens, st.context_ranges, st.pos, st.block_tokens, st.block_ranges,
                        st.labels, st.weights});
+  if (o.objective.dspark()) st.dspark = dspark_row_index(d, st.NK, s.drafter.vocab_size);
   return st;
+}
+
+// FLOPs of the DSpark head over `rows` block rows: three [rows, H]·[H, V] GEMMs (the draft logits,
+// the teacher's, dhf) and three of rank r (the Markov bias, dE, dW2); 2 per multiply-add.
+double dspark_head_flops(const DrafterConfig& d, int64_t rows) {
+  const double n = static_cast<double>(rows), V = static_cast<double>(d.vocab_size);
+  return 6.0 * n * V * static_cast<double>(d.hidden_size + d.dspark.markov_rank);
 }
 
 // Keys the real block rows see (context prefix + own block) and the causal keys of real tokens.
@@ -601,6 +619,18 @@ BenchReport run_bench(const BenchOptions& o) {
   Staged pos(arena, "inputs.pos", (T + NK) * 4), btok(arena, "inputs.block_tokens", NK * 4);
   Staged branges(arena, "inputs.block_ranges", NK * 16), labels(arena, "inputs.labels", NK * 4);
   Staged weights(arena, "inputs.weights", NK * 4);
+  // DSpark: its row index, and the target's final norm (random weights: 1, as every norm's).
+  const bool dspark = s.drafter.dspark.enabled;
+  std::vector<std::unique_ptr<Staged> > dsp;
+  float* final_norm = nullptr;
+  if (dspark) {
+    for (const char* name : {kInputDsparkPrev, kInputDsparkTeacherPos, kInputDsparkW1Order}) {
+      dsp.push_back(std::make_unique<Staged>(arena, name, NK * 4));
+    }
+    dsp.push_back(std::make_unique<Staged>(arena, kInputDsparkW1Seg, (NK + 1) * 4));
+    final_norm = arena.get<float>(kTargetFinalNorm, s.target.hidden_size);
+    fill_uniform_cuda(ctx, final_norm, s.target.hidden_size, 1.0f, 0.0f, o.seed + 3);
+  }
   const uint64_t pool = arena.planned_bytes("workspace.op_scratch");
   ctx.allocator().use_pool(arena.get_bytes("workspace.op_scratch", pool), pool);
   const std::vector<std::string> unused = arena.untaken();
@@ -613,6 +643,11 @@ BenchReport run_bench(const BenchOptions& o) {
   r.loss_type = o.objective.dpace() ? fmt::format("{} (alpha {})", loss_type_name(o.objective.loss),
                                                   o.objective.dpace_alpha)
                                     : std::string(loss_type_name(o.objective.loss));
+  if (dspark) {
+    r.loss_type =
+        fmt::format("dspark (markov_rank {} vanilla, confidence head {})",
+                    s.drafter.dspark.markov_rank, s.drafter.dspark.confidence_head ? "on" : "off");
+  }
   r.documents = o.rows * s.docs_per_row;
   r.doc_length = o.doc_length;
   r.steps = o.steps;
@@ -632,9 +667,16 @@ BenchReport run_bench(const BenchOptions& o) {
     tokens.upload<int32_t>(st, 0, t);
     tranges.upload<AttnRange>(st, 0, t);
     pos.upload<int32_t>(st, 0, t);
-    target.forward_taps(drafter.features(), static_cast<int32_t*>(tokens.dev),
-                        static_cast<int32_t*>(pos.dev), static_cast<AttnRange*>(tranges.dev), t,
-                        s.drafter.target_layer_ids);
+    const auto* tk = static_cast<int32_t*>(tokens.dev);
+    const auto* ps = static_cast<int32_t*>(pos.dev);
+    const auto* rg = static_cast<AttnRange*>(tranges.dev);
+    if (dspark) {  // the taps, then the teacher's final-norm rows
+      uint16_t* f = drafter.features();
+      target.forward_taps_final(f, f + t * s.drafter.n_taps() * s.drafter.hidden_size, final_norm,
+                                tk, ps, rg, t, s.drafter.target_layer_ids);
+    } else {
+      target.forward_taps(drafter.features(), tk, ps, rg, t, s.drafter.target_layer_ids);
+    }
   };
   auto enqueue_drafter = [&](int64_t t, int64_t nk) {
     pos.upload<int32_t>(st, t, nk);
@@ -652,6 +694,13 @@ BenchReport run_bench(const BenchOptions& o) {
     in.labels = static_cast<int32_t*>(labels.dev);
     in.weights = static_cast<float*>(weights.dev);
     in.objective = o.objective;
+    if (dspark) {
+      for (size_t i = 0; i < dsp.size(); ++i) dsp[i]->upload<int32_t>(st, 0, i == 3 ? nk + 1 : nk);
+      in.dspark_prev = static_cast<int32_t*>(dsp[0]->dev);
+      in.dspark_teacher_pos = static_cast<int32_t*>(dsp[1]->dev);
+      in.dspark_w1_order = static_cast<int32_t*>(dsp[2]->dev);
+      in.dspark_w1_seg = static_cast<int32_t*>(dsp[3]->dev);
+    }
     drafter.forward_backward(in, 1.0);
   };
   enum Ev { kStart, kTarget, kForward, kHead, kBackward, kOptStart, kOptEnd, kNumEv };
@@ -674,6 +723,12 @@ BenchReport run_bench(const BenchOptions& o) {
     branges.fill(packed.block_ranges);
     labels.fill(packed.labels);
     weights.fill(packed.weights);
+    if (dspark) {
+      dsp[0]->fill(packed.dspark.prev);
+      dsp[1]->fill(packed.dspark.teacher_pos);
+      dsp[2]->fill(packed.dspark.w1_order);
+      dsp[3]->fill(packed.dspark.w1_seg);
+    }
     const double total_w = packed.loss_normaliser;
     const auto w2 = Clock::now();
     const int64_t t = packed.T, nk = packed.NK;
@@ -743,7 +798,8 @@ BenchReport run_bench(const BenchOptions& o) {
     r.phases = {
         {"target forward", m[kTgt], tgt_flops, 0},
         {"drafter forward", m[kFwd], fv.fwd_gemm + fv.attn_fwd, 0},
-        {"LM-head CE (+ final norm)", m[kHd], fv.head, 0},
+        {dspark ? "DSpark head (+ final norm)" : "LM-head CE (+ final norm)", m[kHd],
+         dspark ? dspark_head_flops(s.drafter, packed.NK) : fv.head, 0},
         {"drafter backward", m[kBwd], fv.bwd_gemm + fv.attn_bwd, 0},
         {"optimizer (AdamW, bf16)", m[kOpt], 0, 30.0 * static_cast<double>(layout.total)},
     };
@@ -849,26 +905,69 @@ BenchReport run_bench(const BenchOptions& o) {
     attention_fwd_cuda(ctx, to.as<uint16_t>(), nullptr, tq.as<uint16_t>(), tk.as<uint16_t>(),
                        tv.as<uint16_t>(), static_cast<const AttnRange*>(tranges.dev), tpt);
   });
-  // The fused LM-head CE with its input gradient, over the step's block rows.
+  r.kernels = {af, aft, ab, abt, pfk, pft};
   const int64_t H = d.hidden_size, V = d.vocab_size;
-  DeviceMemory hid(Tq * H * 2), dhid(Tq * H * 4), amax(Tq * 4), sums(16);
-  fill_uniform_cuda(ctx, hid.as<uint16_t>(), Tq * H, 0.0f, 1.0f, 31);
-  FusedCeParams cp;
-  cp.R = Tq;
-  cp.H = H;
-  cp.V = V;
-  cp.chunk_rows = kDrafterCeChunkRows;
-  const uint64_t ws_bytes = cross_entropy_fused_cuda_workspace_bytes(cp, true, false);
-  void* ws = arena.get_bytes("drafter.ce_workspace", ws_bytes);  // idle outside the head phase
-  const double ce_flops = 4.0 * static_cast<double>(Tq * H) * static_cast<double>(V);
-  BenchKernel ce{"fused LM-head CE + grad", fmt::format("{} rows, H {}, V {}", Tq, H, V), NAN,
-                 ce_flops, ce_flops / kPeakBf16Flops * 1e3};
-  ce.ms = time_kernel(ctx, o.kernel_reps, [&] {
-    cross_entropy_fused_cuda(ctx, dhid.as<float>(), nullptr, amax.as<int32_t>(), nullptr,
-                             sums.as<double>(), hid.as<uint16_t>(), target.lm_head(),
-                             static_cast<const int32_t*>(labels.dev),
-                             static_cast<const float*>(weights.dev), cp, ws, ws_bytes);
-  });
+  if (d.dspark.enabled) {
+    // The DSpark head with its gradients over the step's block rows (dspark_head_cuda: logits,
+    // teacher logits, the Markov bias, the row kernel and the backward GEMMs), random weights,
+    // the step's labels, weights, row index and teacher rows.
+    DeviceMemory hid(Tq * H * 2), dhid(Tq * H * 4), amax(Tq * 4), sums(6 * 8);
+    DeviceMemory pw(layout.total * 4), pb(layout.total * 2), pg(layout.total * 4);
+    fill_uniform_cuda(ctx, hid.as<uint16_t>(), Tq * H, 0.0f, 1.0f, 31);
+    fill_uniform_cuda(ctx, pw.as<float>(), layout.total, 0.0f, 0.02f, 32);
+    fill_uniform_cuda(ctx, pb.as<uint16_t>(), layout.total, 0.0f, 0.02f, 33);
+    DsparkCudaArgs da;
+    da.R = Tq;
+    da.params = pw.as<float>();
+    da.weights_bf16 = pb.as<uint16_t>();
+    da.grads = pg.as<float>();
+    da.lm_head = target.lm_head();
+    da.hf = hid.as<uint16_t>();
+    da.target_final = drafter.features() + packed.T * d.n_taps() * H;
+    da.labels = static_cast<const int32_t*>(labels.dev);
+    da.weights = static_cast<const float*>(weights.dev);
+    da.prev = static_cast<const int32_t*>(dsp[0]->dev);
+    da.teacher_pos = static_cast<const int32_t*>(dsp[1]->dev);
+    da.w1_order = static_cast<const int32_t*>(dsp[2]->dev);
+    da.w1_seg = static_cast<const int32_t*>(dsp[3]->dev);
+    da.dhf = dhid.as<float>();
+    da.argmax = amax.as<int32_t>();
+    da.sums = sums.as<double>();
+    da.workspace_bytes = dspark_head_cuda_workspace_bytes(d, Tq, kDrafterCeChunkRows);
+    da.workspace = arena.get_bytes("drafter.dspark.workspace", da.workspace_bytes);
+    da.rows_bytes = dspark_head_cuda_rows_bytes(d, Tq);
+    da.rows = arena.get_bytes("drafter.dspark.rows", da.rows_bytes);  // idle outside the head
+    da.grad_scale = 1.0;
+    da.chunk_rows = kDrafterCeChunkRows;
+    const double head_flops = dspark_head_flops(d, Tq);
+    BenchKernel dk_head{"DSpark head + grads",
+                        fmt::format("{} rows, H {}, V {}, r {}", Tq, H, V, d.dspark.markov_rank),
+                        NAN, head_flops, head_flops / kPeakBf16Flops * 1e3};
+    dk_head.ms =
+        time_kernel(ctx, o.kernel_reps, [&] { dspark_head_cuda(ctx, d, layout, o.objective, da); });
+    r.kernels.push_back(dk_head);
+  } else {
+    // The fused LM-head CE with its input gradient, over the step's block rows.
+    DeviceMemory hid(Tq * H * 2), dhid(Tq * H * 4), amax(Tq * 4), sums(16);
+    fill_uniform_cuda(ctx, hid.as<uint16_t>(), Tq * H, 0.0f, 1.0f, 31);
+    FusedCeParams cp;
+    cp.R = Tq;
+    cp.H = H;
+    cp.V = V;
+    cp.chunk_rows = kDrafterCeChunkRows;
+    const uint64_t ws_bytes = cross_entropy_fused_cuda_workspace_bytes(cp, true, false);
+    void* ws = arena.get_bytes("drafter.ce_workspace", ws_bytes);  // idle outside the head phase
+    const double ce_flops = 4.0 * static_cast<double>(Tq * H) * static_cast<double>(V);
+    BenchKernel ce{"fused LM-head CE + grad", fmt::format("{} rows, H {}, V {}", Tq, H, V), NAN,
+                   ce_flops, ce_flops / kPeakBf16Flops * 1e3};
+    ce.ms = time_kernel(ctx, o.kernel_reps, [&] {
+      cross_entropy_fused_cuda(ctx, dhid.as<float>(), nullptr, amax.as<int32_t>(), nullptr,
+                               sums.as<double>(), hid.as<uint16_t>(), target.lm_head(),
+                               static_cast<const int32_t*>(labels.dev),
+                               static_cast<const float*>(weights.dev), cp, ws, ws_bytes);
+    });
+    r.kernels.push_back(ce);
+  }
   // AdamW over min(P, 2^28) parameters on zeroed state (the time does not depend on the values):
   // the step's single pass that also writes the bf16 copy, against the path before the fusion
   // (AdamW, then cast_cuda re-reading the fp32 parameters). Floor: the 30 bytes per parameter the
@@ -896,7 +995,8 @@ BenchReport run_bench(const BenchOptions& o) {
     adamw_step_cuda(ctx, oseg.as<AdamWSegment>() + 1, 1, n_opt, adam, 6e-4, 1, nullptr, nullptr);
     cast_cuda(ctx, obf.as<uint16_t>(), op.as<const float>(), n_opt);
   });
-  r.kernels = {af, aft, ab, abt, pfk, pft, ce, opt_fused, opt_split};
+  r.kernels.push_back(opt_fused);
+  r.kernels.push_back(opt_split);
   ctx.synchronize();
   return r;
 }

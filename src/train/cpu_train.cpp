@@ -157,7 +157,12 @@ class CpuDrafterStage final : public DrafterStage {
       accumulate_metrics(r.metrics, batch.targets, out.argmax, {});
       r.metrics.loss_weighted_sum = out.loss_sum;
       r.metrics.weight_sum = out.weight_sum;
+      r.metrics.dspark_ce_sum = out.dspark_ce_sum;
+      r.metrics.dspark_l1_sum = out.dspark_l1_sum;
+      r.metrics.dspark_bce_sum = out.dspark_bce_sum;
+      r.metrics.dspark_acc_sum = out.dspark_acc_sum;
     }
+    r.metrics.dspark = batch.objective.dspark();
     // D-PACE's loss is divided by the sequences, this batch's documents (supervised or not).
     if (batch.objective.dpace()) r.metrics.weight_sum = batch.loss_denominator();
     if (!collective_) r.grad_norm = std::sqrt(sum_squares_cpu(grads_.data(), layout_.total));

@@ -55,6 +55,8 @@
 #include "backend/cuda/pinned.hpp"
 #include "core/dtype.hpp"
 #include "model/drafter_cuda.hpp"
+#include "model/dspark_head_cuda.hpp"
+#include "model/step_plan.hpp"
 #include "model/target_cuda.hpp"
 #include "train/cuda_train.hpp"
 #include "train/memory_plan.hpp"
@@ -163,7 +165,8 @@ class CudaTargetStage final : public TargetStage {
                   const TrainMemoryPlan& plan, bool graphs, int64_t buffers)
       : taps_(cfg.target_layer_ids),
         block_size_(cfg.block_size),
-        cols_(cfg.n_taps() * cfg.hidden_size),
+        tap_cols_(cfg.n_taps() * cfg.hidden_size),
+        cols_(drafter_feature_cols(cfg)),
         max_ctx_(plan.T),
         use_graphs_(graphs) {
     DFLASH_CHECK(buffers >= 1, "cuda target stage: {} feature buffers", buffers);
@@ -171,6 +174,12 @@ class CudaTargetStage final : public TargetStage {
     arena_ = std::make_unique<cuda::DeviceArena>(*ctx_, plan.arena);
     cuda::DeviceArena& a = *arena_;
     target_ = std::make_unique<TargetCuda>(*ctx_, model, plan.T, plan.target_layers, &a);
+    if (cfg.dspark.enabled) {  // the teacher's final norm (features: taps, then its rows)
+      const std::vector<float>& w = model.final_norm_weight();
+      final_norm_ = a.get<float>(kTargetFinalNorm, static_cast<int64_t>(w.size()));
+      DFLASH_CUDA_CHECK(
+          cudaMemcpy(final_norm_, w.data(), w.size() * sizeof(float), cudaMemcpyHostToDevice));
+    }
     const auto T = static_cast<size_t>(plan.T);
     tokens_ = Staged(a, "inputs.tokens", T * sizeof(int32_t));
     pos_ = Staged(a, "inputs.pos", T * sizeof(int32_t));
@@ -204,8 +213,14 @@ class CudaTargetStage final : public TargetStage {
       tokens_.upload(s, T * sizeof(int32_t));
       pos_.upload(s, T * sizeof(int32_t));
       ranges_.upload(s, T * sizeof(AttnRange));
-      target_->forward_taps(taps_out_, tokens_.device<int32_t>(), pos_.device<int32_t>(),
-                            ranges_.device<AttnRange>(), T, taps_);
+      if (final_norm_) {
+        target_->forward_taps_final(taps_out_, taps_out_ + T * tap_cols_, final_norm_,
+                                    tokens_.device<int32_t>(), pos_.device<int32_t>(),
+                                    ranges_.device<AttnRange>(), T, taps_);
+      } else {
+        target_->forward_taps(taps_out_, tokens_.device<int32_t>(), pos_.device<int32_t>(),
+                              ranges_.device<AttnRange>(), T, taps_);
+      }
     };
     float ms = 0;
     try {
@@ -266,7 +281,8 @@ class CudaTargetStage final : public TargetStage {
   std::unique_ptr<TargetCuda> target_;
   std::vector<int> taps_;
   int block_size_;
-  int64_t cols_, max_ctx_;
+  int64_t tap_cols_, cols_, max_ctx_;  // the taps' columns, the features' (drafter_feature_cols)
+  float* final_norm_ = nullptr;        // DSpark: the target's final-norm weight [H]
   bool use_graphs_;
   Staged tokens_, pos_, ranges_;
   uint16_t* taps_out_ = nullptr;
@@ -312,6 +328,12 @@ class CudaDrafterStage final : public DrafterStage {
     block_ranges_ = Staged(a, "inputs.block_ranges", NK * sizeof(AttnRange));
     labels_ = Staged(a, "inputs.labels", NK * sizeof(int32_t));
     weights_ = Staged(a, "inputs.weights", NK * sizeof(float));
+    if (cfg.dspark.enabled) {
+      dspark_prev_ = Staged(a, kInputDsparkPrev, NK * sizeof(int32_t));
+      dspark_tpos_ = Staged(a, kInputDsparkTeacherPos, NK * sizeof(int32_t));
+      dspark_order_ = Staged(a, kInputDsparkW1Order, NK * sizeof(int32_t));
+      dspark_seg_ = Staged(a, kInputDsparkW1Seg, (NK + 1) * sizeof(int32_t));
+    }
     arena_finish(*ctx_, a, "cuda drafter stage");
     if (group) collective_ = cuda_collective_member(group, replica, ctx_->stream());
     for (cudaEvent_t* e : {&ev_step_start_, &ev_step_end_, &ev_opt_start_, &ev_opt_end_}) {
@@ -336,9 +358,9 @@ class CudaDrafterStage final : public DrafterStage {
     DFLASH_CHECK(f->batch == b.fingerprint(),
                  "cuda drafter stage: the features were computed for another batch");
     const int64_t T = context_rows(b), NK = block_rows(b);
-    DFLASH_CHECK(f->rows == T && f->cols == cfg_.n_taps() * cfg_.hidden_size,
-                 "cuda drafter stage: features [{}, {}] for {} context rows and {} tap columns",
-                 f->rows, f->cols, T, cfg_.n_taps() * cfg_.hidden_size);
+    DFLASH_CHECK(f->rows == T && f->cols == drafter_feature_cols(cfg_),
+                 "cuda drafter stage: features [{}, {}] for {} context rows and {} feature columns",
+                 f->rows, f->cols, T, drafter_feature_cols(cfg_));
     DFLASH_CHECK(
         T <= max_ctx_ && NK <= max_rows_,
         "cuda drafter stage: a step of {} context and {} block rows exceeds the planned {} "
@@ -388,6 +410,11 @@ class CudaDrafterStage final : public DrafterStage {
     accumulate_metrics(r.metrics, b.targets, std::span<const int32_t>(res.argmax.data(), real_rows),
                        {});
     r.metrics.loss_weighted_sum = res.loss_sum;
+    r.metrics.dspark = b.objective.dspark();
+    r.metrics.dspark_ce_sum = res.dspark_ce_sum;
+    r.metrics.dspark_l1_sum = res.dspark_l1_sum;
+    r.metrics.dspark_bce_sum = res.dspark_bce_sum;
+    r.metrics.dspark_acc_sum = res.dspark_acc_sum;
     r.metrics.weight_sum = b.objective.dpace() ? b.loss_denominator() : res.weight_sum;
     if (!collective_) r.grad_norm = res.grad_norm * pending_scale_;
     queue_.stepped(std::move(r));
@@ -467,6 +494,12 @@ class CudaDrafterStage final : public DrafterStage {
     st.labels = {labels_.host.as<int32_t>(), NKs};
     st.weights = {weights_.host.as<float>(), NKs};
     drafter_batch_stage(b, cfg_.mask_token_id, 0, st);
+    if (!cfg_.dspark.enabled) return;
+    const DsparkRowIndex x = dspark_row_index(b, NK, cfg_.vocab_size);
+    std::memcpy(dspark_prev_.host.as<int32_t>(), x.prev.data(), NKs * sizeof(int32_t));
+    std::memcpy(dspark_tpos_.host.as<int32_t>(), x.teacher_pos.data(), NKs * sizeof(int32_t));
+    std::memcpy(dspark_order_.host.as<int32_t>(), x.w1_order.data(), NKs * sizeof(int32_t));
+    std::memcpy(dspark_seg_.host.as<int32_t>(), x.w1_seg.data(), (NKs + 1) * sizeof(int32_t));
   }
 
   void enqueue_step(int64_t T, int64_t NK) {
@@ -486,6 +519,17 @@ class CudaDrafterStage final : public DrafterStage {
     in.labels = labels_.device<int32_t>();
     in.weights = weights_.device<float>();
     in.objective = *objective_;
+    if (cfg_.dspark.enabled) {
+      const auto n = static_cast<size_t>(NK) * sizeof(int32_t);
+      dspark_prev_.upload(s, n);
+      dspark_tpos_.upload(s, n);
+      dspark_order_.upload(s, n);
+      dspark_seg_.upload(s, n + sizeof(int32_t));
+      in.dspark_prev = dspark_prev_.device<int32_t>();
+      in.dspark_teacher_pos = dspark_tpos_.device<int32_t>();
+      in.dspark_w1_order = dspark_order_.device<int32_t>();
+      in.dspark_w1_seg = dspark_seg_.device<int32_t>();
+    }
     drafter_->forward_backward(in, 1.0);  // unscaled: the step's 1/Σw is applied by adamw()
   }
 
@@ -524,6 +568,7 @@ class CudaDrafterStage final : public DrafterStage {
   std::vector<int32_t> tokens_;            // host only (the target stage uploads the context)
   std::vector<AttnRange> context_ranges_;  // host only
   Staged pos_, block_tokens_, block_ranges_, labels_, weights_;
+  Staged dspark_prev_, dspark_tpos_, dspark_order_, dspark_seg_;  // DSpark's DsparkRowIndex
   cuda::GraphCache<std::pair<int64_t, int64_t>> graphs_;
   std::map<int, std::string> peers_;
   std::unique_ptr<Collective> collective_;

@@ -21,6 +21,8 @@
 #include "backend/cuda/graph.hpp"
 #include "backend/cuda/pinned.hpp"
 #include "model/drafter_cuda.hpp"
+#include "model/dspark_head_cuda.hpp"
+#include "model/step_plan.hpp"
 #include "model/target_cuda.hpp"
 
 namespace dflash {
@@ -68,6 +70,9 @@ uint64_t used_device_memory() {
 
 struct CudaTrainBackend::Inputs {
   Staged tokens, target_ranges, pos, block_tokens, block_ranges, labels, weights;
+  Staged dspark_prev, dspark_tpos, dspark_order, dspark_seg;  // DSpark's DsparkRowIndex
+  float* final_norm = nullptr;  // DSpark: the target's final-norm weight [H] (the teacher)
+  Objective objective;          // the staged batch's loss
   cudaEvent_t start = nullptr, after_target = nullptr, end = nullptr;
   cudaEvent_t opt_start = nullptr, opt_end = nullptr;            // around the AdamW update
   cuda::GraphCache<int64_t> target_graphs;                       // by T
@@ -118,6 +123,16 @@ CudaTrainBackend::CudaTrainBackend(int device, const TargetModel& target, const 
   in_->block_ranges = make_staged(a, "inputs.block_ranges", NK * sizeof(AttnRange));
   in_->labels = make_staged(a, "inputs.labels", NK * sizeof(int32_t));
   in_->weights = make_staged(a, "inputs.weights", NK * sizeof(float));
+  if (cfg.dspark.enabled) {
+    in_->dspark_prev = make_staged(a, kInputDsparkPrev, NK * sizeof(int32_t));
+    in_->dspark_tpos = make_staged(a, kInputDsparkTeacherPos, NK * sizeof(int32_t));
+    in_->dspark_order = make_staged(a, kInputDsparkW1Order, NK * sizeof(int32_t));
+    in_->dspark_seg = make_staged(a, kInputDsparkW1Seg, (NK + 1) * sizeof(int32_t));
+    const std::vector<float>& w = target.final_norm_weight();
+    in_->final_norm = a.get<float>(kTargetFinalNorm, static_cast<int64_t>(w.size()));
+    DFLASH_CUDA_CHECK(
+        cudaMemcpy(in_->final_norm, w.data(), w.size() * sizeof(float), cudaMemcpyHostToDevice));
+  }
   const char* pool = "workspace.op_scratch";
   const uint64_t pool_bytes = a.planned_bytes(pool);
   ctx_->allocator().use_pool(a.get_bytes(pool, pool_bytes), pool_bytes);
@@ -165,9 +180,16 @@ void CudaTrainBackend::enqueue_target(int64_t T) {
   in_->tokens.upload<int32_t>(s, 0, T);
   in_->target_ranges.upload<AttnRange>(s, 0, T);
   in_->pos.upload<int32_t>(s, 0, T);
-  target_->forward_taps(drafter_->features(), static_cast<int32_t*>(in_->tokens.dev),
-                        static_cast<int32_t*>(in_->pos.dev),
-                        static_cast<AttnRange*>(in_->target_ranges.dev), T, taps_);
+  const auto* tokens = static_cast<int32_t*>(in_->tokens.dev);
+  const auto* pos = static_cast<int32_t*>(in_->pos.dev);
+  const auto* ranges = static_cast<AttnRange*>(in_->target_ranges.dev);
+  if (in_->final_norm) {  // DSpark: the taps [T, F], then the teacher's final-norm rows [T, H]
+    uint16_t* f = drafter_->features();
+    target_->forward_taps_final(f, f + T * cfg_.n_taps() * cfg_.hidden_size, in_->final_norm,
+                                tokens, pos, ranges, T, taps_);
+  } else {
+    target_->forward_taps(drafter_->features(), tokens, pos, ranges, T, taps_);
+  }
 }
 
 void CudaTrainBackend::enqueue_drafter(int64_t T, int64_t NK) {
@@ -186,6 +208,17 @@ void CudaTrainBackend::enqueue_drafter(int64_t T, int64_t NK) {
   di.ranges = static_cast<AttnRange*>(in_->block_ranges.dev);
   di.labels = static_cast<int32_t*>(in_->labels.dev);
   di.weights = static_cast<float*>(in_->weights.dev);
+  di.objective = in_->objective;
+  if (cfg_.dspark.enabled) {
+    in_->dspark_prev.upload<int32_t>(s, 0, NK);
+    in_->dspark_tpos.upload<int32_t>(s, 0, NK);
+    in_->dspark_order.upload<int32_t>(s, 0, NK);
+    in_->dspark_seg.upload<int32_t>(s, 0, NK + 1);
+    di.dspark_prev = static_cast<int32_t*>(in_->dspark_prev.dev);
+    di.dspark_teacher_pos = static_cast<int32_t*>(in_->dspark_tpos.dev);
+    di.dspark_w1_order = static_cast<int32_t*>(in_->dspark_order.dev);
+    di.dspark_w1_seg = static_cast<int32_t*>(in_->dspark_seg.dev);
+  }
   drafter_->forward_backward(di, 1.0);  // unscaled: the step's 1/Σw is applied by adamw()
 }
 
@@ -216,6 +249,14 @@ std::unique_ptr<TargetFeatures> CudaTrainBackend::forward_taps(const DrafterBatc
   st.labels = {in_->labels.host.as<int32_t>(), NK_};
   st.weights = {in_->weights.host.as<float>(), NK_};
   drafter_batch_stage(b, cfg_.mask_token_id, 0, st);
+  in_->objective = b.objective;
+  if (cfg_.dspark.enabled) {
+    const DsparkRowIndex x = dspark_row_index(b, NK, cfg_.vocab_size);
+    in_->dspark_prev.fill(x.prev);
+    in_->dspark_tpos.fill(x.teacher_pos);
+    in_->dspark_order.fill(x.w1_order);
+    in_->dspark_seg.fill(x.w1_seg);
+  }
   staged_T_ = T;
   staged_NK_ = NK;
   staged_batch_ = b.fingerprint();
@@ -236,7 +277,7 @@ void CudaTrainBackend::fill_nan(TargetFeatures& features) {
   const auto* f = dynamic_cast<const CudaTargetFeatures*>(&features);
   DFLASH_CHECK(f != nullptr && f->owner == this && f->ticket == staged_ticket_,
                "CudaTrainBackend: fill_nan() of features this backend does not hold");
-  const size_t bytes = static_cast<size_t>(staged_T_ * cfg_.n_taps() * cfg_.hidden_size) * 2;
+  const size_t bytes = static_cast<size_t>(staged_T_ * drafter_feature_cols(cfg_)) * 2;
   DFLASH_CUDA_CHECK(cudaMemsetAsync(drafter_->features(), 0xFF, bytes, ctx_->stream()));
 }
 
@@ -282,6 +323,11 @@ void CudaTrainBackend::step(const DrafterBatch& b, const TargetFeatures& feature
   accumulate_metrics(r.metrics, b.targets, std::span<const int32_t>(res.argmax.data(), real_rows),
                      {});
   r.metrics.loss_weighted_sum = res.loss_sum;
+  r.metrics.dspark = b.objective.dspark();
+  r.metrics.dspark_ce_sum = res.dspark_ce_sum;
+  r.metrics.dspark_l1_sum = res.dspark_l1_sum;
+  r.metrics.dspark_bce_sum = res.dspark_bce_sum;
+  r.metrics.dspark_acc_sum = res.dspark_acc_sum;
   r.metrics.weight_sum = res.weight_sum;
   r.grad_norm = res.grad_norm * pending_scale_;
   float ms_t = 0, ms_d = 0;

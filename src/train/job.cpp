@@ -287,6 +287,8 @@ void pack(std::vector<double>& out, const ReplicaStepFigures& f) {
                          static_cast<double>(m.K)});
   for (int64_t v : m.slot_correct) out.push_back(static_cast<double>(v));
   for (int64_t v : m.slot_count) out.push_back(static_cast<double>(v));
+  out.insert(out.end(), {m.dspark ? 1.0 : 0.0, m.dspark_ce_sum, m.dspark_l1_sum, m.dspark_bce_sum,
+                         m.dspark_acc_sum});
 }
 
 ReplicaStepFigures unpack(const std::vector<double>& in, size_t& at, int from) {
@@ -308,6 +310,11 @@ ReplicaStepFigures unpack(const std::vector<double>& in, size_t& at, int from) {
   m.blocks = blocks;
   for (int64_t& v : m.slot_correct) v = static_cast<int64_t>(next());
   for (int64_t& v : m.slot_count) v = static_cast<int64_t>(next());
+  m.dspark = next() != 0.0;
+  m.dspark_ce_sum = next();
+  m.dspark_l1_sum = next();
+  m.dspark_bce_sum = next();
+  m.dspark_acc_sum = next();
   return f;
 }
 

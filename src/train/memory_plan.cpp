@@ -27,6 +27,18 @@ TrainStepCapacity train_step_capacity(const RunConfig& cfg) {
   return cap;
 }
 
+namespace {
+// The DsparkRowIndex arrays of a DSpark step (model/dspark_head_cuda.hpp), staged as inputs.
+void plan_dspark_inputs(ArenaPlanner& p, const DrafterConfig& drafter, uint64_t NK) {
+  if (!drafter.dspark.enabled) return;
+  const PhaseMask all = step_all_phases();
+  for (const char* name : {kInputDsparkPrev, kInputDsparkTeacherPos, kInputDsparkW1Order}) {
+    p.add(name, kGroupInputs, NK * 4, all);
+  }
+  p.add(kInputDsparkW1Seg, kGroupInputs, (NK + 1) * 4, all);
+}
+}  // namespace
+
 TrainMemoryPlan plan_train_memory(const ModelConfig& target, const DrafterConfig& drafter,
                                   const DrafterLayout& layout, const TrainStepCapacity& cap,
                                   double device_memory_gib, int64_t ce_chunk_rows,
@@ -39,11 +51,15 @@ TrainMemoryPlan plan_train_memory(const ModelConfig& target, const DrafterConfig
   plan.activations = activations;
   plan.T = cap.ctx_rows;
   plan.NK = padded_block_rows(cap.blocks, drafter.block_size);
-  plan.target_layers = target_layers_needed(target, drafter.target_layer_ids);
+  plan.target_layers = target_layers_for_drafter(target, drafter);
   plan.device_bytes = static_cast<uint64_t>(std::floor(device_memory_gib * 1073741824.0));
 
   ArenaPlanner p(step_phase_names());
   plan_target_weights(p, target, plan.target_layers);
+  if (drafter.dspark.enabled) {  // the teacher: the final norm after the last layer
+    p.add(kTargetFinalNorm, kGroupTargetWeights, static_cast<uint64_t>(target.hidden_size) * 4,
+          step_all_phases());
+  }
   plan_target_activations(p, target, plan.target_layers, plan.T);
   const DrafterStepSizes sizes{plan.T, plan.NK, ce_chunk_rows, activations};
   plan_drafter_step(p, drafter, layout, sizes);
@@ -58,22 +74,24 @@ TrainMemoryPlan plan_train_memory(const ModelConfig& target, const DrafterConfig
   p.add("inputs.block_ranges", kGroupInputs, NK * sizeof(AttnRange), all);
   p.add("inputs.labels", kGroupInputs, NK * 4, all);
   p.add("inputs.weights", kGroupInputs, NK * 4, all);
+  plan_dspark_inputs(p, drafter, NK);
   plan.arena = p.finish();
   return plan;
 }
 
 namespace {
 
-// plan_target_forward_memory's buffers into `p` (phase `ph`); sets plan.T and target_layers.
+// plan_target_forward_memory's buffers into `p` (phase `ph`) for a forward of `layers` layers
+// whose features have `cols` columns; sets plan.T and target_layers.
 void add_target_forward(ArenaPlanner& p, PhaseMask ph, TrainMemoryPlan& plan,
-                        const ModelConfig& target, const std::vector<int>& taps,
+                        const ModelConfig& target, int64_t layers, int64_t cols,
                         int64_t max_tokens) {
   plan.T = max_tokens;
-  plan.target_layers = target_layers_needed(target, taps);
+  plan.target_layers = layers;
   plan_target_weights(p, target, plan.target_layers, ph);
   plan_target_activations(p, target, plan.target_layers, plan.T);
-  const auto T = static_cast<uint64_t>(plan.T), H = static_cast<uint64_t>(target.hidden_size);
-  p.add(kTargetOnlyFeatures, kGroupTapFeatures, T * taps.size() * H * 2, ph);
+  const auto T = static_cast<uint64_t>(plan.T);
+  p.add(kTargetOnlyFeatures, kGroupTapFeatures, T * static_cast<uint64_t>(cols) * 2, ph);
   p.add("workspace.op_scratch", kGroupOpScratch,
         std::max(target_op_scratch_bytes(target, plan.target_layers), kArenaAlign), ph);
   p.add("inputs.tokens", kGroupInputs, T * 4, ph);
@@ -94,7 +112,9 @@ TrainMemoryPlan plan_target_forward_memory(const ModelConfig& target, const std:
   TrainMemoryPlan plan;
   plan.device_bytes = budget_bytes(device_memory_gib);
   ArenaPlanner p({step_phase_names()[kPhaseTarget]});
-  add_target_forward(p, step_phases({kPhaseTarget}), plan, target, taps, max_tokens);
+  add_target_forward(p, step_phases({kPhaseTarget}), plan, target,
+                     target_layers_needed(target, taps),
+                     static_cast<int64_t>(taps.size()) * target.hidden_size, max_tokens);
   plan.arena = p.finish();
   return plan;
 }
@@ -113,9 +133,13 @@ TrainMemoryPlan plan_target_worker_memory(const ModelConfig& target, const Draft
   plan.device_bytes = budget_bytes(device_memory_gib);
   ArenaPlanner p({step_phase_names()[kPhaseTarget]});
   const PhaseMask ph = step_phases({kPhaseTarget});
-  add_target_forward(p, ph, plan, target, drafter.target_layer_ids, T);
-  const uint64_t bytes = static_cast<uint64_t>(T) * static_cast<uint64_t>(drafter.n_taps()) *
-                         static_cast<uint64_t>(drafter.hidden_size) * 2;
+  add_target_forward(p, ph, plan, target, target_layers_for_drafter(target, drafter),
+                     drafter_feature_cols(drafter), T);
+  if (drafter.dspark.enabled) {  // the teacher: the final norm after the last layer
+    p.add(kTargetFinalNorm, kGroupTargetWeights, static_cast<uint64_t>(target.hidden_size) * 4, ph);
+  }
+  const uint64_t bytes =
+      static_cast<uint64_t>(T) * static_cast<uint64_t>(drafter_feature_cols(drafter)) * 2;
   for (int64_t i = 0; i < feature_buffers; ++i) {
     p.add(fmt::format("taps.pool.{}", i), kGroupTapFeatures, bytes, ph);
   }
@@ -150,6 +174,7 @@ TrainMemoryPlan plan_drafter_worker_memory(const ModelConfig& target, const Draf
   p.add("inputs.block_ranges", kGroupInputs, NK * sizeof(AttnRange), all);
   p.add("inputs.labels", kGroupInputs, NK * 4, all);
   p.add("inputs.weights", kGroupInputs, NK * 4, all);
+  plan_dspark_inputs(p, drafter, NK);
   plan.arena = p.finish();
   return plan;
 }

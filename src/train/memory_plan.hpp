@@ -60,7 +60,7 @@ TrainStepCapacity train_step_capacity(const RunConfig& cfg);
 struct TrainMemoryPlan {
   ArenaPlan arena;
   int64_t T = 0, NK = 0;      ///< planned context rows and block rows (0: target forward alone)
-  int64_t target_layers = 0;  ///< target layers uploaded (deepest tap + 1)
+  int64_t target_layers = 0;  ///< target layers uploaded (target_layers_for_drafter)
   uint64_t context_bytes = kCudaContextBytes;
   uint64_t cublaslt_bytes = kCublasLtWorkspaceBytes;
   uint64_t device_bytes = 0;  ///< the budget (runtime.device_memory_gib)
@@ -95,6 +95,13 @@ TrainMemoryPlan plan_train_memory(const ModelConfig& target, const DrafterConfig
 /// chosen plan's activations_reason says which and why (its activations field is set by `plan`).
 template <typename Plan, typename MakePlan, typename Fits>
 Plan plan_with_recompute_policy(const std::string& policy, MakePlan&& plan, Fits&& fits);
+
+/// Names of a DSpark step's staged row index (DsparkRowIndex: prev, teacher_pos, w1_order [NK],
+/// w1_seg [NK + 1], int32), in the plans of a drafter step (DSpark drafters only).
+inline constexpr const char* kInputDsparkPrev = "inputs.dspark_prev";
+inline constexpr const char* kInputDsparkTeacherPos = "inputs.dspark_teacher_pos";
+inline constexpr const char* kInputDsparkW1Order = "inputs.dspark_w1_order";
+inline constexpr const char* kInputDsparkW1Seg = "inputs.dspark_w1_seg";
 
 /// Name and group of the tap features in a plan of the target forward alone.
 inline constexpr const char* kTargetOnlyFeatures = "taps.features";
@@ -159,7 +166,9 @@ int64_t target_feature_buffers(const PipelineTopology& topo);
 
 /// A target worker's arena: plan_target_forward_memory's buffers (the tap forward of up to `T`
 /// tokens, its output kTargetOnlyFeatures) plus `feature_buffers` buffers "taps.pool.{i}" bf16
-/// [T, n_taps·H] (the features in transit to the drafters). Throws dflash::Error as
+/// [T, drafter_feature_cols] (the features in transit to the drafters). For a DSpark drafter the
+/// forward runs every target layer, kTargetFinalNorm f32 [H] is planned and the features carry
+/// the final-norm rows after the taps (model/step_plan.hpp). Throws dflash::Error as
 /// plan_target_forward_memory, and for feature_buffers < 1.
 TrainMemoryPlan plan_target_worker_memory(const ModelConfig& target, const DrafterConfig& drafter,
                                           int64_t T, int64_t feature_buffers,

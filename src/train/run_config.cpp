@@ -388,11 +388,15 @@ void RunConfig::validate() const {
   objective_of(training);  // names training.loss_type / training.objective when unknown
   DFLASH_CHECK(training.dpace_alpha >= 0 && training.dpace_alpha <= 1,
                "training.dpace_alpha must be in [0, 1], got {}", training.dpace_alpha);
-  dspark_heads_of(training);  // the DSpark keys, or that none is set for dflash
-  // The CUDA stages compute the dflash objective only: refused here, before any weight is read.
-  DFLASH_CHECK(runtime.backend != "cuda" || training.objective != "dspark",
-               "training.objective dspark is implemented on the cpu backend only "
-               "(runtime.backend: cuda has no DSpark heads yet); use runtime.backend: cpu");
+  const DsparkHeads heads = dspark_heads_of(training);  // or that no DSpark key is set for dflash
+  // The CUDA DSpark head runs vanilla Markov heads only: the others are refused here, before any
+  // weight is read.
+  DFLASH_CHECK(runtime.backend != "cuda" || heads.markov_rank == 0 ||
+                   heads.markov_type == MarkovHeadType::vanilla,
+               "training.markov_head_type: dflash_config.markov_head_type {} is implemented on the "
+               "cpu backend only (runtime.backend: cuda runs vanilla Markov heads); use "
+               "runtime.backend: cpu",
+               markov_head_type_name(heads.markov_type));
   DFLASH_CHECK(runtime.backend == "cpu" || runtime.backend == "cuda",
                "runtime.backend must be cpu or cuda, got '{}'", runtime.backend);
   DFLASH_CHECK(!runtime.devices.empty(), "runtime.devices must list at least one device");

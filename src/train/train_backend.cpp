@@ -2,19 +2,21 @@
 // train_backend.hpp).
 #include "train/train_backend.hpp"
 
+#include <fmt/ranges.h>
+
 #include <cmath>
 #include <limits>
 
 #include "core/error.hpp"
 #include "core/parallel.hpp"
+#include "model/dspark_head_cuda.hpp"
 #include "train/job.hpp"
 
 namespace dflash {
 
 void cuda_check_objective(const DrafterConfig& cfg) {
-  DFLASH_CHECK(!cfg.dspark.enabled,
-               "training.objective dspark is implemented on the cpu backend only (runtime.backend: "
-               "cuda has no DSpark heads, no teacher tap and no DSpark loss yet)");
+  const std::vector<std::string> bad = dspark_cuda_unsupported(cfg);
+  DFLASH_CHECK(bad.empty(), "{} (runtime.backend: cuda)", fmt::join(bad, "; "));
 }
 
 TrainBackend train_backend_create(const TrainBackendOptions& opts, const TargetModel& target,

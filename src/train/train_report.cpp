@@ -56,27 +56,32 @@ void IntervalMetrics::add_step(const DrafterStepResult& r, int64_t step_tokens,
 }
 
 json IntervalMetrics::to_json() const {
-  return {{"loss_weighted_sum", obj.loss_weighted_sum},
-          {"weight_sum", obj.weight_sum},
-          {"slot_correct", obj.slot_correct},
-          {"slot_count", obj.slot_count},
-          {"accept_len_sum", obj.accept_len_sum},
-          {"blocks", obj.blocks},
-          {"K", obj.K},
-          {"grad_norm_sum", grad_norm_sum},
-          {"steps", steps},
-          {"skipped_non_finite", skipped_non_finite},
-          {"skipped_no_supervised", skipped_no_supervised},
-          {"tokens", tokens},
-          {"supervised", supervised},
-          {"t_data", t_data},
-          {"t_target", t_target},
-          {"t_drafter", t_drafter},
-          {"t_gpu_drafter", t_gpu_drafter},
-          {"t_gpu_optimizer", t_gpu_optimizer},
-          {"t_host_wait", t_host_wait},
-          {"t_checkpoint", t_checkpoint},
-          {"t_total", t_total}};
+  json j = {{"loss_weighted_sum", obj.loss_weighted_sum},
+            {"weight_sum", obj.weight_sum},
+            {"slot_correct", obj.slot_correct},
+            {"slot_count", obj.slot_count},
+            {"accept_len_sum", obj.accept_len_sum},
+            {"blocks", obj.blocks},
+            {"K", obj.K},
+            {"grad_norm_sum", grad_norm_sum},
+            {"steps", steps},
+            {"skipped_non_finite", skipped_non_finite},
+            {"skipped_no_supervised", skipped_no_supervised},
+            {"tokens", tokens},
+            {"supervised", supervised},
+            {"t_data", t_data},
+            {"t_target", t_target},
+            {"t_drafter", t_drafter},
+            {"t_gpu_drafter", t_gpu_drafter},
+            {"t_gpu_optimizer", t_gpu_optimizer},
+            {"t_host_wait", t_host_wait},
+            {"t_checkpoint", t_checkpoint},
+            {"t_total", t_total}};
+  if (obj.dspark) {  // DSpark's term sums (ObjectiveMetrics)
+    j["dspark_sums"] = {obj.dspark_ce_sum, obj.dspark_l1_sum, obj.dspark_bce_sum,
+                        obj.dspark_acc_sum};
+  }
+  return j;
 }
 
 IntervalMetrics IntervalMetrics::from_json(const json& j, const std::string& src, int block_size) {
@@ -130,6 +135,20 @@ IntervalMetrics IntervalMetrics::from_json(const json& j, const std::string& src
   // Absent in checkpoints written before the pipeline measured it.
   m.t_checkpoint = j.contains("t_checkpoint") ? json_double(j, "t_checkpoint", src) : 0.0;
   m.t_total = json_double(j, "t_total", src);
+  // DSpark's term sums (absent for the other objectives and in checkpoints written before).
+  if (j.contains("dspark_sums")) {
+    const json& d = j.at("dspark_sums");
+    DFLASH_CHECK(d.is_array() && d.size() == 4 &&
+                     std::all_of(d.begin(), d.end(), [](const json& v) { return v.is_number(); }),
+                 "{}: key 'dspark_sums' must be a list of 4 numbers (Σw·CE, Σw·L1, Σw·BCE, "
+                 "Σw·acc), got {}",
+                 src, d.dump());
+    m.obj.dspark = true;
+    m.obj.dspark_ce_sum = d[0].get<double>();
+    m.obj.dspark_l1_sum = d[1].get<double>();
+    m.obj.dspark_bce_sum = d[2].get<double>();
+    m.obj.dspark_acc_sum = d[3].get<double>();
+  }
   return m;
 }
 
@@ -149,6 +168,13 @@ json interval_record(const IntervalMetrics& iv, int64_t step, int64_t epoch, dou
     r["slot_accuracy"] = slot_acc;
     r["tau"] = iv.obj.tau();
     r["grad_norm"] = iv.grad_norm_sum / static_cast<double>(iv.applied());
+    if (iv.obj.dspark && iv.obj.weight_sum > 0) {  // DSpark's terms, each Σ w·term / Σ w
+      const double w = iv.obj.weight_sum;
+      r["dspark_ce"] = iv.obj.dspark_ce_sum / w;
+      r["dspark_l1"] = iv.obj.dspark_l1_sum / w;
+      r["dspark_bce"] = iv.obj.dspark_bce_sum / w;
+      r["dspark_acc"] = iv.obj.dspark_acc_sum / w;
+    }
   }
   r["interval_steps"] = iv.steps;
   r["interval_skipped"] = iv.steps - iv.applied();

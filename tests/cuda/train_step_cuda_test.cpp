@@ -19,6 +19,7 @@
 #include "model/drafter_batch.hpp"
 #include "model/drafter_cuda.hpp"
 #include "model/drafter_io.hpp"
+#include "model/dspark_head_cuda.hpp"
 #include "model/objective.hpp"
 #include "model/target.hpp"
 #include "model/target_cuda.hpp"
@@ -43,7 +44,7 @@ struct HostBatch {
 };
 
 HostBatch make_batch(const std::vector<std::vector<int>>& doc_lengths, int64_t L, int64_t V, int K,
-                     int num_anchors, uint32_t seed, double gamma = 7.0) {
+                     int num_anchors, uint32_t seed, double gamma = 7.0, bool dspark = false) {
   HostBatch b;
   b.L = L;
   std::mt19937 rng(seed);
@@ -61,7 +62,8 @@ HostBatch make_batch(const std::vector<std::vector<int>>& doc_lengths, int64_t L
       off.push_back(static_cast<int32_t>(t.size()));
     }
     b.anchors.push_back(sample_anchors(m, off, num_anchors, arng));
-    b.targets.push_back(block_targets(t, m, off, b.anchors.back(), K, gamma));
+    b.targets.push_back(dspark ? dspark_block_targets(t, m, off, b.anchors.back(), K, gamma)
+                               : block_targets(t, m, off, b.anchors.back(), K, gamma));
     b.tokens.push_back(std::move(t));
     b.offsets.push_back(std::move(off));
     b.mask.push_back(std::move(m));
@@ -157,7 +159,9 @@ namespace {
 
 // DrafterCuda's step with loss `obj` against drafter_train_step summed over the rows (loss, Σw,
 // every parameter gradient, the norm, the argmax), determinism, and an AdamW step.
-void expect_step_matches_cpu(const Objective& obj) {
+// `heads`: a DSpark drafter with these heads (obj must be dspark); its teacher rows follow the
+// taps in the features.
+void expect_step_matches_cpu(const Objective& obj, const DsparkHeads& heads = {}) {
   DrafterConfig c;
   c.hidden_size = 128;
   c.intermediate_size = 160;
@@ -171,6 +175,7 @@ void expect_step_matches_cpu(const Objective& obj) {
   c.mask_token_id = 300;
   c.target_layer_ids = {0, 2};
   c.num_target_layers = 3;
+  c.dspark = heads;
   c.validate();
   const DrafterLayout layout(c);
   const int64_t H = c.hidden_size, V = c.vocab_size, F = c.n_taps() * H;
@@ -189,12 +194,17 @@ void expect_step_matches_cpu(const Objective& obj) {
 
   // Three rows of 61 slots with several documents and padding; up to 6 anchors per document.
   // D-PACE ignores γ: its static weights are the mask (drafter_batch_from_rows).
-  HostBatch b = make_batch({{1, 30, 17}, {61}, {5, 12}}, 61, V, K, 6, 3, obj.dpace() ? 0.0 : 7.0);
+  HostBatch b = make_batch({{1, 30, 17}, {61}, {5, 12}}, 61, V, K, 6, 3, obj.dpace() ? 0.0 : 7.0,
+                           heads.enabled);
   const DrafterBatch whole = drafter_batch_of(b, K, 0, SIZE_MAX, obj);
   const Staged s = stage(whole, c.mask_token_id, 8 * K);
   ASSERT_GT(s.N, 8);
   ASSERT_GT(s.NK, s.N * K);  // padding blocks are exercised
   const std::vector<float> feats = round_bf16(randn(static_cast<size_t>(s.T * F), 9, 1.0f));
+  // DSpark's teacher: the target's final-norm rows [T, H] (after the taps on the device).
+  const std::vector<float> fin =
+      heads.enabled ? round_bf16(randn(static_cast<size_t>(s.T * H), 10, 1.0f))
+                    : std::vector<float>{};
 
   // CPU reference: one drafter_train_step per row (D-PACE's weights are per block, so the rows'
   // sum is the step), gradients scaled by 1/normaliser of the whole step (Σw or the documents).
@@ -203,18 +213,23 @@ void expect_step_matches_cpu(const Objective& obj) {
   std::vector<float> cpu_grads(params.size(), 0.0f);
   DrafterTables<float> tables{embed.data(), head.data()};
   DrafterWorkspace<float> ws;
-  double cpu_loss = 0, cpu_w = 0;
+  double cpu_loss = 0, cpu_w = 0, cpu_ce = 0, cpu_l1 = 0, cpu_bce = 0, cpu_acc = 0;
   std::vector<int32_t> cpu_argmax;
   int64_t t0 = 0;  // the row's first context row in the packed step
   for (size_t r = 0; r < b.tokens.size(); ++r) {
     const DrafterBatch row = drafter_batch_of(b, K, r, r + 1, obj);
     const float* row_features = feats.data() + t0 * F;
+    const float* row_final = heads.enabled ? fin.data() + t0 * H : nullptr;
     t0 += row.T();
     if (row.N() == 0) continue;
     auto res = drafter_train_step<float>(c, layout, params.data(), cpu_grads.data(), tables, row,
-                                         row_features, 1.0 / total_w, ws);
+                                         row_features, 1.0 / total_w, ws, row_final);
     cpu_loss += res.loss_sum;
     cpu_w += res.weight_sum;
+    cpu_ce += res.dspark_ce_sum;
+    cpu_l1 += res.dspark_l1_sum;
+    cpu_bce += res.dspark_bce_sum;
+    cpu_acc += res.dspark_acc_sum;
     cpu_argmax.insert(cpu_argmax.end(), res.argmax.begin(), res.argmax.end());
   }
 
@@ -225,7 +240,9 @@ void expect_step_matches_cpu(const Objective& obj) {
   DrafterCuda dc(ctx, c, layout, s.T, s.NK, d_embed, d_head);
   const std::vector<float> zeros(params.size(), 0.0f);
   dc.upload_state(params, zeros, zeros);
-  const std::vector<uint16_t> feats_bf = to_bf16(feats);
+  std::vector<float> all_features = feats;  // the taps, then DSpark's teacher rows
+  all_features.insert(all_features.end(), fin.begin(), fin.end());
+  const std::vector<uint16_t> feats_bf = to_bf16(all_features);
   DFLASH_CUDA_CHECK(cudaMemcpy(dc.features(), feats_bf.data(), feats_bf.size() * 2,
                                cudaMemcpyHostToDevice));
   DrafterCudaInputs in;
@@ -238,6 +255,13 @@ void expect_step_matches_cpu(const Objective& obj) {
   in.labels = device_copy(ctx, keep, s.labels);
   in.weights = device_copy(ctx, keep, s.weights);
   in.objective = obj;
+  if (heads.enabled) {
+    const DsparkRowIndex x = dspark_row_index(whole, s.NK, V);
+    in.dspark_prev = device_copy(ctx, keep, x.prev);
+    in.dspark_teacher_pos = device_copy(ctx, keep, x.teacher_pos);
+    in.dspark_w1_order = device_copy(ctx, keep, x.w1_order);
+    in.dspark_w1_seg = device_copy(ctx, keep, x.w1_seg);
+  }
 
   dc.forward_backward(in, 1.0 / total_w);
   const DrafterCuda::Results r1 = dc.fetch_results(s.NK);
@@ -248,6 +272,12 @@ void expect_step_matches_cpu(const Objective& obj) {
   EXPECT_NEAR(r1.weight_sum, cpu_w, (obj.dpace() ? 1e-3 : 1e-6) * cpu_w);
   EXPECT_NEAR(r1.loss_sum, cpu_loss, 1e-2 * std::abs(cpu_loss));
   std::printf("loss sum cpu %.6f gpu %.6f; Σw %.4f\n", cpu_loss, r1.loss_sum, cpu_w);
+  if (heads.enabled) {  // DSpark's terms (fp32 rows, double sums)
+    EXPECT_NEAR(r1.dspark_ce_sum, cpu_ce, 1e-2 * std::abs(cpu_ce));
+    EXPECT_NEAR(r1.dspark_l1_sum, cpu_l1, 1e-2 * std::abs(cpu_l1));
+    EXPECT_NEAR(r1.dspark_bce_sum, cpu_bce, 1e-2 * std::abs(cpu_bce) + 1e-9);
+    EXPECT_NEAR(r1.dspark_acc_sum, cpu_acc, 1e-2 * std::abs(cpu_acc));
+  }
   for (const auto& p : layout.params) {
     std::vector<float> g(gpu_grads.begin() + p.offset, gpu_grads.begin() + p.offset + p.numel);
     std::vector<float> h(cpu_grads.begin() + p.offset, cpu_grads.begin() + p.offset + p.numel);
@@ -301,6 +331,28 @@ TEST(DrafterCuda, StepMatchesCpuReference) {
 
 // The D-PACE losses on the device (one CE pass, weights from the rows' CE, the rows' gradients
 // scaled) against the CPU step, for each variant.
+// The DSpark objective's whole drafter step (vanilla Markov head of rank 3, the confidence head
+// with the Markov input; and rank 0 without a confidence head) against the CPU step.
+TEST(DrafterCuda, DsparkStepMatchesCpuReference) {
+  DFLASH_REQUIRE_GPU();
+  Objective obj;
+  obj.kind = ObjectiveKind::dspark;
+  obj.dspark_ce_alpha = 0.3;
+  obj.dspark_l1_alpha = 0.9;
+  obj.dspark_conf_alpha = 0.7;
+  DsparkHeads heads;
+  heads.enabled = true;
+  heads.markov_rank = 3;
+  heads.confidence_head = true;
+  heads.confidence_with_markov = true;
+  expect_step_matches_cpu(obj, heads);
+  heads.markov_rank = 0;
+  heads.confidence_head = false;
+  heads.confidence_with_markov = false;
+  obj.dspark_conf_alpha = 0.0;
+  expect_step_matches_cpu(obj, heads);
+}
+
 TEST(DrafterCuda, DPaceStepMatchesCpuReference) {
   DFLASH_REQUIRE_GPU();
   for (LossType loss : {LossType::dpace, LossType::dpace_cumulative_confidence_only,

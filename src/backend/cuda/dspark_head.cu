@@ -1,0 +1,261 @@
+// dflash.cpp — the DSpark head's row kernels (launchers: dspark_head_launch.hpp; the step that
+// runs them between its cuBLASLt GEMMs: src/model/dspark_head_cuda.cpp; the formulas:
+// src/model/dspark_head.hpp, ../shared/OBJECTIVES.md §1.3).
+//
+// Invariants: every reduction runs in a fixed order (per-thread partials over a fixed stride,
+// then warp shuffles and the warps' partials in warp order, or one thread per output column
+// walking the rows in order), so the same inputs give the same bits; there are no atomics. Rows
+// with weight 0 are never read past their weight and get a zero gradient. Softmax statistics,
+// CE, L1 and the confidence logit are fp32; the step's sums are double.
+#include <cmath>
+
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/dspark_head_launch.hpp"
+
+namespace dflash::cuda {
+namespace {
+
+constexpr int kRowThreads = 256;
+
+// Online max and Σ exp(x − max) of a set of values (rescaled when the max grows; Milakov &
+// Gimelshein 2018), with the first index of the largest value (bv, bi).
+struct Online {
+  float m, s, bv;
+  int bi;
+};
+__device__ __forceinline__ Online online_empty() {
+  return {-INFINITY, 0.f, -INFINITY, INT_MAX};
+}
+__device__ __forceinline__ void online_add(Online& a, float x, int v) {
+  if (x > a.bv || (x == a.bv && v < a.bi)) a.bv = x, a.bi = v;
+  if (x > a.m) {
+    a.s = a.s * expf(a.m - x) + 1.0f;
+    a.m = x;
+  } else {
+    a.s += x == -INFINITY ? 0.f : expf(x - a.m);
+  }
+}
+__device__ __forceinline__ void online_merge(Online& a, const Online& b) {
+  if (b.bv > a.bv || (b.bv == a.bv && b.bi < a.bi)) a.bv = b.bv, a.bi = b.bi;
+  const float M = fmaxf(a.m, b.m);
+  const float sa = a.m == M ? a.s : a.s * expf(a.m - M);
+  const float sb = b.m == M ? b.s : b.s * expf(b.m - M);
+  a.s = sa + sb;
+  a.m = M;
+}
+// The block's merged state (warps in order); every thread gets it. `sh` holds 32 states.
+__device__ __forceinline__ Online online_block(Online st, Online* sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    Online b;
+    b.m = __shfl_xor_sync(0xffffffffu, st.m, o);
+    b.s = __shfl_xor_sync(0xffffffffu, st.s, o);
+    b.bv = __shfl_xor_sync(0xffffffffu, st.bv, o);
+    b.bi = __shfl_xor_sync(0xffffffffu, st.bi, o);
+    online_merge(st, b);
+  }
+  __syncthreads();
+  if (lane == 0) sh[warp] = st;
+  __syncthreads();
+  st = sh[0];
+  for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) online_merge(st, sh[w]);
+  return st;
+}
+
+__device__ __forceinline__ float sign_of(float x) {
+  return static_cast<float>((x > 0.f) - (x < 0.f));
+}
+
+__global__ void gather_rows_kernel(uint16_t* out, const uint16_t* table, const int32_t* idx,
+                                   int64_t cols, int64_t ld) {
+  const int64_t i = blockIdx.x;
+  const int32_t row = idx[i];
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+    out[i * cols + c] = row < 0 ? uint16_t{0} : table[row * ld + c];
+}
+
+__global__ void rows_kernel(launch::DsparkRowIn in, launch::DsparkRowOut out, uint16_t* dd) {
+  __shared__ Online sh_online[32];
+  __shared__ float sh_sum[32];
+  const int64_t i = blockIdx.x, V = in.V;
+  const float w = in.weights[i];
+  const float* d = in.d + i * V;
+  const float* t = in.t + i * V;
+  const float nan = __int_as_float(0x7fc00000);
+  if (w == 0.f) {
+    if (threadIdx.x == 0) {
+      out.ce[i] = 0.f, out.l1[i] = 0.f, out.bce[i] = 0.f, out.dconf[i] = 0.f;
+      out.acc[i] = nan, out.conf[i] = nan, out.argmax[i] = -1;
+    }
+    if (dd)
+      for (int64_t v = threadIdx.x; v < V; v += blockDim.x) dd[i * V + v] = 0;
+    return;
+  }
+  // Pass 1: softmax statistics of D (with its argmax) and of T.
+  Online sd = online_empty(), st = online_empty();
+  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
+    online_add(sd, d[v], static_cast<int>(v));
+    online_add(st, t[v], static_cast<int>(v));
+  }
+  sd = online_block(sd, sh_online);
+  st = online_block(st, sh_online);
+  const float lse_d = sd.m + logf(sd.s), lse_t = st.m + logf(st.s);
+  // Pass 2: L1 = Σ|P − T| and sp = Σ P·sign(P − T); the confidence logit's dot product.
+  float l1 = 0.f, sp = 0.f;
+  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
+    const float p = expf(d[v] - lse_d), q = expf(t[v] - lse_t);
+    l1 += fabsf(p - q);
+    sp += p * sign_of(p - q);
+  }
+  l1 = block_sum(l1, sh_sum);
+  sp = block_sum(sp, sh_sum);
+  float z = nan;
+  if (in.conf_w) {
+    const uint16_t* h = in.hf + i * in.H;
+    float c = 0.f;
+    for (int64_t k = threadIdx.x; k < in.H; k += blockDim.x) c += to_f32(h[k]) * in.conf_w[k];
+    for (int64_t k = threadIdx.x; k < in.conf_r; k += blockDim.x)
+      c += to_f32(in.emb[i * in.r + k]) * in.conf_w[in.H + k];
+    z = block_sum(c, sh_sum) + in.conf_b[0];
+  }
+  const int32_t y = in.labels[i];
+  const float acc = fminf(fmaxf(1.0f - 0.5f * l1, 0.f), 1.f);
+  if (threadIdx.x == 0) {
+    out.ce[i] = y >= 0 && y < V ? lse_d - d[y] : nan;
+    out.l1[i] = l1;
+    out.acc[i] = acc;
+    out.argmax[i] = sd.bi == INT_MAX ? 0 : sd.bi;
+    out.conf[i] = z;
+    float bce = 0.f, dz = 0.f;
+    if (in.conf_w) {
+      bce = fmaxf(z, 0.f) - z * acc + log1pf(expf(-fabsf(z)));
+      dz = in.grad_scale * w * in.a_conf * (1.f / (1.f + expf(-z)) - acc);
+    }
+    out.bce[i] = bce;
+    out.dconf[i] = dz;
+  }
+  if (!dd) return;
+  // Pass 3: the logits gradient.
+  const float gs = in.grad_scale * w;
+  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
+    const float p = expf(d[v] - lse_d), q = expf(t[v] - lse_t);
+    const float g = in.a_ce * (p - (v == y ? 1.f : 0.f)) + in.a_l1 * p * (sign_of(p - q) - sp);
+    dd[i * V + v] = f32_to_bf16(gs * g);
+  }
+}
+
+// One thread per input column c of the confidence head (then one per element of dhf / demb).
+__global__ void conf_wgrad_kernel(float* gw, float* gb, const float* dconf, const uint16_t* hf,
+                                  const uint16_t* emb, int64_t n, int64_t H, int64_t r,
+                                  int64_t conf_r) {
+  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (c > H + conf_r) return;
+  if (c == H + conf_r) {  // the bias
+    float b = 0.f;
+    for (int64_t i = 0; i < n; ++i) b += dconf[i];
+    gb[0] += b;
+    return;
+  }
+  float g = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = c < H ? to_f32(hf[i * H + c]) : to_f32(emb[i * r + (c - H)]);
+    g += dconf[i] * x;
+  }
+  gw[c] += g;
+}
+
+__global__ void conf_dx_kernel(float* dhf, float* demb, const float* dconf, const float* wc,
+                               int64_t n, int64_t H, int64_t r, int64_t conf_r) {
+  const int64_t cols = H + conf_r;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n * cols;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = e / cols, c = e % cols;
+    if (c < H)
+      dhf[i * H + c] += dconf[i] * wc[c];
+    else
+      demb[i * r + (c - H)] += dconf[i] * wc[c];
+  }
+}
+
+__global__ void w1_scatter_kernel(float* gw1, const float* demb, const int32_t* prev,
+                                  const int32_t* order, const int32_t* seg, int64_t r) {
+  const int64_t s = blockIdx.x;
+  const int32_t b = seg[s], e = seg[s + 1];
+  if (b >= e) return;
+  const int64_t tok = prev[order[b]];
+  for (int64_t j = threadIdx.x; j < r; j += blockDim.x) {
+    float g = 0.f;
+    for (int32_t k = b; k < e; ++k) g += demb[static_cast<int64_t>(order[k]) * r + j];
+    gw1[tok * r + j] += g;
+  }
+}
+
+__global__ void sums_kernel(double* sums, launch::DsparkRowOut rows, const float* weights,
+                            int64_t R, double a_ce, double a_l1, double a_conf) {
+  __shared__ double sh[32];
+  double acc[6] = {0, 0, 0, 0, 0, 0};
+  for (int64_t i = threadIdx.x; i < R; i += blockDim.x) {
+    const double w = weights[i];
+    if (w == 0.0) continue;
+    const double ce = rows.ce[i], l1 = rows.l1[i], bce = rows.bce[i];
+    acc[0] += w * (a_ce * ce + a_l1 * l1 + a_conf * bce);
+    acc[1] += w;
+    acc[2] += w * ce;
+    acc[3] += w * l1;
+    acc[4] += w * bce;
+    acc[5] += w * static_cast<double>(rows.acc[i]);
+  }
+  for (int k = 0; k < 6; ++k) {
+    const double v = block_sum(acc[k], sh);
+    if (threadIdx.x == 0) sums[k] = v;
+  }
+}
+
+}  // namespace
+
+namespace launch {
+
+void dspark_gather_rows(uint16_t* out, const uint16_t* table, const int32_t* idx, int64_t n,
+                        int64_t cols, int64_t ld, cudaStream_t s) {
+  if (n == 0 || cols == 0) return;
+  gather_rows_kernel<<<static_cast<unsigned>(n), 128, 0, s>>>(out, table, idx, cols, ld);
+  DFLASH_CUDA_LAUNCH_CHECK();
+}
+
+void dspark_rows(const DsparkRowIn& in, const DsparkRowOut& out, uint16_t* dd, cudaStream_t s) {
+  if (in.n == 0) return;
+  rows_kernel<<<static_cast<unsigned>(in.n), kRowThreads, 0, s>>>(in, out, dd);
+  DFLASH_CUDA_LAUNCH_CHECK();
+}
+
+void dspark_conf_bwd(float* dhf, float* demb, float* gw, float* gb, const float* dconf,
+                     const uint16_t* hf, const uint16_t* emb, const float* wc, int64_t n, int64_t H,
+                     int64_t r, int64_t conf_r, cudaStream_t s) {
+  if (n == 0) return;
+  const int64_t cols = H + conf_r;
+  conf_wgrad_kernel<<<grid_for(cols + 1, kElementwiseThreads), kElementwiseThreads, 0, s>>>(
+      gw, gb, dconf, hf, emb, n, H, r, conf_r);
+  DFLASH_CUDA_LAUNCH_CHECK();
+  conf_dx_kernel<<<grid_for(n * cols, kElementwiseThreads), kElementwiseThreads, 0, s>>>(
+      dhf, demb, dconf, wc, n, H, r, conf_r);
+  DFLASH_CUDA_LAUNCH_CHECK();
+}
+
+void dspark_w1_scatter(float* gw1, const float* demb, const int32_t* prev, const int32_t* order,
+                       const int32_t* seg, int64_t max_segments, int64_t r, cudaStream_t s) {
+  if (max_segments == 0 || r == 0) return;
+  const int threads = r >= 128 ? 128 : 32;
+  w1_scatter_kernel<<<static_cast<unsigned>(max_segments), threads, 0, s>>>(gw1, demb, prev, order,
+                                                                            seg, r);
+  DFLASH_CUDA_LAUNCH_CHECK();
+}
+
+void dspark_sums(double* sums, const DsparkRowOut& rows, const float* weights, int64_t R,
+                 double a_ce, double a_l1, double a_conf, cudaStream_t s) {
+  sums_kernel<<<1, 1024, 0, s>>>(sums, rows, weights, R, a_ce, a_l1, a_conf);
+  DFLASH_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace launch
+}  // namespace dflash::cuda

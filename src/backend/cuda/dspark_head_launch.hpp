@@ -1,0 +1,71 @@
+// dflash.cpp — raw-pointer launchers of the DSpark head's row kernels (kernels:
+// src/backend/cuda/dspark_head.cu; the step and its contract: src/model/dspark_head_cuda.hpp, the
+// CPU reference src/model/dspark_head.hpp). Internal to the backend: model code calls
+// dspark_head_cuda. Each launcher enqueues on `s` and checks the launch (throws dflash::Error via
+// backend/cuda/check.hpp). bf16 arrays are raw uint16_t bits. No fmt in this header (nvcc
+// includes it).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace dflash::cuda::launch {
+
+/// out[i, :] = table[idx[i], :] for i < n (bf16 rows of `cols` values, leading dimension `ld` in
+/// the table, `cols` in out); idx[i] < 0 gives a zero row. The gathers of the Markov embedding
+/// e = W1[prev] and of the teacher rows Hl[a+k].
+void dspark_gather_rows(uint16_t* out, const uint16_t* table, const int32_t* idx, int64_t n,
+                        int64_t cols, int64_t ld, cudaStream_t s);
+
+/// Per-row statistics of one chunk, as struct-of-arrays views of [R] arrays offset to the chunk.
+struct DsparkRowOut {
+  float* ce = nullptr;        ///< CE_k (0 on unsupervised rows)
+  float* l1 = nullptr;        ///< L1_k (0 on unsupervised rows)
+  float* bce = nullptr;       ///< BCE_k (0 without a confidence head or on unsupervised rows)
+  float* acc = nullptr;       ///< acc_k (NaN on unsupervised rows)
+  float* conf = nullptr;      ///< c_k (NaN without a confidence head or on unsupervised rows)
+  float* dconf = nullptr;     ///< grad_scale·w·αconf·(σ(c) − acc) (0 when not computed)
+  int32_t* argmax = nullptr;  ///< argmax D_k (−1 on unsupervised rows)
+};
+
+/// The inputs of the row pass of one chunk of n rows.
+struct DsparkRowIn {
+  const float* d = nullptr;         ///< draft logits D [n, V] f32
+  const float* t = nullptr;         ///< teacher logits [n, V] f32
+  const uint16_t* hf = nullptr;     ///< drafter final hidden states [n, H] bf16
+  const uint16_t* emb = nullptr;    ///< gathered W1 rows [n, r] bf16 (read when conf_r > 0)
+  const float* conf_w = nullptr;    ///< confidence weight [H + conf_r] f32 (null: no head)
+  const float* conf_b = nullptr;    ///< confidence bias [1] f32
+  const int32_t* labels = nullptr;  ///< [n]
+  const float* weights = nullptr;   ///< [n]
+  int64_t n = 0, V = 0, H = 0, r = 0;
+  int64_t conf_r = 0;  ///< Markov columns of the confidence input (0 or r)
+  float a_ce = 0, a_l1 = 0, a_conf = 0, grad_scale = 0;
+};
+
+/// One block per row: softmax D and softmax T (online max and Σexp), argmax D, CE, L1, acc, the
+/// confidence logit and its BCE and, when dd is not null, dd bf16 [n, V] = grad_scale·w·
+/// (αce·(P − onehot(y)) + αl1·P⊙(sign(P − T) − Σ_v P_v·sign(P_v − T_v))) (0 on rows with w = 0).
+void dspark_rows(const DsparkRowIn& in, const DsparkRowOut& out, uint16_t* dd, cudaStream_t s);
+
+/// The confidence head's backward over one chunk: dhf[i, h] += dconf[i]·wc[h] (h < H), demb[i, j]
+/// += dconf[i]·wc[H + j] (j < conf_r), gw[c] += Σ_i dconf[i]·x[i, c] (x = [hf ; emb], rows in
+/// order) and gb += Σ_i dconf[i].
+void dspark_conf_bwd(float* dhf, float* demb, float* gw, float* gb, const float* dconf,
+                     const uint16_t* hf, const uint16_t* emb, const float* wc, int64_t n, int64_t H,
+                     int64_t r, int64_t conf_r, cudaStream_t s);
+
+/// gw1[tok, :] += Σ_{i ∈ segment} demb[order[i], :] for each segment s of `order` (rows sorted by
+/// previous token; segment s is [seg[s], seg[s+1]) and its token prev[order[seg[s]]]), summed in
+/// the segment's order: deterministic, no atomics. max_segments ≥ the number of segments (seg has
+/// max_segments + 1 entries; trailing segments are empty).
+void dspark_w1_scatter(float* gw1, const float* demb, const int32_t* prev, const int32_t* order,
+                       const int32_t* seg, int64_t max_segments, int64_t r, cudaStream_t s);
+
+/// sums[0..5] = Σ w·(αce·CE + αl1·L1 + αconf·BCE), Σ w, Σ w·CE, Σ w·L1, Σ w·BCE, Σ w·acc over the
+/// R rows with w ≠ 0, in double, in a fixed order (one block).
+void dspark_sums(double* sums, const DsparkRowOut& rows, const float* weights, int64_t R,
+                 double a_ce, double a_l1, double a_conf, cudaStream_t s);
+
+}  // namespace dflash::cuda::launch
