@@ -82,6 +82,11 @@ std::vector<std::string> cuda_drafter_unsupported(const DrafterConfig& c) {
         "the CUDA drafter has no DSpark heads (training.objective dspark, "
         "dflash_config.projector_type dspark): train and decode DSpark on the cpu backend");
   }
+  if (c.dflash2.enabled) {
+    out.push_back(
+        "the CUDA drafter has no DFlash2 conv or selector (training.objective dflash2, "
+        "architectures DFlash2DraftModel): train and decode DFlash2 on the cpu backend");
+  }
   return out;
 }
 

@@ -93,7 +93,7 @@ inline constexpr const char* kGroupInputs = "step inputs";
 /// (the router). TargetCuda refuses these at construction; the memory plans report them first.
 std::vector<std::string> cuda_target_unsupported(const ModelConfig& c);
 /// The same for a drafter: head_dim other than 64 or 128 (DrafterCuda's attention), DSpark heads
-/// (DrafterCuda computes the DFlash drafter only).
+/// or DFlash2's conv and selector (DrafterCuda computes the DFlash drafter only).
 std::vector<std::string> cuda_drafter_unsupported(const DrafterConfig& c);
 
 /// Number of target layers a tap forward runs: the deepest tap + 1 (layers after it are never

@@ -15,6 +15,9 @@ void cuda_check_objective(const DrafterConfig& cfg) {
   DFLASH_CHECK(!cfg.dspark.enabled,
                "training.objective dspark is implemented on the cpu backend only (runtime.backend: "
                "cuda has no DSpark heads, no teacher tap and no DSpark loss yet)");
+  DFLASH_CHECK(!cfg.dflash2.enabled,
+               "training.objective dflash2 is implemented on the cpu backend only "
+               "(runtime.backend: cuda has no DFlash2 conv, selector or loss yet)");
 }
 
 TrainBackend train_backend_create(const TrainBackendOptions& opts, const TargetModel& target,
