@@ -1,13 +1,13 @@
 // dflash.cpp — speculative decoding loop (see speculative.hpp for the step and its invariants).
 #include "infer/speculative.hpp"
 
-#include "model/dflash2_selector.hpp"
-#include "model/dspark_head.hpp"
 #include <algorithm>
 #include <chrono>
 #include <numeric>
 
 #include "core/error.hpp"
+#include "model/dflash2_selector.hpp"
+#include "model/dspark_head.hpp"
 
 namespace dflash {
 

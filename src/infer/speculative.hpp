@@ -42,9 +42,9 @@
 
 #include "core/rng.hpp"
 #include "infer/sampling.hpp"
+#include "model/dflash2_selector.hpp"
 #include "model/drafter.hpp"
 #include "model/drafter_io.hpp"
-#include "model/dflash2_selector.hpp"
 #include "model/dspark_head.hpp"
 #include "model/target.hpp"
 
@@ -94,7 +94,7 @@ struct SpecState {
   std::vector<double> target_p, sample_scratch;
   std::vector<float> dspark_row;  // a DSpark drafter: one slot's logits with the Markov bias
   DsparkSlotState dspark_slot;    // and its head's state between slots
-  Dflash2SlotScores dflash2_slot; // a DFlash2 drafter: one slot's candidates and scores
+  Dflash2SlotScores dflash2_slot;  // a DFlash2 drafter: one slot's candidates and scores
   explicit SpecState(const ModelConfig& c) : target_cache(c) {}
 };
 

@@ -12,8 +12,10 @@ void Dflash2ConvShape::check() const {
                "conv_group_size {} must divide hidden_size {}", group, H);
   DFLASH_CHECK(taps >= 1 && taps <= block, "conv_kernel_size {} must be in [1, block_size {}]",
                taps, block);
-  DFLASH_CHECK(rows >= 0 && rows % block == 0, "DFlash2 conv over {} rows, not a multiple of the "
-               "block size {}", rows, block);
+  DFLASH_CHECK(rows >= 0 && rows % block == 0,
+               "DFlash2 conv over {} rows, not a multiple of the "
+               "block size {}",
+               rows, block);
 }
 
 template <typename S>
@@ -97,19 +99,19 @@ void dflash2_conv_pre_bwd(S* du, S* dbase, S* dw_kp, std::vector<S>& ddelta, std
   for (int64_t k = 0; k < n; ++k) du[k] += dtmp[k];
 }
 
-#define DFLASH2_CONV_INSTANTIATE(S)                                                              \
-  template void dflash2_conv_fwd<S>(S*, const S*, const S*, const S*, int,                       \
-                                    const Dflash2ConvShape&);                                    \
-  template void dflash2_conv_bwd<S>(S*, S*, S*, const S*, const S*, const S*, const S*, int,     \
-                                    const Dflash2ConvShape&);                                    \
-  template void dflash2_conv_pre<S>(S*, Dflash2ConvActs<S>&, const S*, const S*,                 \
-                                    const Dflash2ConvShape&);                                    \
+#define DFLASH2_CONV_INSTANTIATE(S)                                                               \
+  template void dflash2_conv_fwd<S>(S*, const S*, const S*, const S*, int,                        \
+                                    const Dflash2ConvShape&);                                     \
+  template void dflash2_conv_bwd<S>(S*, S*, S*, const S*, const S*, const S*, const S*, int,      \
+                                    const Dflash2ConvShape&);                                     \
+  template void dflash2_conv_pre<S>(S*, Dflash2ConvActs<S>&, const S*, const S*,                  \
+                                    const Dflash2ConvShape&);                                     \
   template void dflash2_conv_post<S>(S*, Dflash2ConvActs<S>&, const S*, const Dflash2ConvShape&); \
-  template void dflash2_conv_post_bwd<S>(S*, S*, std::vector<S>&, const S*,                      \
-                                         const Dflash2ConvActs<S>&, const S*,                    \
-                                         const Dflash2ConvShape&);                               \
-  template void dflash2_conv_pre_bwd<S>(S*, S*, S*, std::vector<S>&, std::vector<S>&, const S*,  \
-                                        const Dflash2ConvActs<S>&, const S*, const S*,           \
+  template void dflash2_conv_post_bwd<S>(S*, S*, std::vector<S>&, const S*,                       \
+                                         const Dflash2ConvActs<S>&, const S*,                     \
+                                         const Dflash2ConvShape&);                                \
+  template void dflash2_conv_pre_bwd<S>(S*, S*, S*, std::vector<S>&, std::vector<S>&, const S*,   \
+                                        const Dflash2ConvActs<S>&, const S*, const S*,            \
                                         const Dflash2ConvShape&);
 DFLASH2_CONV_INSTANTIATE(float)
 DFLASH2_CONV_INSTANTIATE(double)

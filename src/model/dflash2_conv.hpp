@@ -25,7 +25,7 @@ namespace dflash {
 /// `group` g channels per group (H % g == 0).
 struct Dflash2ConvShape {
   int64_t rows = 0, H = 0, block = 0, taps = 0, group = 0;
-  int64_t groups() const { return H / group; }  ///< Gc
+  int64_t groups() const { return H / group; }                 ///< Gc
   int64_t delta_width() const { return 2 * taps * groups(); }  ///< 2·T·Gc, one row of δ
   /// Throws dflash::Error naming the size that is inconsistent.
   void check() const;

@@ -126,7 +126,8 @@ Dflash2Sums dflash2_head_step(const DrafterConfig& cfg, const DrafterLayout& lay
   DFLASH_CHECK(cfg.dflash2.enabled, "dflash2 head step on a drafter without DFlash2's selector");
   DFLASH_CHECK(obj.dflash2() && !obj.dpace(),
                "dflash2 head step on a batch of objective {} with loss type {} (dflash2 takes the "
-               "dflash loss)", objective_kind_name(obj.kind), loss_type_name(obj.loss));
+               "dflash loss)",
+               objective_kind_name(obj.kind), loss_type_name(obj.loss));
   const int64_t H = cfg.hidden_size, V = cfg.vocab_size, K = cfg.block_size;
   const int64_t NK = batch.N() * K;
   const double m = cfg.dflash2.output_multiplier, cap = cfg.dflash2.final_logit_softcapping;
@@ -182,9 +183,8 @@ Dflash2Sums dflash2_head_step(const DrafterConfig& cfg, const DrafterLayout& lay
       }
       // Selector: predecessor x[a+k−1] (the anchor token at slot 1), gold x[a+k].
       if (slot > 0) {
-        const int32_t prev = slot == 1
-                                 ? batch.tokens[static_cast<size_t>(batch.anchors[i / K].pos)]
-                                 : t.labels[i - 1];
+        const int32_t prev = slot == 1 ? batch.tokens[static_cast<size_t>(batch.anchors[i / K].pos)]
+                                       : t.labels[i - 1];
         DFLASH_CHECK(prev >= 0 && prev < V,
                      "dflash2 head step: block row {} has predecessor {} outside [0, {})", i, prev,
                      V);
@@ -274,14 +274,13 @@ void dflash2_sampling_probs(std::vector<double>& q, const Dflash2SlotScores& s, 
   }
 }
 
-#define DFLASH2_SELECTOR_INSTANTIATE(S)                                                        \
-  template S dflash2_unary<S>(S, double, double);                                              \
-  template void dflash2_topk<S>(std::vector<int32_t>&, const S*, int64_t, int);                \
-  template Dflash2Sums dflash2_head_step<S>(const DrafterConfig&, const DrafterLayout&,        \
-                                            const S*, S*, const S*, const DrafterBatch&,       \
-                                            const S*, double, S*, int32_t*,                    \
-                                            Dflash2Workspace<S>&);                             \
-  template std::vector<S> dflash2_unary_logits<S>(const DrafterConfig&, const S*, const S*,    \
+#define DFLASH2_SELECTOR_INSTANTIATE(S)                                                           \
+  template S dflash2_unary<S>(S, double, double);                                                 \
+  template void dflash2_topk<S>(std::vector<int32_t>&, const S*, int64_t, int);                   \
+  template Dflash2Sums dflash2_head_step<S>(const DrafterConfig&, const DrafterLayout&, const S*, \
+                                            S*, const S*, const DrafterBatch&, const S*, double,  \
+                                            S*, int32_t*, Dflash2Workspace<S>&);                  \
+  template std::vector<S> dflash2_unary_logits<S>(const DrafterConfig&, const S*, const S*,       \
                                                   int64_t);
 DFLASH2_SELECTOR_INSTANTIATE(float)
 DFLASH2_SELECTOR_INSTANTIATE(double)

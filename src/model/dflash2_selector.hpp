@@ -73,8 +73,8 @@ std::vector<S> dflash2_unary_logits(const DrafterConfig& cfg, const S* lm_head, 
 
 /// One slot of the decoding walk: C_k and S_k(prev, c) over it.
 struct Dflash2SlotScores {
-  std::vector<int32_t> cand;  ///< C_k [K], unary descending
-  std::vector<float> score;   ///< S_k(prev, C_k[j]) [K]
+  std::vector<int32_t> cand;       ///< C_k [K], unary descending
+  std::vector<float> score;        ///< S_k(prev, C_k[j]) [K]
   std::vector<float> unary, proj;  // scratch: ū [V], P_h·h [r]
 };
 

@@ -43,7 +43,8 @@ void DrafterConfig::validate() const {
                vocab_size);
   const Dflash2Heads& d2 = dflash2;
   if (!d2.enabled) {
-    DFLASH_CHECK(d2 == Dflash2Heads{}, "conv_kernel_size / selector keys set on a drafter whose "
+    DFLASH_CHECK(d2 == Dflash2Heads{},
+                 "conv_kernel_size / selector keys set on a drafter whose "
                  "architecture is not DFlash2DraftModel");
   } else {
     DFLASH_CHECK(!dspark.enabled, "a drafter cannot be both DFlash2 and DSpark");
@@ -165,8 +166,7 @@ DrafterLayout::DrafterLayout(const DrafterConfig& c) {
       }
     }
     add("candidate_selector.predecessor_codebook", {c.vocab_size, r}, false);
-    add("candidate_selector.successor_codebook", {c.vocab_size, r}, false, false,
-        ParamInit::zero);
+    add("candidate_selector.successor_codebook", {c.vocab_size, r}, false, false, ParamInit::zero);
     add("candidate_selector.hidden_projection.weight", {r, H}, false);
   }
   auto offset_of = [&](const std::string& name) {
@@ -365,7 +365,9 @@ void block_forward(const DrafterConfig& cfg, const DrafterLayout& layout, const 
     attention_fwd_cpu(a.o.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), ranges, ap);
     fit(ws.dtmp, NK * d.H);
     linear_fwd_cpu(ws.dtmp.data(), a.o.data(), P.wo, nullptr, NK, d.QD, d.H);
-    if (conv) dflash2_conv_post(ws.dtmp.data(), a.attn_conv, params + layout.dflash2.attn_base[l], cs);
+    if (conv) {
+      dflash2_conv_post(ws.dtmp.data(), a.attn_conv, params + layout.dflash2.attn_base[l], cs);
+    }
     fit(a.h_mid, NK * d.H);
     residual_fwd_cpu(a.h_mid.data(), a.x_in.data(), ws.dtmp.data(), NK * d.H);
     // MLP.
@@ -382,7 +384,9 @@ void block_forward(const DrafterConfig& cfg, const DrafterLayout& layout, const 
     fit(a.act, NK * d.I);
     swiglu_fwd_cpu(a.act.data(), a.gate_up.data(), a.gate_up.data() + d.I, NK, d.I, 2 * d.I);
     linear_fwd_cpu(ws.dtmp.data(), a.act.data(), P.wd, nullptr, NK, d.I, d.H);
-    if (conv) dflash2_conv_post(ws.dtmp.data(), a.mlp_conv, params + layout.dflash2.mlp_base[l], cs);
+    if (conv) {
+      dflash2_conv_post(ws.dtmp.data(), a.mlp_conv, params + layout.dflash2.mlp_base[l], cs);
+    }
     residual_fwd_cpu(ws.h.data(), a.h_mid.data(), ws.dtmp.data(), NK * d.H);
   }
 }
@@ -630,13 +634,12 @@ void drafter_backward(const DrafterConfig& cfg, const DrafterLayout& layout, con
     LayerActs<S>& a = ws.layers[static_cast<size_t>(l)];
     // MLP: h = h_mid + down(act) (DFlash2: h_mid + post_conv(down(act))).
     if (conv) {
-      dflash2_conv_post_bwd(ws.conv_dy.data(), grads + o2.mlp_base[l], ws.conv_ddelta,
-                            ws.dh.data(), a.mlp_conv, params + o2.mlp_base[l], cs);
+      dflash2_conv_post_bwd(ws.conv_dy.data(), grads + o2.mlp_base[l], ws.conv_ddelta, ws.dh.data(),
+                            a.mlp_conv, params + o2.mlp_base[l], cs);
     }
     const S* d_mlp_out = conv ? ws.conv_dy.data() : ws.dh.data();
     fit(ws.d_act, NK * d.I);
-    linear_bwd_cpu(ws.d_act.data(), G.wd, nullptr, d_mlp_out, a.act.data(), P.wd, NK, d.I,
-                   d.H);
+    linear_bwd_cpu(ws.d_act.data(), G.wd, nullptr, d_mlp_out, a.act.data(), P.wd, NK, d.I, d.H);
     fit(ws.d_gate_up, NK * 2 * d.I);
     swiglu_bwd_cpu(ws.d_gate_up.data(), ws.d_gate_up.data() + d.I, ws.d_act.data(),
                    a.gate_up.data(), a.gate_up.data() + d.I, NK, d.I, 2 * d.I);

@@ -72,13 +72,13 @@ struct DsparkHeads {
 /// (model/dflash2_conv.hpp) and the candidate selector (model/dflash2_selector.hpp). A drafter
 /// without them (enabled false) is a plain DFlash drafter.
 struct Dflash2Heads {
-  bool enabled = false;               ///< architectures DFlash2DraftModel
-  int conv_kernel_size = 0;           ///< T, in [1, block_size]
-  int conv_group_size = 0;            ///< g channels per group; divides hidden_size
-  int selector_rank = 0;              ///< r of the codebooks A, Bs [V, r] and P_h [r, H]
-  int selector_top_k = 0;             ///< K candidates per slot, in [1, vocab_size]
-  double output_multiplier = 1.0;     ///< m of the unary logits softcap(m·U); > 0
-  double final_logit_softcapping = 0; ///< c of softcap(z) = c·tanh(z/c); 0: none
+  bool enabled = false;                ///< architectures DFlash2DraftModel
+  int conv_kernel_size = 0;            ///< T, in [1, block_size]
+  int conv_group_size = 0;             ///< g channels per group; divides hidden_size
+  int selector_rank = 0;               ///< r of the codebooks A, Bs [V, r] and P_h [r, H]
+  int selector_top_k = 0;              ///< K candidates per slot, in [1, vocab_size]
+  double output_multiplier = 1.0;      ///< m of the unary logits softcap(m·U); > 0
+  double final_logit_softcapping = 0;  ///< c of softcap(z) = c·tanh(z/c); 0: none
   bool operator==(const Dflash2Heads&) const = default;
 };
 
@@ -245,7 +245,7 @@ struct DrafterWorkspace {
   std::vector<AttnRange> ranges;
   DsparkWorkspace<S> dspark;                // the DSpark head's scratch
   std::vector<S> conv_ddelta, conv_dtmp, conv_dy;  // DFlash2 conv backward scratch
-  Dflash2Workspace<S> dflash2;              // the DFlash2 selector's scratch
+  Dflash2Workspace<S> dflash2;                     // the DFlash2 selector's scratch
 };
 
 

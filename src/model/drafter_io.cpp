@@ -171,8 +171,8 @@ DsparkHeads dspark_heads_from_json(const json& j, bool dspark_arch, const std::s
 Dflash2Heads dflash2_heads_from_json(const json& j, bool dflash2_arch, const std::string& source) {
   Dflash2Heads h;
   if (!dflash2_arch) {
-    for (const char* key : {"conv_kernel_size", "conv_group_size", "selector_rank",
-                            "selector_top_k"}) {
+    for (const char* key :
+         {"conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"}) {
       const json v = dflash_key(j, key, source);
       DFLASH_CHECK(v.is_null(), "{}: key '{}' is set ({}) but 'architectures' does not name {}",
                    source, dflash_key_name(j, key), v.dump(), kDflash2Arch);

@@ -175,8 +175,8 @@ const std::vector<Field>& schema() {
     f.push_back(make_field("training", "selector_rank", T, &TrainingSection::selector_rank, true));
     f.push_back(
         make_field("training", "selector_top_k", T, &TrainingSection::selector_top_k, true));
-    f.push_back(make_field("training", "output_multiplier", T,
-                           &TrainingSection::output_multiplier, true));
+    f.push_back(
+        make_field("training", "output_multiplier", T, &TrainingSection::output_multiplier, true));
     f.push_back(make_field("training", "final_logit_softcapping", T,
                            &TrainingSection::final_logit_softcapping, true));
     f.push_back(make_field("training", "dflash2_selector_loss_alpha", T,
@@ -563,8 +563,10 @@ Dflash2Heads dflash2_heads_of(const TrainingSection& t) {
   if (!o.dflash2()) {
     // A DFlash2 key given to a run of another objective would be ignored: refuse it by name.
     for (const auto& [key, set] : keys) {
-      DFLASH_CHECK(!set, "training.{} applies only to training.objective: dflash2 (the objective "
-                   "is {})", key, t.objective);
+      DFLASH_CHECK(!set,
+                   "training.{} applies only to training.objective: dflash2 (the objective "
+                   "is {})",
+                   key, t.objective);
     }
     return {};
   }
@@ -572,13 +574,15 @@ Dflash2Heads dflash2_heads_of(const TrainingSection& t) {
                         std::pair{"conv_group_size", t.conv_group_size},
                         std::pair{"selector_rank", t.selector_rank},
                         std::pair{"selector_top_k", t.selector_top_k}}) {
-    DFLASH_CHECK(v >= 1, "training.{} must be set to an integer >= 1 for training.objective "
+    DFLASH_CHECK(v >= 1,
+                 "training.{} must be set to an integer >= 1 for training.objective "
                  "dflash2 (got {}; the public recipes use conv_kernel_size 2, conv_group_size 16, "
-                 "selector_rank 256, selector_top_k 16)", key, v);
+                 "selector_rank 256, selector_top_k 16)",
+                 key, v);
   }
   DFLASH_CHECK(t.conv_kernel_size <= t.block_size,
-               "training.conv_kernel_size {} must be <= training.block_size {}",
-               t.conv_kernel_size, t.block_size);
+               "training.conv_kernel_size {} must be <= training.block_size {}", t.conv_kernel_size,
+               t.block_size);
   DFLASH_CHECK(std::isfinite(t.output_multiplier) && t.output_multiplier > 0,
                "training.output_multiplier must be a finite number > 0, got {}",
                t.output_multiplier);

@@ -83,18 +83,19 @@ struct TrainingSection {
   /// objective dflash2 (OBJECTIVES.md §1.4; the export's dflash_config keys of the same names,
   /// which a run of another objective refuses). The four sizes have no default: a dflash2 run
   /// must set them (the public recipes use 2, 16, 256 and 16).
-  int conv_kernel_size = 0;               ///< T taps, in [1, block_size]
-  int conv_group_size = 0;                ///< channels per group; divides the hidden size
-  int selector_rank = 0;                  ///< r >= 1
-  int selector_top_k = 0;                 ///< K candidates per slot, in [1, vocab]
-  double output_multiplier = 1.0;         ///< m > 0 of the unary logits softcap(m·U)
-  double final_logit_softcapping = 0.0;   ///< c >= 0 (0: no softcap)
+  int conv_kernel_size = 0;              ///< T taps, in [1, block_size]
+  int conv_group_size = 0;               ///< channels per group; divides the hidden size
+  int selector_rank = 0;                 ///< r >= 1
+  int selector_top_k = 0;                ///< K candidates per slot, in [1, vocab]
+  double output_multiplier = 1.0;        ///< m > 0 of the unary logits softcap(m·U)
+  double final_logit_softcapping = 0.0;  ///< c >= 0 (0: no softcap)
   /// α of the selector's CE and its schedule (SpecForge's names and defaults): 0 for the first
-  /// warmup_ratio of the steps, then a linear ramp over ramp_ratio of them (dflash2_selector_alpha).
+  /// warmup_ratio of the steps, then a linear ramp over ramp_ratio of them
+  /// (dflash2_selector_alpha).
   double dflash2_selector_loss_alpha = 1.0;
-  double dflash2_selector_warmup_ratio = 0.0;  ///< in [0, 1]
-  double dflash2_selector_ramp_ratio = 0.0;    ///< in [0, 1]
-  bool dflash2_selector_stop_gradient = false; ///< the selector's CE does not reach the drafter
+  double dflash2_selector_warmup_ratio = 0.0;   ///< in [0, 1]
+  double dflash2_selector_ramp_ratio = 0.0;     ///< in [0, 1]
+  bool dflash2_selector_stop_gradient = false;  ///< the selector's CE does not reach the drafter
   uint64_t seed = 0;
   int64_t save_interval = 0;         ///< 0 = only at the end
   int keep_last = 3;                 ///< complete checkpoints kept
