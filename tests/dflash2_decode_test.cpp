@@ -144,7 +144,8 @@ TEST(Dflash2Decode, TheWalkDraftsFromThePreviousDraft) {
     changed += prev != plain;
     EXPECT_EQ(s.last_proposals[k - 1], prev) << "slot " << k;
   }
-  EXPECT_GT(changed, 0) << "the selector never moved the walk off the argmax: the test has no power";
+  EXPECT_GT(changed, 0)
+      << "the selector never moved the walk off the argmax: the test has no power";
 }
 
 TEST(Dflash2Decode, GreedyOutputIsTheTargetsOwn) {

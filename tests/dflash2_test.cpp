@@ -245,13 +245,12 @@ TEST(Dflash2, GradientsMatchFiniteDifferencesInFloat64) {
     double worst = 0;
     int nonzero = 0;
     for (const auto& info : p.layout->params) {
-      const bool conv0 = info.name.rfind("layers.0.", 0) == 0 &&
-                         info.name.find("_conv.") != std::string::npos;
+      const bool conv0 =
+          info.name.rfind("layers.0.", 0) == 0 && info.name.find("_conv.") != std::string::npos;
       const bool all = conv0 || info.name.rfind("candidate_selector", 0) == 0;
       const int64_t n = all ? info.numel : 3;
       for (int64_t s = 0; s < n; ++s) {
-        const int64_t i =
-            info.offset + (all ? s : static_cast<int64_t>(pick.below(info.numel)));
+        const int64_t i = info.offset + (all ? s : static_cast<int64_t>(pick.below(info.numel)));
         const double eps = 1e-5, old = p.params[i];
         p.params[i] = old + eps;
         const double lp = loss();
@@ -409,8 +408,8 @@ TEST(Dflash2Selector, SumsMatchTheFormulaPerSlot) {
   auto p = make_problem<double>(37, true, z);
   const DrafterBatch b = p.batch();
   auto ws = std::make_unique<DrafterWorkspace<double>>();
-  const std::vector<double> u = drafter_block_logits<double>(
-      p.cfg, *p.layout, p.params.data(), p.tables(), b, p.features.data(), *ws);
+  const std::vector<double> u = drafter_block_logits<double>(p.cfg, *p.layout, p.params.data(),
+                                                             p.tables(), b, p.features.data(), *ws);
   const DrafterTrainResult r = step_of<double>(p, nullptr);
   const int64_t K = p.cfg.block_size, V = p.cfg.vocab_size, H = p.cfg.hidden_size;
   const int64_t rank = z.rank;
@@ -429,7 +428,8 @@ TEST(Dflash2Selector, SumsMatchTheFormulaPerSlot) {
     base += w * (std::log(z_all) - ui[gold]);
     std::vector<int32_t> order(V);
     for (int32_t v = 0; v < V; ++v) order[v] = v;
-    std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return ui[x] > ui[y]; });
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int32_t x, int32_t y) { return ui[x] > ui[y]; });
     order.resize(z.top_k);
     if (std::find(order.begin(), order.end(), gold) == order.end()) {
       ++outside;

@@ -140,10 +140,9 @@ TEST(RunConfig, Dflash2KeysAreValidatedNamingTheKey) {
   auto err = [](std::vector<std::string> o) {
     return error_of([&] { RunConfig::from_yaml(kYaml, "run.yaml", o); });
   };
-  const std::vector<std::string> sizes = {"training.objective=dflash2",
-                                          "training.conv_kernel_size=2",
-                                          "training.conv_group_size=16", "training.selector_rank=8",
-                                          "training.selector_top_k=4"};
+  const std::vector<std::string> sizes = {
+      "training.objective=dflash2", "training.conv_kernel_size=2", "training.conv_group_size=16",
+      "training.selector_rank=8", "training.selector_top_k=4"};
   auto with = [&](std::vector<std::string> more) {
     std::vector<std::string> o = sizes;
     o.insert(o.end(), more.begin(), more.end());

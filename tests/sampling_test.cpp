@@ -251,7 +251,8 @@ TEST(Sampling, SpeculativeSamplingMatchesTargetOnTinyModel) {
       fparams[flayout.dflash2.successor + i] = static_cast<float>(frng.normal());
       fparams[flayout.dflash2.predecessor + i] *= 50.0f;
     }
-    for (int64_t i = 0; i < 8 * fc.hidden_size; ++i) fparams[flayout.dflash2.hidden_proj + i] *= 50.0f;
+    for (int64_t i = 0; i < 8 * fc.hidden_size; ++i)
+      fparams[flayout.dflash2.hidden_proj + i] *= 50.0f;
   }
   drafter_save(dir / "f", fc, flayout, fparams, DType::f32);
   const LoadedDrafter fdrafter = drafter_load(dir / "f");

@@ -127,7 +127,7 @@ void expect_resume_bit_identical(const std::vector<std::string>& overrides) {
   const bool dspark = std::find(overrides.begin(), overrides.end(), "training.objective=dspark") !=
                       overrides.end();
   const bool dflash2 = std::find(overrides.begin(), overrides.end(),
-                                "training.objective=dflash2") != overrides.end();
+                                 "training.objective=dflash2") != overrides.end();
   EXPECT_EQ(cfg["architectures"][0],
             dspark ? "DSparkDraftModel" : (dflash2 ? "DFlash2DraftModel" : "DFlashDraftModel"));
   EXPECT_EQ(cfg["dflash_config"]["mask_token_id"], 8000);
@@ -186,11 +186,14 @@ TEST(Trainer, InterruptedAndResumedDSparkRunIsBitIdenticalToAnUninterruptedOne) 
 // drafter; α_sel follows the run's global step across the resume (a warmup and a ramp inside the
 // 6 steps); the run logs its objective and exports a DFlash2 drafter whose new tensors trained.
 TEST(Trainer, InterruptedAndResumedDflash2RunIsBitIdenticalToAnUninterruptedOne) {
-  const std::vector<std::string> d2 = {
-      "training.objective=dflash2",           "training.gamma=4",
-      "training.conv_kernel_size=2",          "training.conv_group_size=16",
-      "training.selector_rank=4",             "training.selector_top_k=8",
-      "training.dflash2_selector_warmup_ratio=0.2", "training.dflash2_selector_ramp_ratio=0.5"};
+  const std::vector<std::string> d2 = {"training.objective=dflash2",
+                                       "training.gamma=4",
+                                       "training.conv_kernel_size=2",
+                                       "training.conv_group_size=16",
+                                       "training.selector_rank=4",
+                                       "training.selector_top_k=8",
+                                       "training.dflash2_selector_warmup_ratio=0.2",
+                                       "training.dflash2_selector_ramp_ratio=0.5"};
   expect_resume_bit_identical(d2);
   test::TempDir tmp;
   TrainOptions o;
