@@ -219,6 +219,15 @@ TEST(PipelineTrain, TwoDSparkReplicasOfOneRowTrainLikeOneReplicaOfTwoRows) {
        "training.confidence_head_with_markov=true"});
 }
 
+// DFlash2 divides by the step's Σw like dflash, every replica's batch carries the step's α_sel
+// (ramped here), and the conv's and selector's gradients are all-reduced with the rest.
+TEST(PipelineTrain, TwoDflash2ReplicasOfOneRowTrainLikeOneReplicaOfTwoRows) {
+  expect_two_replicas_train_like_one_of_two_rows(
+      {"training.objective=dflash2", "training.conv_kernel_size=2", "training.conv_group_size=16",
+       "training.selector_rank=4", "training.selector_top_k=8",
+       "training.dflash2_selector_warmup_ratio=0.1", "training.dflash2_selector_ramp_ratio=0.3"});
+}
+
 TEST(PipelineTrain, TwoByTwoResumesBitIdenticallyAndRefusesAnotherReplicaCount) {
   test::TempDir tmp;
   TrainOptions a;

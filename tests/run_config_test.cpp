@@ -136,6 +136,76 @@ TEST(RunConfig, LossTypeAndDPaceAlphaAreValidatedNamingTheKey) {
       "dpace");
 }
 
+TEST(RunConfig, Dflash2KeysAreValidatedNamingTheKey) {
+  auto err = [](std::vector<std::string> o) {
+    return error_of([&] { RunConfig::from_yaml(kYaml, "run.yaml", o); });
+  };
+  const std::vector<std::string> sizes = {
+      "training.objective=dflash2", "training.conv_kernel_size=2", "training.conv_group_size=16",
+      "training.selector_rank=8", "training.selector_top_k=4"};
+  auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> o = sizes;
+    o.insert(o.end(), more.begin(), more.end());
+    return o;
+  };
+  const RunConfig def = RunConfig::from_yaml(kYaml, "run.yaml");
+  EXPECT_FALSE(dflash2_heads_of(def.training).enabled);
+  const RunConfig c = RunConfig::from_yaml(kYaml, "run.yaml", sizes);
+  const Objective o = objective_of(c.training);
+  EXPECT_TRUE(o.dflash2());
+  EXPECT_FALSE(o.dflash2_stop_gradient);
+  EXPECT_EQ(dflash2_heads_of(c.training), (Dflash2Heads{true, 2, 16, 8, 4, 1.0, 0.0}));
+  // SpecForge's schedule defaults: α 1, no warmup, no ramp.
+  EXPECT_EQ(c.training.dflash2_selector_loss_alpha, 1.0);
+  EXPECT_EQ(c.training.dflash2_selector_warmup_ratio, 0.0);
+  EXPECT_EQ(c.training.dflash2_selector_ramp_ratio, 0.0);
+  const RunConfig r = RunConfig::from_yaml(
+      kYaml, "run.yaml",
+      with({"training.output_multiplier=0.25", "training.final_logit_softcapping=20",
+            "training.dflash2_selector_stop_gradient=true", "training.selector_rank=4"}));
+  EXPECT_EQ(dflash2_heads_of(r.training), (Dflash2Heads{true, 2, 16, 4, 4, 0.25, 20.0}));
+  EXPECT_TRUE(objective_of(r.training).dflash2_stop_gradient);
+  // The resolved YAML keeps them; the conv and selector sizes change the parameter shapes.
+  const RunConfig back = RunConfig::from_yaml(r.to_yaml(), "resolved.yaml");
+  EXPECT_EQ(dflash2_heads_of(back.training), dflash2_heads_of(r.training));
+  EXPECT_TRUE(back.shape_changes(r).empty());
+  ASSERT_FALSE(c.shape_changes(r).empty());
+  EXPECT_NE(c.shape_changes(r)[0].find("training.selector_rank"), std::string::npos);
+  EXPECT_NE(def.shape_changes(c)[0].find("training.objective"), std::string::npos);
+  // Errors name the key.
+  EXPECT_NE(err({"training.objective=dflash2"})
+                .find("training.conv_kernel_size must be set to an integer >= 1 for "
+                      "training.objective dflash2"),
+            std::string::npos);
+  EXPECT_NE(err({"training.selector_rank=4"})
+                .find("training.selector_rank applies only to training.objective: dflash2"),
+            std::string::npos);
+  EXPECT_NE(err({"training.objective=dspark", "training.dflash2_selector_loss_alpha=0.5"})
+                .find("training.dflash2_selector_loss_alpha applies only to training.objective: "
+                      "dflash2 (the objective is dspark)"),
+            std::string::npos);
+  EXPECT_NE(err(with({"training.conv_kernel_size=17"}))
+                .find("training.conv_kernel_size 17 must be <= training.block_size"),
+            std::string::npos);
+  EXPECT_NE(err(with({"training.output_multiplier=0"})).find("training.output_multiplier must"),
+            std::string::npos);
+  EXPECT_NE(err(with({"training.final_logit_softcapping=-1"}))
+                .find("training.final_logit_softcapping must"),
+            std::string::npos);
+  EXPECT_NE(err(with({"training.dflash2_selector_loss_alpha=-1"}))
+                .find("training.dflash2_selector_loss_alpha must"),
+            std::string::npos);
+  EXPECT_NE(err(with({"training.dflash2_selector_ramp_ratio=1.5"}))
+                .find("training.dflash2_selector_ramp_ratio must be in [0, 1], got 1.5"),
+            std::string::npos);
+  EXPECT_NE(err(with({"training.loss_type=dpace"}))
+                .find("training.loss_type dpace is not implemented for training.objective dflash2"),
+            std::string::npos);
+  EXPECT_NE(err(with({"runtime.backend=cuda"}))
+                .find("training.objective dflash2 is implemented on the cpu backend only"),
+            std::string::npos);
+}
+
 TEST(RunConfig, DSparkKeysAreValidatedNamingTheKey) {
   auto err = [](std::vector<std::string> o) {
     return error_of([&] { RunConfig::from_yaml(kYaml, "run.yaml", o); });
@@ -173,7 +243,7 @@ TEST(RunConfig, DSparkKeysAreValidatedNamingTheKey) {
   EXPECT_NE(def.shape_changes(c)[0].find("training.objective"), std::string::npos);
   // Errors name the key.
   EXPECT_NE(err({"training.objective=spark"})
-                .find("training.objective must be dflash or dspark, got 'spark'"),
+                .find("training.objective must be dflash, dspark or dflash2, got 'spark'"),
             std::string::npos);
   EXPECT_NE(err({"training.objective=dspark", "training.loss_type=dpace"})
                 .find("training.loss_type dpace is a loss of the dflash objective"),

@@ -237,6 +237,26 @@ TEST(Sampling, SpeculativeSamplingMatchesTargetOnTinyModel) {
   drafter_save(dir / "s", sc, slayout, sparams, DType::f32);
   const LoadedDrafter sdrafter = drafter_load(dir / "s");
   const SpeculativeDecoder sdec(target, sdrafter);
+  // A DFlash2 drafter (block 3: slots 1 and 2 walk the selector over the unary top 4), its
+  // codebooks random and scaled up so that the walk's q is not the softmax of the slot's logits.
+  // Untrained, its drafts are rarely accepted (none at 400 trials): mostly the rejection path.
+  DrafterConfig fc = dc;
+  fc.dflash2 = Dflash2Heads{true, 2, 16, 8, 4, 1.0, 0.0};
+  const DrafterLayout flayout(fc);
+  std::vector<float> fparams(static_cast<size_t>(flayout.total));
+  drafter_init(fparams, flayout, 23);
+  {
+    Rng frng(24);
+    for (int64_t i = 0; i < fc.vocab_size * 8; ++i) {
+      fparams[flayout.dflash2.successor + i] = static_cast<float>(frng.normal());
+      fparams[flayout.dflash2.predecessor + i] *= 50.0f;
+    }
+    for (int64_t i = 0; i < 8 * fc.hidden_size; ++i)
+      fparams[flayout.dflash2.hidden_proj + i] *= 50.0f;
+  }
+  drafter_save(dir / "f", fc, flayout, fparams, DType::f32);
+  const LoadedDrafter fdrafter = drafter_load(dir / "f");
+  const SpeculativeDecoder fdec(target, fdrafter);
 
   const Tokenizer tok = Tokenizer::load(tiny_dir());
   // A definition being written: the next tokens are uncertain but not spread over the whole
@@ -261,6 +281,8 @@ TEST(Sampling, SpeculativeSamplingMatchesTargetOnTinyModel) {
   const SpecState base = *base_opt;
   const SpecState sbase = sdec.start(prompt, o);  // the same seed: the same first token
   ASSERT_EQ(sbase.anchor, t1_argmax);
+  const SpecState fbase = fdec.start(prompt, o);
+  ASSERT_EQ(fbase.anchor, t1_argmax);
   ASSERT_FALSE(base.done);
   const int32_t t1 = base.anchor;
 
@@ -293,8 +315,10 @@ TEST(Sampling, SpeculativeSamplingMatchesTargetOnTinyModel) {
   const double crit = chi2_critical_1e4(df);
 
   std::vector<int64_t> plain(cats.probs.size(), 0), spec(cats.probs.size(), 0),
-      oracle(cats.probs.size(), 0), naive(cats.probs.size(), 0), dspark(cats.probs.size(), 0);
-  int64_t dspark_accepted = 0;  // drafts the DSpark loop accepted (the check's power)
+      oracle(cats.probs.size(), 0), naive(cats.probs.size(), 0), dspark(cats.probs.size(), 0),
+      dflash2(cats.probs.size(), 0);
+  int64_t dspark_accepted = 0;   // drafts the DSpark loop accepted (the check's power)
+  int64_t dflash2_accepted = 0;  // and the DFlash2 loop
   std::vector<double> scratch, pa;
   const SamplingParams soft{1.6, 0, 1.0};  // the oracle drafter's q: the target at temperature 1.6
   for (int64_t i = 0; i < n; ++i) {
@@ -327,6 +351,15 @@ TEST(Sampling, SpeculativeSamplingMatchesTargetOnTinyModel) {
       for (int a : s.result.accept_lengths) dspark_accepted += a - 1;
       ++dspark[cats.of(s.result.tokens[1], s.result.tokens[2])];
     }
+    // Full speculative loop with the DFlash2 drafter.
+    {
+      SpecState s = fbase;
+      s.rng.reseed(derive_seed(600, {static_cast<uint64_t>(i)}));
+      while (!s.done) fdec.step(s, o);
+      ASSERT_EQ(s.result.tokens.size(), 3u);
+      for (int a : s.result.accept_lengths) dflash2_accepted += a - 1;
+      ++dflash2[cats.of(s.result.tokens[1], s.result.tokens[2])];
+    }
     // Oracle drafter: d1 ~ q1 = target(·|…t1) at temperature 1.6, d2 ~ q2 = target(·|…t1 d1).
     {
       SpecState s = base;
@@ -350,16 +383,20 @@ TEST(Sampling, SpeculativeSamplingMatchesTargetOnTinyModel) {
   const double x_plain = chi2_stat(plain, cats.probs, n), x_spec = chi2_stat(spec, cats.probs, n),
                x_oracle = chi2_stat(oracle, cats.probs, n),
                x_naive = chi2_stat(naive, cats.probs, n),
-               x_dspark = chi2_stat(dspark, cats.probs, n);
+               x_dspark = chi2_stat(dspark, cats.probs, n),
+               x_dflash2 = chi2_stat(dflash2, cats.probs, n);
   std::printf(
       "trials %lld, categories %d (covered mass %.3f), critical %.1f: plain %.1f, "
       "spec(random drafter) %.1f, spec(random DSpark drafter, %lld drafts accepted) %.1f, "
-      "spec(oracle q) %.1f, drafts alone %.1f\n",
+      "spec(random DFlash2 drafter, %lld drafts accepted) %.1f, spec(oracle q) %.1f, drafts alone "
+      "%.1f\n",
       static_cast<long long>(n), df + 1, covered, crit, x_plain, x_spec,
-      static_cast<long long>(dspark_accepted), x_dspark, x_oracle, x_naive);
+      static_cast<long long>(dspark_accepted), x_dspark, static_cast<long long>(dflash2_accepted),
+      x_dflash2, x_oracle, x_naive);
   EXPECT_LT(x_plain, crit);
   EXPECT_LT(x_spec, crit);
   EXPECT_LT(x_dspark, crit);
+  EXPECT_LT(x_dflash2, crit);
   EXPECT_LT(x_oracle, crit);
   EXPECT_GT(x_naive, crit) << "negative control: the test cannot tell q from p";
 }

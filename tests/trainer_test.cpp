@@ -126,7 +126,10 @@ void expect_resume_bit_identical(const std::vector<std::string>& overrides) {
   json cfg = json::parse(test::read_file(tmp / "a" / "checkpoint-6" / "config.json"));
   const bool dspark = std::find(overrides.begin(), overrides.end(), "training.objective=dspark") !=
                       overrides.end();
-  EXPECT_EQ(cfg["architectures"][0], dspark ? "DSparkDraftModel" : "DFlashDraftModel");
+  const bool dflash2 = std::find(overrides.begin(), overrides.end(),
+                                 "training.objective=dflash2") != overrides.end();
+  EXPECT_EQ(cfg["architectures"][0],
+            dspark ? "DSparkDraftModel" : (dflash2 ? "DFlash2DraftModel" : "DFlashDraftModel"));
   EXPECT_EQ(cfg["dflash_config"]["mask_token_id"], 8000);
   // The loss went down over the run (first vs last logged step).
   EXPECT_LT(ma.back()["loss"].get<double>(), ma.front()["loss"].get<double>());
@@ -177,6 +180,42 @@ TEST(Trainer, InterruptedAndResumedDSparkRunIsBitIdenticalToAnUninterruptedOne) 
   // The heads trained: their exported weights are not drafter_init's (biases start at 0).
   EXPECT_NE(d.params[d.layout.dspark.joint_b], 0.0f);
   EXPECT_NE(d.params[d.layout.dspark.conf_b], 0.0f);
+}
+
+// DFlash2: its conv and selector are in the optimizer state and the checkpoint like the rest of the
+// drafter; α_sel follows the run's global step across the resume (a warmup and a ramp inside the
+// 6 steps); the run logs its objective and exports a DFlash2 drafter whose new tensors trained.
+TEST(Trainer, InterruptedAndResumedDflash2RunIsBitIdenticalToAnUninterruptedOne) {
+  const std::vector<std::string> d2 = {"training.objective=dflash2",
+                                       "training.gamma=4",
+                                       "training.conv_kernel_size=2",
+                                       "training.conv_group_size=16",
+                                       "training.selector_rank=4",
+                                       "training.selector_top_k=8",
+                                       "training.dflash2_selector_warmup_ratio=0.2",
+                                       "training.dflash2_selector_ramp_ratio=0.5"};
+  expect_resume_bit_identical(d2);
+  test::TempDir tmp;
+  TrainOptions o;
+  o.config = config_for(tmp / "s", 2, d2);
+  train(o);
+  EXPECT_NE(test::read_file(tmp / "s" / "log.txt")
+                .find("objective: dflash2, Σ w·(CE(ū) + α_sel·CE_sel) / Σ w"),
+            std::string::npos);
+  const LoadedDrafter d = drafter_load(tmp / "s" / "checkpoint-2");
+  EXPECT_EQ(d.config.dflash2, (Dflash2Heads{true, 2, 16, 4, 8, 1.0, 0.0}));
+  // The conv and the selector trained: their exported weights are not drafter_init's zeros
+  // (the successor codebook starts at 0 and trains once α_sel > 0: 0.6 at step 1 of 2).
+  const ParamInfo& kp = d.layout.find("layers.0.mlp_conv.kernel_projection.weight");
+  const ParamInfo& bs = d.layout.find("candidate_selector.successor_codebook");
+  auto any_nonzero = [&](const ParamInfo& p) {
+    for (int64_t i = 0; i < p.numel; ++i) {
+      if (d.params[p.offset + i] != 0.0f) return true;
+    }
+    return false;
+  };
+  EXPECT_TRUE(any_nonzero(kp));
+  EXPECT_TRUE(any_nonzero(bs));
 }
 
 TEST(Trainer, ResumeRefusesChangedModelOrDataKeysUnlessForced) {

@@ -1,12 +1,13 @@
 // dflash.cpp — speculative decoding loop (see speculative.hpp for the step and its invariants).
 #include "infer/speculative.hpp"
 
-#include "model/dspark_head.hpp"
 #include <algorithm>
 #include <chrono>
 #include <numeric>
 
 #include "core/error.hpp"
+#include "model/dflash2_selector.hpp"
+#include "model/dspark_head.hpp"
 
 namespace dflash {
 
@@ -141,7 +142,8 @@ void SpeculativeDecoder::step(SpecState& s, const DecodeOptions& opts,
                           s.anchor, s.drafter_ws);
   const bool greedy = opts.sampling.greedy();
   // DFlash drafts with slots 1..K−1 (slot 0 holds the anchor); DSpark with all K slots, slot k's
-  // logits biased by the token drafted at slot k−1 (prev₀ = the anchor, the bonus token).
+  // logits biased by the token drafted at slot k−1 (prev₀ = the anchor, the bonus token); DFlash2
+  // with slots 1..K−1, walking its selector from prev₁ = the anchor (model/dflash2_selector.hpp).
   const bool dspark = cfg.dspark.enabled;
   const int64_t P = dspark ? K : K - 1, first = dspark ? 0 : 1;
   s.proposals.resize(static_cast<size_t>(P));
@@ -150,6 +152,19 @@ void SpeculativeDecoder::step(SpecState& s, const DecodeOptions& opts,
   for (int64_t j = 0; j < P; ++j) {
     const int64_t k = first + j;  // the slot that drafts proposal j
     std::span<const float> row(dlogits.data() + k * V, static_cast<size_t>(V));
+    if (cfg.dflash2.enabled) {
+      // DFlash2's selector walk: C_k = top-K of the unary logits, scored with prev.
+      dflash2_slot_scores(cfg, drafter_.layout, drafter_.params.data(), row.data(),
+                          s.drafter_ws.hf.data() + k * cfg.hidden_size, prev, s.dflash2_slot);
+      if (greedy) {
+        s.proposals[j] = dflash2_greedy(s.dflash2_slot);
+      } else {
+        dflash2_sampling_probs(s.draft_q[j], s.dflash2_slot, V, opts.sampling.temperature);
+        s.proposals[j] = sample_index(s.draft_q[j], s.rng);
+      }
+      prev = s.proposals[j];
+      continue;
+    }
     if (dspark) {
       s.dspark_row.assign(row.begin(), row.end());
       dspark_slot_logits(cfg, drafter_.layout, drafter_.params.data(), s.dspark_row.data(),

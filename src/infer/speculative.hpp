@@ -23,6 +23,10 @@
 // the token drafted at slot k−1 (prev₀ = anchor); the verify block is [anchor, d_0..d_{K−1}], so an
 // acceptance length is in [1, K+1]. Sampling draws each d_k from its biased q_k, which the
 // rejection rule reads as for DFlash.
+// A DFlash2 drafter (OBJECTIVES.md §1.4) drafts slots 1..K−1 as DFlash does, but each slot's token
+// comes from its selector walk (model/dflash2_selector.hpp): greedy argmax of S_k(prev, ·) over the
+// unary top-K C_k, or a draw from q_k = softmax(S_k/T) on C_k (zero elsewhere), which the rejection
+// rule reads as any q.
 //
 // Invariants: greedy output equals the target's own greedy decoding token for token (the
 // verification logits are the target's); sampled output is distributed exactly as the target's
@@ -38,6 +42,7 @@
 
 #include "core/rng.hpp"
 #include "infer/sampling.hpp"
+#include "model/dflash2_selector.hpp"
 #include "model/drafter.hpp"
 #include "model/drafter_io.hpp"
 #include "model/dspark_head.hpp"
@@ -89,6 +94,7 @@ struct SpecState {
   std::vector<double> target_p, sample_scratch;
   std::vector<float> dspark_row;  // a DSpark drafter: one slot's logits with the Markov bias
   DsparkSlotState dspark_slot;    // and its head's state between slots
+  Dflash2SlotScores dflash2_slot;  // a DFlash2 drafter: one slot's candidates and scores
   explicit SpecState(const ModelConfig& c) : target_cache(c) {}
 };
 

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "core/error.hpp"
+#include "model/dflash2_selector.hpp"
 #include "model/dspark_head.hpp"
 #include "ops/attention.hpp"
 #include "ops/cross_entropy.hpp"
@@ -40,6 +41,28 @@ void DrafterConfig::validate() const {
   DFLASH_CHECK(mask_token_id >= 0 && mask_token_id < vocab_size,
                "mask_token_id {} is outside the target's embedding rows [0, {})", mask_token_id,
                vocab_size);
+  const Dflash2Heads& d2 = dflash2;
+  if (!d2.enabled) {
+    DFLASH_CHECK(d2 == Dflash2Heads{},
+                 "conv_kernel_size / selector keys set on a drafter whose "
+                 "architecture is not DFlash2DraftModel");
+  } else {
+    DFLASH_CHECK(!dspark.enabled, "a drafter cannot be both DFlash2 and DSpark");
+    DFLASH_CHECK(d2.conv_kernel_size >= 1 && d2.conv_kernel_size <= block_size,
+                 "conv_kernel_size {} must be in [1, block_size {}]", d2.conv_kernel_size,
+                 block_size);
+    DFLASH_CHECK(d2.conv_group_size >= 1 && hidden_size % d2.conv_group_size == 0,
+                 "conv_group_size {} must be >= 1 and divide hidden_size {}", d2.conv_group_size,
+                 hidden_size);
+    DFLASH_CHECK(d2.selector_rank >= 1, "selector_rank must be >= 1 (got {})", d2.selector_rank);
+    DFLASH_CHECK(d2.selector_top_k >= 1 && d2.selector_top_k <= vocab_size,
+                 "selector_top_k {} must be in [1, vocab_size {}]", d2.selector_top_k, vocab_size);
+    DFLASH_CHECK(std::isfinite(d2.output_multiplier) && d2.output_multiplier > 0,
+                 "output_multiplier must be a finite number > 0 (got {})", d2.output_multiplier);
+    DFLASH_CHECK(std::isfinite(d2.final_logit_softcapping) && d2.final_logit_softcapping >= 0,
+                 "final_logit_softcapping must be a finite number >= 0 (0: none; got {})",
+                 d2.final_logit_softcapping);
+  }
   const DsparkHeads& ds = dspark;
   if (!ds.enabled) {
     DFLASH_CHECK(ds == DsparkHeads{},
@@ -79,7 +102,8 @@ const char* markov_head_type_name(MarkovHeadType t) {
 DrafterLayout::DrafterLayout(const DrafterConfig& c) {
   const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
   const int64_t QD = c.num_heads * D, KD = c.num_kv_heads * D;
-  auto add = [&](std::string name, std::vector<int64_t> shape, bool norm, bool bias = false) {
+  auto add = [&](std::string name, std::vector<int64_t> shape, bool norm, bool bias = false,
+                 ParamInit init = ParamInit::normal) {
     ParamInfo p;
     p.name = std::move(name);
     p.numel = 1;
@@ -94,6 +118,7 @@ DrafterLayout::DrafterLayout(const DrafterConfig& c) {
     p.offset = total - p.numel;
     p.is_norm = norm;
     p.is_bias = bias;
+    p.init = init;
     params.push_back(std::move(p));
   };
   add("fc.weight", {H, c.n_taps() * H}, false);
@@ -130,12 +155,38 @@ DrafterLayout::DrafterLayout(const DrafterConfig& c) {
     add("confidence_head.proj.weight", {1, ds.confidence_in(H)}, false);
     add("confidence_head.proj.bias", {1}, false, true);
   }
-  auto offset_of = [&](const char* name) {
+  const Dflash2Heads& d2 = c.dflash2;
+  if (d2.enabled) {
+    const int64_t T = d2.conv_kernel_size, Gc = H / d2.conv_group_size, r = d2.selector_rank;
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+      for (const char* conv : {"attention_conv", "mlp_conv"}) {
+        const std::string p = "layers." + std::to_string(l) + "." + conv + ".";
+        add(p + "base_kernel", {2, T, H}, false, false, ParamInit::conv_identity);
+        add(p + "kernel_projection.weight", {2 * T * Gc, H}, false, false, ParamInit::zero);
+      }
+    }
+    add("candidate_selector.predecessor_codebook", {c.vocab_size, r}, false);
+    add("candidate_selector.successor_codebook", {c.vocab_size, r}, false, false, ParamInit::zero);
+    add("candidate_selector.hidden_projection.weight", {r, H}, false);
+  }
+  auto offset_of = [&](const std::string& name) {
     for (const auto& p : params) {
       if (p.name == name) return p.offset;
     }
     return int64_t(-1);
   };
+  if (d2.enabled) {
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+      const std::string p = "layers." + std::to_string(l) + ".";
+      dflash2.attn_base.push_back(offset_of(p + "attention_conv.base_kernel"));
+      dflash2.attn_kp.push_back(offset_of(p + "attention_conv.kernel_projection.weight"));
+      dflash2.mlp_base.push_back(offset_of(p + "mlp_conv.base_kernel"));
+      dflash2.mlp_kp.push_back(offset_of(p + "mlp_conv.kernel_projection.weight"));
+    }
+    dflash2.predecessor = offset_of("candidate_selector.predecessor_codebook");
+    dflash2.successor = offset_of("candidate_selector.successor_codebook");
+    dflash2.hidden_proj = offset_of("candidate_selector.hidden_projection.weight");
+  }
   dspark.markov_w1 = offset_of("markov_head.markov_w1.weight");
   dspark.markov_w2 = offset_of("markov_head.markov_w2.weight");
   dspark.gate_w = offset_of("markov_head.gate_proj.weight");
@@ -180,6 +231,16 @@ void drafter_init(std::span<float> params, const DrafterLayout& layout, uint64_t
   Rng rng(seed);
   for (const auto& p : layout.params) {
     float* w = params.data() + p.offset;
+    if (p.init == ParamInit::zero) {
+      std::fill(w, w + p.numel, 0.0f);
+      continue;
+    }
+    if (p.init == ParamInit::conv_identity) {  // [2, T, H]: tap 0 of both sides is 1
+      const int64_t T = p.shape[1], H = p.shape[2];
+      std::fill(w, w + p.numel, 0.0f);
+      for (int64_t side = 0; side < 2; ++side) std::fill_n(w + side * T * H, H, 1.0f);
+      continue;
+    }
     for (int64_t i = 0; i < p.numel; ++i) {
       if (p.is_bias) {
         w[i] = 0.0f;  // draws nothing: the following tensors' values do not depend on biases
@@ -241,6 +302,11 @@ struct Dims {
         V(c.vocab_size) {}
 };
 
+// The shape of DFlash2's convs over NK block rows.
+inline Dflash2ConvShape conv_shape(const DrafterConfig& c, int64_t NK) {
+  return {NK, c.hidden_size, c.block_size, c.dflash2.conv_kernel_size, c.dflash2.conv_group_size};
+}
+
 template <typename S>
 void rope_table(std::vector<S>& out, const DrafterConfig& c) {
   if (!out.empty()) return;
@@ -260,12 +326,19 @@ void block_forward(const DrafterConfig& cfg, const DrafterLayout& layout, const 
   fit(ws.h, NK * d.H);
   embedding_fwd_cpu(ws.h.data(), embed, ws.block_tokens.data(), NK, d.V, d.H);
   AttnParams ap{NK, Tc + NK, d.NH, d.NKV, d.D, 1.0 / std::sqrt(static_cast<double>(d.D))};
+  const bool conv = cfg.dflash2.enabled;
+  const Dflash2ConvShape cs = conv_shape(cfg, NK);
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     auto P = layer_params(const_cast<S*>(params), layout, l);
     LayerActs<S>& a = ws.layers[static_cast<size_t>(l)];
     a.x_in = ws.h;
     fit(a.hn, NK * d.H);
     rmsnorm_fwd_cpu(a.hn.data(), nullptr, a.x_in.data(), P.in_norm, NK, d.H, cfg.rms_norm_eps);
+    // DFlash2: the attention sees the pre-conv of its input (block rows only; ctx k/v unchanged).
+    if (conv) {
+      dflash2_conv_pre(a.hn.data(), a.attn_conv, params + layout.dflash2.attn_base[l],
+                       params + layout.dflash2.attn_kp[l], cs);
+    }
     // q: [NK, NH, D] -> per-head norm -> RoPE.
     fit(a.q_raw, NK * d.QD);
     linear_fwd_cpu(a.q_raw.data(), a.hn.data(), P.wq, nullptr, NK, d.H, d.QD);
@@ -292,18 +365,28 @@ void block_forward(const DrafterConfig& cfg, const DrafterLayout& layout, const 
     attention_fwd_cpu(a.o.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), ranges, ap);
     fit(ws.dtmp, NK * d.H);
     linear_fwd_cpu(ws.dtmp.data(), a.o.data(), P.wo, nullptr, NK, d.QD, d.H);
+    if (conv) {
+      dflash2_conv_post(ws.dtmp.data(), a.attn_conv, params + layout.dflash2.attn_base[l], cs);
+    }
     fit(a.h_mid, NK * d.H);
     residual_fwd_cpu(a.h_mid.data(), a.x_in.data(), ws.dtmp.data(), NK * d.H);
     // MLP.
     fit(a.hn2, NK * d.H);
     rmsnorm_fwd_cpu(a.hn2.data(), nullptr, a.h_mid.data(), P.post_norm, NK, d.H,
                     cfg.rms_norm_eps);
+    if (conv) {
+      dflash2_conv_pre(a.hn2.data(), a.mlp_conv, params + layout.dflash2.mlp_base[l],
+                       params + layout.dflash2.mlp_kp[l], cs);
+    }
     // gate and up are adjacent in the layout: one [2I, H] projection gives row t = [gate | up].
     fit(a.gate_up, NK * 2 * d.I);
     linear_fwd_cpu(a.gate_up.data(), a.hn2.data(), P.wg, nullptr, NK, d.H, 2 * d.I);
     fit(a.act, NK * d.I);
     swiglu_fwd_cpu(a.act.data(), a.gate_up.data(), a.gate_up.data() + d.I, NK, d.I, 2 * d.I);
     linear_fwd_cpu(ws.dtmp.data(), a.act.data(), P.wd, nullptr, NK, d.I, d.H);
+    if (conv) {
+      dflash2_conv_post(ws.dtmp.data(), a.mlp_conv, params + layout.dflash2.mlp_base[l], cs);
+    }
     residual_fwd_cpu(ws.h.data(), a.h_mid.data(), ws.dtmp.data(), NK * d.H);
   }
 }
@@ -421,6 +504,10 @@ DrafterTrainResult drafter_train_step(const DrafterConfig& cfg, const DrafterLay
                "drafter step: a batch of the {} objective for a drafter {}",
                objective_kind_name(batch.objective.kind),
                cfg.dspark.enabled ? "with DSpark heads" : "without DSpark heads");
+  DFLASH_CHECK(cfg.dflash2.enabled == batch.objective.dflash2(),
+               "drafter step: a batch of the {} objective for a drafter {}",
+               objective_kind_name(batch.objective.kind),
+               cfg.dflash2.enabled ? "with DFlash2's conv and selector" : "without DFlash2's");
   plan_batch(cfg, batch, features, ws);
   DrafterTrainResult res;
   res.argmax.assign(static_cast<size_t>(NK), -1);
@@ -448,6 +535,21 @@ DrafterTrainResult drafter_train_step(const DrafterConfig& cfg, const DrafterLay
     res.dspark_acc_sum = ds.acc_sum;
     res.dspark_conf = ds.conf;
     res.dspark_acc = ds.acc;
+    if (!grads) return res;
+    drafter_backward(cfg, layout, params, grads, features, T, NK, ws);
+    return res;
+  }
+  if (cfg.dflash2.enabled) {
+    // DFlash2: the base loss on the unary logits and the selector's CE; dh = ∂/∂hf.
+    fit(ws.dh, NK * d.H);
+    const Dflash2Sums s2 =
+        dflash2_head_step(cfg, layout, params, grads, tables.lm_head, batch, ws.hf.data(),
+                          grad_scale, ws.dh.data(), res.argmax.data(), ws.dflash2);
+    res.loss_sum = s2.loss_sum;
+    res.weight_sum = s2.weight_sum;
+    res.dflash2_base_sum = s2.base_sum;
+    res.dflash2_selector_sum = s2.selector_sum;
+    res.dflash2_in_topk_weight = s2.in_topk_weight;
     if (!grads) return res;
     drafter_backward(cfg, layout, params, grads, features, T, NK, ws);
     return res;
@@ -522,14 +624,22 @@ void drafter_backward(const DrafterConfig& cfg, const DrafterLayout& layout, con
   std::fill(ws.dctx.begin(), ws.dctx.end(), S(0));
   const S scaling = static_cast<S>(rope_attention_scaling(cfg.rope));
   AttnParams ap{NK, T + NK, d.NH, d.NKV, d.D, 1.0 / std::sqrt(static_cast<double>(d.D))};
+  const bool conv = cfg.dflash2.enabled;
+  const Dflash2ConvShape cs = conv_shape(cfg, NK);
+  const Dflash2Offsets& o2 = layout.dflash2;
+  if (conv) fit(ws.conv_dy, NK * d.H);
   for (int64_t l = cfg.num_layers - 1; l >= 0; --l) {
     auto P = layer_params(const_cast<S*>(params), layout, l);
     auto G = layer_params(grads, layout, l);
     LayerActs<S>& a = ws.layers[static_cast<size_t>(l)];
-    // MLP: h = h_mid + down(act).
+    // MLP: h = h_mid + down(act) (DFlash2: h_mid + post_conv(down(act))).
+    if (conv) {
+      dflash2_conv_post_bwd(ws.conv_dy.data(), grads + o2.mlp_base[l], ws.conv_ddelta, ws.dh.data(),
+                            a.mlp_conv, params + o2.mlp_base[l], cs);
+    }
+    const S* d_mlp_out = conv ? ws.conv_dy.data() : ws.dh.data();
     fit(ws.d_act, NK * d.I);
-    linear_bwd_cpu(ws.d_act.data(), G.wd, nullptr, ws.dh.data(), a.act.data(), P.wd, NK, d.I,
-                   d.H);
+    linear_bwd_cpu(ws.d_act.data(), G.wd, nullptr, d_mlp_out, a.act.data(), P.wd, NK, d.I, d.H);
     fit(ws.d_gate_up, NK * 2 * d.I);
     swiglu_bwd_cpu(ws.d_gate_up.data(), ws.d_gate_up.data() + d.I, ws.d_act.data(),
                    a.gate_up.data(), a.gate_up.data() + d.I, NK, d.I, 2 * d.I);
@@ -538,12 +648,23 @@ void drafter_backward(const DrafterConfig& cfg, const DrafterLayout& layout, con
     fit(ws.dhn, NK * d.H);
     linear_bwd_cpu(ws.dhn2.data(), G.wg, nullptr, ws.d_gate_up.data(), a.hn2.data(), P.wg, NK, d.H,
                    2 * d.I);
+    if (conv) {  // dhn2 = ∂/∂ũ → ∂/∂u (the taps and the kernel projection)
+      dflash2_conv_pre_bwd(ws.dhn.data(), grads + o2.mlp_base[l], grads + o2.mlp_kp[l],
+                           ws.conv_ddelta, ws.conv_dtmp, ws.dhn2.data(), a.mlp_conv,
+                           params + o2.mlp_base[l], params + o2.mlp_kp[l], cs);
+      std::swap(ws.dhn, ws.dhn2);
+    }
     rmsnorm_bwd_cpu(ws.dtmp.data(), G.post_norm, ws.dhn2.data(), a.h_mid.data(), P.post_norm, NK,
                     d.H, cfg.rms_norm_eps);
     residual_accumulate_cpu(ws.dh.data(), ws.dtmp.data(), NK * d.H);  // dh = d(h_mid)
     // Attention: h_mid = x_in + o_proj(o).
+    if (conv) {
+      dflash2_conv_post_bwd(ws.conv_dy.data(), grads + o2.attn_base[l], ws.conv_ddelta,
+                            ws.dh.data(), a.attn_conv, params + o2.attn_base[l], cs);
+    }
+    const S* d_attn_out = conv ? ws.conv_dy.data() : ws.dh.data();
     fit(ws.d_o, NK * d.QD);
-    linear_bwd_cpu(ws.d_o.data(), G.wo, nullptr, ws.dh.data(), a.o.data(), P.wo, NK, d.QD, d.H);
+    linear_bwd_cpu(ws.d_o.data(), G.wo, nullptr, d_attn_out, a.o.data(), P.wo, NK, d.QD, d.H);
     fit(ws.dq, NK * d.QD);
     fit(ws.dk, (T + NK) * d.KD);
     fit(ws.dv, (T + NK) * d.KD);
@@ -580,6 +701,12 @@ void drafter_backward(const DrafterConfig& cfg, const DrafterLayout& layout, con
     linear_bwd_cpu(ws.dtmp.data(), G.wv, nullptr, ws.dv.data(), ws.ctx.data(), P.wv, T, d.H,
                    d.KD);
     residual_accumulate_cpu(ws.dctx.data(), ws.dtmp.data(), T * d.H);
+    if (conv) {  // dhn = ∂/∂ũ → ∂/∂u
+      dflash2_conv_pre_bwd(ws.dhn2.data(), grads + o2.attn_base[l], grads + o2.attn_kp[l],
+                           ws.conv_ddelta, ws.conv_dtmp, ws.dhn.data(), a.attn_conv,
+                           params + o2.attn_base[l], params + o2.attn_kp[l], cs);
+      std::swap(ws.dhn, ws.dhn2);
+    }
     // input_layernorm: hn = norm(x_in); dh(x_in) = dh(h_mid) + norm_bwd(dhn).
     rmsnorm_bwd_cpu(ws.dtmp.data(), G.in_norm, ws.dhn.data(), a.x_in.data(), P.in_norm, NK, d.H,
                     cfg.rms_norm_eps);
@@ -619,6 +746,7 @@ std::vector<S> drafter_block_logits(const DrafterConfig& cfg, const DrafterLayou
     return dspark_block_logits(cfg, layout, params, tables.lm_head, batch, ws.hf.data(),
                                ws.dspark);
   }
+  if (cfg.dflash2.enabled) return dflash2_unary_logits(cfg, tables.lm_head, ws.hf.data(), NK);
   std::vector<S> logits(static_cast<size_t>(NK * d.V));
   linear_fwd_cpu(logits.data(), ws.hf.data(), tables.lm_head, nullptr, NK, d.H, d.V);
   return logits;

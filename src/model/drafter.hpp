@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "core/rng.hpp"
+#include "model/dflash2_conv.hpp"
 #include "model/drafter_batch.hpp"
 #include "model/objective.hpp"
 #include "ops/attention.hpp"
@@ -66,6 +67,21 @@ struct DsparkHeads {
   bool operator==(const DsparkHeads&) const = default;
 };
 
+/// DFlash2's additions to a drafter (OBJECTIVES.md §1.4; export `dflash_config` keys of the same
+/// names): the grouped dynamic causal conv around every attention and MLP sublayer
+/// (model/dflash2_conv.hpp) and the candidate selector (model/dflash2_selector.hpp). A drafter
+/// without them (enabled false) is a plain DFlash drafter.
+struct Dflash2Heads {
+  bool enabled = false;                ///< architectures DFlash2DraftModel
+  int conv_kernel_size = 0;            ///< T, in [1, block_size]
+  int conv_group_size = 0;             ///< g channels per group; divides hidden_size
+  int selector_rank = 0;               ///< r of the codebooks A, Bs [V, r] and P_h [r, H]
+  int selector_top_k = 0;              ///< K candidates per slot, in [1, vocab_size]
+  double output_multiplier = 1.0;      ///< m of the unary logits softcap(m·U); > 0
+  double final_logit_softcapping = 0;  ///< c of softcap(z) = c·tanh(z/c); 0: none
+  bool operator==(const Dflash2Heads&) const = default;
+};
+
 /// Sizes and settings of a drafter (the Qwen3 fields of its export config.json plus DFlash's).
 struct DrafterConfig {
   int64_t hidden_size = 0;        ///< H, equal to the target's
@@ -83,14 +99,23 @@ struct DrafterConfig {
   std::vector<int> target_layer_ids;
   int num_target_layers = 0;
   DsparkHeads dspark;             ///< DSpark's heads (enabled false: a DFlash drafter)
+  Dflash2Heads dflash2;           ///< DFlash2's conv and selector (enabled false: none)
 
   /// Number of tapped target layers (features are [T, n_taps·H]).
   int64_t n_taps() const { return static_cast<int64_t>(target_layer_ids.size()); }
   /// Throws dflash::Error naming the field when sizes are inconsistent, tap ids are outside
   /// [0, num_target_layers), mask_token_id is outside [0, vocab_size), or the DSpark heads are
   /// inconsistent (markov_rank < 0, a gated/rnn or Markov confidence head without a Markov rank,
-  /// DSpark fields on a drafter that is not DSpark).
+  /// DSpark fields on a drafter that is not DSpark), or the DFlash2 fields are (a DFlash2 key
+  /// outside its range, named; DFlash2 together with DSpark).
   void validate() const;
+};
+
+/// How drafter_init fills a parameter.
+enum class ParamInit {
+  normal,         ///< N(0, 0.02²) (norms 1 and biases 0 through is_norm / is_bias)
+  zero,           ///< 0, draws nothing (DFlash2's kernel_projection and successor_codebook)
+  conv_identity,  ///< DFlash2's base_kernel [2, T, H]: tap 0 is 1, the others 0; draws nothing
 };
 
 /// Where one named parameter lives in the flat parameter array.
@@ -101,6 +126,7 @@ struct ParamInfo {
   int64_t numel = 0;
   bool is_norm = false;        ///< RMSNorm weight (initialised to 1)
   bool is_bias = false;        ///< a linear's bias (initialised to 0)
+  ParamInit init = ParamInit::normal;
 };
 
 /// Offsets (elements from the start of the flat array) of one decoder layer's parameters, named
@@ -123,10 +149,23 @@ struct DsparkOffsets {
   int64_t conf_b = -1;     ///< confidence_head.proj.bias [1]
 };
 
+/// Offsets of DFlash2's parameters (empty / −1 for a drafter without them), named as in the
+/// export (OBJECTIVES.md §1.4).
+struct Dflash2Offsets {
+  /// Per layer: layers.{i}.attention_conv.base_kernel [2, T, H], ….kernel_projection.weight
+  /// [2·T·Gc, H], and the same two of mlp_conv.
+  std::vector<int64_t> attn_base, attn_kp, mlp_base, mlp_kp;
+  int64_t predecessor = -1;  ///< candidate_selector.predecessor_codebook A [V, r]
+  int64_t successor = -1;    ///< candidate_selector.successor_codebook Bs [V, r]
+  int64_t hidden_proj = -1;  ///< candidate_selector.hidden_projection.weight P_h [r, H]
+};
+
 /// The flat parameter layout of a config, in export order:
 /// fc, hidden_norm, per layer {input_layernorm, q, k, v, o, q_norm, k_norm,
 /// post_attention_layernorm, gate, up, down}, norm, then the DSpark heads' tensors (DsparkOffsets
-/// order) that the config has. gate_proj and up_proj of a layer are adjacent
+/// order) that the config has, then DFlash2's (per layer attention_conv.{base_kernel,
+/// kernel_projection.weight}, mlp_conv.{…}; then the selector's predecessor, successor codebooks
+/// and hidden projection). gate_proj and up_proj of a layer are adjacent
 /// (up follows gate), so the two can be read as one [2I, H] matrix. Code reaches a parameter
 /// through the named offsets below (resolved by export name at construction), never by its index in
 /// `params`.
@@ -138,6 +177,7 @@ struct DrafterLayout {
   int64_t norm = 0;                         ///< offset of the final norm.weight [H]
   std::vector<DrafterLayerOffsets> layers;  ///< per decoder layer
   DsparkOffsets dspark;                     ///< the DSpark heads (all −1 for a DFlash drafter)
+  Dflash2Offsets dflash2;                   ///< DFlash2's conv and selector (empty for DFlash)
   /// Throws dflash::Error when the parameter count of `c` overflows int64 (corrupt sizes).
   explicit DrafterLayout(const DrafterConfig& c);
   /// A parameter by export name; throws dflash::Error naming it if unknown.
@@ -147,6 +187,7 @@ struct DrafterLayout {
 /// Fills `params` (layout.total values): linear and embedding weights ~ N(0, 0.02²) from `seed`
 /// in layout order, norm weights 1, biases 0 (HF's initializer_range 0.02). Reproducible bit for
 /// bit from the seed; a DFlash drafter's values do not depend on whether DSpark heads follow.
+/// ParamInit::zero and ::conv_identity tensors draw nothing (DFlash2's identity start).
 void drafter_init(std::span<float> params, const DrafterLayout& layout, uint64_t seed);
 
 /// Result of a forward (and backward) over one DrafterBatch.
@@ -160,12 +201,16 @@ struct DrafterTrainResult {
   double dspark_ce_sum = 0, dspark_l1_sum = 0, dspark_bce_sum = 0, dspark_acc_sum = 0;
   /// DSpark only, per block row [N·K]: confidence logit and acc (DsparkSums::conf, ::acc).
   std::vector<double> dspark_conf, dspark_acc;
+  /// DFlash2 only: Σ w·CE of the unary logits, Σ w·CE_sel of the selector (over the slots whose
+  /// gold is among the candidates), Σ w of those slots (loss_sum = base + α_sel·selector).
+  double dflash2_base_sum = 0, dflash2_selector_sum = 0, dflash2_in_topk_weight = 0;
 };
 
 /// Per-layer activations kept for the backward (internal to the drafter step).
 template <typename S>
 struct LayerActs {
   std::vector<S> x_in, hn, q_raw, q, k_raw, k, v, o, lse, h_mid, hn2, gate_up, act;
+  Dflash2ConvActs<S> attn_conv, mlp_conv;  ///< DFlash2 only (model/dflash2_conv.hpp)
 };
 
 /// Scratch of the DSpark head (model/dspark_head.hpp; capacity kept between calls).
@@ -174,6 +219,13 @@ struct DsparkWorkspace {
   std::vector<S> logits, teacher, tlogits, emb, z, gate_in, gate_pre, rnn_in, rnn_u, rnn_s;
   std::vector<S> conf_in, conf, dconf, dconf_in, dz, demb, dgate_pre, dgate_in, du, din;
   std::vector<int32_t> prev;
+};
+
+/// Scratch of the DFlash2 selector (model/dflash2_selector.hpp; capacity kept between calls).
+template <typename S>
+struct Dflash2Workspace {
+  std::vector<S> logits, unary, dunary, hin, dhin, dhsel, proj, dproj, e, score;
+  std::vector<int32_t> rows, cand;
 };
 
 /// Scratch buffers of the step (capacity kept between calls; one per thread).
@@ -192,6 +244,8 @@ struct DrafterWorkspace {
   std::vector<S> inv_freq;
   std::vector<AttnRange> ranges;
   DsparkWorkspace<S> dspark;                // the DSpark head's scratch
+  std::vector<S> conv_ddelta, conv_dtmp, conv_dy;  // DFlash2 conv backward scratch
+  Dflash2Workspace<S> dflash2;                     // the DFlash2 selector's scratch
 };
 
 
@@ -220,7 +274,8 @@ DrafterTrainResult drafter_train_step(const DrafterConfig& cfg, const DrafterLay
                                       const S* target_final = nullptr);
 
 /// Logits [N·K, V] of the blocks of `batch` (training layout; no loss): for a DSpark drafter
-/// the draft logits D with teacher-forced previous tokens (dspark_block_logits). ws.hf holds the
+/// the draft logits D with teacher-forced previous tokens (dspark_block_logits), for a DFlash2
+/// drafter the unary logits ū (dflash2_unary_logits). ws.hf holds the
 /// final-norm rows [N·K, H] afterwards. For tests and tools.
 template <typename S>
 std::vector<S> drafter_block_logits(const DrafterConfig& cfg, const DrafterLayout& layout,

@@ -25,6 +25,9 @@ constexpr const char* kArch = "DFlashDraftModel";
 // SpecForge's DSpark export (configs/*-dspark.json, DSparkDraftModel in modeling/draft/dspark.py):
 // the DFlash config plus dflash_config.projector_type "dspark" and the heads' keys.
 constexpr const char* kDsparkArch = "DSparkDraftModel";
+// DFlash2's export (OBJECTIVES.md §1.4; the architecture SGLang and vLLM serve): the DFlash config
+// plus the conv and selector keys in dflash_config.
+constexpr const char* kDflash2Arch = "DFlash2DraftModel";
 constexpr const char* kConfigFile = "config.json";
 constexpr const char* kWeightsFile = "model.safetensors";
 
@@ -160,6 +163,40 @@ DsparkHeads dspark_heads_from_json(const json& j, bool dspark_arch, const std::s
   return h;
 }
 
+/// DFlash2's conv and selector a config declares (OBJECTIVES.md §1.4): enabled when
+/// `architectures` names DFlash2DraftModel; conv_kernel_size, conv_group_size, selector_rank and
+/// selector_top_k required, output_multiplier (default 1) and final_logit_softcapping (default
+/// none: 0) optional, each in dflash_config or at the top level. Throws naming the key on a bad
+/// value, and when a DFlash2 key is set on a drafter of another architecture.
+Dflash2Heads dflash2_heads_from_json(const json& j, bool dflash2_arch, const std::string& source) {
+  Dflash2Heads h;
+  if (!dflash2_arch) {
+    for (const char* key :
+         {"conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"}) {
+      const json v = dflash_key(j, key, source);
+      DFLASH_CHECK(v.is_null(), "{}: key '{}' is set ({}) but 'architectures' does not name {}",
+                   source, dflash_key_name(j, key), v.dump(), kDflash2Arch);
+    }
+    return h;
+  }
+  h.enabled = true;
+  const std::string hint = std::string(" (a ") + kDflash2Arch + " needs it)";
+  h.conv_kernel_size = required_int(j, "conv_kernel_size", source, 1, 1 << 16, hint.c_str());
+  h.conv_group_size = required_int(j, "conv_group_size", source, 1, 1 << 30, hint.c_str());
+  h.selector_rank = required_int(j, "selector_rank", source, 1, 1 << 20, hint.c_str());
+  h.selector_top_k = required_int(j, "selector_top_k", source, 1, 1 << 30, hint.c_str());
+  auto number = [&](const char* key, double fallback) {
+    const json v = dflash_key(j, key, source);
+    if (v.is_null()) return fallback;
+    DFLASH_CHECK(v.is_number(), "{}: key '{}' must be a number, got {}", source,
+                 dflash_key_name(j, key), v.dump());
+    return v.get<double>();
+  };
+  h.output_multiplier = number("output_multiplier", 1.0);
+  h.final_logit_softcapping = number("final_logit_softcapping", 0.0);
+  return h;
+}
+
 }  // namespace
 
 json drafter_export_config(const DrafterConfig& cfg) {
@@ -202,6 +239,18 @@ json drafter_export_config(const DrafterConfig& cfg) {
     d["enable_confidence_head"] = h.confidence_head;
     d["confidence_head_with_markov"] = h.confidence_with_markov;
   }
+  if (cfg.dflash2.enabled) {
+    const Dflash2Heads& h = cfg.dflash2;
+    j["architectures"] = json::array({kDflash2Arch});
+    json& d = j["dflash_config"];
+    d["block_size"] = cfg.block_size;
+    d["conv_kernel_size"] = h.conv_kernel_size;
+    d["conv_group_size"] = h.conv_group_size;
+    d["selector_rank"] = h.selector_rank;
+    d["selector_top_k"] = h.selector_top_k;
+    d["output_multiplier"] = h.output_multiplier;
+    if (h.final_logit_softcapping > 0) d["final_logit_softcapping"] = h.final_logit_softcapping;
+  }
   return j;
 }
 
@@ -209,14 +258,15 @@ DrafterConfig drafter_config_from_json(const json& j_in, const std::string& sour
   DFLASH_CHECK(j_in.is_object(), "{}: expected a JSON object, got a JSON {}", source,
                json_type(j_in));
   json j = j_in;
-  bool is_dflash = false, is_dspark = false;
+  bool is_dflash = false, is_dspark = false, is_dflash2 = false;
   if (auto a = j.find("architectures"); a != j.end() && a->is_array()) {
     for (const json& s : *a) {
       is_dspark |= s.is_string() && s.get<std::string>() == kDsparkArch;
+      is_dflash2 |= s.is_string() && s.get<std::string>() == kDflash2Arch;
       is_dflash |= s.is_string() && s.get<std::string>() == kArch;
     }
   }
-  is_dflash |= is_dspark;  // a DSpark drafter is a DFlash backbone
+  is_dflash |= is_dspark || is_dflash2;  // DSpark and DFlash2 drafters are DFlash backbones
   if (!j.contains("model_type") || j["model_type"].is_null()) {
     // The reference trainer's config omits model_type; DFlashDraftModel is a Qwen3 decoder.
     DFLASH_CHECK(is_dflash,
@@ -273,6 +323,7 @@ DrafterConfig drafter_config_from_json(const json& j_in, const std::string& sour
     c.target_layer_ids.push_back(v.get<int>());
   }
   c.dspark = dspark_heads_from_json(j, is_dspark, source);
+  c.dflash2 = dflash2_heads_from_json(j, is_dflash2, source);
   try {
     c.validate();
   } catch (const Error& e) {

@@ -38,8 +38,12 @@ class SafetensorsCheckpoint;
 /// `dflash_config: {mask_token_id, target_layer_ids}`. A DSpark drafter (cfg.dspark.enabled) is
 /// written as SpecForge's DSpark export: `architectures: ["DSparkDraftModel"]` and dflash_config
 /// also {projector_type: "dspark", attention_mode: gqa (fewer KV heads than heads) | mha,
-/// markov_rank, markov_head_type, enable_confidence_head, confidence_head_with_markov}. Throws
-/// dflash::Error if `cfg` is invalid.
+/// markov_rank, markov_head_type, enable_confidence_head, confidence_head_with_markov}. A DFlash2
+/// drafter (cfg.dflash2.enabled) is written as OBJECTIVES.md §1.4's export: `architectures:
+/// ["DFlash2DraftModel"]` and dflash_config also {block_size, conv_kernel_size, conv_group_size,
+/// selector_rank, selector_top_k, output_multiplier, final_logit_softcapping (only when > 0)}; its
+/// tensors are named as in DrafterLayout (layers.i.{attention,mlp}_conv.*, candidate_selector.*).
+/// Throws dflash::Error if `cfg` is invalid.
 nlohmann::json drafter_export_config(const DrafterConfig& cfg);
 
 /// Parses a drafter config.json object; `source` names the file in errors. The Qwen3 fields are
@@ -52,7 +56,10 @@ nlohmann::json drafter_export_config(const DrafterConfig& cfg);
 /// rotary factors are refused (the drafter has none). `architectures` ["DSparkDraftModel"] or
 /// dflash_config.projector_type "dspark" make a DSpark drafter (its heads' keys with SpecForge's
 /// defaults; enable_confidence_head defaults to confidence_head_alpha > 0); DSpark keys on
-/// another drafter are an error naming the key.
+/// another drafter are an error naming the key. `architectures` ["DFlash2DraftModel"] makes a
+/// DFlash2 drafter: conv_kernel_size, conv_group_size, selector_rank and selector_top_k required,
+/// output_multiplier (1) and final_logit_softcapping (none) optional; those four keys on another
+/// drafter are an error naming the key.
 DrafterConfig drafter_config_from_json(const nlohmann::json& j, const std::string& source);
 
 /// Writes the drafter folder `dir` (created if needed): `model.safetensors` with every parameter

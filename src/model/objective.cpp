@@ -122,7 +122,7 @@ BlockTargets dspark_block_targets(std::span<const int32_t> tokens, std::span<con
 }
 
 std::optional<ObjectiveKind> objective_kind_parse(std::string_view name) {
-  for (ObjectiveKind k : {ObjectiveKind::dflash, ObjectiveKind::dspark}) {
+  for (ObjectiveKind k : {ObjectiveKind::dflash, ObjectiveKind::dspark, ObjectiveKind::dflash2}) {
     if (name == objective_kind_name(k)) return k;
   }
   return std::nullopt;
@@ -134,6 +134,8 @@ const char* objective_kind_name(ObjectiveKind k) {
       return "dflash";
     case ObjectiveKind::dspark:
       return "dspark";
+    case ObjectiveKind::dflash2:
+      return "dflash2";
   }
   fail("objective {} is not an ObjectiveKind", static_cast<int>(k));
 }

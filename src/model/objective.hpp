@@ -81,7 +81,8 @@ BlockTargets dspark_block_targets(std::span<const int32_t> tokens,
 
 // LossType, Objective and dpace_block_weights: ops/loss_weights.hpp (the ops layer).
 
-/// The ObjectiveKind named by a `training.objective` value (`dflash`, `dspark`); nullopt else.
+/// The ObjectiveKind named by a `training.objective` value (`dflash`, `dspark`, `dflash2`);
+/// nullopt else.
 std::optional<ObjectiveKind> objective_kind_parse(std::string_view name);
 /// The config spelling of `k`.
 const char* objective_kind_name(ObjectiveKind k);

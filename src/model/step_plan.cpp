@@ -79,6 +79,11 @@ std::vector<std::string> cuda_drafter_unsupported(const DrafterConfig& c) {
                               c.head_dim));
   }
   for (std::string& d : dspark_cuda_unsupported(c)) out.push_back(std::move(d));
+  if (c.dflash2.enabled) {
+    out.push_back(
+        "the CUDA drafter has no DFlash2 conv or selector (training.objective dflash2, "
+        "architectures DFlash2DraftModel): train and decode DFlash2 on the cpu backend");
+  }
   return out;
 }
 

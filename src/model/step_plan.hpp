@@ -93,7 +93,8 @@ inline constexpr const char* kGroupInputs = "step inputs";
 /// (the router). TargetCuda refuses these at construction; the memory plans report them first.
 std::vector<std::string> cuda_target_unsupported(const ModelConfig& c);
 /// The same for a drafter: head_dim other than 64 or 128 (DrafterCuda's attention), DSpark heads
-/// the CUDA DSpark head does not run (dspark_cuda_unsupported: gated and rnn Markov heads).
+/// the CUDA DSpark head does not run (dspark_cuda_unsupported: gated and rnn Markov heads),
+/// or DFlash2's conv and selector (DrafterCuda has neither).
 std::vector<std::string> cuda_drafter_unsupported(const DrafterConfig& c);
 
 /// Columns per context row of the features a target forward hands the drafter step: the taps

@@ -29,8 +29,10 @@ enum class LossType {
 /// The training objective (`training.objective`): `dflash` (DESIGN.md §1, with the loss types of
 /// LossType) or `dspark` (OBJECTIVES.md §1.3: labels shifted by one, a prefix-contiguous mask, the
 /// drafter's logits plus a Markov bias, an L1 distance to the target's own distribution and a
-/// confidence head; its loss is always Σ w·(αce·CE + αl1·L1 + αconf·BCE) / Σ w).
-enum class ObjectiveKind { dflash, dspark };
+/// confidence head; its loss is always Σ w·(αce·CE + αl1·L1 + αconf·BCE) / Σ w) or `dflash2`
+/// (OBJECTIVES.md §1.4: dflash's targets and loss on the selector's unary logits, plus α_sel(t)
+/// times the selector's K-way CE over the unary top-K candidates, over the same Σ w).
+enum class ObjectiveKind { dflash, dspark, dflash2 };
 
 /// What a step optimises: the objective, the loss type and D-PACE's smoothing α ∈ [0, 1] (unused
 /// by plain dflash), and DSpark's three loss weights (unused by dflash).
@@ -41,10 +43,18 @@ struct Objective {
   double dspark_ce_alpha = 0.1;    ///< αce of the DSpark loss (SpecForge dspark_ce_loss_alpha)
   double dspark_l1_alpha = 0.9;    ///< αl1 (dspark_l1_loss_alpha)
   double dspark_conf_alpha = 1.0;  ///< αconf (dspark_confidence_head_alpha)
+  /// DFlash2's selector weight α_sel of this step (dflash2_selector_alpha of the run's
+  /// dflash2_selector_loss_alpha, warmup and ramp at the step's index; set per step).
+  double dflash2_selector_alpha = 0.0;
+  /// DFlash2: the selector's CE does not reach the drafter (dflash2_selector_stop_gradient: its
+  /// inputs h and the unary logits are detached; only A, Bs and P_h learn from it).
+  bool dflash2_stop_gradient = false;
   /// True for the three D-PACE losses.
   bool dpace() const { return loss != LossType::dflash; }
   /// True for the DSpark objective.
   bool dspark() const { return kind == ObjectiveKind::dspark; }
+  /// True for the DFlash2 objective.
+  bool dflash2() const { return kind == ObjectiveKind::dflash2; }
   bool operator==(const Objective&) const = default;
 };
 

@@ -3,6 +3,7 @@
 #include <utf8proc.h>
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <functional>
@@ -167,6 +168,25 @@ const std::vector<Field>& schema() {
                            &TrainingSection::dspark_l1_loss_alpha, true));
     f.push_back(make_field("training", "dspark_confidence_head_alpha", T,
                            &TrainingSection::dspark_confidence_head_alpha, true));
+    f.push_back(
+        make_field("training", "conv_kernel_size", T, &TrainingSection::conv_kernel_size, true));
+    f.push_back(
+        make_field("training", "conv_group_size", T, &TrainingSection::conv_group_size, true));
+    f.push_back(make_field("training", "selector_rank", T, &TrainingSection::selector_rank, true));
+    f.push_back(
+        make_field("training", "selector_top_k", T, &TrainingSection::selector_top_k, true));
+    f.push_back(
+        make_field("training", "output_multiplier", T, &TrainingSection::output_multiplier, true));
+    f.push_back(make_field("training", "final_logit_softcapping", T,
+                           &TrainingSection::final_logit_softcapping, true));
+    f.push_back(make_field("training", "dflash2_selector_loss_alpha", T,
+                           &TrainingSection::dflash2_selector_loss_alpha, true));
+    f.push_back(make_field("training", "dflash2_selector_warmup_ratio", T,
+                           &TrainingSection::dflash2_selector_warmup_ratio, true));
+    f.push_back(make_field("training", "dflash2_selector_ramp_ratio", T,
+                           &TrainingSection::dflash2_selector_ramp_ratio, true));
+    f.push_back(make_field("training", "dflash2_selector_stop_gradient", T,
+                           &TrainingSection::dflash2_selector_stop_gradient, true));
     f.push_back(make_field("training", "seed", T, &TrainingSection::seed, true));
     f.push_back(make_field("training", "save_interval", T, &TrainingSection::save_interval, false));
     f.push_back(make_field("training", "keep_last", T, &TrainingSection::keep_last, false));
@@ -397,6 +417,11 @@ void RunConfig::validate() const {
                "cpu backend only (runtime.backend: cuda runs vanilla Markov heads); use "
                "runtime.backend: cpu",
                markov_head_type_name(heads.markov_type));
+  dflash2_heads_of(training);  // the DFlash2 keys, or that none is set for another objective
+  DFLASH_CHECK(runtime.backend != "cuda" || training.objective != "dflash2",
+               "training.objective dflash2 is implemented on the cpu backend only "
+               "(runtime.backend: cuda has no DFlash2 conv or selector yet); use runtime.backend: "
+               "cpu");
   DFLASH_CHECK(runtime.backend == "cpu" || runtime.backend == "cuda",
                "runtime.backend must be cpu or cuda, got '{}'", runtime.backend);
   DFLASH_CHECK(!runtime.devices.empty(), "runtime.devices must list at least one device");
@@ -441,13 +466,24 @@ Objective objective_of(const TrainingSection& t) {
                "dpace-continuation-value-only, got '{}'",
                t.loss_type);
   const std::optional<ObjectiveKind> kind = objective_kind_parse(t.objective);
-  DFLASH_CHECK(kind.has_value(), "training.objective must be dflash or dspark, got '{}'",
+  DFLASH_CHECK(kind.has_value(), "training.objective must be dflash, dspark or dflash2, got '{}'",
                t.objective);
   Objective o;
   o.loss = *loss;
   o.dpace_alpha = t.dpace_alpha;
   o.kind = *kind;
   if (o.kind == ObjectiveKind::dflash) return o;
+  if (o.kind == ObjectiveKind::dflash2) {
+    // The base loss is dflash's on the unary logits. The public trainers also allow D-PACE's
+    // weights there; this implementation does not have them yet, so it refuses them by name.
+    DFLASH_CHECK(o.loss == LossType::dflash,
+                 "training.loss_type {} is not implemented for training.objective dflash2 (its "
+                 "base loss is dflash's on the unary logits): set training.loss_type: dflash",
+                 t.loss_type);
+    // dflash2_selector_alpha holds the step's α_sel: the trainer sets it per step.
+    o.dflash2_stop_gradient = t.dflash2_selector_stop_gradient;
+    return o;
+  }
   // D-PACE weighs slots by the drafter's own CE; DSpark's loss is a sum of three terms with its
   // own weights and denominator (SpecForge's OnlineDSparkModel fixes loss_type to dflash).
   DFLASH_CHECK(o.loss == LossType::dflash,
@@ -510,6 +546,71 @@ DsparkHeads dspark_heads_of(const TrainingSection& t) {
   return h;
 }
 
+Dflash2Heads dflash2_heads_of(const TrainingSection& t) {
+  const Objective o = objective_of(t);
+  const TrainingSection defaults;
+  const std::pair<const char*, bool> keys[] = {
+      {"conv_kernel_size", t.conv_kernel_size != defaults.conv_kernel_size},
+      {"conv_group_size", t.conv_group_size != defaults.conv_group_size},
+      {"selector_rank", t.selector_rank != defaults.selector_rank},
+      {"selector_top_k", t.selector_top_k != defaults.selector_top_k},
+      {"output_multiplier", t.output_multiplier != defaults.output_multiplier},
+      {"final_logit_softcapping", t.final_logit_softcapping != defaults.final_logit_softcapping},
+      {"dflash2_selector_loss_alpha",
+       t.dflash2_selector_loss_alpha != defaults.dflash2_selector_loss_alpha},
+      {"dflash2_selector_warmup_ratio",
+       t.dflash2_selector_warmup_ratio != defaults.dflash2_selector_warmup_ratio},
+      {"dflash2_selector_ramp_ratio",
+       t.dflash2_selector_ramp_ratio != defaults.dflash2_selector_ramp_ratio},
+      {"dflash2_selector_stop_gradient",
+       t.dflash2_selector_stop_gradient != defaults.dflash2_selector_stop_gradient}};
+  if (!o.dflash2()) {
+    // A DFlash2 key given to a run of another objective would be ignored: refuse it by name.
+    for (const auto& [key, set] : keys) {
+      DFLASH_CHECK(!set,
+                   "training.{} applies only to training.objective: dflash2 (the objective "
+                   "is {})",
+                   key, t.objective);
+    }
+    return {};
+  }
+  for (auto [key, v] : {std::pair{"conv_kernel_size", t.conv_kernel_size},
+                        std::pair{"conv_group_size", t.conv_group_size},
+                        std::pair{"selector_rank", t.selector_rank},
+                        std::pair{"selector_top_k", t.selector_top_k}}) {
+    DFLASH_CHECK(v >= 1,
+                 "training.{} must be set to an integer >= 1 for training.objective "
+                 "dflash2 (got {}; the public recipes use conv_kernel_size 2, conv_group_size 16, "
+                 "selector_rank 256, selector_top_k 16)",
+                 key, v);
+  }
+  DFLASH_CHECK(t.conv_kernel_size <= t.block_size,
+               "training.conv_kernel_size {} must be <= training.block_size {}", t.conv_kernel_size,
+               t.block_size);
+  DFLASH_CHECK(std::isfinite(t.output_multiplier) && t.output_multiplier > 0,
+               "training.output_multiplier must be a finite number > 0, got {}",
+               t.output_multiplier);
+  DFLASH_CHECK(std::isfinite(t.final_logit_softcapping) && t.final_logit_softcapping >= 0,
+               "training.final_logit_softcapping must be a finite number >= 0 (0: none), got {}",
+               t.final_logit_softcapping);
+  DFLASH_CHECK(std::isfinite(t.dflash2_selector_loss_alpha) && t.dflash2_selector_loss_alpha >= 0,
+               "training.dflash2_selector_loss_alpha must be a finite number >= 0, got {}",
+               t.dflash2_selector_loss_alpha);
+  for (auto [key, v] : {std::pair{"dflash2_selector_warmup_ratio", t.dflash2_selector_warmup_ratio},
+                        std::pair{"dflash2_selector_ramp_ratio", t.dflash2_selector_ramp_ratio}}) {
+    DFLASH_CHECK(v >= 0 && v <= 1, "training.{} must be in [0, 1], got {}", key, v);
+  }
+  Dflash2Heads h;
+  h.enabled = true;
+  h.conv_kernel_size = t.conv_kernel_size;
+  h.conv_group_size = t.conv_group_size;
+  h.selector_rank = t.selector_rank;
+  h.selector_top_k = t.selector_top_k;
+  h.output_multiplier = t.output_multiplier;
+  h.final_logit_softcapping = t.final_logit_softcapping;
+  return h;
+}
+
 int64_t RunConfig::block_budget() const {
   if (data.block_budget) return *data.block_budget;
   const int64_t a = training.num_anchors, t = data.token_budget, m = data.max_length;
@@ -535,6 +636,15 @@ std::vector<std::string> RunConfig::shape_changes(const RunConfig& other) const 
       const Field* f = find_field("training", key);
       const std::string a = YAML::Dump(f->get(*this)), b = YAML::Dump(f->get(other));
       if (a != b) diffs.push_back(f->path() + ": " + a + " -> " + b);
+    }
+  }
+  // DFlash2's conv and selector add tensors whose shapes follow these keys.
+  if (dflash2_heads_of(training) != dflash2_heads_of(other.training)) {
+    for (const char* key : {"objective", "conv_kernel_size", "conv_group_size", "selector_rank"}) {
+      const Field* f = find_field("training", key);
+      const std::string a = YAML::Dump(f->get(*this)), b = YAML::Dump(f->get(other));
+      const std::string d = f->path() + ": " + a + " -> " + b;
+      if (a != b && std::find(diffs.begin(), diffs.end(), d) == diffs.end()) diffs.push_back(d);
     }
   }
   for (const auto& f : schema()) {

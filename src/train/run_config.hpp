@@ -80,6 +80,22 @@ struct TrainingSection {
   double dspark_ce_loss_alpha = 0.1;           ///< αce
   double dspark_l1_loss_alpha = 0.9;           ///< αl1
   double dspark_confidence_head_alpha = 1.0;   ///< αconf
+  /// objective dflash2 (OBJECTIVES.md §1.4; the export's dflash_config keys of the same names,
+  /// which a run of another objective refuses). The four sizes have no default: a dflash2 run
+  /// must set them (the public recipes use 2, 16, 256 and 16).
+  int conv_kernel_size = 0;              ///< T taps, in [1, block_size]
+  int conv_group_size = 0;               ///< channels per group; divides the hidden size
+  int selector_rank = 0;                 ///< r >= 1
+  int selector_top_k = 0;                ///< K candidates per slot, in [1, vocab]
+  double output_multiplier = 1.0;        ///< m > 0 of the unary logits softcap(m·U)
+  double final_logit_softcapping = 0.0;  ///< c >= 0 (0: no softcap)
+  /// α of the selector's CE and its schedule (SpecForge's names and defaults): 0 for the first
+  /// warmup_ratio of the steps, then a linear ramp over ramp_ratio of them
+  /// (dflash2_selector_alpha).
+  double dflash2_selector_loss_alpha = 1.0;
+  double dflash2_selector_warmup_ratio = 0.0;   ///< in [0, 1]
+  double dflash2_selector_ramp_ratio = 0.0;     ///< in [0, 1]
+  bool dflash2_selector_stop_gradient = false;  ///< the selector's CE does not reach the drafter
   uint64_t seed = 0;
   int64_t save_interval = 0;         ///< 0 = only at the end
   int keep_last = 3;                 ///< complete checkpoints kept
@@ -165,6 +181,13 @@ Objective objective_of(const TrainingSection& training);
 /// markov_rank < 0, an unknown markov_head_type, gated/rnn or confidence_head_with_markov without
 /// markov_rank, confidence_head_with_markov without the confidence head).
 DsparkHeads dspark_heads_of(const TrainingSection& training);
+
+/// The DFlash2 conv and selector of the drafter a `training` section trains (enabled false for
+/// another objective); throws dflash::Error naming the key that is inconsistent (a DFlash2 key
+/// given to a run of another objective, a size of dflash2 not set or out of range, a ratio outside
+/// [0, 1], an alpha that is negative or not finite). Ranges that need the model (group size
+/// dividing the hidden size, top-K at most the vocabulary) are DrafterConfig::validate's.
+Dflash2Heads dflash2_heads_of(const TrainingSection& training);
 
 /// The resume-compatibility check of `dflash train --resume DIR`: `saved` is the configuration of
 /// the checkpoint, `requested` the one the run would continue with. Throws dflash::Error naming

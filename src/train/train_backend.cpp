@@ -17,6 +17,9 @@ namespace dflash {
 void cuda_check_objective(const DrafterConfig& cfg) {
   const std::vector<std::string> bad = dspark_cuda_unsupported(cfg);
   DFLASH_CHECK(bad.empty(), "{} (runtime.backend: cuda)", fmt::join(bad, "; "));
+  DFLASH_CHECK(!cfg.dflash2.enabled,
+               "training.objective dflash2 is implemented on the cpu backend only "
+               "(runtime.backend: cuda has no DFlash2 conv, selector or loss yet)");
 }
 
 TrainBackend train_backend_create(const TrainBackendOptions& opts, const TargetModel& target,

@@ -19,6 +19,7 @@
 #include "data/chat_template.hpp"
 #include "data/dataset.hpp"
 #include "data/tokenizer.hpp"
+#include "model/dflash2_selector.hpp"
 #include "model/drafter.hpp"
 #include "model/drafter_batch.hpp"
 #include "model/drafter_io.hpp"
@@ -318,7 +319,7 @@ DrafterState restore_or_init(Session& s, const TrainOptions& opts, const fs::pat
 // In an MPI job the global batch has G = ranks × drafters shares: every rank builds all of them
 // (for the step's Σw, summed in global replica order) and keeps its own, global replicas
 // [rank·drafters, (rank+1)·drafters).
-StepInput make_step(Session& s) {
+StepInput make_step(Session& s, int64_t step) {
   StepInput in;
   double weight_sum = 0;
   int64_t documents = 0;
@@ -327,6 +328,12 @@ StepInput make_step(Session& s) {
   const int local = s.topo.drafters(), first = s.rank * local;
   for (int g = 0; g < s.replicas(); ++g) {
     DrafterBatch b = drafter_batch_from_rows(global, g * rows, (g + 1) * rows, s.batch_opts);
+    if (b.objective.dflash2()) {  // the selector's weight at this step (dflash2_selector_alpha)
+      const TrainingSection& t = s.cfg.training;
+      b.objective.dflash2_selector_alpha =
+          dflash2_selector_alpha(t.dflash2_selector_loss_alpha, t.dflash2_selector_warmup_ratio,
+                                 t.dflash2_selector_ramp_ratio, step, s.total_steps);
+    }
     weight_sum += b.weight_sum;
     documents += b.n_docs();
     if (g >= first && g < first + local) in.batches.push_back(std::move(b));
@@ -548,7 +555,7 @@ void hooks_of_rank(Session& s, PipelineHooks& h) {
 PipelineHooks hooks_of(Session& s, int64_t end_step,
                        std::shared_ptr<CollectiveGroup> group, TrainResult& result) {
   PipelineHooks h;
-  h.make_step = [&s](int64_t) { return make_step(s); };
+  h.make_step = [&s](int64_t step) { return make_step(s, step); };
   const TrainBackendOptions bo = s.backend_opts;
   const PipelineTopology topo = s.topo;
   const std::shared_ptr<const TargetModel> target = s.target;
@@ -747,6 +754,18 @@ TrainResult train_loop(Session& s, const TrainOptions& opts, const DrafterState&
         h.markov_rank > 0 ? markov_head_type_name(h.markov_type) : "none", h.markov_rank,
         h.confidence_head ? "on" : "off", h.confidence_with_markov ? " (with the Markov input)" : ""));
   }
+  if (s.batch_opts.objective.dflash2()) {
+    const TrainingSection& t = s.cfg.training;
+    const Dflash2Heads& h = s.dcfg.dflash2;
+    s.report.log(fmt::format(
+        "objective: dflash2, Σ w·(CE(ū) + α_sel·CE_sel) / Σ w, ū = softcap({}·U, {}); conv {} taps "
+        "in groups of {}, selector rank {} over the top {}; α_sel {} after {} of the steps, "
+        "ramp {}{}",
+        h.output_multiplier, h.final_logit_softcapping, h.conv_kernel_size, h.conv_group_size,
+        h.selector_rank, h.selector_top_k, t.dflash2_selector_loss_alpha,
+        t.dflash2_selector_warmup_ratio, t.dflash2_selector_ramp_ratio,
+        t.dflash2_selector_stop_gradient ? ", stop_gradient" : ""));
+  }
   if (s.batch_opts.objective.dpace()) {
     s.report.log(fmt::format(
         "loss: {} (alpha {}): Σ w·CE divided by the step's sequences "
@@ -831,6 +850,7 @@ DrafterConfig drafter_config_for_run(const RunConfig& cfg, const ModelConfig& ta
   DrafterConfig c = drafter_config_for_target(target, cfg.model.drafter_layers, sizes,
                                               cfg.model.mask_token_id, taps, tok);
   c.dspark = dspark_heads_of(cfg.training);
+  c.dflash2 = dflash2_heads_of(cfg.training);
   c.validate();
   return c;
 }

@@ -1,0 +1,200 @@
+// Tests of a DFlash2 drafter outside training: its export (OBJECTIVES.md §1.4: architectures,
+// dflash_config keys, tensor names) read back by drafter_load, and speculative decoding with it on
+// the tiny fixture (slots 1..K−1 walk the selector from prev₁ = the anchor, greedy output equal to
+// the target's own). The sampled path's exactness is checked by sampling_test's chi-square test,
+// which runs a DFlash2 drafter too.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.hpp"
+#include "data/chat_template.hpp"
+#include "data/tokenizer.hpp"
+#include "infer/eval.hpp"
+#include "infer/sampling.hpp"
+#include "infer/speculative.hpp"
+#include "model/dflash2_selector.hpp"
+#include "model/drafter_io.hpp"
+#include "util/test_util.hpp"
+
+namespace dflash {
+namespace {
+
+using test::TempDir;
+
+// A seeded DFlash2 drafter for the tiny target, saved in the export format. `shape`: the conv
+// and the successor codebook get random values (scaled up so that the selector moves the walk off
+// the per-slot argmax); otherwise drafter_init's identity start.
+std::filesystem::path save_dflash2_drafter(const TempDir& dir, Dflash2Heads heads, int K,
+                                           uint64_t seed, bool shape = true) {
+  DrafterSizes sizes;
+  sizes.block_size = K;
+  sizes.intermediate_size = 128;
+  DrafterConfig c = drafter_config_for_target(test::tiny_qwen3_f32().config(), 1, sizes, 8000);
+  c.dflash2 = heads;
+  const DrafterLayout layout(c);
+  std::vector<float> params(static_cast<size_t>(layout.total));
+  drafter_init(params, layout, seed);
+  if (shape) {
+    Rng rng(seed + 1);
+    const int64_t r = heads.selector_rank;
+    for (int64_t i = 0; i < c.vocab_size * r; ++i) {
+      params[layout.dflash2.successor + i] = static_cast<float>(rng.normal());
+      params[layout.dflash2.predecessor + i] *= 50.0f;
+    }
+    for (int64_t i = 0; i < r * c.hidden_size; ++i) params[layout.dflash2.hidden_proj + i] *= 50.0f;
+    const ParamInfo& kp = layout.find("layers.0.mlp_conv.kernel_projection.weight");
+    for (int64_t i = 0; i < kp.numel; ++i) params[kp.offset + i] = 0.05f * rng.normal();
+  }
+  const auto d = dir / ("dflash2_" + std::to_string(seed));
+  drafter_save(d, c, layout, params, DType::f32);
+  return d;
+}
+
+const Dflash2Heads kHeads{true, 2, 16, 8, 6, 0.5, 20.0};
+
+TEST(Dflash2Decode, ExportIsTheDflash2LayoutAndLoadsBack) {
+  TempDir dir;
+  const auto d = save_dflash2_drafter(dir, kHeads, 5, 3);
+  const nlohmann::json j = nlohmann::json::parse(test::read_file(d / "config.json"));
+  EXPECT_EQ(j["architectures"], nlohmann::json::array({"DFlash2DraftModel"}));
+  const nlohmann::json& dc = j["dflash_config"];
+  EXPECT_EQ(dc["block_size"], 5);
+  EXPECT_EQ(dc["conv_kernel_size"], 2);
+  EXPECT_EQ(dc["conv_group_size"], 16);
+  EXPECT_EQ(dc["selector_rank"], 8);
+  EXPECT_EQ(dc["selector_top_k"], 6);
+  EXPECT_EQ(dc["output_multiplier"], 0.5);
+  EXPECT_EQ(dc["final_logit_softcapping"], 20.0);
+  const LoadedDrafter l = drafter_load(d);
+  EXPECT_EQ(l.config.dflash2, kHeads);
+  const int64_t H = 384, V = l.config.vocab_size;
+  EXPECT_EQ(l.layout.find("layers.0.attention_conv.base_kernel").shape,
+            (std::vector<int64_t>{2, 2, H}));
+  EXPECT_EQ(l.layout.find("layers.0.mlp_conv.kernel_projection.weight").shape,
+            (std::vector<int64_t>{2 * 2 * (H / 16), H}));
+  EXPECT_EQ(l.layout.find("candidate_selector.predecessor_codebook").shape,
+            (std::vector<int64_t>{V, 8}));
+  EXPECT_EQ(l.layout.find("candidate_selector.successor_codebook").shape,
+            (std::vector<int64_t>{V, 8}));
+  EXPECT_EQ(l.layout.find("candidate_selector.hidden_projection.weight").shape,
+            (std::vector<int64_t>{8, H}));
+  // The optional keys' defaults (m = 1, no softcap); a missing required key or a DFlash2 key on
+  // a DFlash config is refused by name.
+  nlohmann::json k = j;
+  k["dflash_config"].erase("output_multiplier");
+  k["dflash_config"].erase("final_logit_softcapping");
+  const DrafterConfig def = drafter_config_from_json(k, "c.json");
+  EXPECT_EQ(def.dflash2.output_multiplier, 1.0);
+  EXPECT_EQ(def.dflash2.final_logit_softcapping, 0.0);
+  auto error_of = [](const nlohmann::json& x) {
+    try {
+      drafter_config_from_json(x, "c.json");
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  nlohmann::json missing = j;
+  missing["dflash_config"].erase("selector_top_k");
+  EXPECT_NE(error_of(missing).find("c.json: missing required key 'dflash_config.selector_top_k'"),
+            std::string::npos)
+      << error_of(missing);
+  nlohmann::json plain = j;
+  plain["architectures"] = nlohmann::json::array({"DFlashDraftModel"});
+  EXPECT_NE(error_of(plain).find("c.json: key 'dflash_config.conv_kernel_size' is set (2) but "
+                                 "'architectures' does not name DFlash2DraftModel"),
+            std::string::npos)
+      << error_of(plain);
+  nlohmann::json bad = j;
+  bad["dflash_config"]["conv_group_size"] = 7;
+  EXPECT_NE(error_of(bad).find("conv_group_size 7 must be >= 1 and divide hidden_size 384"),
+            std::string::npos)
+      << error_of(bad);
+}
+
+// The proposals of a step are the selector's greedy walk over slots 1..K−1 from the anchor.
+TEST(Dflash2Decode, TheWalkDraftsFromThePreviousDraft) {
+  TempDir dir;
+  const LoadedDrafter d = drafter_load(save_dflash2_drafter(dir, kHeads, 5, 7));
+  const SpeculativeDecoder dec(test::tiny_qwen3_f32(), d);
+  const Tokenizer tok = Tokenizer::load(test::tiny_qwen3_dir());
+  DecodeOptions o;
+  o.max_new_tokens = 12;
+  SpecState s = dec.start(tok.encode("The history of the river"), o);
+  const int32_t anchor = s.anchor;
+  DrafterCache cache = s.drafter_cache;
+  dec.step(s, o);
+  ASSERT_EQ(s.last_proposals.size(), 4u);
+  // The same draft by hand.
+  DrafterWorkspace<float> ws;
+  std::vector<float> embed = test::tiny_qwen3_f32().embedding_f32();
+  const DrafterTables<float> tables{embed.data(), embed.data()};  // tied head
+  const std::span<const float> U =
+      drafter_draft_block(cache, d.config, d.layout, d.params.data(), tables, anchor, ws);
+  const int64_t V = d.config.vocab_size, H = d.config.hidden_size;
+  Dflash2SlotScores sc;
+  int32_t prev = anchor;
+  int changed = 0;
+  for (int k = 1; k < 5; ++k) {
+    const float* row = U.data() + k * V;
+    dflash2_slot_scores(d.config, d.layout, d.params.data(), row, ws.hf.data() + k * H, prev, sc);
+    const int32_t plain = argmax_row(row, V);
+    prev = dflash2_greedy(sc);
+    changed += prev != plain;
+    EXPECT_EQ(s.last_proposals[k - 1], prev) << "slot " << k;
+  }
+  EXPECT_GT(changed, 0)
+      << "the selector never moved the walk off the argmax: the test has no power";
+}
+
+TEST(Dflash2Decode, GreedyOutputIsTheTargetsOwn) {
+  TempDir dir;
+  const LoadedDrafter d = drafter_load(save_dflash2_drafter(dir, kHeads, 4, 9));
+  const SpeculativeDecoder dec(test::tiny_qwen3_f32(), d);
+  const Tokenizer tok = Tokenizer::load(test::tiny_qwen3_dir());
+  const ChatTemplate tmpl = resolve_chat_template(test::tiny_qwen3_dir(), "");
+  const std::vector<EvalPrompt> prompts =
+      load_eval_prompts(test::assets_dir() / "data" / "eval_prompts.jsonl", tmpl, tok, 0, 1);
+  ASSERT_EQ(prompts.size(), 4u);
+  DecodeOptions o;
+  o.max_new_tokens = 24;
+  o.stop_ids = generation_eos_ids(test::tiny_qwen3_dir(), test::tiny_qwen3_f32().config());
+  for (const EvalPrompt& p : prompts) {
+    const auto ref =
+        greedy_generate(test::tiny_qwen3_f32(), p.tokens, o.max_new_tokens, o.stop_ids, true);
+    const DecodeResult r = dec.generate(p.tokens, o);
+    EXPECT_EQ(r.tokens, ref) << p.id;
+    for (int a : r.accept_lengths) {
+      EXPECT_GE(a, 1);
+      EXPECT_LE(a, 4);  // K−1 drafts + the bonus
+    }
+  }
+}
+
+// --backend cuda refuses a DFlash2 drafter by its architecture, before looking for a device or
+// reading a weight (so on a machine without a GPU too).
+TEST(Dflash2Decode, CudaBackendRefusesADflash2Drafter) {
+  TempDir dir;
+  const auto d = save_dflash2_drafter(dir, kHeads, 4, 2);
+  for (const char* cmd : {"eval", "generate"}) {
+    std::vector<std::string> args = {cmd,         "--target", test::tiny_qwen3_dir().string(),
+                                     "--drafter", d.string(), "--backend",
+                                     "cuda"};
+    if (std::string(cmd) == "eval") {
+      args.insert(args.end(),
+                  {"--prompts", (test::assets_dir() / "data" / "eval_prompts.jsonl").string()});
+    } else {
+      args.insert(args.end(), {"--prompt", "hi"});
+    }
+    const auto r = test::run_dflash(args);
+    EXPECT_NE(r.exit_code, 0) << cmd;
+    EXPECT_NE(r.err.find("a DFlash2 drafter (architectures: DFlash2DraftModel) is decoded by the "
+                         "cpu backend only"),
+              std::string::npos)
+        << cmd << ": " << r.err;
+  }
+}
+
+}  // namespace
+}  // namespace dflash
