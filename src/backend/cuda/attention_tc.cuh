@@ -130,6 +130,18 @@ inline int key_tiles(const Args& a) {
   return (a.Tk + kKeys - 1) / kKeys;
 }
 
+/// Softmax statistics of query row t under item it's head, as the backward kernels read them:
+/// lse2 = lse·log2(e) (+inf for a row with nothing visible, or past Tq / the last item: P = 0)
+/// and dl = Δ_t (0 past the end).
+__device__ __forceinline__ void row_stat(float& lse2, float& dl, const Args& a, const Item& it,
+                                         int t) {
+  const bool ok = it.valid && t < a.Tq;
+  const int64_t at = static_cast<int64_t>(it.h) * a.Tq + t;
+  const float lv = ok ? a.lse[at] : -INFINITY;
+  lse2 = lv == -INFINITY ? INFINITY : lv * kLog2e;
+  dl = ok ? a.delta[at] : 0.f;
+}
+
 // ---------------------------------------------------------------- key tiles of a query CTA
 
 // The key tiles a CTA of query items visits: up to two intervals, tiles of kKeys keys from each
@@ -151,8 +163,10 @@ struct TileCursor {
 
 // Reduces the ranges of the CTA's rows to its intervals (union of first ranges, union of second
 // ranges; one interval when they overlap or touch; ascending). Row i of the CTA belongs to thread
-// i (i < kCtaRows), which passes its clamped range `r`; `red` is 4·kWarps ints of shared memory.
-// Every thread returns the same cursor. Contains __syncthreads.
+// i, which passes its clamped range `r` (`mine`: the thread holds a row); the CTA has W warps and
+// `red` is 4·W ints of shared memory. Every thread returns the same cursor. Contains
+// __syncthreads.
+template <int W = kWarps>
 __device__ TileCursor cta_tiles(const Rng& r, bool mine, int* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const bool h1 = mine && r.lo1 < r.hi1, h2 = mine && r.lo2 < r.hi2;
@@ -164,7 +178,7 @@ __device__ TileCursor cta_tiles(const Rng& r, bool mine, int* red) {
     red[4 * warp] = a0, red[4 * warp + 1] = a1, red[4 * warp + 2] = b0, red[4 * warp + 3] = b1;
   }
   __syncthreads();
-  for (int w = 0; w < kWarps; ++w) {
+  for (int w = 0; w < W; ++w) {
     a0 = min(a0, red[4 * w]), a1 = max(a1, red[4 * w + 1]);
     b0 = min(b0, red[4 * w + 2]), b1 = max(b1, red[4 * w + 3]);
   }
@@ -609,14 +623,7 @@ __global__ void __launch_bounds__(kThreads) attn_tc_dq_kernel(const Args a) {
   // Per row (gr, gr + 8): lse in base 2 (+inf for a row with nothing visible: P = 0) and Δ.
   float lse2[2], dl[2];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int t = it.t0 + gr + 8 * i;
-    const bool ok = it.valid && t < a.Tq;
-    const int64_t at = static_cast<int64_t>(it.h) * a.Tq + t;
-    const float lv = ok ? a.lse[at] : -INFINITY;
-    lse2[i] = lv == -INFINITY ? INFINITY : lv * kLog2e;
-    dl[i] = ok ? a.delta[at] : 0.f;
-  }
+  for (int i = 0; i < 2; ++i) row_stat(lse2[i], dl[i], a, it, it.t0 + gr + 8 * i);
   float acc[DT][4];
 #pragma unroll
   for (int dt = 0; dt < DT; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.f;
@@ -751,12 +758,8 @@ __device__ void load_chunk(char* st, const Args& a, const ItemList& L, int chunk
     const int i = threadIdx.x;
     const Item it = list_item(L, chunk * kWarps + i / kRows, a.rep, g);
     const int t = it.t0 + i % kRows;
-    const bool ok = it.valid && t < a.Tq;
-    const int64_t at = static_cast<int64_t>(it.h) * a.Tq + t;
-    const float lv = ok ? a.lse[at] : -INFINITY;
-    lse2[i] = lv == -INFINITY ? INFINITY : lv * kLog2e;
-    dl[i] = ok ? a.delta[at] : 0.f;
-    rs[i] = ok ? clamp_rng(a.ranges[t], a.Tk) : kNoKeys;
+    row_stat(lse2[i], dl[i], a, it, t);
+    rs[i] = it.valid && t < a.Tq ? clamp_rng(a.ranges[t], a.Tk) : kNoKeys;
   }
 }
 
