@@ -790,12 +790,12 @@ BenchReport run_bench(const BenchOptions& o) {
       attention_fwd_cuda(ctx, out.as<uint16_t>(), lse.as<float>(), q.as<uint16_t>(),
                          k.as<uint16_t>(), v.as<uint16_t>(), br, apf);
     });
-    BenchKernel ab{fmt::format("DFlash attn bwd {}", fam_name(fam)), dshape, NAN,
-                   2.5 * attn_flops, 2.5 * attn_flops / kPeakBf16Flops * 1e3};
+    BenchKernel ab{fmt::format("DFlash attn bwd {}", fam_name(fam)), dshape, NAN, 2.5 * attn_flops,
+                   2.5 * attn_flops / kPeakBf16Flops * 1e3};
     ab.ms = time_kernel(ctx, o.kernel_reps, [&] {
       attention_bwd_cuda(ctx, dq.as<uint16_t>(), dk.as<uint16_t>(), dv.as<uint16_t>(),
-                         dout.as<uint16_t>(), q.as<uint16_t>(), k.as<uint16_t>(),
-                         v.as<uint16_t>(), out.as<uint16_t>(), lse.as<float>(), br, apf);
+                         dout.as<uint16_t>(), q.as<uint16_t>(), k.as<uint16_t>(), v.as<uint16_t>(),
+                         out.as<uint16_t>(), lse.as<float>(), br, apf);
     });
     BenchKernel pf{fmt::format("causal prefill {}", fam_name(fam)), pshape, NAN, pf_flops,
                    pf_flops / kPeakBf16Flops * 1e3};

@@ -27,8 +27,8 @@ template <int D>
 void bwd_d(const Args& a, float* delta, int* span, cudaStream_t s) {
   launch_attn_delta<D>(a, delta, s);
   if (a.dq)
-    launch_attn_kernel(attn_tc_dq_kernel<D>, query_grid(a, 1), kThreads, query_cta_smem<D, 1>(2),
-                       a, s);
+    launch_attn_kernel(attn_tc_dq_kernel<D>, query_grid(a, 1), kThreads, query_cta_smem<D, 1>(2), a,
+                       s);
   if ((a.dk || a.dv) && a.Tk > 0) {
     launch_attn_spans(a, span, s);
     launch_attn_kernel(attn_tc_dkdv_kernel<D>, dim3(static_cast<unsigned>(key_tiles(a) * a.NKV)),
@@ -56,8 +56,7 @@ void attention_tc_bwd(uint16_t* dq, uint16_t* dk, uint16_t* dv, const uint16_t* 
                       const float* lse, const AttnRange* ranges, const AttnParams& p,
                       float* delta_ws, int* span_ws, cudaStream_t s) {
   if (attn_bwd_without_rows(dk, dv, p, s)) return;
-  const Args a =
-      attn_bwd_args(dq, dk, dv, dout, q, k, v, o, lse, ranges, p, delta_ws, span_ws);
+  const Args a = attn_bwd_args(dq, dk, dv, dout, q, k, v, o, lse, ranges, p, delta_ws, span_ws);
   if (p.D == 64)
     bwd_d<64>(a, delta_ws, span_ws, s);
   else

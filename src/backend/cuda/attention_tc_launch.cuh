@@ -48,8 +48,7 @@ inline Args attn_bwd_args(uint16_t* dq, uint16_t* dk, uint16_t* dv, const uint16
 
 /// A backward call without query rows: dk and dv [Tk, NKV, D] (each may be null) are zero, as no
 /// row sees any key. Returns true when it handled the call (p.Tq == 0).
-inline bool attn_bwd_without_rows(uint16_t* dk, uint16_t* dv, const AttnParams& p,
-                                  cudaStream_t s) {
+inline bool attn_bwd_without_rows(uint16_t* dk, uint16_t* dv, const AttnParams& p, cudaStream_t s) {
   if (p.Tq != 0) return false;
   const size_t bytes = static_cast<size_t>(p.Tk * p.NKV * p.D) * 2;
   if (dk && bytes) DFLASH_CUDA_CHECK(cudaMemsetAsync(dk, 0, bytes, s));

@@ -44,10 +44,10 @@
 #include <cute/arch/mma_sm90_gmma.hpp>
 #include <utility>
 
-#include "backend/cuda/attention_tc.cuh"
-#include "backend/cuda/attention_wgmma.hpp"
 #include "backend/cuda/attention_launch.hpp"
+#include "backend/cuda/attention_tc.cuh"
 #include "backend/cuda/attention_tc_launch.cuh"
+#include "backend/cuda/attention_wgmma.hpp"
 
 namespace dflash::cuda {
 namespace {
@@ -346,8 +346,7 @@ __global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_fwd_kernel(const Arg
   Rng* rs = reinterpret_cast<Rng*>(smem);
   int* red = reinterpret_cast<int*>(smem + kCtaRows * NW * 16);
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const uint32_t tiles_at =
-      (base + wg_head_bytes<NW>() + 1023) & ~1023u;  // 1024-aligned (swizzle)
+  const uint32_t tiles_at = (base + wg_head_bytes<NW>() + 1023) & ~1023u;  // 1024-aligned (swizzle)
   char* tiles = smem + (tiles_at - base);
   constexpr int TB = tile_bytes<D>();
   // Q of warpgroups 0 .. NW−1, then K stages 0 and 1, then V stages 0 and 1.
@@ -444,19 +443,49 @@ __global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_fwd_kernel(const Arg
 
 // ---------------------------------------------------------------- backward
 
-/// Dynamic shared memory of the dq kernel: head, slack, Q and dO tiles per warpgroup, two K and
-/// two V tiles.
+/// K stages of the dq kernel: two in v3 (one warpgroup; dQ += dS_j·K_j completes before tile j+2
+/// takes K_j's stage), three in v4 (two warpgroups; K_{j−1} stays while dQ += dS_{j−1}·K_{j−1}
+/// runs beside tile j's products and tile j+1 lands).
+template <int NW>
+constexpr int wg_dq_kstages() {
+  return NW == 1 ? 2 : 3;
+}
+/// Dynamic shared memory of the dq kernel: head, slack, Q and dO tiles per warpgroup, the K
+/// stages and two V tiles.
 template <int D, int NW>
 constexpr int wg_dq_smem() {
-  return wg_head_bytes<NW>() + 1024 + (2 * NW + 4) * tile_bytes<D>();
+  return wg_head_bytes<NW>() + 1024 + (2 * NW + wg_dq_kstages<NW>() + 2) * tile_bytes<D>();
 }
 
-/// dQ of a CTA's 64 query rows (FlashAttention-2 Algorithm 2's dq half): per key tile of the
+/// dS = P ∘ (dP − Δ) of the warp's 16 rows and a key tile [kb, kend), in place of s (S = Q·Kᵀ on
+/// entry), with P = exp2(S·scale·log2e − lse2) and masked entries 0 (rows `wrs`, facts `f`).
+__device__ __forceinline__ void dq_tile_ds(float (&s)[32], const float (&dp)[32], const Rng* wrs,
+                                           const TileFacts& f, const float (&lse2)[2],
+                                           const float (&dl)[2], float scale_log2, int kb, int kend,
+                                           int lane) {
+  const int gr = lane >> 2, tq = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    const int r = (i >> 1) & 1;
+    bool vis = f.touch;
+    if (!f.full) {
+      const int key = kb + 8 * (i >> 2) + 2 * tq + (i & 1);
+      vis = vis && key < kend && sees(wrs[gr + 8 * r], key);
+    }
+    const float p = exp2_ftz(fmaf(s[i], scale_log2, -lse2[r]));
+    s[i] = vis ? p * (dp[i] - dl[r]) : 0.f;
+  }
+}
+
+/// dQ of a CTA's 64·NW query rows (FlashAttention-2 Algorithm 2's dq half): per key tile of the
 /// forward's cursor, S = Q·Kᵀ and dP = dO·Vᵀ (wgmma SS, both operands K-major), then
 /// dS = P ∘ (dP − Δ) with P = exp2(S·scale·log2e − lse2) (masked entries 0), then dQ += dS·K
-/// (wgmma RS, K as the MN-major operand); dq = scale·dQ. K/V tiles one ahead (two stages), shared
-/// by the NW warpgroups of the CTA (64·NW rows, warpgroup w: CTA items 4w .. 4w+3): grid
-/// query_ctas(a, NW) × NKV, 128·NW threads, wg_dq_smem<D, NW>() bytes of shared memory.
+/// (wgmma RS, K as the MN-major operand); dq = scale·dQ. The K/V tiles are shared by the NW
+/// warpgroups (warpgroup w: CTA items 4w .. 4w+3). NW = 1 (v3): tile j+1 loads while tile j is
+/// computed, its three products one after the other. NW = 2 (v4): step j issues S_j, dP_j
+/// together with dQ += dS_{j−1}·K_{j−1} and computes dS_j while that product runs (the forward's
+/// intra-warpgroup overlap), tile j+1 loading meanwhile. Grid query_ctas(a, NW) × NKV, 128·NW
+/// threads, wg_dq_smem<D, NW>() bytes of shared memory.
 template <int D, int NW>
 __global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_dq_kernel(const Args a) {
   DFLASH_DYNAMIC_SMEM(smem);
@@ -465,9 +494,9 @@ __global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_dq_kernel(const Args
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t tiles_at = (base + wg_head_bytes<NW>() + 1023) & ~1023u;
   char* tiles = smem + (tiles_at - base);
-  constexpr int TB = tile_bytes<D>();
-  // Q of warpgroups 0 .. NW−1, their dO, then K stages 0 and 1, then V stages 0 and 1.
-  constexpr int K0 = 2 * NW, V0 = 2 * NW + 2;
+  constexpr int TB = tile_bytes<D>(), KST = wg_dq_kstages<NW>();
+  // Q of warpgroups 0 .. NW−1, their dO, then the K stages, then V stages 0 and 1.
+  constexpr int K0 = 2 * NW, V0 = 2 * NW + KST;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
   const uint32_t q_at = tiles_at + wg * TB, do_at = tiles_at + (NW + wg) * TB;
   QueryCta<1> c = wg_cta_begin<NW>(a, rs, red);
@@ -491,50 +520,86 @@ __global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_dq_kernel(const Args
   for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
 #pragma unroll
   for (int i = 0; i < 32; ++i) s[i] = dp[i] = 0.f;
-  const int gr = lane >> 2, tq = lane & 3;
-  for (int st = 0; !c.tiles.done(); st ^= 1) {
-    if (!nxt.done()) {
-      load_keys<D, NW>(tiles + (K0 + (st ^ 1)) * TB, a.k, a, c.g, nxt.kb, nxt.kend(), rs);
-      load_keys<D, NW>(tiles + (V0 + (st ^ 1)) * TB, a.v, a, c.g, nxt.kb, nxt.kend(), rs);
-      nxt.next();
-    }
-    mma::cp_async_commit();
-    mma::cp_async_wait<1>();
-    cutlass::arch::fence_view_async_shared();
-    __syncthreads();
-    const uint32_t kt = tiles_at + (K0 + st) * TB, vt = tiles_at + (V0 + st) * TB;
-    fence_regs(s), fence_regs(dp);
-    cute::warpgroup_arrive();
-    issue_qk<D>(s, q_at, kt);
-    issue_qk<D>(dp, do_at, vt);
-    cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
-    fence_regs(s), fence_regs(dp);
-    const int kb = c.tiles.kb, kend = c.tiles.kend();
-    const TileFacts f = tile_facts<1>(wrs, kb, kend, lane);
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const int r = (i >> 1) & 1;
-      bool vis = f.touch;
-      if (!f.full) {
-        const int key = kb + 8 * (i >> 2) + 2 * tq + (i & 1);
-        vis = vis && key < kend && sees(wrs[gr + 8 * r], key);
+  if constexpr (NW == 1) {
+    for (int st = 0; !c.tiles.done(); st ^= 1) {
+      if (!nxt.done()) {
+        load_keys<D, NW>(tiles + (K0 + (st ^ 1)) * TB, a.k, a, c.g, nxt.kb, nxt.kend(), rs);
+        load_keys<D, NW>(tiles + (V0 + (st ^ 1)) * TB, a.v, a, c.g, nxt.kb, nxt.kend(), rs);
+        nxt.next();
       }
-      const float p = exp2_ftz(fmaf(s[i], a.scale_log2, -lse2[r]));
-      s[i] = vis ? p * (dp[i] - dl[r]) : 0.f;
+      mma::cp_async_commit();
+      mma::cp_async_wait<1>();
+      cutlass::arch::fence_view_async_shared();
+      __syncthreads();
+      const uint32_t kt = tiles_at + (K0 + st) * TB, vt = tiles_at + (V0 + st) * TB;
+      fence_regs(s), fence_regs(dp);
+      cute::warpgroup_arrive();
+      issue_qk<D>(s, q_at, kt);
+      issue_qk<D>(dp, do_at, vt);
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      fence_regs(s), fence_regs(dp);
+      const int kb = c.tiles.kb, kend = c.tiles.kend();
+      const TileFacts f = tile_facts<1>(wrs, kb, kend, lane);
+      dq_tile_ds(s, dp, wrs, f, lse2, dl, a.scale_log2, kb, kend, lane);
+      pack_p(ds, s);
+      fence_regs(acc), fence_regs(ds);
+      cute::warpgroup_arrive();
+      issue_pv<D>(acc, ds, kt);  // dQ += dS·K: K as the MN-major operand, like V in the forward
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      fence_regs(acc), fence_regs(ds);
+      __syncthreads();  // stage st is refilled next
+      c.tiles.next();
     }
-    pack_p(ds, s);
-    fence_regs(acc), fence_regs(ds);
-    cute::warpgroup_arrive();
-    issue_pv<D>(acc, ds, kt);  // dQ += dS·K: K as the MN-major operand, like V in the forward
-    cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
-    fence_regs(acc), fence_regs(ds);
-    __syncthreads();  // stage st is refilled next
-    c.tiles.next();
+  } else {
+    // Step j: tile j (K stage j % 3, V stage j % 2) has landed; after the barrier every
+    // warpgroup is done with tile j−2's K and tile j−1's V, whose stages take tile j+1. HS: tile
+    // j exists (S_j, dP_j); HP: a dS_{j−1} is pending (dQ += dS_{j−1}·K_{j−1}). A template per
+    // case keeps each wgmma batch free of branches.
+    auto step = [&]<bool HS, bool HP>(int j) {
+      mma::cp_async_wait<0>();
+      cutlass::arch::fence_view_async_shared();
+      __syncthreads();
+      if (!nxt.done()) {
+        load_keys<D, NW>(tiles + (K0 + (j + 1) % KST) * TB, a.k, a, c.g, nxt.kb, nxt.kend(), rs);
+        load_keys<D, NW>(tiles + (V0 + ((j + 1) & 1)) * TB, a.v, a, c.g, nxt.kb, nxt.kend(), rs);
+        nxt.next();
+      }
+      mma::cp_async_commit();
+      fence_regs(s), fence_regs(dp), fence_regs(acc), fence_regs(ds);
+      cute::warpgroup_arrive();
+      if constexpr (HS) {
+        issue_qk<D>(s, q_at, tiles_at + (K0 + j % KST) * TB);
+        issue_qk<D>(dp, do_at, tiles_at + (V0 + (j & 1)) * TB);
+      }
+      cute::warpgroup_commit_batch();
+      if constexpr (HP) issue_pv<D>(acc, ds, tiles_at + (K0 + (j + KST - 1) % KST) * TB);
+      cute::warpgroup_commit_batch();
+      if constexpr (HS) {
+        cute::warpgroup_wait<1>();  // S_j and dP_j have landed; dQ += dS_{j−1}·K_{j−1} may run
+        fence_regs(s), fence_regs(dp);
+        const int kb = c.tiles.kb, kend = c.tiles.kend();
+        const TileFacts f = tile_facts<1>(wrs, kb, kend, lane);
+        dq_tile_ds(s, dp, wrs, f, lse2, dl, a.scale_log2, kb, kend, lane);
+      }
+      cute::warpgroup_wait<0>();
+      fence_regs(acc), fence_regs(ds);
+      if constexpr (HS) {
+        pack_p(ds, s);
+        c.tiles.next();
+      }
+    };
+    if (!c.tiles.done()) {
+      step.template operator()<true, false>(0);
+      int j = 1;
+      for (; !c.tiles.done(); ++j) step.template operator()<true, true>(j);
+      step.template operator()<false, true>(j);
+    }
   }
   mma::cp_async_wait<0>();
   if (!it.valid) return;
+  const int gr = lane >> 2, tq = lane & 3;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int t = it.t0 + gr + 8 * r;
@@ -556,11 +621,40 @@ template <int D>
 constexpr int wg_chunk_bytes() {
   return 2 * tile_bytes<D>() + 2048;
 }
-/// Dynamic shared memory of the dk/dv kernel: slack, the K and V tiles of each warpgroup, two
+/// Chunk stages of the dk/dv kernel: two in v3 (one warpgroup; chunk c+1 loads while chunk c is
+/// computed), three in v4 (two warpgroups; chunk c−1 stays while its dV, dK products run beside
+/// chunk c's, and chunk c+1 lands).
+template <int NW>
+constexpr int wg_dkdv_cstages() {
+  return NW == 1 ? 2 : 3;
+}
+/// Dynamic shared memory of the dk/dv kernel: slack, the K and V tiles of each warpgroup, the
 /// chunk stages.
 template <int D, int NW>
 constexpr int wg_dkdv_smem() {
-  return 1024 + 2 * NW * tile_bytes<D>() + 2 * wg_chunk_bytes<D>();
+  return 1024 + 2 * NW * tile_bytes<D>() + wg_dkdv_cstages<NW>() * wg_chunk_bytes<D>();
+}
+
+/// Pᵀ and dSᵀ = Pᵀ ∘ (dPᵀ − Δ) of the warp's 16 keys [kw, kw_end) and a chunk of 64 query rows
+/// (stats lse2, dl and ranges rs of the chunk's rows), in place: s (Sᵀ on entry) becomes Pᵀ, dp
+/// (dPᵀ on entry) dSᵀ; entries a row does not see are 0. Element i: key kw + gr + 8·((i/2) % 2),
+/// query row 8·(i/4) + 2·tq + i%2 of the chunk.
+__device__ __forceinline__ void dkdv_chunk_ds(float (&s)[32], float (&dp)[32], const Rng* rs,
+                                              const float* lse2, const float* dl, int kw,
+                                              int kw_end, int Tk, float scale_log2, int lane) {
+  const int gr = lane >> 2, tq = lane & 3;
+  // Every row of the chunk sees all of this warp's keys: no per-element mask.
+  const bool full =
+      kw_end - kw == kRows && __all_sync(0xffffffffu, sees_all(rs[lane], kw, kw_end) &&
+                                                          sees_all(rs[lane + 32], kw, kw_end));
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    const int qi = 8 * (i >> 2) + 2 * tq + (i & 1), key = kw + gr + 8 * ((i >> 1) & 1);
+    const bool vis = full || (key < Tk && sees(rs[qi], key));
+    const float p = vis ? exp2_ftz(fmaf(s[i], scale_log2, -lse2[qi])) : 0.f;
+    dp[i] = vis ? p * (dp[i] - dl[qi]) : 0.f;
+    s[i] = p;
+  }
 }
 
 /// cp.async copies, by the CTA's 128·NW threads, of chunk `chunk` of the list (Q, dO rows) and
@@ -649,52 +743,93 @@ __global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_dkdv_kernel(const Ar
   uint32_t pa[4][4] = {}, da[4][4] = {};
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
-  for (int ch = 0; ch < n_chunks; ++ch) {
-    const int stg = ch & 1;
-    if (ch + 1 < n_chunks)
-      load_wg_chunk<D, NW>(stages + (stg ^ 1) * wg_chunk_bytes<D>(), a, L, ch + 1, g);
-    mma::cp_async_commit();
-    mma::cp_async_wait<1>();
-    cutlass::arch::fence_view_async_shared();
-    __syncthreads();
-    const char* st = stages + stg * wg_chunk_bytes<D>();
-    const uint32_t qt = stages_at + stg * wg_chunk_bytes<D>(), dot = qt + TB;
-    const float* lse2 = reinterpret_cast<const float*>(st + 2 * TB);
-    const float* dl = lse2 + kCtaRows;
-    const Rng* rs = reinterpret_cast<const Rng*>(dl + kCtaRows);
-    // Fresh accumulators (ScaleOut::Zero also ignores them): not live across chunks.
+  // Stage st's Q and dO tiles (shared addresses) and its rows' statistics.
+  auto q_tile = [&](int st) { return stages_at + st * wg_chunk_bytes<D>(); };
+  auto stats = [&](int st) {
+    return reinterpret_cast<const float*>(stages + st * wg_chunk_bytes<D>() + 2 * TB);
+  };
+  if constexpr (NW == 1) {
+    for (int ch = 0; ch < n_chunks; ++ch) {
+      const int stg = ch & 1;
+      if (ch + 1 < n_chunks)
+        load_wg_chunk<D, NW>(stages + (stg ^ 1) * wg_chunk_bytes<D>(), a, L, ch + 1, g);
+      mma::cp_async_commit();
+      mma::cp_async_wait<1>();
+      cutlass::arch::fence_view_async_shared();
+      __syncthreads();
+      const uint32_t qt = q_tile(stg), dot = qt + TB;
+      const float* lse2 = stats(stg);
+      // Fresh accumulators (ScaleOut::Zero also ignores them): not live across chunks.
+      float s[32], dp[32];
+#pragma unroll
+      for (int i = 0; i < 32; ++i) s[i] = dp[i] = 0.f;
+      cute::warpgroup_arrive();
+      issue_qk<D>(s, kt, qt);    // Sᵀ = K·Qᵀ
+      issue_qk<D>(dp, vt, dot);  // dPᵀ = V·dOᵀ
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      fence_regs(s), fence_regs(dp);
+      dkdv_chunk_ds(s, dp, reinterpret_cast<const Rng*>(lse2 + 2 * kCtaRows), lse2, lse2 + kCtaRows,
+                    kw, kw_end, a.Tk, a.scale_log2, lane);
+      pack_p(pa, s);
+      pack_p(da, dp);
+      fence_regs(dv), fence_regs(dk), fence_regs(pa), fence_regs(da);
+      cute::warpgroup_arrive();
+      issue_pv<D>(dv, pa, dot);  // dV += Pᵀ·dO
+      issue_pv<D>(dk, da, qt);   // dK += dSᵀ·Q
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      fence_regs(dv), fence_regs(dk), fence_regs(pa), fence_regs(da);
+      __syncthreads();  // stage stg is refilled next
+    }
+  } else {
+    // Step c: chunk c (stage c % 3) has landed; after the barrier every warpgroup is done with
+    // chunk c−2, whose stage takes chunk c+1. HS: chunk c exists (Sᵀ_c, dPᵀ_c); HP: chunk c−1's
+    // Pᵀ, dSᵀ are pending (dV += Pᵀ·dO_{c−1}, dK += dSᵀ·Q_{c−1}), run while chunk c's Pᵀ and dSᵀ
+    // are computed. A template per case keeps each wgmma batch free of branches.
+    constexpr int CST = wg_dkdv_cstages<NW>();
     float s[32], dp[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) s[i] = dp[i] = 0.f;
-    cute::warpgroup_arrive();
-    issue_qk<D>(s, kt, qt);    // Sᵀ = K·Qᵀ
-    issue_qk<D>(dp, vt, dot);  // dPᵀ = V·dOᵀ
-    cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
-    fence_regs(s), fence_regs(dp);
-    // Every row of the chunk sees all of this warp's keys: no per-element mask.
-    const bool full =
-        kw_end - kw == kRows && __all_sync(0xffffffffu, sees_all(rs[lane], kw, kw_end) &&
-                                                            sees_all(rs[lane + 32], kw, kw_end));
-    // Element i: key kw + gr + 8·((i/2) % 2), query row 8·(i/4) + 2·tq + i%2 of the chunk.
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const int qi = 8 * (i >> 2) + 2 * tq + (i & 1), key = kw + gr + 8 * ((i >> 1) & 1);
-      const bool vis = full || (key < a.Tk && sees(rs[qi], key));
-      const float p = vis ? exp2_ftz(fmaf(s[i], a.scale_log2, -lse2[qi])) : 0.f;
-      dp[i] = vis ? p * (dp[i] - dl[qi]) : 0.f;
-      s[i] = p;
+    auto step = [&]<bool HS, bool HP>(int ch) {
+      mma::cp_async_wait<0>();
+      cutlass::arch::fence_view_async_shared();
+      __syncthreads();
+      if (ch + 1 < n_chunks)
+        load_wg_chunk<D, NW>(stages + (ch + 1) % CST * wg_chunk_bytes<D>(), a, L, ch + 1, g);
+      mma::cp_async_commit();
+      const int cur = ch % CST, prev = (ch + CST - 1) % CST;
+      fence_regs(s), fence_regs(dp), fence_regs(dv), fence_regs(dk), fence_regs(pa), fence_regs(da);
+      cute::warpgroup_arrive();
+      if constexpr (HS) {
+        issue_qk<D>(s, kt, q_tile(cur));        // Sᵀ = K·Qᵀ
+        issue_qk<D>(dp, vt, q_tile(cur) + TB);  // dPᵀ = V·dOᵀ
+      }
+      cute::warpgroup_commit_batch();
+      if constexpr (HP) {
+        issue_pv<D>(dv, pa, q_tile(prev) + TB);  // dV += Pᵀ·dO
+        issue_pv<D>(dk, da, q_tile(prev));       // dK += dSᵀ·Q
+      }
+      cute::warpgroup_commit_batch();
+      if constexpr (HS) {
+        cute::warpgroup_wait<1>();  // Sᵀ_c and dPᵀ_c have landed; chunk c−1's products may run
+        fence_regs(s), fence_regs(dp);
+        const float* lse2 = stats(cur);
+        dkdv_chunk_ds(s, dp, reinterpret_cast<const Rng*>(lse2 + 2 * kCtaRows), lse2,
+                      lse2 + kCtaRows, kw, kw_end, a.Tk, a.scale_log2, lane);
+      }
+      cute::warpgroup_wait<0>();
+      fence_regs(dv), fence_regs(dk), fence_regs(pa), fence_regs(da);
+      if constexpr (HS) {
+        pack_p(pa, s);
+        pack_p(da, dp);
+      }
+    };
+    if (n_chunks > 0) {
+      step.template operator()<true, false>(0);
+      for (int ch = 1; ch < n_chunks; ++ch) step.template operator()<true, true>(ch);
+      step.template operator()<false, true>(n_chunks);
     }
-    pack_p(pa, s);
-    pack_p(da, dp);
-    fence_regs(dv), fence_regs(dk), fence_regs(pa), fence_regs(da);
-    cute::warpgroup_arrive();
-    issue_pv<D>(dv, pa, dot);  // dV += Pᵀ·dO
-    issue_pv<D>(dk, da, qt);   // dK += dSᵀ·Q
-    cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
-    fence_regs(dv), fence_regs(dk), fence_regs(pa), fence_regs(da);
-    __syncthreads();  // stage stg is refilled next
   }
   mma::cp_async_wait<0>();
 #pragma unroll
@@ -721,8 +856,7 @@ __global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_dkdv_kernel(const Ar
 template <int D, int NW>
 void fwd_d(const Args& a, cudaStream_t s) {
   const dim3 grid(static_cast<unsigned>(query_ctas(a, NW)), static_cast<unsigned>(a.NKV));
-  launch_attn_kernel(attn_wg_fwd_kernel<D, NW>, grid, wg_threads<NW>(), wg_fwd_smem<D, NW>(), a,
-                     s);
+  launch_attn_kernel(attn_wg_fwd_kernel<D, NW>, grid, wg_threads<NW>(), wg_fwd_smem<D, NW>(), a, s);
 }
 
 template <int D, int NW>
@@ -730,14 +864,13 @@ void bwd_d(const Args& a, float* delta, int* span, cudaStream_t s) {
   launch_attn_delta<D>(a, delta, s);
   if (a.dq) {
     const dim3 grid(static_cast<unsigned>(query_ctas(a, NW)), static_cast<unsigned>(a.NKV));
-    launch_attn_kernel(attn_wg_dq_kernel<D, NW>, grid, wg_threads<NW>(), wg_dq_smem<D, NW>(), a,
-                       s);
+    launch_attn_kernel(attn_wg_dq_kernel<D, NW>, grid, wg_threads<NW>(), wg_dq_smem<D, NW>(), a, s);
   }
   if ((a.dk || a.dv) && a.Tk > 0) {
     launch_attn_spans(a, span, s);
     launch_attn_kernel(attn_wg_dkdv_kernel<D, NW>,
-                       dim3(static_cast<unsigned>(wg_dkdv_tiles<NW>(a) * a.NKV)),
-                       wg_threads<NW>(), wg_dkdv_smem<D, NW>(), a, s);
+                       dim3(static_cast<unsigned>(wg_dkdv_tiles<NW>(a) * a.NKV)), wg_threads<NW>(),
+                       wg_dkdv_smem<D, NW>(), a, s);
   }
 }
 
@@ -777,8 +910,7 @@ void attention_wgmma_bwd(uint16_t* dq, uint16_t* dk, uint16_t* dv, const uint16_
                          const float* lse, const AttnRange* ranges, const AttnParams& p,
                          WgmmaCta cta, float* delta_ws, int* span_ws, cudaStream_t s) {
   if (attn_bwd_without_rows(dk, dv, p, s)) return;
-  const Args a =
-      attn_bwd_args(dq, dk, dv, dout, q, k, v, o, lse, ranges, p, delta_ws, span_ws);
+  const Args a = attn_bwd_args(dq, dk, dv, dout, q, k, v, o, lse, ranges, p, delta_ws, span_ws);
   if (cta == WgmmaCta::two_warpgroups)
     bwd_nw<2>(a, p.D, delta_ws, span_ws, s);
   else
