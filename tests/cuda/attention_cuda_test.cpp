@@ -28,6 +28,8 @@ const char* kernels_name(AttnCudaKernels k) {
       return "ffma";
     case AttnCudaKernels::wgmma:
       return "wgmma";
+    case AttnCudaKernels::wgmma_v3:
+      return "wgmma_v3";
     case AttnCudaKernels::wgmma_pair:
       return "wgmma_pair";
     case AttnCudaKernels::automatic:
@@ -107,8 +109,9 @@ void run_case_with(const Case& c, uint32_t seed, AttnCudaKernels kernels) {
 
 // Every kernel family against the CPU reference.
 void run_case(const Case& c, uint32_t seed) {
-  for (AttnCudaKernels k : {AttnCudaKernels::tensor_core, AttnCudaKernels::ffma,
-                            AttnCudaKernels::wgmma, AttnCudaKernels::wgmma_pair})
+  for (AttnCudaKernels k :
+       {AttnCudaKernels::tensor_core, AttnCudaKernels::ffma, AttnCudaKernels::wgmma,
+        AttnCudaKernels::wgmma_v3, AttnCudaKernels::wgmma_pair})
     run_case_with(c, seed, k);
 }
 

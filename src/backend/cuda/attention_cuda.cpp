@@ -20,14 +20,16 @@
 namespace dflash {
 
 namespace {
-/// True for the Hopper families (AttnCudaKernels::wgmma, wgmma_pair).
+/// True for the Hopper families (AttnCudaKernels::wgmma, wgmma_v3, wgmma_pair).
 bool is_wgmma(AttnCudaKernels k) {
-  return k == AttnCudaKernels::wgmma || k == AttnCudaKernels::wgmma_pair;
+  return k == AttnCudaKernels::wgmma || k == AttnCudaKernels::wgmma_v3 ||
+         k == AttnCudaKernels::wgmma_pair;
 }
-/// The CTA shape of a Hopper family.
-cuda::launch::WgmmaCta wgmma_cta(AttnCudaKernels k) {
-  return k == AttnCudaKernels::wgmma_pair ? cuda::launch::WgmmaCta::two_warpgroups
-                                          : cuda::launch::WgmmaCta::one_warpgroup;
+/// The kernel version of a Hopper family.
+cuda::launch::WgmmaVariant wgmma_variant(AttnCudaKernels k) {
+  return k == AttnCudaKernels::wgmma_pair ? cuda::launch::WgmmaVariant::pair
+         : k == AttnCudaKernels::wgmma_v3 ? cuda::launch::WgmmaVariant::v3
+                                          : cuda::launch::WgmmaVariant::v5;
 }
 
 void check_attn(const char* op, const AttnParams& p) {
@@ -76,7 +78,8 @@ void attention_fwd_cuda(cuda::CudaContext& ctx, uint16_t* o, float* lse, const u
                  "attention_fwd_cuda (wgmma): the wgmma kernels need an sm_90 GPU (Hopper); "
                  "device {} is not one (choose the tensor_core kernels)",
                  ctx.device());
-    cuda::launch::attention_wgmma_fwd(o, lse, q, k, v, ranges, p, wgmma_cta(kind), ctx.stream());
+    cuda::launch::attention_wgmma_fwd(o, lse, q, k, v, ranges, p, wgmma_variant(kind),
+                                      ctx.stream());
     return;
   }
   if (kind == AttnCudaKernels::tensor_core) {
@@ -121,8 +124,9 @@ void attention_bwd_cuda(cuda::CudaContext& ctx, uint16_t* dq, uint16_t* dk, uint
   cuda::DeviceBuffer span =
       ctx.scratch(static_cast<size_t>(std::max<int64_t>(tiles, 1)) * 2 * sizeof(int));
   if (wg)
-    cuda::launch::attention_wgmma_bwd(dq, dk, dv, dout, q, k, v, o, lse, ranges, p, wgmma_cta(kind),
-                                      delta.as<float>(), span.as<int>(), ctx.stream());
+    cuda::launch::attention_wgmma_bwd(dq, dk, dv, dout, q, k, v, o, lse, ranges, p,
+                                      wgmma_variant(kind), delta.as<float>(), span.as<int>(),
+                                      ctx.stream());
   else if (tc)
     cuda::launch::attention_tc_bwd(dq, dk, dv, dout, q, k, v, o, lse, ranges, p, delta.as<float>(),
                                    span.as<int>(), ctx.stream());

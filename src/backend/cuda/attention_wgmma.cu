@@ -116,8 +116,8 @@ __device__ __forceinline__ void gmma_ss(uint64_t da, uint64_t db, float* d, gmma
 }
 template <class Atom, size_t... I>
 __device__ __forceinline__ void gmma_rs(const uint32_t (&a)[4], uint64_t db, float* d,
-                                        std::index_sequence<I...>) {
-  Atom::fma(a[0], a[1], a[2], a[3], db, d[I]..., gmma::ScaleOut::One);
+                                        gmma::ScaleOut sc, std::index_sequence<I...>) {
+  Atom::fma(a[0], a[1], a[2], a[3], db, d[I]..., sc);
 }
 template <int N>
 __device__ __forceinline__ void fence_regs(float (&r)[N]) {
@@ -153,7 +153,31 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&p)[
                          gmma::MMA_64x64x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>>;
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk)
-    gmma_rs<Atom>(p[kk], mnmajor_desc(v_tile, kk), o, std::make_index_sequence<D / 2>{});
+    gmma_rs<Atom>(p[kk], mnmajor_desc(v_tile, kk), o, gmma::ScaleOut::One,
+                  std::make_index_sequence<D / 2>{});
+}
+/// s (64 × 64) = Q·Kᵀ over D with Q as register A fragments (qf[ks]: k-step ks of the warp's 16
+/// rows, load_a_frags) and K a K-major 64-row tile: D/16 k-steps, issued, not waited for.
+template <int D>
+__device__ __forceinline__ void issue_qk_rs(float (&s)[32], const uint32_t (&qf)[D / 16][4],
+                                            uint32_t k_tile) {
+  using Atom = gmma::MMA_64x64x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K>;
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks)
+    gmma_rs<Atom>(qf[ks], kmajor_desc(k_tile, ks), s,
+                  ks == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One,
+                  std::make_index_sequence<32>{});
+}
+/// The A fragments of the warp's 16 rows (rows 16·(warp % 4) ..) of a swizzled 64-row tile at
+/// `tile` (generic address), all D/16 k-steps: per k-step, ldmatrix.x4 of (rows 0–7, columns
+/// 0–7), (rows 8–15, 0–7), (rows 0–7, 8–15), (rows 8–15, 8–15), the register order of the
+/// m64k16 A fragment (as mma.sync m16k16's).
+template <int D>
+__device__ __forceinline__ void load_a_frags(uint32_t (&qf)[D / 16][4], const char* tile, int warp,
+                                             int lane) {
+  const int row = 16 * (warp & 3) + (lane & 7) + 8 * ((lane >> 3) & 1);
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) mma::ldsm_x4(qf[ks], tile + sw128(row, 2 * ks + (lane >> 4)));
 }
 
 /// cp.async copies, by the 128·NW threads of the CTA, of keys [kb, kend) of KV head g of `src`
@@ -443,18 +467,25 @@ __global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_fwd_kernel(const Arg
 
 // ---------------------------------------------------------------- backward
 
-/// K stages of the dq kernel: two in v3 (one warpgroup; dQ += dS_j·K_j completes before tile j+2
-/// takes K_j's stage), three in v4 (two warpgroups; K_{j−1} stays while dQ += dS_{j−1}·K_{j−1}
-/// runs beside tile j's products and tile j+1 lands).
-template <int NW>
+/// K stages of the dq kernel: two without the overlap (v3: dQ += dS_j·K_j completes before tile
+/// j+2 takes K_j's stage), three with it (v4, v5: K_{j−1} stays while dQ += dS_{j−1}·K_{j−1} runs
+/// beside tile j's products and tile j+1 lands).
+template <bool kOverlap>
 constexpr int wg_dq_kstages() {
-  return NW == 1 ? 2 : 3;
+  return kOverlap ? 3 : 2;
+}
+/// Whether the dq kernel holds Q as register A fragments (v5: one warpgroup with the overlap;
+/// Q's shared tile then serves as the third K stage, so two CTAs still fit on an SM).
+template <int NW, bool kOverlap>
+constexpr bool wg_dq_q_in_regs() {
+  return kOverlap && NW == 1;
 }
 /// Dynamic shared memory of the dq kernel: head, slack, Q and dO tiles per warpgroup, the K
-/// stages and two V tiles.
-template <int D, int NW>
+/// stages that do not use Q's tile, two V tiles.
+template <int D, int NW, bool kOverlap>
 constexpr int wg_dq_smem() {
-  return wg_head_bytes<NW>() + 1024 + (2 * NW + wg_dq_kstages<NW>() + 2) * tile_bytes<D>();
+  constexpr int k_tiles = wg_dq_kstages<kOverlap>() - (wg_dq_q_in_regs<NW, kOverlap>() ? 1 : 0);
+  return wg_head_bytes<NW>() + 1024 + (2 * NW + k_tiles + 2) * tile_bytes<D>();
 }
 
 /// dS = P ∘ (dP − Δ) of the warp's 16 rows and a key tile [kb, kend), in place of s (S = Q·Kᵀ on
@@ -481,12 +512,13 @@ __device__ __forceinline__ void dq_tile_ds(float (&s)[32], const float (&dp)[32]
 /// forward's cursor, S = Q·Kᵀ and dP = dO·Vᵀ (wgmma SS, both operands K-major), then
 /// dS = P ∘ (dP − Δ) with P = exp2(S·scale·log2e − lse2) (masked entries 0), then dQ += dS·K
 /// (wgmma RS, K as the MN-major operand); dq = scale·dQ. The K/V tiles are shared by the NW
-/// warpgroups (warpgroup w: CTA items 4w .. 4w+3). NW = 1 (v3): tile j+1 loads while tile j is
-/// computed, its three products one after the other. NW = 2 (v4): step j issues S_j, dP_j
+/// warpgroups (warpgroup w: CTA items 4w .. 4w+3). Without kOverlap (v3, NW = 1): tile j+1 loads
+/// while tile j is computed, its three products one after the other. With kOverlap (v4: NW = 2;
+/// v5: NW = 1, Q as register fragments, S = Q·Kᵀ an RS product): step j issues S_j, dP_j
 /// together with dQ += dS_{j−1}·K_{j−1} and computes dS_j while that product runs (the forward's
 /// intra-warpgroup overlap), tile j+1 loading meanwhile. Grid query_ctas(a, NW) × NKV, 128·NW
-/// threads, wg_dq_smem<D, NW>() bytes of shared memory.
-template <int D, int NW>
+/// threads, wg_dq_smem<D, NW, kOverlap>() bytes of shared memory.
+template <int D, int NW, bool kOverlap>
 __global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_dq_kernel(const Args a) {
   DFLASH_DYNAMIC_SMEM(smem);
   Rng* rs = reinterpret_cast<Rng*>(smem);
@@ -494,9 +526,12 @@ __global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_dq_kernel(const Args
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t tiles_at = (base + wg_head_bytes<NW>() + 1023) & ~1023u;
   char* tiles = smem + (tiles_at - base);
-  constexpr int TB = tile_bytes<D>(), KST = wg_dq_kstages<NW>();
-  // Q of warpgroups 0 .. NW−1, their dO, then the K stages, then V stages 0 and 1.
-  constexpr int K0 = 2 * NW, V0 = 2 * NW + KST;
+  constexpr int TB = tile_bytes<D>(), KST = wg_dq_kstages<kOverlap>();
+  constexpr bool kQRegs = wg_dq_q_in_regs<NW, kOverlap>();
+  // Q of warpgroups 0 .. NW−1, their dO, then the K stages (with kQRegs the last one is Q's
+  // tile once Q is in registers), then V stages 0 and 1.
+  constexpr int K0 = 2 * NW, V0 = 2 * NW + (kQRegs ? KST - 1 : KST);
+  auto k_slot = [&](int st) { return kQRegs && st == KST - 1 ? 0 : K0 + st; };
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
   const uint32_t q_at = tiles_at + wg * TB, do_at = tiles_at + (NW + wg) * TB;
   QueryCta<1> c = wg_cta_begin<NW>(a, rs, red);
@@ -520,7 +555,7 @@ __global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_dq_kernel(const Args
   for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
 #pragma unroll
   for (int i = 0; i < 32; ++i) s[i] = dp[i] = 0.f;
-  if constexpr (NW == 1) {
+  if constexpr (!kOverlap) {
     for (int st = 0; !c.tiles.done(); st ^= 1) {
       if (!nxt.done()) {
         load_keys<D, NW>(tiles + (K0 + (st ^ 1)) * TB, a.k, a, c.g, nxt.kb, nxt.kend(), rs);
@@ -554,27 +589,33 @@ __global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_dq_kernel(const Args
     }
   } else {
     // Step j: tile j (K stage j % 3, V stage j % 2) has landed; after the barrier every
-    // warpgroup is done with tile j−2's K and tile j−1's V, whose stages take tile j+1. HS: tile
-    // j exists (S_j, dP_j); HP: a dS_{j−1} is pending (dQ += dS_{j−1}·K_{j−1}). A template per
-    // case keeps each wgmma batch free of branches.
+    // warpgroup is done with tile j−2's K and tile j−1's V, whose stages take tile j+1 (with
+    // kQRegs, tile 2 first takes Q's tile: step 0 moved Q into registers before the barrier of
+    // step 1). HS: tile j exists (S_j, dP_j); HP: a dS_{j−1} is pending (dQ += dS_{j−1}·K_{j−1}).
+    // A template per case keeps each wgmma batch free of branches.
+    uint32_t qf[D / 16][4];  // with kQRegs: Q's A fragments (unused, and dropped, otherwise)
     auto step = [&]<bool HS, bool HP>(int j) {
       mma::cp_async_wait<0>();
       cutlass::arch::fence_view_async_shared();
       __syncthreads();
       if (!nxt.done()) {
-        load_keys<D, NW>(tiles + (K0 + (j + 1) % KST) * TB, a.k, a, c.g, nxt.kb, nxt.kend(), rs);
+        load_keys<D, NW>(tiles + k_slot((j + 1) % KST) * TB, a.k, a, c.g, nxt.kb, nxt.kend(), rs);
         load_keys<D, NW>(tiles + (V0 + ((j + 1) & 1)) * TB, a.v, a, c.g, nxt.kb, nxt.kend(), rs);
         nxt.next();
       }
       mma::cp_async_commit();
+      if constexpr (kQRegs && HS && !HP) load_a_frags<D>(qf, tiles, warp, lane);  // step 0
       fence_regs(s), fence_regs(dp), fence_regs(acc), fence_regs(ds);
       cute::warpgroup_arrive();
       if constexpr (HS) {
-        issue_qk<D>(s, q_at, tiles_at + (K0 + j % KST) * TB);
+        if constexpr (kQRegs)
+          issue_qk_rs<D>(s, qf, tiles_at + k_slot(j % KST) * TB);
+        else
+          issue_qk<D>(s, q_at, tiles_at + k_slot(j % KST) * TB);
         issue_qk<D>(dp, do_at, tiles_at + (V0 + (j & 1)) * TB);
       }
       cute::warpgroup_commit_batch();
-      if constexpr (HP) issue_pv<D>(acc, ds, tiles_at + (K0 + (j + KST - 1) % KST) * TB);
+      if constexpr (HP) issue_pv<D>(acc, ds, tiles_at + k_slot((j + KST - 1) % KST) * TB);
       cute::warpgroup_commit_batch();
       if constexpr (HS) {
         cute::warpgroup_wait<1>();  // S_j and dP_j have landed; dQ += dS_{j−1}·K_{j−1} may run
@@ -859,12 +900,13 @@ void fwd_d(const Args& a, cudaStream_t s) {
   launch_attn_kernel(attn_wg_fwd_kernel<D, NW>, grid, wg_threads<NW>(), wg_fwd_smem<D, NW>(), a, s);
 }
 
-template <int D, int NW>
+template <int D, int NW, bool kDqOverlap>
 void bwd_d(const Args& a, float* delta, int* span, cudaStream_t s) {
   launch_attn_delta<D>(a, delta, s);
   if (a.dq) {
     const dim3 grid(static_cast<unsigned>(query_ctas(a, NW)), static_cast<unsigned>(a.NKV));
-    launch_attn_kernel(attn_wg_dq_kernel<D, NW>, grid, wg_threads<NW>(), wg_dq_smem<D, NW>(), a, s);
+    launch_attn_kernel(attn_wg_dq_kernel<D, NW, kDqOverlap>, grid, wg_threads<NW>(),
+                       wg_dq_smem<D, NW, kDqOverlap>(), a, s);
   }
   if ((a.dk || a.dv) && a.Tk > 0) {
     launch_attn_spans(a, span, s);
@@ -882,12 +924,12 @@ void fwd_nw(const Args& a, int64_t D, cudaStream_t s) {
     fwd_d<128, NW>(a, s);
 }
 
-template <int NW>
+template <int NW, bool kDqOverlap>
 void bwd_nw(const Args& a, int64_t D, float* delta, int* span, cudaStream_t s) {
   if (D == 64)
-    bwd_d<64, NW>(a, delta, span, s);
+    bwd_d<64, NW, kDqOverlap>(a, delta, span, s);
   else
-    bwd_d<128, NW>(a, delta, span, s);
+    bwd_d<128, NW, kDqOverlap>(a, delta, span, s);
 }
 
 }  // namespace
@@ -896,25 +938,32 @@ namespace launch {
 
 void attention_wgmma_fwd(uint16_t* o, float* lse, const uint16_t* q, const uint16_t* k,
                          const uint16_t* v, const AttnRange* ranges, const AttnParams& p,
-                         WgmmaCta cta, cudaStream_t s) {
+                         WgmmaVariant var, cudaStream_t s) {
   if (p.Tq == 0) return;
   const Args a = attn_fwd_args(o, lse, q, k, v, ranges, p);
-  if (cta == WgmmaCta::two_warpgroups)
+  if (var == WgmmaVariant::pair)
     fwd_nw<2>(a, p.D, s);
   else
-    fwd_nw<1>(a, p.D, s);
+    fwd_nw<1>(a, p.D, s);  // v3 and v5 share the forward
 }
 
 void attention_wgmma_bwd(uint16_t* dq, uint16_t* dk, uint16_t* dv, const uint16_t* dout,
                          const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* o,
                          const float* lse, const AttnRange* ranges, const AttnParams& p,
-                         WgmmaCta cta, float* delta_ws, int* span_ws, cudaStream_t s) {
+                         WgmmaVariant var, float* delta_ws, int* span_ws, cudaStream_t s) {
   if (attn_bwd_without_rows(dk, dv, p, s)) return;
   const Args a = attn_bwd_args(dq, dk, dv, dout, q, k, v, o, lse, ranges, p, delta_ws, span_ws);
-  if (cta == WgmmaCta::two_warpgroups)
-    bwd_nw<2>(a, p.D, delta_ws, span_ws, s);
-  else
-    bwd_nw<1>(a, p.D, delta_ws, span_ws, s);
+  switch (var) {
+    case WgmmaVariant::v3:
+      bwd_nw<1, false>(a, p.D, delta_ws, span_ws, s);
+      break;
+    case WgmmaVariant::v5:
+      bwd_nw<1, true>(a, p.D, delta_ws, span_ws, s);
+      break;
+    case WgmmaVariant::pair:
+      bwd_nw<2, true>(a, p.D, delta_ws, span_ws, s);
+      break;
+  }
 }
 
 }  // namespace launch
