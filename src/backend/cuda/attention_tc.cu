@@ -1,6 +1,8 @@
 // dflash.cpp — launchers of the tensor-core attention kernels (src/backend/cuda/attention_tc.cuh:
 // the work split, tiles and numerics are described there). Forward: one kernel. Backward: Δ, then
-// dq per query item, then the key-tile spans and dk/dv per key tile; all on one stream.
+// dq per query item, then the key-tile spans and dk/dv per key tile; all on one stream. The
+// argument blocks, the launch with its shared-memory opt-in and the pre-passes are shared with
+// the Hopper kernels (attention_tc_launch.cuh).
 #include "backend/cuda/attention_launch.hpp"
 #include "backend/cuda/attention_tc_launch.cuh"
 

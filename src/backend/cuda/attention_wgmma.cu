@@ -1,6 +1,13 @@
 // dflash.cpp — the Hopper attention kernels (sm_90a): forward and backward on wgmma, one
 // warpgroup per 64 query rows (forward, dq) or per 64 keys (dk/dv) (semantics in
 // src/ops/attention.hpp; launchers declared in attention_wgmma.hpp).
+// Versions (launch::WgmmaVariant; measurements in docs/perf.md): v3 = NW 1 (warpgroups per CTA),
+// the backward's products one after the other; v5 = v3 with dq overlapped (kOverlap: Q as
+// register fragments, K in three stages); pair (v4) = NW 2, two warpgroups sharing the CTA's
+// tiles (128 query rows per K/V tile, 128 keys per Q/dO chunk) with dq and dk/dv overlapped.
+// Every kernel below is written for NW warpgroups: warpgroup w holds the CTA's items 4w .. 4w+3
+// (forward, dq) or its keys 64w .. 64w+63 (dk/dv); all NW·128 threads issue the shared copies
+// and meet at one CTA barrier per tile or chunk.
 //
 // Work split: exactly the tensor-core kernels' (attention_tc.cuh): a CTA of 4 warps holds 4
 // consecutive items (16 query rows under one query head each, group-major, heads inside), so
