@@ -271,21 +271,23 @@ constexpr int query_cta_smem(int row_tiles) {
   return head_bytes<IPW>() + row_tiles * kCtaRows * IPW * D * 2 + 4 * kKeys * D * 2;
 }
 
-// The prologue shared by the forward and dq kernels: the warp's IPW items (CTA items
-// warp·IPW + j), the CTA's row ranges into `rs` (rows of item i of the CTA at 16·i), the tile
-// cursor.
+// The prologue shared by the forward and dq kernels (and the Hopper kernels', attention_wgmma.cu,
+// with W = 4 warps per warpgroup): for a CTA of W warps, the warp's IPW items (CTA items
+// warp·IPW + j; the CTAs from the last rows, which see the most keys, first), the CTA's row
+// ranges into `rs` (rows of item i of the CTA at 16·i; `red`: 4·W ints), the tile cursor over
+// their union (cta_tiles). Contains __syncthreads.
 template <int IPW>
 struct QueryCta {
   Item it[IPW];
   int g;
   TileCursor tiles;
 };
-template <int IPW>
+template <int IPW, int W = kWarps>
 __device__ QueryCta<IPW> query_cta_begin(const Args& a, Rng* rs, int* red) {
-  constexpr int R = kCtaRows * IPW;
+  constexpr int R = kRows * W * IPW;
   QueryCta<IPW> c;
   c.g = blockIdx.y;
-  const int first = (gridDim.x - 1 - blockIdx.x) * kWarps * IPW;  // latest rows (most keys) first
+  const int first = (gridDim.x - 1 - blockIdx.x) * W * IPW;  // latest rows (most keys) first
   const int warp = threadIdx.x >> 5;
 #pragma unroll
   for (int j = 0; j < IPW; ++j) c.it[j] = item_at(first + warp * IPW + j, a.n_items, a.rep, c.g);
@@ -297,7 +299,7 @@ __device__ QueryCta<IPW> query_cta_begin(const Args& a, Rng* rs, int* red) {
     if (ri.valid && t < a.Tq) mine = clamp_rng(a.ranges[t], a.Tk);
     rs[threadIdx.x] = mine;
   }
-  c.tiles = cta_tiles(mine, has_row, red);  // its __syncthreads also publishes rs
+  c.tiles = cta_tiles<W>(mine, has_row, red);  // its __syncthreads also publishes rs
   return c;
 }
 
@@ -737,6 +739,18 @@ __device__ __forceinline__ Item list_item(const ItemList& L, int idx, int rep, i
   return Item{(L.tg_lo + idx / rep) * kRows, g * rep + idx % rep, idx < L.n};
 }
 
+// Plain loads, by threads 0 .. 63, of the statistics of chunk `chunk`'s 64 rows: lse2 (base 2),
+// Δ and the clamped ranges (rows past the list: lse2 = +inf, Δ = 0, no keys).
+__device__ __forceinline__ void load_chunk_stats(float* lse2, float* dl, Rng* rs, const Args& a,
+                                                 const ItemList& L, int chunk, int g) {
+  if (threadIdx.x >= kCtaRows) return;
+  const int i = threadIdx.x;
+  const Item it = list_item(L, chunk * kWarps + i / kRows, a.rep, g);
+  const int t = it.t0 + i % kRows;
+  row_stat(lse2[i], dl[i], a, it, t);
+  rs[i] = it.valid && t < a.Tq ? clamp_rng(a.ranges[t], a.Tk) : kNoKeys;
+}
+
 template <int D>
 __device__ void load_chunk(char* st, const Args& a, const ItemList& L, int chunk, int g) {
   constexpr int C = D / 8;
@@ -754,13 +768,7 @@ __device__ void load_chunk(char* st, const Args& a, const ItemList& L, int chunk
     cp_async16(reinterpret_cast<char*>(qs) + swz<D>(i, cc), a.q + off, ok);
     cp_async16(reinterpret_cast<char*>(dos) + swz<D>(i, cc), a.dout + off, ok);
   }
-  if (threadIdx.x < kCtaRows) {
-    const int i = threadIdx.x;
-    const Item it = list_item(L, chunk * kWarps + i / kRows, a.rep, g);
-    const int t = it.t0 + i % kRows;
-    row_stat(lse2[i], dl[i], a, it, t);
-    rs[i] = it.valid && t < a.Tq ? clamp_rng(a.ranges[t], a.Tk) : kNoKeys;
-  }
+  load_chunk_stats(lse2, dl, rs, a, L, chunk, g);
 }
 
 template <int D>

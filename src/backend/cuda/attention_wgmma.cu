@@ -345,29 +345,6 @@ __device__ void store_rows(const Args& a, const Item& it, float (&o)[D / 2], flo
   }
 }
 
-/// The prologue of the forward and dq kernels for a CTA of NW warpgroups = 4·NW items, one per
-/// warp (CTA items warp 0 .. 4·NW−1; the CTAs from the last rows, which see the most keys,
-/// first): the CTA's 64·NW row ranges into `rs` (rows of CTA item i at 16·i), the tile cursor
-/// over their union (cta_tiles). NW = 1 is query_cta_begin<1>. Contains __syncthreads.
-template <int NW>
-__device__ QueryCta<1> wg_cta_begin(const Args& a, Rng* rs, int* red) {
-  constexpr int W = kWarps * NW, R = kCtaRows * NW;
-  QueryCta<1> c;
-  c.g = blockIdx.y;
-  const int first = (gridDim.x - 1 - blockIdx.x) * W;
-  c.it[0] = item_at(first + static_cast<int>(threadIdx.x >> 5), a.n_items, a.rep, c.g);
-  Rng mine = kNoKeys;
-  const bool has_row = threadIdx.x < R;
-  if (has_row) {
-    const Item ri = item_at(first + threadIdx.x / kRows, a.n_items, a.rep, c.g);
-    const int t = ri.t0 + threadIdx.x % kRows;
-    if (ri.valid && t < a.Tq) mine = clamp_rng(a.ranges[t], a.Tk);
-    rs[threadIdx.x] = mine;
-  }
-  c.tiles = cta_tiles<W>(mine, has_row, red);  // its __syncthreads also publishes rs
-  return c;
-}
-
 /// o and lse of a CTA's 64·NW query rows (the file comment's forward; warpgroup w holds CTA
 /// items 4w .. 4w+3 and its own Q tile, the K/V tiles are shared): grid query_ctas(a, NW) × NKV,
 /// 128·NW threads, wg_fwd_smem<D, NW>() bytes of dynamic shared memory.
@@ -386,7 +363,7 @@ __global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_fwd_kernel(const Arg
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
   const uint32_t q_at = tiles_at + wg * TB;
 
-  QueryCta<1> c = wg_cta_begin<NW>(a, rs, red);
+  QueryCta<1> c = query_cta_begin<1, kWarps * NW>(a, rs, red);
   const Rng* wrs = rs + warp * kRows;
   const Rng mine[2] = {wrs[lane >> 2], wrs[(lane >> 2) + 8]};  // this thread's two rows
   // Group 0: Q and K_0. Group 1: K_1 and V_0. Group j+2 (end of iteration j): K_{j+2}, V_{j+1}.
@@ -541,7 +518,7 @@ __global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_dq_kernel(const Args
   auto k_slot = [&](int st) { return kQRegs && st == KST - 1 ? 0 : K0 + st; };
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
   const uint32_t q_at = tiles_at + wg * TB, do_at = tiles_at + (NW + wg) * TB;
-  QueryCta<1> c = wg_cta_begin<NW>(a, rs, red);
+  QueryCta<1> c = query_cta_begin<1, kWarps * NW>(a, rs, red);
   const Item it = c.it[0];
   const Rng* wrs = rs + warp * kRows;
   load_item_tile<D>(tiles + wg * TB, a.q, a, it, warp & 3, lane);
@@ -723,13 +700,7 @@ __device__ void load_wg_chunk(char* st, const Args& a, const ItemList& L, int ch
     cp_async16(st + sw128(i, cc), a.q + off, ok);
     cp_async16(st + TB + sw128(i, cc), a.dout + off, ok);
   }
-  if (threadIdx.x < kCtaRows) {
-    const int i = threadIdx.x;
-    const Item it = list_item(L, chunk * kWarps + i / kRows, a.rep, g);
-    const int t = it.t0 + i % kRows;
-    row_stat(lse2[i], dl[i], a, it, t);
-    rs[i] = it.valid && t < a.Tq ? clamp_rng(a.ranges[t], a.Tk) : kNoKeys;
-  }
+  load_chunk_stats(lse2, dl, rs, a, L, chunk, g);
 }
 
 /// Key tiles of the dk/dv kernel with NW warpgroups (one tile of 64·NW keys per CTA and KV head).
