@@ -840,39 +840,22 @@ BenchReport run_bench(const BenchOptions& o) {
       static_cast<double>(d.num_layers);
   const std::string dshape =
       fmt::format("q {}x{}x{}, kv {}x{}", Tq, d.num_heads, d.head_dim, Tk, d.num_kv_heads);
-  // Rows name the family that ran: the default (automatic) is wgmma on sm_90, else mma.sync.
-  const std::string fam =
-      attention_kernels_cuda(ctx, ap.kernels) == AttnCudaKernels::wgmma ? "wgmma" : "mma.sync";
-  BenchKernel af{"DFlash attn fwd " + fam, dshape, NAN, attn_flops,
-                 attn_flops / kPeakBf16Flops * 1e3};
-  af.ms = time_kernel(ctx, o.kernel_reps, [&] {
-    attention_fwd_cuda(ctx, out.as<uint16_t>(), lse.as<float>(), q.as<uint16_t>(), k.as<uint16_t>(),
-                       v.as<uint16_t>(), br, ap);
-  });
-  // The default (AttnCudaKernels::automatic: wgmma on sm_90) above; the mma.sync kernels
-  // (tensor_core) on the same inputs for comparison.
-  AttnParams apt = ap;
-  apt.kernels = AttnCudaKernels::tensor_core;
-  BenchKernel aft{"DFlash attn fwd mma.sync", dshape, NAN, attn_flops,
-                  attn_flops / kPeakBf16Flops * 1e3};
-  aft.ms = time_kernel(ctx, o.kernel_reps, [&] {
-    attention_fwd_cuda(ctx, out.as<uint16_t>(), lse.as<float>(), q.as<uint16_t>(), k.as<uint16_t>(),
-                       v.as<uint16_t>(), br, apt);
-  });
-  BenchKernel ab{"DFlash attn bwd " + fam, dshape, NAN, 2.5 * attn_flops,
-                 2.5 * attn_flops / kPeakBf16Flops * 1e3};
-  ab.ms = time_kernel(ctx, o.kernel_reps, [&] {
-    attention_bwd_cuda(ctx, dq.as<uint16_t>(), dk.as<uint16_t>(), dv.as<uint16_t>(),
-                       dout.as<uint16_t>(), q.as<uint16_t>(), k.as<uint16_t>(), v.as<uint16_t>(),
-                       out.as<uint16_t>(), lse.as<float>(), br, ap);
-  });
-  BenchKernel abt{"DFlash attn bwd mma.sync", dshape, NAN, 2.5 * attn_flops,
-                  2.5 * attn_flops / kPeakBf16Flops * 1e3};
-  abt.ms = time_kernel(ctx, o.kernel_reps, [&] {
-    attention_bwd_cuda(ctx, dq.as<uint16_t>(), dk.as<uint16_t>(), dv.as<uint16_t>(),
-                       dout.as<uint16_t>(), q.as<uint16_t>(), k.as<uint16_t>(), v.as<uint16_t>(),
-                       out.as<uint16_t>(), lse.as<float>(), br, apt);
-  });
+  // The families timed: the default (automatic: kAttnHopperKernels on sm_90, else mma.sync)
+  // first, then the other Hopper versions (on sm_90) and mma.sync for comparison, on the same
+  // inputs. Rows name the family that ran.
+  const AttnCudaKernels fam0 = attention_kernels_cuda(ctx, AttnCudaKernels::automatic);
+  std::vector<AttnCudaKernels> fams{fam0};
+  if (attention_wgmma_available_cuda(ctx))
+    for (AttnCudaKernels k :
+         {AttnCudaKernels::wgmma, AttnCudaKernels::wgmma_v3, AttnCudaKernels::wgmma_pair})
+      if (k != fam0) fams.push_back(k);
+  if (fam0 != AttnCudaKernels::tensor_core) fams.push_back(AttnCudaKernels::tensor_core);
+  auto fam_name = [](AttnCudaKernels k) {
+    return k == AttnCudaKernels::wgmma        ? "wgmma"
+           : k == AttnCudaKernels::wgmma_v3   ? "wgmma v3"
+           : k == AttnCudaKernels::wgmma_pair ? "wgmma pair"
+                                              : "mma.sync";
+  };
   // Causal prefill of the target (one layer), on its own q/k/v shapes.
   const ModelConfig& tc = s.target;
   const int64_t TT = packed.T, TQD = tc.num_attention_heads * tc.head_dim;
@@ -889,23 +872,38 @@ BenchReport run_bench(const BenchOptions& o) {
                       1.0 / std::sqrt(static_cast<double>(tc.head_dim))};
   const double pf_flops =
       4.0 * static_cast<double>(tc.head_dim * tc.num_attention_heads) * causal_visible_keys(s, o);
-  BenchKernel pfk{"causal prefill " + fam,
-                  fmt::format("{} tokens, docs of {}, {}x{}", TT, o.doc_length,
-                              tc.num_attention_heads, tc.head_dim),
-                  NAN, pf_flops, pf_flops / kPeakBf16Flops * 1e3};
-  pfk.ms = time_kernel(ctx, o.kernel_reps, [&] {
-    attention_fwd_cuda(ctx, to.as<uint16_t>(), nullptr, tq.as<uint16_t>(), tk.as<uint16_t>(),
-                       tv.as<uint16_t>(), static_cast<const AttnRange*>(tranges.dev), tp);
-  });
-  AttnParams tpt = tp;
-  tpt.kernels = AttnCudaKernels::tensor_core;
-  BenchKernel pft{"causal prefill mma.sync", pfk.shape, NAN, pf_flops,
-                  pf_flops / kPeakBf16Flops * 1e3};
-  pft.ms = time_kernel(ctx, o.kernel_reps, [&] {
-    attention_fwd_cuda(ctx, to.as<uint16_t>(), nullptr, tq.as<uint16_t>(), tk.as<uint16_t>(),
-                       tv.as<uint16_t>(), static_cast<const AttnRange*>(tranges.dev), tpt);
-  });
-  r.kernels = {af, aft, ab, abt, pfk, pft};
+  const std::string pshape = fmt::format("{} tokens, docs of {}, {}x{}", TT, o.doc_length,
+                                         tc.num_attention_heads, tc.head_dim);
+  std::vector<BenchKernel> fwd_rows, bwd_rows, pf_rows;
+  for (AttnCudaKernels fam : fams) {
+    AttnParams apf = ap, tpf = tp;
+    apf.kernels = tpf.kernels = fam;
+    BenchKernel af{fmt::format("DFlash attn fwd {}", fam_name(fam)), dshape, NAN, attn_flops,
+                   attn_flops / kPeakBf16Flops * 1e3};
+    af.ms = time_kernel(ctx, o.kernel_reps, [&] {
+      attention_fwd_cuda(ctx, out.as<uint16_t>(), lse.as<float>(), q.as<uint16_t>(),
+                         k.as<uint16_t>(), v.as<uint16_t>(), br, apf);
+    });
+    BenchKernel ab{fmt::format("DFlash attn bwd {}", fam_name(fam)), dshape, NAN, 2.5 * attn_flops,
+                   2.5 * attn_flops / kPeakBf16Flops * 1e3};
+    ab.ms = time_kernel(ctx, o.kernel_reps, [&] {
+      attention_bwd_cuda(ctx, dq.as<uint16_t>(), dk.as<uint16_t>(), dv.as<uint16_t>(),
+                         dout.as<uint16_t>(), q.as<uint16_t>(), k.as<uint16_t>(), v.as<uint16_t>(),
+                         out.as<uint16_t>(), lse.as<float>(), br, apf);
+    });
+    BenchKernel pf{fmt::format("causal prefill {}", fam_name(fam)), pshape, NAN, pf_flops,
+                   pf_flops / kPeakBf16Flops * 1e3};
+    pf.ms = time_kernel(ctx, o.kernel_reps, [&] {
+      attention_fwd_cuda(ctx, to.as<uint16_t>(), nullptr, tq.as<uint16_t>(), tk.as<uint16_t>(),
+                         tv.as<uint16_t>(), static_cast<const AttnRange*>(tranges.dev), tpf);
+    });
+    fwd_rows.push_back(af);
+    bwd_rows.push_back(ab);
+    pf_rows.push_back(pf);
+  }
+  r.kernels = fwd_rows;
+  r.kernels.insert(r.kernels.end(), bwd_rows.begin(), bwd_rows.end());
+  r.kernels.insert(r.kernels.end(), pf_rows.begin(), pf_rows.end());
   const int64_t H = d.hidden_size, V = d.vocab_size;
   if (d.dspark.enabled) {
     // The DSpark head with its gradients over the step's block rows (dspark_head_cuda: logits,

@@ -1,8 +1,8 @@
 // CUDA attention vs the CPU reference (fp32 on the same bf16-rounded inputs), for every kernel
-// family (tensor cores, FFMA, Hopper wgmma): causal varlen with GQA, the DFlash two-range
-// training pattern (NaN in keys nobody sees), block verification over a KV cache; forward o and
-// lse, backward dq/dk/dv; odd shapes that are multiples of no tile; guard bytes; bit-reproducible
-// forward and backward (two runs, identical bits).
+// family (tensor cores, FFMA, Hopper wgmma with one or two warpgroups per CTA): causal varlen
+// with GQA, the DFlash two-range training pattern (NaN in keys nobody sees), block verification
+// over a KV cache; forward o and lse, backward dq/dk/dv; odd shapes that are multiples of no
+// tile; guard bytes; bit-reproducible forward and backward (two runs, identical bits).
 #include <cmath>
 
 #include "backend/cuda/context.hpp"
@@ -28,6 +28,10 @@ const char* kernels_name(AttnCudaKernels k) {
       return "ffma";
     case AttnCudaKernels::wgmma:
       return "wgmma";
+    case AttnCudaKernels::wgmma_v3:
+      return "wgmma_v3";
+    case AttnCudaKernels::wgmma_pair:
+      return "wgmma_pair";
     case AttnCudaKernels::automatic:
       return "automatic";
   }
@@ -106,7 +110,8 @@ void run_case_with(const Case& c, uint32_t seed, AttnCudaKernels kernels) {
 // Every kernel family against the CPU reference.
 void run_case(const Case& c, uint32_t seed) {
   for (AttnCudaKernels k :
-       {AttnCudaKernels::tensor_core, AttnCudaKernels::ffma, AttnCudaKernels::wgmma})
+       {AttnCudaKernels::tensor_core, AttnCudaKernels::ffma, AttnCudaKernels::wgmma,
+        AttnCudaKernels::wgmma_v3, AttnCudaKernels::wgmma_pair})
     run_case_with(c, seed, k);
 }
 
@@ -183,8 +188,8 @@ TEST(AttentionCuda, AutomaticIsWgmmaOnHopperAndTensorCoresElsewhere) {
   // The default family resolves by device (ops/attention.hpp): the same bits as the family it
   // names, forward and backward.
   cuda::CudaContext ctx(0);
-  const AttnCudaKernels expect = attention_wgmma_available_cuda(ctx) ? AttnCudaKernels::wgmma
-                                                                     : AttnCudaKernels::tensor_core;
+  const AttnCudaKernels expect =
+      attention_wgmma_available_cuda(ctx) ? kAttnHopperKernels : AttnCudaKernels::tensor_core;
   EXPECT_EQ(attention_kernels_cuda(ctx, AttnCudaKernels::automatic), expect);
   EXPECT_EQ(AttnParams{}.kernels, AttnCudaKernels::automatic);
   const Case c = attn_dflash_blocks({150, 203}, {0, 3, 17, 64, 150, 200, 351}, 1, 16, 8, 2, 128);
@@ -255,7 +260,8 @@ TEST(AttentionCuda, TensorCoreAndWgmmaSinksJoinTheSoftmax) {
       for (int64_t d = 0; d < c.D; ++d) o_ref[static_cast<size_t>((t * c.NH + h) * c.D + d)] *= w;
       l = std::max(l, sk) + std::log1p(std::exp(-std::abs(l - sk)));
     }
-  for (AttnCudaKernels kernels : {AttnCudaKernels::tensor_core, AttnCudaKernels::wgmma}) {
+  for (AttnCudaKernels kernels :
+       {AttnCudaKernels::tensor_core, AttnCudaKernels::wgmma, AttnCudaKernels::wgmma_pair}) {
     SCOPED_TRACE(kernels_name(kernels));
     DeviceGuarded<uint16_t> dq(q), dk(k), dv(v), o(nq);
     DeviceGuarded<AttnRange> dr(c.ranges);

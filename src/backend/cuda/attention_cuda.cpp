@@ -4,8 +4,8 @@
 // launcher of backend/cuda/attention.cu (CUDA cores) or attention_tc.cu (tensor cores) (declared in
 // attention_launch.hpp) or attention_wgmma.cu (Hopper, attention_wgmma.hpp) on the context's
 // stream.
-// AttnCudaKernels::automatic resolves to wgmma on an sm_90 device, tensor_core on any other: a
-// choice by device, made before any launch, never a retry after an error.
+// AttnCudaKernels::automatic resolves to kAttnHopperKernels on an sm_90 device, tensor_core on any
+// other: a choice by device, made before any launch, never a retry after an error.
 #include <algorithm>
 #include <cmath>
 
@@ -20,6 +20,18 @@
 namespace dflash {
 
 namespace {
+/// True for the Hopper families (AttnCudaKernels::wgmma, wgmma_v3, wgmma_pair).
+bool is_wgmma(AttnCudaKernels k) {
+  return k == AttnCudaKernels::wgmma || k == AttnCudaKernels::wgmma_v3 ||
+         k == AttnCudaKernels::wgmma_pair;
+}
+/// The kernel version of a Hopper family.
+cuda::launch::WgmmaVariant wgmma_variant(AttnCudaKernels k) {
+  return k == AttnCudaKernels::wgmma_pair ? cuda::launch::WgmmaVariant::pair
+         : k == AttnCudaKernels::wgmma_v3 ? cuda::launch::WgmmaVariant::v3
+                                          : cuda::launch::WgmmaVariant::v5;
+}
+
 void check_attn(const char* op, const AttnParams& p) {
   DFLASH_CHECK(p.Tq >= 0 && p.Tk >= 0 && p.NH > 0 && p.NKV > 0 && p.NH % p.NKV == 0 &&
                    p.Tq < (1ll << 31) && p.Tk < (1ll << 31) && std::isfinite(p.scale),
@@ -48,8 +60,7 @@ bool attention_wgmma_available_cuda(cuda::CudaContext& ctx) {
 
 AttnCudaKernels attention_kernels_cuda(cuda::CudaContext& ctx, AttnCudaKernels k) {
   if (k != AttnCudaKernels::automatic) return k;
-  return attention_wgmma_available_cuda(ctx) ? AttnCudaKernels::wgmma
-                                             : AttnCudaKernels::tensor_core;
+  return attention_wgmma_available_cuda(ctx) ? kAttnHopperKernels : AttnCudaKernels::tensor_core;
 }
 
 void attention_fwd_cuda(cuda::CudaContext& ctx, uint16_t* o, float* lse, const uint16_t* q,
@@ -59,7 +70,7 @@ void attention_fwd_cuda(cuda::CudaContext& ctx, uint16_t* o, float* lse, const u
   if (p.Tq == 0) return;
   DFLASH_CHECK(o && q && ranges && (p.Tk == 0 || (k && v)), "attention_fwd_cuda: null pointer");
   const AttnCudaKernels kind = attention_kernels_cuda(ctx, p.kernels);
-  if (kind == AttnCudaKernels::wgmma) {
+  if (is_wgmma(kind)) {
     DFLASH_CHECK(
         cuda::aligned16(o) && cuda::aligned16(q) && cuda::aligned16(k) && cuda::aligned16(v),
         "attention_fwd_cuda (wgmma): o, q, k, v must be 16-byte aligned");
@@ -67,7 +78,8 @@ void attention_fwd_cuda(cuda::CudaContext& ctx, uint16_t* o, float* lse, const u
                  "attention_fwd_cuda (wgmma): the wgmma kernels need an sm_90 GPU (Hopper); "
                  "device {} is not one (choose the tensor_core kernels)",
                  ctx.device());
-    cuda::launch::attention_wgmma_fwd(o, lse, q, k, v, ranges, p, ctx.stream());
+    cuda::launch::attention_wgmma_fwd(o, lse, q, k, v, ranges, p, wgmma_variant(kind),
+                                      ctx.stream());
     return;
   }
   if (kind == AttnCudaKernels::tensor_core) {
@@ -90,7 +102,7 @@ void attention_bwd_cuda(cuda::CudaContext& ctx, uint16_t* dq, uint16_t* dk, uint
   DFLASH_CHECK((dout && q && k && v && o && lse && ranges) || p.Tq == 0,
                "attention_bwd_cuda: an input pointer is null");
   const AttnCudaKernels kind = attention_kernels_cuda(ctx, p.kernels);
-  const bool wg = kind == AttnCudaKernels::wgmma;
+  const bool wg = is_wgmma(kind);
   const bool tc = kind == AttnCudaKernels::tensor_core || wg;
   if (wg)
     DFLASH_CHECK(attention_wgmma_available_cuda(ctx),
@@ -113,7 +125,8 @@ void attention_bwd_cuda(cuda::CudaContext& ctx, uint16_t* dq, uint16_t* dk, uint
       ctx.scratch(static_cast<size_t>(std::max<int64_t>(tiles, 1)) * 2 * sizeof(int));
   if (wg)
     cuda::launch::attention_wgmma_bwd(dq, dk, dv, dout, q, k, v, o, lse, ranges, p,
-                                      delta.as<float>(), span.as<int>(), ctx.stream());
+                                      wgmma_variant(kind), delta.as<float>(), span.as<int>(),
+                                      ctx.stream());
   else if (tc)
     cuda::launch::attention_tc_bwd(dq, dk, dv, dout, q, k, v, o, lse, ranges, p, delta.as<float>(),
                                    span.as<int>(), ctx.stream());

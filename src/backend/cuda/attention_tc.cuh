@@ -130,6 +130,18 @@ inline int key_tiles(const Args& a) {
   return (a.Tk + kKeys - 1) / kKeys;
 }
 
+/// Softmax statistics of query row t under item it's head, as the backward kernels read them:
+/// lse2 = lse·log2(e) (+inf for a row with nothing visible, or past Tq / the last item: P = 0)
+/// and dl = Δ_t (0 past the end).
+__device__ __forceinline__ void row_stat(float& lse2, float& dl, const Args& a, const Item& it,
+                                         int t) {
+  const bool ok = it.valid && t < a.Tq;
+  const int64_t at = static_cast<int64_t>(it.h) * a.Tq + t;
+  const float lv = ok ? a.lse[at] : -INFINITY;
+  lse2 = lv == -INFINITY ? INFINITY : lv * kLog2e;
+  dl = ok ? a.delta[at] : 0.f;
+}
+
 // ---------------------------------------------------------------- key tiles of a query CTA
 
 // The key tiles a CTA of query items visits: up to two intervals, tiles of kKeys keys from each
@@ -151,8 +163,10 @@ struct TileCursor {
 
 // Reduces the ranges of the CTA's rows to its intervals (union of first ranges, union of second
 // ranges; one interval when they overlap or touch; ascending). Row i of the CTA belongs to thread
-// i (i < kCtaRows), which passes its clamped range `r`; `red` is 4·kWarps ints of shared memory.
-// Every thread returns the same cursor. Contains __syncthreads.
+// i, which passes its clamped range `r` (`mine`: the thread holds a row); the CTA has W warps and
+// `red` is 4·W ints of shared memory. Every thread returns the same cursor. Contains
+// __syncthreads.
+template <int W = kWarps>
 __device__ TileCursor cta_tiles(const Rng& r, bool mine, int* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const bool h1 = mine && r.lo1 < r.hi1, h2 = mine && r.lo2 < r.hi2;
@@ -164,7 +178,7 @@ __device__ TileCursor cta_tiles(const Rng& r, bool mine, int* red) {
     red[4 * warp] = a0, red[4 * warp + 1] = a1, red[4 * warp + 2] = b0, red[4 * warp + 3] = b1;
   }
   __syncthreads();
-  for (int w = 0; w < kWarps; ++w) {
+  for (int w = 0; w < W; ++w) {
     a0 = min(a0, red[4 * w]), a1 = max(a1, red[4 * w + 1]);
     b0 = min(b0, red[4 * w + 2]), b1 = max(b1, red[4 * w + 3]);
   }
@@ -257,21 +271,23 @@ constexpr int query_cta_smem(int row_tiles) {
   return head_bytes<IPW>() + row_tiles * kCtaRows * IPW * D * 2 + 4 * kKeys * D * 2;
 }
 
-// The prologue shared by the forward and dq kernels: the warp's IPW items (CTA items
-// warp·IPW + j), the CTA's row ranges into `rs` (rows of item i of the CTA at 16·i), the tile
-// cursor.
+// The prologue shared by the forward and dq kernels (and the Hopper kernels', attention_wgmma.cu,
+// with W = 4 warps per warpgroup): for a CTA of W warps, the warp's IPW items (CTA items
+// warp·IPW + j; the CTAs from the last rows, which see the most keys, first), the CTA's row
+// ranges into `rs` (rows of item i of the CTA at 16·i; `red`: 4·W ints), the tile cursor over
+// their union (cta_tiles). Contains __syncthreads.
 template <int IPW>
 struct QueryCta {
   Item it[IPW];
   int g;
   TileCursor tiles;
 };
-template <int IPW>
+template <int IPW, int W = kWarps>
 __device__ QueryCta<IPW> query_cta_begin(const Args& a, Rng* rs, int* red) {
-  constexpr int R = kCtaRows * IPW;
+  constexpr int R = kRows * W * IPW;
   QueryCta<IPW> c;
   c.g = blockIdx.y;
-  const int first = (gridDim.x - 1 - blockIdx.x) * kWarps * IPW;  // latest rows (most keys) first
+  const int first = (gridDim.x - 1 - blockIdx.x) * W * IPW;  // latest rows (most keys) first
   const int warp = threadIdx.x >> 5;
 #pragma unroll
   for (int j = 0; j < IPW; ++j) c.it[j] = item_at(first + warp * IPW + j, a.n_items, a.rep, c.g);
@@ -283,7 +299,7 @@ __device__ QueryCta<IPW> query_cta_begin(const Args& a, Rng* rs, int* red) {
     if (ri.valid && t < a.Tq) mine = clamp_rng(a.ranges[t], a.Tk);
     rs[threadIdx.x] = mine;
   }
-  c.tiles = cta_tiles(mine, has_row, red);  // its __syncthreads also publishes rs
+  c.tiles = cta_tiles<W>(mine, has_row, red);  // its __syncthreads also publishes rs
   return c;
 }
 
@@ -609,14 +625,7 @@ __global__ void __launch_bounds__(kThreads) attn_tc_dq_kernel(const Args a) {
   // Per row (gr, gr + 8): lse in base 2 (+inf for a row with nothing visible: P = 0) and Δ.
   float lse2[2], dl[2];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int t = it.t0 + gr + 8 * i;
-    const bool ok = it.valid && t < a.Tq;
-    const int64_t at = static_cast<int64_t>(it.h) * a.Tq + t;
-    const float lv = ok ? a.lse[at] : -INFINITY;
-    lse2[i] = lv == -INFINITY ? INFINITY : lv * kLog2e;
-    dl[i] = ok ? a.delta[at] : 0.f;
-  }
+  for (int i = 0; i < 2; ++i) row_stat(lse2[i], dl[i], a, it, it.t0 + gr + 8 * i);
   float acc[DT][4];
 #pragma unroll
   for (int dt = 0; dt < DT; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.f;
@@ -730,6 +739,18 @@ __device__ __forceinline__ Item list_item(const ItemList& L, int idx, int rep, i
   return Item{(L.tg_lo + idx / rep) * kRows, g * rep + idx % rep, idx < L.n};
 }
 
+// Plain loads, by threads 0 .. 63, of the statistics of chunk `chunk`'s 64 rows: lse2 (base 2),
+// Δ and the clamped ranges (rows past the list: lse2 = +inf, Δ = 0, no keys).
+__device__ __forceinline__ void load_chunk_stats(float* lse2, float* dl, Rng* rs, const Args& a,
+                                                 const ItemList& L, int chunk, int g) {
+  if (threadIdx.x >= kCtaRows) return;
+  const int i = threadIdx.x;
+  const Item it = list_item(L, chunk * kWarps + i / kRows, a.rep, g);
+  const int t = it.t0 + i % kRows;
+  row_stat(lse2[i], dl[i], a, it, t);
+  rs[i] = it.valid && t < a.Tq ? clamp_rng(a.ranges[t], a.Tk) : kNoKeys;
+}
+
 template <int D>
 __device__ void load_chunk(char* st, const Args& a, const ItemList& L, int chunk, int g) {
   constexpr int C = D / 8;
@@ -747,17 +768,7 @@ __device__ void load_chunk(char* st, const Args& a, const ItemList& L, int chunk
     cp_async16(reinterpret_cast<char*>(qs) + swz<D>(i, cc), a.q + off, ok);
     cp_async16(reinterpret_cast<char*>(dos) + swz<D>(i, cc), a.dout + off, ok);
   }
-  if (threadIdx.x < kCtaRows) {
-    const int i = threadIdx.x;
-    const Item it = list_item(L, chunk * kWarps + i / kRows, a.rep, g);
-    const int t = it.t0 + i % kRows;
-    const bool ok = it.valid && t < a.Tq;
-    const int64_t at = static_cast<int64_t>(it.h) * a.Tq + t;
-    const float lv = ok ? a.lse[at] : -INFINITY;
-    lse2[i] = lv == -INFINITY ? INFINITY : lv * kLog2e;
-    dl[i] = ok ? a.delta[at] : 0.f;
-    rs[i] = ok ? clamp_rng(a.ranges[t], a.Tk) : kNoKeys;
-  }
+  load_chunk_stats(lse2, dl, rs, a, L, chunk, g);
 }
 
 template <int D>

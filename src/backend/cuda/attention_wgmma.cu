@@ -1,6 +1,13 @@
 // dflash.cpp — the Hopper attention kernels (sm_90a): forward and backward on wgmma, one
 // warpgroup per 64 query rows (forward, dq) or per 64 keys (dk/dv) (semantics in
 // src/ops/attention.hpp; launchers declared in attention_wgmma.hpp).
+// Versions (launch::WgmmaVariant; measurements in docs/perf.md): v3 = NW 1 (warpgroups per CTA),
+// the backward's products one after the other; v5 = v3 with dq overlapped (kOverlap: Q as
+// register fragments, K in three stages); pair (v4) = NW 2, two warpgroups sharing the CTA's
+// tiles (128 query rows per K/V tile, 128 keys per Q/dO chunk) with dq and dk/dv overlapped.
+// Every kernel below is written for NW warpgroups: warpgroup w holds the CTA's items 4w .. 4w+3
+// (forward, dq) or its keys 64w .. 64w+63 (dk/dv); all NW·128 threads issue the shared copies
+// and meet at one CTA barrier per tile or chunk.
 //
 // Work split: exactly the tensor-core kernels' (attention_tc.cuh): a CTA of 4 warps holds 4
 // consecutive items (16 query rows under one query head each, group-major, heads inside), so
@@ -44,9 +51,10 @@
 #include <cute/arch/mma_sm90_gmma.hpp>
 #include <utility>
 
-#include "backend/cuda/attention_tc.cuh"
-#include "backend/cuda/attention_wgmma.hpp"
 #include "backend/cuda/attention_launch.hpp"
+#include "backend/cuda/attention_tc.cuh"
+#include "backend/cuda/attention_tc_launch.cuh"
+#include "backend/cuda/attention_wgmma.hpp"
 
 namespace dflash::cuda {
 namespace {
@@ -55,17 +63,30 @@ using namespace attn_tc;
 namespace gmma = cute::SM90::GMMA;
 
 constexpr int kBlockBytes = kCtaRows * 128;  // one 64-column block of a 64-row tile
-constexpr int kHeadBytes = 2048;             // row ranges (1024 B), interval reduction (64 B)
+
+/// Threads of a CTA of NW warpgroups (NW = 1: v3, one warpgroup; NW = 2: v4, two warpgroups
+/// sharing the CTA's tiles).
+template <int NW>
+constexpr int wg_threads() {
+  return 128 * NW;
+}
+/// Shared-memory head of the forward and dq kernels: the row ranges of the CTA's 64·NW rows
+/// (1024·NW bytes) and the interval reduction (64·NW bytes), rounded up.
+template <int NW>
+constexpr int wg_head_bytes() {
+  return 2048 * NW;
+}
 
 /// Bytes of one 64-row tile (Q, K or V) of head dimension D.
 template <int D>
 constexpr int tile_bytes() {
   return kCtaRows * D * 2;
 }
-/// Dynamic shared memory of the forward: head, alignment slack, Q, two K and two V tiles.
-template <int D>
+/// Dynamic shared memory of the forward: head, alignment slack, one Q tile per warpgroup, two K
+/// and two V tiles.
+template <int D, int NW>
 constexpr int wg_fwd_smem() {
-  return kHeadBytes + 1024 + 5 * tile_bytes<D>();
+  return wg_head_bytes<NW>() + 1024 + (NW + 4) * tile_bytes<D>();
 }
 
 /// Byte offset of 16-byte chunk `c` (0 .. D/8−1) of row `r` (0..63) in a swizzled tile.
@@ -102,8 +123,8 @@ __device__ __forceinline__ void gmma_ss(uint64_t da, uint64_t db, float* d, gmma
 }
 template <class Atom, size_t... I>
 __device__ __forceinline__ void gmma_rs(const uint32_t (&a)[4], uint64_t db, float* d,
-                                        std::index_sequence<I...>) {
-  Atom::fma(a[0], a[1], a[2], a[3], db, d[I]..., gmma::ScaleOut::One);
+                                        gmma::ScaleOut sc, std::index_sequence<I...>) {
+  Atom::fma(a[0], a[1], a[2], a[3], db, d[I]..., sc);
 }
 template <int N>
 __device__ __forceinline__ void fence_regs(float (&r)[N]) {
@@ -139,23 +160,50 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&p)[
                          gmma::MMA_64x64x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>>;
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk)
-    gmma_rs<Atom>(p[kk], mnmajor_desc(v_tile, kk), o, std::make_index_sequence<D / 2>{});
+    gmma_rs<Atom>(p[kk], mnmajor_desc(v_tile, kk), o, gmma::ScaleOut::One,
+                  std::make_index_sequence<D / 2>{});
+}
+/// s (64 × 64) = Q·Kᵀ over D with Q as register A fragments (qf[ks]: k-step ks of the warp's 16
+/// rows, load_a_frags) and K a K-major 64-row tile: D/16 k-steps, issued, not waited for.
+template <int D>
+__device__ __forceinline__ void issue_qk_rs(float (&s)[32], const uint32_t (&qf)[D / 16][4],
+                                            uint32_t k_tile) {
+  using Atom = gmma::MMA_64x64x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K>;
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks)
+    gmma_rs<Atom>(qf[ks], kmajor_desc(k_tile, ks), s,
+                  ks == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One,
+                  std::make_index_sequence<32>{});
+}
+/// The A fragments of the warp's 16 rows (rows 16·(warp % 4) ..) of a swizzled 64-row tile at
+/// `tile` (generic address), all D/16 k-steps: per k-step, ldmatrix.x4 of (rows 0–7, columns
+/// 0–7), (rows 8–15, 0–7), (rows 0–7, 8–15), (rows 8–15, 8–15), the register order of the
+/// m64k16 A fragment (as mma.sync m16k16's).
+template <int D>
+__device__ __forceinline__ void load_a_frags(uint32_t (&qf)[D / 16][4], const char* tile, int warp,
+                                             int lane) {
+  const int row = 16 * (warp & 3) + (lane & 7) + 8 * ((lane >> 3) & 1);
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) mma::ldsm_x4(qf[ks], tile + sw128(row, 2 * ks + (lane >> 4)));
 }
 
-/// cp.async copies of keys [kb, kend) of KV head g of `src` ([Tk, NKV, D]) into a swizzled tile;
-/// rows past kend and keys no row of the CTA sees (`rs`, 64 ranges) are zero-filled (they may
-/// hold NaN, and P = 0 times NaN would poison O). Thread i always copies chunk i % (D/8) of rows
-/// i / (D/8) + P·k (P = 128 / (D/8) rows per pass, a multiple of 8, so the swizzle term is
-/// fixed per thread): the addresses advance by a constant per pass.
-template <int D>
+/// cp.async copies, by the 128·NW threads of the CTA, of keys [kb, kend) of KV head g of `src`
+/// ([Tk, NKV, D]) into a swizzled tile; rows past kend and keys no row of the CTA sees (`rs`,
+/// 64·NW ranges) are zero-filled (they may hold NaN, and P = 0 times NaN would poison O). Thread
+/// i always copies chunk i % (D/8) of rows i / (D/8) + P·k (P = 128·NW / (D/8) rows per pass, a
+/// multiple of 8, so the swizzle term is fixed per thread): the addresses advance by a constant
+/// per pass.
+template <int D, int NW>
 __device__ void load_keys(char* dst, const uint16_t* src, const Args& a, int g, int kb, int kend,
                           const Rng* rs) {
-  constexpr int C = D / 8, P = kThreads / C, PASSES = kKeys / P;
-  static_assert(P % 8 == 0, "rows per pass keep the swizzle phase");
+  constexpr int C = D / 8, P = wg_threads<NW>() / C, PASSES = kKeys / P, R = kCtaRows * NW;
+  static_assert(P % 8 == 0 && kKeys % P == 0, "rows per pass keep the swizzle phase");
   const int lane = threadIdx.x & 31;
   // Common case: one row of the CTA sees the whole tile, so every key of it is needed.
-  const bool one = sees_all(rs[lane], kb, kend) || sees_all(rs[lane + 32], kb, kend);
-  const bool covered = __any_sync(0xffffffffu, one);  // each warp checks all 64 rows
+  bool one = false;
+#pragma unroll
+  for (int i = 0; i < R / 32; ++i) one = one || sees_all(rs[lane + 32 * i], kb, kend);
+  const bool covered = __any_sync(0xffffffffu, one);  // each warp checks all R rows
   const int j0 = threadIdx.x / C, c = threadIdx.x % C;
   const int64_t pass_bytes = static_cast<int64_t>(P) * a.NKV * D * 2;
   const char* from =
@@ -173,14 +221,15 @@ __device__ void load_keys(char* dst, const uint16_t* src, const Args& a, int g, 
   for (int pass = 0; pass < PASSES; ++pass) {
     const int key = kb + j0 + pass * P;
     bool ok = false;
-    for (int i = 0; i < kCtaRows && key < kend && !ok; ++i) ok = sees(rs[i], key);
+    for (int i = 0; i < R && key < kend && !ok; ++i) ok = sees(rs[i], key);
     cp_async16(to + pass * P * 128, ok ? from : reinterpret_cast<const char*>(src), ok);
     from += pass_bytes;
   }
 }
 
 /// cp.async copies of the warp's item rows of `src` ([Tq, NH, D]: q or dout) into rows
-/// 16·warp .. +15 of a swizzled 64-row tile (rows past Tq or of an invalid item: zeros).
+/// 16·warp .. +15 of a swizzled 64-row tile (`warp`: the warp's index in its warpgroup; rows past
+/// Tq or of an invalid item: zeros).
 template <int D>
 __device__ void load_item_tile(char* dst, const uint16_t* src, const Args& a, const Item& it,
                                int warp, int lane) {
@@ -296,39 +345,41 @@ __device__ void store_rows(const Args& a, const Item& it, float (&o)[D / 2], flo
   }
 }
 
-/// o and lse of a CTA's 64 query rows (the file comment's forward): grid query_ctas(a, 1) × NKV,
-/// 128 threads, wg_fwd_smem<D>() bytes of dynamic shared memory.
-template <int D>
-__global__ void __launch_bounds__(kThreads) attn_wg_fwd_kernel(const Args a) {
+/// o and lse of a CTA's 64·NW query rows (the file comment's forward; warpgroup w holds CTA
+/// items 4w .. 4w+3 and its own Q tile, the K/V tiles are shared): grid query_ctas(a, NW) × NKV,
+/// 128·NW threads, wg_fwd_smem<D, NW>() bytes of dynamic shared memory.
+template <int D, int NW>
+__global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_fwd_kernel(const Args a) {
   DFLASH_DYNAMIC_SMEM(smem);
   Rng* rs = reinterpret_cast<Rng*>(smem);
-  int* red = reinterpret_cast<int*>(smem + kCtaRows * 16);
+  int* red = reinterpret_cast<int*>(smem + kCtaRows * NW * 16);
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const uint32_t tiles_at = (base + kHeadBytes + 1023) & ~1023u;  // 1024-aligned (swizzle)
+  const uint32_t tiles_at = (base + wg_head_bytes<NW>() + 1023) & ~1023u;  // 1024-aligned (swizzle)
   char* tiles = smem + (tiles_at - base);
   constexpr int TB = tile_bytes<D>();
-  // Q, then K stages 0 and 1, then V stages 0 and 1.
-  auto k_stage = [&](int st) { return 1 + st; };
-  auto v_stage = [&](int st) { return 3 + st; };
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  // Q of warpgroups 0 .. NW−1, then K stages 0 and 1, then V stages 0 and 1.
+  auto k_stage = [&](int st) { return NW + st; };
+  auto v_stage = [&](int st) { return NW + 2 + st; };
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+  const uint32_t q_at = tiles_at + wg * TB;
 
-  QueryCta<1> c = query_cta_begin<1>(a, rs, red);
+  QueryCta<1> c = query_cta_begin<1, kWarps * NW>(a, rs, red);
   const Rng* wrs = rs + warp * kRows;
   const Rng mine[2] = {wrs[lane >> 2], wrs[(lane >> 2) + 8]};  // this thread's two rows
   // Group 0: Q and K_0. Group 1: K_1 and V_0. Group j+2 (end of iteration j): K_{j+2}, V_{j+1}.
   TileCursor kcur = c.tiles, vcur = c.tiles;
-  load_item_tile<D>(tiles, a.q, a, c.it[0], warp, lane);
+  load_item_tile<D>(tiles + wg * TB, a.q, a, c.it[0], warp & 3, lane);
   if (!kcur.done()) {
-    load_keys<D>(tiles + k_stage(0) * TB, a.k, a, c.g, kcur.kb, kcur.kend(), rs);
+    load_keys<D, NW>(tiles + k_stage(0) * TB, a.k, a, c.g, kcur.kb, kcur.kend(), rs);
     kcur.next();
   }
   mma::cp_async_commit();
   if (!kcur.done()) {
-    load_keys<D>(tiles + k_stage(1) * TB, a.k, a, c.g, kcur.kb, kcur.kend(), rs);
+    load_keys<D, NW>(tiles + k_stage(1) * TB, a.k, a, c.g, kcur.kb, kcur.kend(), rs);
     kcur.next();
   }
   if (!vcur.done()) {
-    load_keys<D>(tiles + v_stage(0) * TB, a.v, a, c.g, vcur.kb, vcur.kend(), rs);
+    load_keys<D, NW>(tiles + v_stage(0) * TB, a.v, a, c.g, vcur.kb, vcur.kend(), rs);
     vcur.next();
   }
   mma::cp_async_commit();
@@ -350,7 +401,7 @@ __global__ void __launch_bounds__(kThreads) attn_wg_fwd_kernel(const Args a) {
     __syncthreads();
     fence_regs(s), fence_regs(o), fence_regs(p);
     cute::warpgroup_arrive();
-    if constexpr (HS) issue_qk<D>(s, tiles_at, tiles_at + k_stage(st) * TB);
+    if constexpr (HS) issue_qk<D>(s, q_at, tiles_at + k_stage(st) * TB);
     cute::warpgroup_commit_batch();
     if constexpr (HP) issue_pv<D>(o, p, tiles_at + v_stage(st ^ 1) * TB);
     cute::warpgroup_commit_batch();
@@ -379,11 +430,11 @@ __global__ void __launch_bounds__(kThreads) attn_wg_fwd_kernel(const Args a) {
     }
     __syncthreads();  // K stage st and V stage st^1 are free
     if (!kcur.done()) {
-      load_keys<D>(tiles + k_stage(st) * TB, a.k, a, c.g, kcur.kb, kcur.kend(), rs);
+      load_keys<D, NW>(tiles + k_stage(st) * TB, a.k, a, c.g, kcur.kb, kcur.kend(), rs);
       kcur.next();
     }
     if (!vcur.done()) {
-      load_keys<D>(tiles + v_stage(st ^ 1) * TB, a.v, a, c.g, vcur.kb, vcur.kend(), rs);
+      load_keys<D, NW>(tiles + v_stage(st ^ 1) * TB, a.v, a, c.g, vcur.kb, vcur.kend(), rs);
       vcur.next();
     }
     mma::cp_async_commit();
@@ -400,106 +451,180 @@ __global__ void __launch_bounds__(kThreads) attn_wg_fwd_kernel(const Args a) {
 
 // ---------------------------------------------------------------- backward
 
-/// Dynamic shared memory of the dq kernel: head, slack, Q, dO, two K and two V tiles.
-template <int D>
+/// K stages of the dq kernel: two without the overlap (v3: dQ += dS_j·K_j completes before tile
+/// j+2 takes K_j's stage), three with it (v4, v5: K_{j−1} stays while dQ += dS_{j−1}·K_{j−1} runs
+/// beside tile j's products and tile j+1 lands).
+template <bool kOverlap>
+constexpr int wg_dq_kstages() {
+  return kOverlap ? 3 : 2;
+}
+/// Whether the dq kernel holds Q as register A fragments (v5: one warpgroup with the overlap;
+/// Q's shared tile then serves as the third K stage, so two CTAs still fit on an SM).
+template <int NW, bool kOverlap>
+constexpr bool wg_dq_q_in_regs() {
+  return kOverlap && NW == 1;
+}
+/// Dynamic shared memory of the dq kernel: head, slack, Q and dO tiles per warpgroup, the K
+/// stages that do not use Q's tile, two V tiles.
+template <int D, int NW, bool kOverlap>
 constexpr int wg_dq_smem() {
-  return kHeadBytes + 1024 + 6 * tile_bytes<D>();
+  constexpr int k_tiles = wg_dq_kstages<kOverlap>() - (wg_dq_q_in_regs<NW, kOverlap>() ? 1 : 0);
+  return wg_head_bytes<NW>() + 1024 + (2 * NW + k_tiles + 2) * tile_bytes<D>();
 }
 
-/// Per row (gr, gr + 8) of the warp's item: lse in base 2 (+inf for a row with nothing visible:
-/// P = 0) and Δ.
-__device__ __forceinline__ void row_stats(float (&lse2)[2], float (&dl)[2], const Args& a,
-                                          const Item& it, int lane) {
+/// dS = P ∘ (dP − Δ) of the warp's 16 rows and a key tile [kb, kend), in place of s (S = Q·Kᵀ on
+/// entry), with P = exp2(S·scale·log2e − lse2) and masked entries 0 (rows `wrs`, facts `f`).
+__device__ __forceinline__ void dq_tile_ds(float (&s)[32], const float (&dp)[32], const Rng* wrs,
+                                           const TileFacts& f, const float (&lse2)[2],
+                                           const float (&dl)[2], float scale_log2, int kb, int kend,
+                                           int lane) {
+  const int gr = lane >> 2, tq = lane & 3;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int t = it.t0 + (lane >> 2) + 8 * r;
-    const bool ok = it.valid && t < a.Tq;
-    const int64_t at = static_cast<int64_t>(it.h) * a.Tq + t;
-    const float lv = ok ? a.lse[at] : -INFINITY;
-    lse2[r] = lv == -INFINITY ? INFINITY : lv * kLog2e;
-    dl[r] = ok ? a.delta[at] : 0.f;
+  for (int i = 0; i < 32; ++i) {
+    const int r = (i >> 1) & 1;
+    bool vis = f.touch;
+    if (!f.full) {
+      const int key = kb + 8 * (i >> 2) + 2 * tq + (i & 1);
+      vis = vis && key < kend && sees(wrs[gr + 8 * r], key);
+    }
+    const float p = exp2_ftz(fmaf(s[i], scale_log2, -lse2[r]));
+    s[i] = vis ? p * (dp[i] - dl[r]) : 0.f;
   }
 }
 
-/// dQ of a CTA's 64 query rows (FlashAttention-2 Algorithm 2's dq half): per key tile of the
+/// dQ of a CTA's 64·NW query rows (FlashAttention-2 Algorithm 2's dq half): per key tile of the
 /// forward's cursor, S = Q·Kᵀ and dP = dO·Vᵀ (wgmma SS, both operands K-major), then
 /// dS = P ∘ (dP − Δ) with P = exp2(S·scale·log2e − lse2) (masked entries 0), then dQ += dS·K
-/// (wgmma RS, K as the MN-major operand); dq = scale·dQ. K/V tiles one ahead (two stages).
-template <int D>
-__global__ void __launch_bounds__(kThreads) attn_wg_dq_kernel(const Args a) {
+/// (wgmma RS, K as the MN-major operand); dq = scale·dQ. The K/V tiles are shared by the NW
+/// warpgroups (warpgroup w: CTA items 4w .. 4w+3). Without kOverlap (v3, NW = 1): tile j+1 loads
+/// while tile j is computed, its three products one after the other. With kOverlap (v4: NW = 2;
+/// v5: NW = 1, Q as register fragments, S = Q·Kᵀ an RS product): step j issues S_j, dP_j
+/// together with dQ += dS_{j−1}·K_{j−1} and computes dS_j while that product runs (the forward's
+/// intra-warpgroup overlap), tile j+1 loading meanwhile. Grid query_ctas(a, NW) × NKV, 128·NW
+/// threads, wg_dq_smem<D, NW, kOverlap>() bytes of shared memory.
+template <int D, int NW, bool kOverlap>
+__global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_dq_kernel(const Args a) {
   DFLASH_DYNAMIC_SMEM(smem);
   Rng* rs = reinterpret_cast<Rng*>(smem);
-  int* red = reinterpret_cast<int*>(smem + kCtaRows * 16);
+  int* red = reinterpret_cast<int*>(smem + kCtaRows * NW * 16);
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const uint32_t tiles_at = (base + kHeadBytes + 1023) & ~1023u;
+  const uint32_t tiles_at = (base + wg_head_bytes<NW>() + 1023) & ~1023u;
   char* tiles = smem + (tiles_at - base);
-  constexpr int TB = tile_bytes<D>();
-  // Q, dO, then K stages 0 and 1, then V stages 0 and 1.
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  QueryCta<1> c = query_cta_begin<1>(a, rs, red);
+  constexpr int TB = tile_bytes<D>(), KST = wg_dq_kstages<kOverlap>();
+  constexpr bool kQRegs = wg_dq_q_in_regs<NW, kOverlap>();
+  // Q of warpgroups 0 .. NW−1, their dO, then the K stages (with kQRegs the last one is Q's
+  // tile once Q is in registers), then V stages 0 and 1.
+  constexpr int K0 = 2 * NW, V0 = 2 * NW + (kQRegs ? KST - 1 : KST);
+  auto k_slot = [&](int st) { return kQRegs && st == KST - 1 ? 0 : K0 + st; };
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+  const uint32_t q_at = tiles_at + wg * TB, do_at = tiles_at + (NW + wg) * TB;
+  QueryCta<1> c = query_cta_begin<1, kWarps * NW>(a, rs, red);
   const Item it = c.it[0];
   const Rng* wrs = rs + warp * kRows;
-  load_item_tile<D>(tiles, a.q, a, it, warp, lane);
-  load_item_tile<D>(tiles + TB, a.dout, a, it, warp, lane);
+  load_item_tile<D>(tiles + wg * TB, a.q, a, it, warp & 3, lane);
+  load_item_tile<D>(tiles + (NW + wg) * TB, a.dout, a, it, warp & 3, lane);
   TileCursor nxt = c.tiles;
   if (!nxt.done()) {
-    load_keys<D>(tiles + 2 * TB, a.k, a, c.g, nxt.kb, nxt.kend(), rs);
-    load_keys<D>(tiles + 4 * TB, a.v, a, c.g, nxt.kb, nxt.kend(), rs);
+    load_keys<D, NW>(tiles + K0 * TB, a.k, a, c.g, nxt.kb, nxt.kend(), rs);
+    load_keys<D, NW>(tiles + V0 * TB, a.v, a, c.g, nxt.kb, nxt.kend(), rs);
     nxt.next();
   }
   mma::cp_async_commit();
   float lse2[2], dl[2];
-  row_stats(lse2, dl, a, it, lane);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) row_stat(lse2[r], dl[r], a, it, it.t0 + (lane >> 2) + 8 * r);
   float acc[D / 2], s[32], dp[32];
   uint32_t ds[4][4] = {};
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
 #pragma unroll
   for (int i = 0; i < 32; ++i) s[i] = dp[i] = 0.f;
-  const int gr = lane >> 2, tq = lane & 3;
-  for (int st = 0; !c.tiles.done(); st ^= 1) {
-    if (!nxt.done()) {
-      load_keys<D>(tiles + (2 + (st ^ 1)) * TB, a.k, a, c.g, nxt.kb, nxt.kend(), rs);
-      load_keys<D>(tiles + (4 + (st ^ 1)) * TB, a.v, a, c.g, nxt.kb, nxt.kend(), rs);
-      nxt.next();
-    }
-    mma::cp_async_commit();
-    mma::cp_async_wait<1>();
-    cutlass::arch::fence_view_async_shared();
-    __syncthreads();
-    const uint32_t kt = tiles_at + (2 + st) * TB, vt = tiles_at + (4 + st) * TB;
-    fence_regs(s), fence_regs(dp);
-    cute::warpgroup_arrive();
-    issue_qk<D>(s, tiles_at, kt);
-    issue_qk<D>(dp, tiles_at + TB, vt);
-    cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
-    fence_regs(s), fence_regs(dp);
-    const int kb = c.tiles.kb, kend = c.tiles.kend();
-    const TileFacts f = tile_facts<1>(wrs, kb, kend, lane);
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const int r = (i >> 1) & 1;
-      bool vis = f.touch;
-      if (!f.full) {
-        const int key = kb + 8 * (i >> 2) + 2 * tq + (i & 1);
-        vis = vis && key < kend && sees(wrs[gr + 8 * r], key);
+  if constexpr (!kOverlap) {
+    for (int st = 0; !c.tiles.done(); st ^= 1) {
+      if (!nxt.done()) {
+        load_keys<D, NW>(tiles + (K0 + (st ^ 1)) * TB, a.k, a, c.g, nxt.kb, nxt.kend(), rs);
+        load_keys<D, NW>(tiles + (V0 + (st ^ 1)) * TB, a.v, a, c.g, nxt.kb, nxt.kend(), rs);
+        nxt.next();
       }
-      const float p = exp2_ftz(fmaf(s[i], a.scale_log2, -lse2[r]));
-      s[i] = vis ? p * (dp[i] - dl[r]) : 0.f;
+      mma::cp_async_commit();
+      mma::cp_async_wait<1>();
+      cutlass::arch::fence_view_async_shared();
+      __syncthreads();
+      const uint32_t kt = tiles_at + (K0 + st) * TB, vt = tiles_at + (V0 + st) * TB;
+      fence_regs(s), fence_regs(dp);
+      cute::warpgroup_arrive();
+      issue_qk<D>(s, q_at, kt);
+      issue_qk<D>(dp, do_at, vt);
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      fence_regs(s), fence_regs(dp);
+      const int kb = c.tiles.kb, kend = c.tiles.kend();
+      const TileFacts f = tile_facts<1>(wrs, kb, kend, lane);
+      dq_tile_ds(s, dp, wrs, f, lse2, dl, a.scale_log2, kb, kend, lane);
+      pack_p(ds, s);
+      fence_regs(acc), fence_regs(ds);
+      cute::warpgroup_arrive();
+      issue_pv<D>(acc, ds, kt);  // dQ += dS·K: K as the MN-major operand, like V in the forward
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      fence_regs(acc), fence_regs(ds);
+      __syncthreads();  // stage st is refilled next
+      c.tiles.next();
     }
-    pack_p(ds, s);
-    fence_regs(acc), fence_regs(ds);
-    cute::warpgroup_arrive();
-    issue_pv<D>(acc, ds, kt);  // dQ += dS·K: K as the MN-major operand, like V in the forward
-    cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
-    fence_regs(acc), fence_regs(ds);
-    __syncthreads();  // stage st is refilled next
-    c.tiles.next();
+  } else {
+    // Step j: tile j (K stage j % 3, V stage j % 2) has landed; after the barrier every
+    // warpgroup is done with tile j−2's K and tile j−1's V, whose stages take tile j+1 (with
+    // kQRegs, tile 2 first takes Q's tile: step 0 moved Q into registers before the barrier of
+    // step 1). HS: tile j exists (S_j, dP_j); HP: a dS_{j−1} is pending (dQ += dS_{j−1}·K_{j−1}).
+    // A template per case keeps each wgmma batch free of branches.
+    uint32_t qf[D / 16][4];  // with kQRegs: Q's A fragments (unused, and dropped, otherwise)
+    auto step = [&]<bool HS, bool HP>(int j) {
+      mma::cp_async_wait<0>();
+      cutlass::arch::fence_view_async_shared();
+      __syncthreads();
+      if (!nxt.done()) {
+        load_keys<D, NW>(tiles + k_slot((j + 1) % KST) * TB, a.k, a, c.g, nxt.kb, nxt.kend(), rs);
+        load_keys<D, NW>(tiles + (V0 + ((j + 1) & 1)) * TB, a.v, a, c.g, nxt.kb, nxt.kend(), rs);
+        nxt.next();
+      }
+      mma::cp_async_commit();
+      if constexpr (kQRegs && HS && !HP) load_a_frags<D>(qf, tiles, warp, lane);  // step 0
+      fence_regs(s), fence_regs(dp), fence_regs(acc), fence_regs(ds);
+      cute::warpgroup_arrive();
+      if constexpr (HS) {
+        if constexpr (kQRegs)
+          issue_qk_rs<D>(s, qf, tiles_at + k_slot(j % KST) * TB);
+        else
+          issue_qk<D>(s, q_at, tiles_at + k_slot(j % KST) * TB);
+        issue_qk<D>(dp, do_at, tiles_at + (V0 + (j & 1)) * TB);
+      }
+      cute::warpgroup_commit_batch();
+      if constexpr (HP) issue_pv<D>(acc, ds, tiles_at + k_slot((j + KST - 1) % KST) * TB);
+      cute::warpgroup_commit_batch();
+      if constexpr (HS) {
+        cute::warpgroup_wait<1>();  // S_j and dP_j have landed; dQ += dS_{j−1}·K_{j−1} may run
+        fence_regs(s), fence_regs(dp);
+        const int kb = c.tiles.kb, kend = c.tiles.kend();
+        const TileFacts f = tile_facts<1>(wrs, kb, kend, lane);
+        dq_tile_ds(s, dp, wrs, f, lse2, dl, a.scale_log2, kb, kend, lane);
+      }
+      cute::warpgroup_wait<0>();
+      fence_regs(acc), fence_regs(ds);
+      if constexpr (HS) {
+        pack_p(ds, s);
+        c.tiles.next();
+      }
+    };
+    if (!c.tiles.done()) {
+      step.template operator()<true, false>(0);
+      int j = 1;
+      for (; !c.tiles.done(); ++j) step.template operator()<true, true>(j);
+      step.template operator()<false, true>(j);
+    }
   }
   mma::cp_async_wait<0>();
   if (!it.valid) return;
+  const int gr = lane >> 2, tq = lane & 3;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int t = it.t0 + gr + 8 * r;
@@ -521,21 +646,52 @@ template <int D>
 constexpr int wg_chunk_bytes() {
   return 2 * tile_bytes<D>() + 2048;
 }
-/// Dynamic shared memory of the dk/dv kernel: slack, the CTA's K and V tiles, two chunk stages.
-template <int D>
+/// Chunk stages of the dk/dv kernel: two in v3 (one warpgroup; chunk c+1 loads while chunk c is
+/// computed), three in v4 (two warpgroups; chunk c−1 stays while its dV, dK products run beside
+/// chunk c's, and chunk c+1 lands).
+template <int NW>
+constexpr int wg_dkdv_cstages() {
+  return NW == 1 ? 2 : 3;
+}
+/// Dynamic shared memory of the dk/dv kernel: slack, the K and V tiles of each warpgroup, the
+/// chunk stages.
+template <int D, int NW>
 constexpr int wg_dkdv_smem() {
-  return 1024 + 2 * tile_bytes<D>() + 2 * wg_chunk_bytes<D>();
+  return 1024 + 2 * NW * tile_bytes<D>() + wg_dkdv_cstages<NW>() * wg_chunk_bytes<D>();
 }
 
-/// cp.async copies of chunk `chunk` of the list (Q, dO rows) and plain loads of its rows' lse2,
-/// Δ and ranges into stage `st` (rows past the list: zero rows, lse2 = +inf, no keys).
-template <int D>
+/// Pᵀ and dSᵀ = Pᵀ ∘ (dPᵀ − Δ) of the warp's 16 keys [kw, kw_end) and a chunk of 64 query rows
+/// (stats lse2, dl and ranges rs of the chunk's rows), in place: s (Sᵀ on entry) becomes Pᵀ, dp
+/// (dPᵀ on entry) dSᵀ; entries a row does not see are 0. Element i: key kw + gr + 8·((i/2) % 2),
+/// query row 8·(i/4) + 2·tq + i%2 of the chunk.
+__device__ __forceinline__ void dkdv_chunk_ds(float (&s)[32], float (&dp)[32], const Rng* rs,
+                                              const float* lse2, const float* dl, int kw,
+                                              int kw_end, int Tk, float scale_log2, int lane) {
+  const int gr = lane >> 2, tq = lane & 3;
+  // Every row of the chunk sees all of this warp's keys: no per-element mask.
+  const bool full =
+      kw_end - kw == kRows && __all_sync(0xffffffffu, sees_all(rs[lane], kw, kw_end) &&
+                                                          sees_all(rs[lane + 32], kw, kw_end));
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    const int qi = 8 * (i >> 2) + 2 * tq + (i & 1), key = kw + gr + 8 * ((i >> 1) & 1);
+    const bool vis = full || (key < Tk && sees(rs[qi], key));
+    const float p = vis ? exp2_ftz(fmaf(s[i], scale_log2, -lse2[qi])) : 0.f;
+    dp[i] = vis ? p * (dp[i] - dl[qi]) : 0.f;
+    s[i] = p;
+  }
+}
+
+/// cp.async copies, by the CTA's 128·NW threads, of chunk `chunk` of the list (Q, dO rows) and
+/// plain loads of its rows' lse2, Δ and ranges into stage `st` (rows past the list: zero rows,
+/// lse2 = +inf, no keys).
+template <int D, int NW>
 __device__ void load_wg_chunk(char* st, const Args& a, const ItemList& L, int chunk, int g) {
   constexpr int C = D / 8, TB = tile_bytes<D>();
   float* lse2 = reinterpret_cast<float*>(st + 2 * TB);
   float* dl = lse2 + kCtaRows;
   Rng* rs = reinterpret_cast<Rng*>(dl + kCtaRows);
-  for (int e = threadIdx.x; e < kCtaRows * C; e += kThreads) {
+  for (int e = threadIdx.x; e < kCtaRows * C; e += wg_threads<NW>()) {
     const int i = e / C, cc = e % C;
     const Item it = list_item(L, chunk * kWarps + i / kRows, a.rep, g);
     const int t = it.t0 + i % kRows;
@@ -544,104 +700,155 @@ __device__ void load_wg_chunk(char* st, const Args& a, const ItemList& L, int ch
     cp_async16(st + sw128(i, cc), a.q + off, ok);
     cp_async16(st + TB + sw128(i, cc), a.dout + off, ok);
   }
-  if (threadIdx.x < kCtaRows) {
-    const int i = threadIdx.x;
-    const Item it = list_item(L, chunk * kWarps + i / kRows, a.rep, g);
-    const int t = it.t0 + i % kRows;
-    const bool ok = it.valid && t < a.Tq;
-    const int64_t at = static_cast<int64_t>(it.h) * a.Tq + t;
-    const float lv = ok ? a.lse[at] : -INFINITY;
-    lse2[i] = lv == -INFINITY ? INFINITY : lv * kLog2e;
-    dl[i] = ok ? a.delta[at] : 0.f;
-    rs[i] = ok ? clamp_rng(a.ranges[t], a.Tk) : kNoKeys;
-  }
+  load_chunk_stats(lse2, dl, rs, a, L, chunk, g);
 }
 
-/// dK, dV of one tile of 64 keys of KV head g (FlashAttention-2 Algorithm 2's dk/dv half, in
-/// FlashAttention-3's transposed form): per chunk of 64 query rows of the tile's span,
-/// Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (wgmma SS, 64 keys × 64 rows), Pᵀ and dSᵀ = Pᵀ ∘ (dPᵀ − Δ), then
-/// dV += Pᵀ·dO and dK += dSᵀ·Q (wgmma RS, dO and Q as MN-major operands). Warp w owns keys
-/// 16w .. 16w+15 of the tile. Fixed chunk order, one writer per element: bit-reproducible.
-template <int D>
-__global__ void __launch_bounds__(kThreads) attn_wg_dkdv_kernel(const Args a) {
+/// Key tiles of the dk/dv kernel with NW warpgroups (one tile of 64·NW keys per CTA and KV head).
+template <int NW>
+int wg_dkdv_tiles(const Args& a) {
+  return (key_tiles(a) + NW - 1) / NW;
+}
+
+/// dK, dV of one tile of 64·NW keys of KV head g (FlashAttention-2 Algorithm 2's dk/dv half, in
+/// FlashAttention-3's transposed form): per chunk of 64 query rows of the tile's span (the union
+/// of the spans of its 64-key tiles), Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (wgmma SS, 64 keys × 64 rows),
+/// Pᵀ and dSᵀ = Pᵀ ∘ (dPᵀ − Δ), then dV += Pᵀ·dO and dK += dSᵀ·Q (wgmma RS, dO and Q as MN-major
+/// operands). Warpgroup w owns keys 64w .. 64w+63 of the tile (its own K and V tiles; the
+/// chunk's Q and dO are shared), warp i of it keys 16i .. 16i+15 of those. Grid
+/// wg_dkdv_tiles<NW>(a)·NKV, 128·NW threads, wg_dkdv_smem<D, NW>() bytes of shared memory.
+/// Fixed chunk order, one writer per element: bit-reproducible.
+template <int D, int NW>
+__global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_dkdv_kernel(const Args a) {
   constexpr int C = D / 8, TB = tile_bytes<D>();
   DFLASH_DYNAMIC_SMEM(smem);
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const uint32_t kv_at = (base + 1023) & ~1023u;  // K, V, then the two chunk stages
+  const uint32_t kv_at = (base + 1023) & ~1023u;  // K, V per warpgroup, then the chunk stages
   char* kv = smem + (kv_at - base);
-  char* stages = kv + 2 * TB;
+  char* stages = kv + 2 * NW * TB;
+  const uint32_t stages_at = kv_at + 2 * NW * TB;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gr = lane >> 2, tq = lane & 3;
+  const int wg = warp >> 2;
+  const uint32_t kt = kv_at + 2 * wg * TB, vt = kt + TB;  // this warpgroup's K and V tiles
   // 1-D grid, the KV heads of one key tile adjacent (as attn_tc_dkdv_kernel).
   const int tile = blockIdx.x / a.NKV, g = blockIdx.x % a.NKV;
-  const int j0 = tile * kKeys;
-  const int kw = j0 + warp * kRows, kw_end = min(kw + kRows, a.Tk);  // this warp's keys
-  for (int e = threadIdx.x; e < kKeys * C; e += kThreads) {
+  const int j0 = tile * NW * kKeys;
+  const int kw = j0 + wg * kKeys + (warp & 3) * kRows;  // this warp's keys [kw, kw_end)
+  const int kw_end = min(kw + kRows, a.Tk);
+  for (int e = threadIdx.x; e < NW * kKeys * C; e += wg_threads<NW>()) {
     const int j = e / C, cc = e % C, key = j0 + j;
     const bool ok = key < a.Tk;
     const int64_t off = ok ? (static_cast<int64_t>(key) * a.NKV + g) * D + cc * 8 : 0;
-    cp_async16(kv + sw128(j, cc), a.k + off, ok);
-    cp_async16(kv + TB + sw128(j, cc), a.v + off, ok);
+    char* to = kv + 2 * (j / kKeys) * TB + sw128(j % kKeys, cc);
+    cp_async16(to, a.k + off, ok);
+    cp_async16(to + TB, a.v + off, ok);
   }
-  const int q_first = a.span[2 * tile], q_last = a.span[2 * tile + 1];
+  // The span of the CTA's 64-key tiles (span: INT_MAX / −1 for a tile no row touches).
+  int q_first = INT_MAX, q_last = -1;
+  const int tiles64 = (a.Tk + kKeys - 1) / kKeys;  // key_tiles(a), the span's tiles
+  for (int i = 0; i < NW && tile * NW + i < tiles64; ++i) {
+    q_first = min(q_first, a.span[2 * (tile * NW + i)]);
+    q_last = max(q_last, a.span[2 * (tile * NW + i) + 1]);
+  }
   ItemList L{0, 0};
   if (q_first <= q_last) {
     L.tg_lo = q_first / kRows;
     L.n = (q_last / kRows - L.tg_lo + 1) * a.rep;
   }
   const int n_chunks = (L.n + kWarps - 1) / kWarps;
-  if (n_chunks > 0) load_wg_chunk<D>(stages, a, L, 0, g);
+  if (n_chunks > 0) load_wg_chunk<D, NW>(stages, a, L, 0, g);
   mma::cp_async_commit();
 
   float dk[D / 2], dv[D / 2];
   uint32_t pa[4][4] = {}, da[4][4] = {};
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
-  for (int ch = 0; ch < n_chunks; ++ch) {
-    const int stg = ch & 1;
-    if (ch + 1 < n_chunks)
-      load_wg_chunk<D>(stages + (stg ^ 1) * wg_chunk_bytes<D>(), a, L, ch + 1, g);
-    mma::cp_async_commit();
-    mma::cp_async_wait<1>();
-    cutlass::arch::fence_view_async_shared();
-    __syncthreads();
-    const char* st = stages + stg * wg_chunk_bytes<D>();
-    const uint32_t qt = kv_at + 2 * TB + stg * wg_chunk_bytes<D>(), dot = qt + TB;
-    const float* lse2 = reinterpret_cast<const float*>(st + 2 * TB);
-    const float* dl = lse2 + kCtaRows;
-    const Rng* rs = reinterpret_cast<const Rng*>(dl + kCtaRows);
-    // Fresh accumulators (ScaleOut::Zero also ignores them): not live across chunks.
+  // Stage st's Q and dO tiles (shared addresses) and its rows' statistics.
+  auto q_tile = [&](int st) { return stages_at + st * wg_chunk_bytes<D>(); };
+  auto stats = [&](int st) {
+    return reinterpret_cast<const float*>(stages + st * wg_chunk_bytes<D>() + 2 * TB);
+  };
+  if constexpr (NW == 1) {
+    for (int ch = 0; ch < n_chunks; ++ch) {
+      const int stg = ch & 1;
+      if (ch + 1 < n_chunks)
+        load_wg_chunk<D, NW>(stages + (stg ^ 1) * wg_chunk_bytes<D>(), a, L, ch + 1, g);
+      mma::cp_async_commit();
+      mma::cp_async_wait<1>();
+      cutlass::arch::fence_view_async_shared();
+      __syncthreads();
+      const uint32_t qt = q_tile(stg), dot = qt + TB;
+      const float* lse2 = stats(stg);
+      // Fresh accumulators (ScaleOut::Zero also ignores them): not live across chunks.
+      float s[32], dp[32];
+#pragma unroll
+      for (int i = 0; i < 32; ++i) s[i] = dp[i] = 0.f;
+      cute::warpgroup_arrive();
+      issue_qk<D>(s, kt, qt);    // Sᵀ = K·Qᵀ
+      issue_qk<D>(dp, vt, dot);  // dPᵀ = V·dOᵀ
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      fence_regs(s), fence_regs(dp);
+      dkdv_chunk_ds(s, dp, reinterpret_cast<const Rng*>(lse2 + 2 * kCtaRows), lse2, lse2 + kCtaRows,
+                    kw, kw_end, a.Tk, a.scale_log2, lane);
+      pack_p(pa, s);
+      pack_p(da, dp);
+      fence_regs(dv), fence_regs(dk), fence_regs(pa), fence_regs(da);
+      cute::warpgroup_arrive();
+      issue_pv<D>(dv, pa, dot);  // dV += Pᵀ·dO
+      issue_pv<D>(dk, da, qt);   // dK += dSᵀ·Q
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      fence_regs(dv), fence_regs(dk), fence_regs(pa), fence_regs(da);
+      __syncthreads();  // stage stg is refilled next
+    }
+  } else {
+    // Step c: chunk c (stage c % 3) has landed; after the barrier every warpgroup is done with
+    // chunk c−2, whose stage takes chunk c+1. HS: chunk c exists (Sᵀ_c, dPᵀ_c); HP: chunk c−1's
+    // Pᵀ, dSᵀ are pending (dV += Pᵀ·dO_{c−1}, dK += dSᵀ·Q_{c−1}), run while chunk c's Pᵀ and dSᵀ
+    // are computed. A template per case keeps each wgmma batch free of branches.
+    constexpr int CST = wg_dkdv_cstages<NW>();
     float s[32], dp[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) s[i] = dp[i] = 0.f;
-    cute::warpgroup_arrive();
-    issue_qk<D>(s, kv_at, qt);         // Sᵀ = K·Qᵀ
-    issue_qk<D>(dp, kv_at + TB, dot);  // dPᵀ = V·dOᵀ
-    cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
-    fence_regs(s), fence_regs(dp);
-    // Every row of the chunk sees all of this warp's keys: no per-element mask.
-    const bool full =
-        kw_end - kw == kRows && __all_sync(0xffffffffu, sees_all(rs[lane], kw, kw_end) &&
-                                                            sees_all(rs[lane + 32], kw, kw_end));
-    // Element i: key kw + gr + 8·((i/2) % 2), query row 8·(i/4) + 2·tq + i%2 of the chunk.
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const int qi = 8 * (i >> 2) + 2 * tq + (i & 1), key = kw + gr + 8 * ((i >> 1) & 1);
-      const bool vis = full || (key < a.Tk && sees(rs[qi], key));
-      const float p = vis ? exp2_ftz(fmaf(s[i], a.scale_log2, -lse2[qi])) : 0.f;
-      dp[i] = vis ? p * (dp[i] - dl[qi]) : 0.f;
-      s[i] = p;
+    auto step = [&]<bool HS, bool HP>(int ch) {
+      mma::cp_async_wait<0>();
+      cutlass::arch::fence_view_async_shared();
+      __syncthreads();
+      if (ch + 1 < n_chunks)
+        load_wg_chunk<D, NW>(stages + (ch + 1) % CST * wg_chunk_bytes<D>(), a, L, ch + 1, g);
+      mma::cp_async_commit();
+      const int cur = ch % CST, prev = (ch + CST - 1) % CST;
+      fence_regs(s), fence_regs(dp), fence_regs(dv), fence_regs(dk), fence_regs(pa), fence_regs(da);
+      cute::warpgroup_arrive();
+      if constexpr (HS) {
+        issue_qk<D>(s, kt, q_tile(cur));        // Sᵀ = K·Qᵀ
+        issue_qk<D>(dp, vt, q_tile(cur) + TB);  // dPᵀ = V·dOᵀ
+      }
+      cute::warpgroup_commit_batch();
+      if constexpr (HP) {
+        issue_pv<D>(dv, pa, q_tile(prev) + TB);  // dV += Pᵀ·dO
+        issue_pv<D>(dk, da, q_tile(prev));       // dK += dSᵀ·Q
+      }
+      cute::warpgroup_commit_batch();
+      if constexpr (HS) {
+        cute::warpgroup_wait<1>();  // Sᵀ_c and dPᵀ_c have landed; chunk c−1's products may run
+        fence_regs(s), fence_regs(dp);
+        const float* lse2 = stats(cur);
+        dkdv_chunk_ds(s, dp, reinterpret_cast<const Rng*>(lse2 + 2 * kCtaRows), lse2,
+                      lse2 + kCtaRows, kw, kw_end, a.Tk, a.scale_log2, lane);
+      }
+      cute::warpgroup_wait<0>();
+      fence_regs(dv), fence_regs(dk), fence_regs(pa), fence_regs(da);
+      if constexpr (HS) {
+        pack_p(pa, s);
+        pack_p(da, dp);
+      }
+    };
+    if (n_chunks > 0) {
+      step.template operator()<true, false>(0);
+      for (int ch = 1; ch < n_chunks; ++ch) step.template operator()<true, true>(ch);
+      step.template operator()<false, true>(n_chunks);
     }
-    pack_p(pa, s);
-    pack_p(da, dp);
-    fence_regs(dv), fence_regs(dk), fence_regs(pa), fence_regs(da);
-    cute::warpgroup_arrive();
-    issue_pv<D>(dv, pa, dot);  // dV += Pᵀ·dO
-    issue_pv<D>(dk, da, qt);   // dK += dSᵀ·Q
-    cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
-    fence_regs(dv), fence_regs(dk), fence_regs(pa), fence_regs(da);
-    __syncthreads();  // stage stg is refilled next
   }
   mma::cp_async_wait<0>();
 #pragma unroll
@@ -665,42 +872,42 @@ __global__ void __launch_bounds__(kThreads) attn_wg_dkdv_kernel(const Args a) {
   }
 }
 
-template <int D>
+template <int D, int NW>
 void fwd_d(const Args& a, cudaStream_t s) {
-  constexpr int smem = wg_fwd_smem<D>();
-  // A per-device attribute of the function, not a stream operation (allowed during capture).
-  DFLASH_CUDA_CHECK(cudaFuncSetAttribute(attn_wg_fwd_kernel<D>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const dim3 grid(static_cast<unsigned>(query_ctas(a, 1)), static_cast<unsigned>(a.NKV));
-  attn_wg_fwd_kernel<D><<<grid, kThreads, smem, s>>>(a);
-  DFLASH_CUDA_LAUNCH_CHECK();
+  const dim3 grid(static_cast<unsigned>(query_ctas(a, NW)), static_cast<unsigned>(a.NKV));
+  launch_attn_kernel(attn_wg_fwd_kernel<D, NW>, grid, wg_threads<NW>(), wg_fwd_smem<D, NW>(), a, s);
 }
 
-template <int D>
+template <int D, int NW, bool kDqOverlap>
 void bwd_d(const Args& a, float* delta, int* span, cudaStream_t s) {
-  const int64_t rows = static_cast<int64_t>(a.Tq) * a.NH;
-  attn_tc_delta_kernel<D><<<grid_for(rows * 8, 256), 256, 0, s>>>(delta, a.dout, a.o, a.Tq, a.NH);
-  DFLASH_CUDA_LAUNCH_CHECK();
+  launch_attn_delta<D>(a, delta, s);
   if (a.dq) {
-    constexpr int smem = wg_dq_smem<D>();
-    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(attn_wg_dq_kernel<D>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    const dim3 grid(static_cast<unsigned>(query_ctas(a, 1)), static_cast<unsigned>(a.NKV));
-    attn_wg_dq_kernel<D><<<grid, kThreads, smem, s>>>(a);
-    DFLASH_CUDA_LAUNCH_CHECK();
+    const dim3 grid(static_cast<unsigned>(query_ctas(a, NW)), static_cast<unsigned>(a.NKV));
+    launch_attn_kernel(attn_wg_dq_kernel<D, NW, kDqOverlap>, grid, wg_threads<NW>(),
+                       wg_dq_smem<D, NW, kDqOverlap>(), a, s);
   }
   if ((a.dk || a.dv) && a.Tk > 0) {
-    const int n_tiles = key_tiles(a);
-    attn_tc_span_init_kernel<<<grid_for(n_tiles, 256), 256, 0, s>>>(span, n_tiles);
-    DFLASH_CUDA_LAUNCH_CHECK();
-    attn_tc_span_kernel<<<grid_for(a.Tq, 256), 256, 0, s>>>(span, a.ranges, a.Tq, a.Tk);
-    DFLASH_CUDA_LAUNCH_CHECK();
-    constexpr int smem = wg_dkdv_smem<D>();
-    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(attn_wg_dkdv_kernel<D>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    attn_wg_dkdv_kernel<D><<<static_cast<unsigned>(n_tiles * a.NKV), kThreads, smem, s>>>(a);
-    DFLASH_CUDA_LAUNCH_CHECK();
+    launch_attn_spans(a, span, s);
+    launch_attn_kernel(attn_wg_dkdv_kernel<D, NW>,
+                       dim3(static_cast<unsigned>(wg_dkdv_tiles<NW>(a) * a.NKV)), wg_threads<NW>(),
+                       wg_dkdv_smem<D, NW>(), a, s);
   }
+}
+
+template <int NW>
+void fwd_nw(const Args& a, int64_t D, cudaStream_t s) {
+  if (D == 64)
+    fwd_d<64, NW>(a, s);
+  else
+    fwd_d<128, NW>(a, s);
+}
+
+template <int NW, bool kDqOverlap>
+void bwd_nw(const Args& a, int64_t D, float* delta, int* span, cudaStream_t s) {
+  if (D == 64)
+    bwd_d<64, NW, kDqOverlap>(a, delta, span, s);
+  else
+    bwd_d<128, NW, kDqOverlap>(a, delta, span, s);
 }
 
 }  // namespace
@@ -709,33 +916,32 @@ namespace launch {
 
 void attention_wgmma_fwd(uint16_t* o, float* lse, const uint16_t* q, const uint16_t* k,
                          const uint16_t* v, const AttnRange* ranges, const AttnParams& p,
-                         cudaStream_t s) {
+                         WgmmaVariant var, cudaStream_t s) {
   if (p.Tq == 0) return;
-  Args a = make_args(p, ranges);
-  a.q = q, a.k = k, a.v = v, a.out = o, a.lse_out = lse;
-  if (p.D == 64)
-    fwd_d<64>(a, s);
+  const Args a = attn_fwd_args(o, lse, q, k, v, ranges, p);
+  if (var == WgmmaVariant::pair)
+    fwd_nw<2>(a, p.D, s);
   else
-    fwd_d<128>(a, s);
+    fwd_nw<1>(a, p.D, s);  // v3 and v5 share the forward
 }
 
 void attention_wgmma_bwd(uint16_t* dq, uint16_t* dk, uint16_t* dv, const uint16_t* dout,
                          const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* o,
                          const float* lse, const AttnRange* ranges, const AttnParams& p,
-                         float* delta_ws, int* span_ws, cudaStream_t s) {
-  if (p.Tq == 0) {
-    const size_t bytes = static_cast<size_t>(p.Tk * p.NKV * p.D) * 2;
-    if (dk && bytes) DFLASH_CUDA_CHECK(cudaMemsetAsync(dk, 0, bytes, s));
-    if (dv && bytes) DFLASH_CUDA_CHECK(cudaMemsetAsync(dv, 0, bytes, s));
-    return;
+                         WgmmaVariant var, float* delta_ws, int* span_ws, cudaStream_t s) {
+  if (attn_bwd_without_rows(dk, dv, p, s)) return;
+  const Args a = attn_bwd_args(dq, dk, dv, dout, q, k, v, o, lse, ranges, p, delta_ws, span_ws);
+  switch (var) {
+    case WgmmaVariant::v3:
+      bwd_nw<1, false>(a, p.D, delta_ws, span_ws, s);
+      break;
+    case WgmmaVariant::v5:
+      bwd_nw<1, true>(a, p.D, delta_ws, span_ws, s);
+      break;
+    case WgmmaVariant::pair:
+      bwd_nw<2, true>(a, p.D, delta_ws, span_ws, s);
+      break;
   }
-  Args a = make_args(p, ranges);
-  a.q = q, a.k = k, a.v = v, a.o = o, a.dout = dout;
-  a.dq = dq, a.dk = dk, a.dv = dv, a.lse = lse, a.delta = delta_ws, a.span = span_ws;
-  if (p.D == 64)
-    bwd_d<64>(a, delta_ws, span_ws, s);
-  else
-    bwd_d<128>(a, delta_ws, span_ws, s);
 }
 
 }  // namespace launch
