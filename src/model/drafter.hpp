@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "core/rng.hpp"
+#include "model/domino_config.hpp"
 #include "model/drafter_batch.hpp"
 #include "model/objective.hpp"
 #include "ops/attention.hpp"
@@ -83,13 +84,15 @@ struct DrafterConfig {
   std::vector<int> target_layer_ids;
   int num_target_layers = 0;
   DsparkHeads dspark;             ///< DSpark's heads (enabled false: a DFlash drafter)
+  DominoHead domino;              ///< Domino's GRU head (enabled false: none)
 
   /// Number of tapped target layers (features are [T, n_taps·H]).
   int64_t n_taps() const { return static_cast<int64_t>(target_layer_ids.size()); }
   /// Throws dflash::Error naming the field when sizes are inconsistent, tap ids are outside
   /// [0, num_target_layers), mask_token_id is outside [0, vocab_size), or the DSpark heads are
   /// inconsistent (markov_rank < 0, a gated/rnn or Markov confidence head without a Markov rank,
-  /// DSpark fields on a drafter that is not DSpark).
+  /// DSpark fields on a drafter that is not DSpark), or the Domino head is (emb_dim or
+  /// gru_hidden_dim ≤ 0, pure_draft_prefix_len outside [0, block_size − suffix], both heads).
   void validate() const;
 };
 
@@ -126,7 +129,7 @@ struct DsparkOffsets {
 /// The flat parameter layout of a config, in export order:
 /// fc, hidden_norm, per layer {input_layernorm, q, k, v, o, q_norm, k_norm,
 /// post_attention_layernorm, gate, up, down}, norm, then the DSpark heads' tensors (DsparkOffsets
-/// order) that the config has. gate_proj and up_proj of a layer are adjacent
+/// order) that the config has, then the Domino head's (DominoOffsets order). gate_proj and up_proj of a layer are adjacent
 /// (up follows gate), so the two can be read as one [2I, H] matrix. Code reaches a parameter
 /// through the named offsets below (resolved by export name at construction), never by its index in
 /// `params`.
@@ -138,6 +141,7 @@ struct DrafterLayout {
   int64_t norm = 0;                         ///< offset of the final norm.weight [H]
   std::vector<DrafterLayerOffsets> layers;  ///< per decoder layer
   DsparkOffsets dspark;                     ///< the DSpark heads (all −1 for a DFlash drafter)
+  DominoOffsets domino;                     ///< the Domino head (all −1 without it)
   /// Throws dflash::Error when the parameter count of `c` overflows int64 (corrupt sizes).
   explicit DrafterLayout(const DrafterConfig& c);
   /// A parameter by export name; throws dflash::Error naming it if unknown.
@@ -160,6 +164,8 @@ struct DrafterTrainResult {
   double dspark_ce_sum = 0, dspark_l1_sum = 0, dspark_bce_sum = 0, dspark_acc_sum = 0;
   /// DSpark only, per block row [N·K]: confidence logit and acc (DsparkSums::conf, ::acc).
   std::vector<double> dspark_conf, dspark_acc;
+  /// Domino only: Σ w·CE(F) and Σ w·CE(U) of the step's rows (loss_sum is their (1−λ)/λ blend).
+  double domino_final_ce_sum = 0, domino_base_ce_sum = 0;
 };
 
 /// Per-layer activations kept for the backward (internal to the drafter step).
@@ -192,6 +198,7 @@ struct DrafterWorkspace {
   std::vector<S> inv_freq;
   std::vector<AttnRange> ranges;
   DsparkWorkspace<S> dspark;                // the DSpark head's scratch
+  DominoWorkspace<S> domino;                // the Domino head's scratch
 };
 
 
@@ -208,6 +215,8 @@ struct DrafterTables {
 /// backward, accumulating parameter gradients (+=) scaled by `grad_scale` (use
 /// 1/batch.loss_normaliser() so that the gradient is that of the step's loss: Σw·CE/Σw for
 /// dflash, Σ m·w·CE / sequences for D-PACE with w held constant, DSpark's numerator / Σw).
+/// For objective domino (cfg.domino.enabled) the loss is model/domino_head.hpp's, with the batch's
+/// objective.domino_lambda.
 /// For objective dspark (cfg.dspark.enabled) `target_final` [T, H] holds the target's
 /// final-norm hidden states of the batch's context (the teacher, model/dspark_head.hpp). Throws
 /// dflash::Error on inconsistent inputs (naming them), a DSpark batch for a drafter without DSpark
@@ -220,7 +229,8 @@ DrafterTrainResult drafter_train_step(const DrafterConfig& cfg, const DrafterLay
                                       const S* target_final = nullptr);
 
 /// Logits [N·K, V] of the blocks of `batch` (training layout; no loss): for a DSpark drafter
-/// the draft logits D with teacher-forced previous tokens (dspark_block_logits). ws.hf holds the
+/// the draft logits D with teacher-forced previous tokens (dspark_block_logits), for a Domino
+/// drafter the corrected logits F with teacher-forced GRU inputs (domino_block_logits). ws.hf holds the
 /// final-norm rows [N·K, H] afterwards. For tests and tools.
 template <typename S>
 std::vector<S> drafter_block_logits(const DrafterConfig& cfg, const DrafterLayout& layout,
@@ -248,7 +258,8 @@ void drafter_cache_append(DrafterCache& cache, const DrafterConfig& cfg,
 
 /// Inference layout: the block [anchor_token, MASK × (K−1)] at positions cache.len ..
 /// cache.len+K−1, attending to every cache row and to itself. Returns logits [K, V] (for a DSpark
-/// drafter the base logits U, before the Markov bias of dspark_slot_logits), a view of
+/// drafter the base logits U, before the Markov bias of dspark_slot_logits; for a Domino drafter
+/// U, before domino_slot_logits' correction), a view of
 /// `ws.logits` valid until `ws` is used again; ws.hf then holds the K final-norm rows [K, H]. The cache keeps its rows and length: its buffers
 /// are borrowed for the block's k/v rows (no copy of the context) and handed back, also when an
 /// error is thrown. Throws dflash::Error when a cache layer does not hold len rows.

@@ -107,7 +107,7 @@ struct DrafterBatchOptions {
 };
 
 /// The block targets of one row's anchors under `opts`' objective: dspark_block_targets for
-/// DSpark (shifted labels), else block_targets with `opts.gamma` for dflash and with all
+/// DSpark (shifted labels), domino_block_targets for Domino (with its shift_label), else block_targets with `opts.gamma` for dflash and with all
 /// supervised weights 1 for the D-PACE losses (they ignore γ, OBJECTIVES.md §1.1). `tokens` and
 /// `loss_mask` are the row's real tokens [n], `doc_offsets` its documents [d+1] (0 .. n).
 /// Throws as block_targets.

@@ -82,6 +82,11 @@ std::vector<std::string> cuda_drafter_unsupported(const DrafterConfig& c) {
         "the CUDA drafter has no DSpark heads (training.objective dspark, "
         "dflash_config.projector_type dspark): train and decode DSpark on the cpu backend");
   }
+  if (c.domino.enabled) {
+    out.push_back(
+        "the CUDA drafter has no Domino head (training.objective domino, "
+        "dflash_config.projector_type domino): train and decode Domino on the cpu backend");
+  }
   return out;
 }
 

@@ -29,8 +29,10 @@ enum class LossType {
 /// The training objective (`training.objective`): `dflash` (DESIGN.md §1, with the loss types of
 /// LossType) or `dspark` (OBJECTIVES.md §1.3: labels shifted by one, a prefix-contiguous mask, the
 /// drafter's logits plus a Markov bias, an L1 distance to the target's own distribution and a
-/// confidence head; its loss is always Σ w·(αce·CE + αl1·L1 + αconf·BCE) / Σ w).
-enum class ObjectiveKind { dflash, dspark };
+/// confidence head; its loss is always Σ w·(αce·CE + αl1·L1 + αconf·BCE) / Σ w) or `domino`
+/// (OBJECTIVES.md §1.2: a GRU prefix head corrects the logits, the loss blends the corrected and the
+/// base CE by λ; model/domino_head.hpp).
+enum class ObjectiveKind { dflash, dspark, domino };
 
 /// What a step optimises: the objective, the loss type and D-PACE's smoothing α ∈ [0, 1] (unused
 /// by plain dflash), and DSpark's three loss weights (unused by dflash).
@@ -41,10 +43,20 @@ struct Objective {
   double dspark_ce_alpha = 0.1;    ///< αce of the DSpark loss (SpecForge dspark_ce_loss_alpha)
   double dspark_l1_alpha = 0.9;    ///< αl1 (dspark_l1_loss_alpha)
   double dspark_conf_alpha = 1.0;  ///< αconf (dspark_confidence_head_alpha)
+  /// Domino: λ of this step's loss (1−λ)·ΣwCE(F)/Σw + λ·ΣwCE(U)/Σw, in [0, 1]
+  /// (domino_lambda of the optimizer step; unused by the other objectives).
+  double domino_lambda = 0.0;
+  /// Domino's shift_label: slot k predicts x[a+k+1] and slot 0 is supervised (else x[a+k]).
+  bool domino_shift_label = false;
   /// True for the three D-PACE losses.
   bool dpace() const { return loss != LossType::dflash; }
   /// True for the DSpark objective.
   bool dspark() const { return kind == ObjectiveKind::dspark; }
+  /// True for the Domino objective.
+  bool domino() const { return kind == ObjectiveKind::domino; }
+  /// The first block slot the objective can supervise: 0 for dspark and for domino with
+  /// shift_label (labels shifted by one), else 1 (slot 0 holds the anchor's own token).
+  int first_slot() const { return dspark() || (domino() && domino_shift_label) ? 0 : 1; }
   bool operator==(const Objective&) const = default;
 };
 

@@ -68,8 +68,8 @@ struct TrainingSection {
   /// (OBJECTIVES.md §1.1; LossType), on either backend.
   std::string loss_type = "dflash";
   double dpace_alpha = 0.5;  ///< D-PACE smoothing α of s_k = (1−α)q_k + α, in [0, 1]
-  /// dflash | dspark (ObjectiveKind). loss_type selects among the dflash objective's losses;
-  /// dspark takes loss_type dflash only and the keys below (OBJECTIVES.md §1.3, SpecForge's
+  /// dflash | dspark | domino (ObjectiveKind). loss_type selects among the dflash objective's
+  /// losses; dspark and domino take loss_type dflash only and the keys below (OBJECTIVES.md §1.3, SpecForge's
   /// names and defaults), which a dflash run refuses.
   std::string objective = "dflash";
   int markov_rank = 0;                         ///< r of the Markov head; 0: none
@@ -80,6 +80,14 @@ struct TrainingSection {
   double dspark_ce_loss_alpha = 0.1;           ///< αce
   double dspark_l1_loss_alpha = 0.9;           ///< αl1
   double dspark_confidence_head_alpha = 1.0;   ///< αconf
+  // Domino (objective domino; OBJECTIVES.md §1.2, SpecForge's dflash_config and training keys),
+  // refused by the other objectives:
+  std::optional<int64_t> emb_dim;         ///< E of embed_proj; required by domino
+  std::optional<int64_t> gru_hidden_dim;  ///< G of the GRU; required by domino
+  int pure_draft_prefix_len = 0;          ///< P: the first P proposals are base-only
+  bool shift_label = false;               ///< slot k predicts x[a+k+1]
+  double lambda_base_start = 1.0;         ///< λ0 of the base-loss weight λ(t)
+  double lambda_base_decay_ratio = 0.5;   ///< λ decays to 0 over ⌊max_steps·ratio⌋ steps
   uint64_t seed = 0;
   int64_t save_interval = 0;         ///< 0 = only at the end
   int keep_last = 3;                 ///< complete checkpoints kept
@@ -165,6 +173,12 @@ Objective objective_of(const TrainingSection& training);
 /// markov_rank < 0, an unknown markov_head_type, gated/rnn or confidence_head_with_markov without
 /// markov_rank, confidence_head_with_markov without the confidence head).
 DsparkHeads dspark_heads_of(const TrainingSection& training);
+
+/// The Domino head of the drafter a `training` section trains (enabled false for the other
+/// objectives); throws dflash::Error naming the key: a Domino key given to another objective,
+/// emb_dim or gru_hidden_dim missing or ≤ 0, pure_draft_prefix_len < 0 or leaving no corrected
+/// slot in a block, lambda_base_start outside [0, 1], lambda_base_decay_ratio outside (0, 1].
+DominoHead domino_head_of(const TrainingSection& training);
 
 /// The resume-compatibility check of `dflash train --resume DIR`: `saved` is the configuration of
 /// the checkpoint, `requested` the one the run would continue with. Throws dflash::Error naming

@@ -15,6 +15,9 @@ void cuda_check_objective(const DrafterConfig& cfg) {
   DFLASH_CHECK(!cfg.dspark.enabled,
                "training.objective dspark is implemented on the cpu backend only (runtime.backend: "
                "cuda has no DSpark heads, no teacher tap and no DSpark loss yet)");
+  DFLASH_CHECK(!cfg.domino.enabled,
+               "training.objective domino is implemented on the cpu backend only (runtime.backend: "
+               "cuda has no Domino GRU head and no Domino loss yet)");
 }
 
 TrainBackend train_backend_create(const TrainBackendOptions& opts, const TargetModel& target,
