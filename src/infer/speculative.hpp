@@ -40,6 +40,7 @@
 #include "infer/sampling.hpp"
 #include "model/drafter.hpp"
 #include "model/drafter_io.hpp"
+#include "model/domino_head.hpp"
 #include "model/dspark_head.hpp"
 #include "model/target.hpp"
 
@@ -89,6 +90,8 @@ struct SpecState {
   std::vector<double> target_p, sample_scratch;
   std::vector<float> dspark_row;  // a DSpark drafter: one slot's logits with the Markov bias
   DsparkSlotState dspark_slot;    // and its head's state between slots
+  std::vector<float> domino_row;  // a Domino drafter: one slot's corrected logits
+  DominoSlotState domino_slot;    // and its GRU state, fed the anchor and each proposal
   explicit SpecState(const ModelConfig& c) : target_cache(c) {}
 };
 

@@ -38,8 +38,10 @@ class SafetensorsCheckpoint;
 /// `dflash_config: {mask_token_id, target_layer_ids}`. A DSpark drafter (cfg.dspark.enabled) is
 /// written as SpecForge's DSpark export: `architectures: ["DSparkDraftModel"]` and dflash_config
 /// also {projector_type: "dspark", attention_mode: gqa (fewer KV heads than heads) | mha,
-/// markov_rank, markov_head_type, enable_confidence_head, confidence_head_with_markov}. Throws
-/// dflash::Error if `cfg` is invalid.
+/// markov_rank, markov_head_type, enable_confidence_head, confidence_head_with_markov}. A Domino
+/// drafter (cfg.domino.enabled) is written as SpecForge's Domino export: `architectures:
+/// ["DominoDraftModel"]` and dflash_config also {projector_type: "domino", emb_dim,
+/// gru_hidden_dim, pure_draft_prefix_len, shift_label}. Throws dflash::Error if `cfg` is invalid.
 nlohmann::json drafter_export_config(const DrafterConfig& cfg);
 
 /// Parses a drafter config.json object; `source` names the file in errors. The Qwen3 fields are
@@ -52,7 +54,10 @@ nlohmann::json drafter_export_config(const DrafterConfig& cfg);
 /// rotary factors are refused (the drafter has none). `architectures` ["DSparkDraftModel"] or
 /// dflash_config.projector_type "dspark" make a DSpark drafter (its heads' keys with SpecForge's
 /// defaults; enable_confidence_head defaults to confidence_head_alpha > 0); DSpark keys on
-/// another drafter are an error naming the key.
+/// another drafter are an error naming the key. `architectures` ["DominoDraftModel"] or
+/// projector_type "domino" make a Domino drafter (emb_dim and gru_hidden_dim required,
+/// pure_draft_prefix_len 0 and shift_label false by default); Domino keys on another drafter are an
+/// error naming the key.
 DrafterConfig drafter_config_from_json(const nlohmann::json& j, const std::string& source);
 
 /// Writes the drafter folder `dir` (created if needed): `model.safetensors` with every parameter
