@@ -228,6 +228,15 @@ TEST(PipelineTrain, TwoDflash2ReplicasOfOneRowTrainLikeOneReplicaOfTwoRows) {
        "training.dflash2_selector_warmup_ratio=0.1", "training.dflash2_selector_ramp_ratio=0.3"});
 }
 
+// Domino divides both CE terms by the step's Σw (our global normalisation; SpecForge divides each
+// micro-batch by its own), both replicas use the step's λ, and the head's gradients are
+// all-reduced with the rest. λ decays over the run's 100 steps, so the test covers λ > 0 and 0.
+TEST(PipelineTrain, TwoDominoReplicasOfOneRowTrainLikeOneReplicaOfTwoRows) {
+  expect_two_replicas_train_like_one_of_two_rows(
+      {"training.objective=domino", "training.emb_dim=16", "training.gru_hidden_dim=24",
+       "training.pure_draft_prefix_len=1", "training.lambda_base_decay_ratio=0.3"});
+}
+
 TEST(PipelineTrain, TwoByTwoResumesBitIdenticallyAndRefusesAnotherReplicaCount) {
   test::TempDir tmp;
   TrainOptions a;

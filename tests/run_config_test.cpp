@@ -243,7 +243,8 @@ TEST(RunConfig, DSparkKeysAreValidatedNamingTheKey) {
   EXPECT_NE(def.shape_changes(c)[0].find("training.objective"), std::string::npos);
   // Errors name the key.
   EXPECT_NE(err({"training.objective=spark"})
-                .find("training.objective must be dflash, dspark or dflash2, got 'spark'"),
+                .find("training.objective must be dflash, dspark, dflash2 or domino, got "
+                      "'spark'"),
             std::string::npos);
   EXPECT_NE(err({"training.objective=dspark", "training.loss_type=dpace"})
                 .find("training.loss_type dpace is a loss of the dflash objective"),
@@ -294,6 +295,85 @@ TEST(RunConfig, DSparkKeysAreValidatedNamingTheKey) {
               std::string::npos)
         << t;
   }
+}
+
+TEST(RunConfig, DominoKeysAreValidatedNamingTheKey) {
+  auto err = [](std::vector<std::string> o) {
+    return error_of([&] { RunConfig::from_yaml(kYaml, "run.yaml", o); });
+  };
+  const std::vector<std::string> dims = {"training.objective=domino", "training.emb_dim=32",
+                                         "training.gru_hidden_dim=48"};
+  auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> o = dims;
+    o.insert(o.end(), more.begin(), more.end());
+    return o;
+  };
+  const RunConfig def = RunConfig::from_yaml(kYaml, "run.yaml");
+  EXPECT_FALSE(domino_head_of(def.training).enabled);
+  // SpecForge's defaults: P 0, shift_label false, λ0 1, decay ratio 0.5.
+  const RunConfig c = RunConfig::from_yaml(kYaml, "run.yaml", dims);
+  const Objective o = objective_of(c.training);
+  EXPECT_TRUE(o.domino());
+  EXPECT_FALSE(o.domino_shift_label);
+  EXPECT_EQ(o.first_slot(), 1);
+  EXPECT_EQ(c.training.lambda_base_start, 1.0);
+  EXPECT_EQ(c.training.lambda_base_decay_ratio, 0.5);
+  EXPECT_EQ(domino_head_of(c.training), (DominoHead{true, 32, 48, 0, false}));
+  const RunConfig r = RunConfig::from_yaml(
+      kYaml, "run.yaml",
+      with({"training.pure_draft_prefix_len=1", "training.shift_label=true",
+            "training.lambda_base_start=0.5", "training.lambda_base_decay_ratio=0.25"}));
+  EXPECT_EQ(domino_head_of(r.training), (DominoHead{true, 32, 48, 1, true}));
+  EXPECT_TRUE(objective_of(r.training).domino_shift_label);
+  EXPECT_EQ(objective_of(r.training).first_slot(), 0);
+  // The resolved YAML keeps them; emb_dim and gru_hidden_dim change the parameter shapes.
+  const RunConfig back = RunConfig::from_yaml(r.to_yaml(), "resolved.yaml");
+  EXPECT_EQ(domino_head_of(back.training), domino_head_of(r.training));
+  EXPECT_EQ(back.training.lambda_base_decay_ratio, 0.25);
+  EXPECT_TRUE(back.shape_changes(r).empty());
+  EXPECT_TRUE(c.shape_changes(r).empty());  // P and shift_label keep the shapes
+  EXPECT_FALSE(c.resume_incompatibilities(r).empty());
+  const RunConfig wider = RunConfig::from_yaml(kYaml, "run.yaml", with({"training.emb_dim=64"}));
+  ASSERT_EQ(c.shape_changes(wider).size(), 1u);
+  EXPECT_NE(c.shape_changes(wider)[0].find("training.emb_dim"), std::string::npos);
+  EXPECT_NE(def.shape_changes(c)[0].find("training.objective"), std::string::npos);
+  // Errors name the key.
+  EXPECT_NE(err({"training.objective=domino", "training.gru_hidden_dim=48"})
+                .find("training.emb_dim is required by training.objective domino"),
+            std::string::npos);
+  EXPECT_NE(err({"training.objective=domino", "training.emb_dim=48"})
+                .find("training.gru_hidden_dim is required by training.objective domino"),
+            std::string::npos);
+  EXPECT_NE(err(with({"training.emb_dim=0"})).find("training.emb_dim must be > 0, got 0"),
+            std::string::npos);
+  EXPECT_NE(err(with({"training.loss_type=dpace"}))
+                .find("training.loss_type dpace is a loss of the dflash objective; "
+                      "training.objective domino"),
+            std::string::npos);
+  EXPECT_NE(err({"training.emb_dim=4"})
+                .find("training.emb_dim applies only to training.objective: domino"),
+            std::string::npos);
+  EXPECT_NE(err({"training.objective=dspark", "training.shift_label=true"})
+                .find("training.shift_label applies only to training.objective: domino"),
+            std::string::npos);
+  EXPECT_NE(err({"training.lambda_base_start=0.5"})
+                .find("training.lambda_base_start applies only to training.objective: domino"),
+            std::string::npos);
+  EXPECT_NE(err(with({"training.pure_draft_prefix_len=15"}))
+                .find("training.pure_draft_prefix_len must be in [0, 14]"),
+            std::string::npos);
+  EXPECT_NE(err(with({"training.lambda_base_start=1.5"}))
+                .find("training.lambda_base_start must be in [0, 1], got 1.5"),
+            std::string::npos);
+  EXPECT_NE(err(with({"training.lambda_base_decay_ratio=0"}))
+                .find("training.lambda_base_decay_ratio must be in (0, 1], got 0"),
+            std::string::npos);
+  EXPECT_NE(err(with({"training.shift_label=maybe"})).find("training.shift_label"),
+            std::string::npos);
+  // No silent fallback: the CUDA stages have no Domino head.
+  EXPECT_NE(err(with({"runtime.backend=cuda"}))
+                .find("training.objective domino is implemented on the cpu backend only"),
+            std::string::npos);
 }
 
 TEST(RunConfig, OverridesApplyAndUnknownPathsFail) {

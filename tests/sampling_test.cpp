@@ -314,11 +314,34 @@ TEST(Sampling, SpeculativeSamplingMatchesTargetOnTinyModel) {
   ASSERT_GE(df, 3) << "the prompt's continuation is too predictable for a useful test";
   const double crit = chi2_critical_1e4(df);
 
+  // A Domino drafter (block 3: 2 proposals, each corrected by the GRU state after the anchor and
+  // the drafts before it): W2 lifts the tokens the target is likely to say next by W2·SiLU(W1·[h;
+  // g]) (W1 scaled up; a weight of 50 outweighs the untrained base logits), so that the first
+  // draft's q is concentrated on them by the correction and many drafts are accepted.
+  DrafterConfig mc = dc;
+  mc.domino = DominoHead{true, 8, 16, 0, false};
+  const DrafterLayout mlayout(mc);
+  std::vector<float> mparams(static_cast<size_t>(mlayout.total));
+  drafter_init(mparams, mlayout, 23);
+  for (int64_t i = 0; i < 8 * (mc.hidden_size + 16); ++i) {
+    mparams[mlayout.domino.proj1 + i] *= 10.0f;
+  }
+  for (int32_t a = 0; a < V; ++a) {
+    if (p2[a] < thr) continue;
+    for (int64_t e = 0; e < 8; ++e) mparams[mlayout.domino.proj2 + a * 8 + e] = 50.0f;
+  }
+  drafter_save(dir / "m", mc, mlayout, mparams, DType::f32);
+  const LoadedDrafter mdrafter = drafter_load(dir / "m");
+  const SpeculativeDecoder mdec(target, mdrafter);
+  const SpecState mbase = mdec.start(prompt, o);  // the same seed: the same first token
+  ASSERT_EQ(mbase.anchor, t1_argmax);
+
   std::vector<int64_t> plain(cats.probs.size(), 0), spec(cats.probs.size(), 0),
       oracle(cats.probs.size(), 0), naive(cats.probs.size(), 0), dspark(cats.probs.size(), 0),
-      dflash2(cats.probs.size(), 0);
+      dflash2(cats.probs.size(), 0), domino(cats.probs.size(), 0);
   int64_t dspark_accepted = 0;   // drafts the DSpark loop accepted (the check's power)
-  int64_t dflash2_accepted = 0;  // and the DFlash2 loop
+  int64_t dflash2_accepted = 0;  // the DFlash2 loop
+  int64_t domino_accepted = 0;   // and the Domino loop
   std::vector<double> scratch, pa;
   const SamplingParams soft{1.6, 0, 1.0};  // the oracle drafter's q: the target at temperature 1.6
   for (int64_t i = 0; i < n; ++i) {
@@ -360,6 +383,15 @@ TEST(Sampling, SpeculativeSamplingMatchesTargetOnTinyModel) {
       for (int a : s.result.accept_lengths) dflash2_accepted += a - 1;
       ++dflash2[cats.of(s.result.tokens[1], s.result.tokens[2])];
     }
+    // Full speculative loop with the Domino drafter.
+    {
+      SpecState s = mbase;
+      s.rng.reseed(derive_seed(600, {static_cast<uint64_t>(i)}));
+      while (!s.done) mdec.step(s, o);
+      ASSERT_EQ(s.result.tokens.size(), 3u);
+      for (int a : s.result.accept_lengths) domino_accepted += a - 1;
+      ++domino[cats.of(s.result.tokens[1], s.result.tokens[2])];
+    }
     // Oracle drafter: d1 ~ q1 = target(·|…t1) at temperature 1.6, d2 ~ q2 = target(·|…t1 d1).
     {
       SpecState s = base;
@@ -384,19 +416,22 @@ TEST(Sampling, SpeculativeSamplingMatchesTargetOnTinyModel) {
                x_oracle = chi2_stat(oracle, cats.probs, n),
                x_naive = chi2_stat(naive, cats.probs, n),
                x_dspark = chi2_stat(dspark, cats.probs, n),
-               x_dflash2 = chi2_stat(dflash2, cats.probs, n);
+               x_dflash2 = chi2_stat(dflash2, cats.probs, n),
+               x_domino = chi2_stat(domino, cats.probs, n);
   std::printf(
       "trials %lld, categories %d (covered mass %.3f), critical %.1f: plain %.1f, "
       "spec(random drafter) %.1f, spec(random DSpark drafter, %lld drafts accepted) %.1f, "
-      "spec(random DFlash2 drafter, %lld drafts accepted) %.1f, spec(oracle q) %.1f, drafts alone "
-      "%.1f\n",
+      "spec(random DFlash2 drafter, %lld drafts accepted) %.1f, spec(random Domino drafter, %lld "
+      "drafts accepted) %.1f, spec(oracle q) %.1f, drafts alone %.1f\n",
       static_cast<long long>(n), df + 1, covered, crit, x_plain, x_spec,
       static_cast<long long>(dspark_accepted), x_dspark, static_cast<long long>(dflash2_accepted),
-      x_dflash2, x_oracle, x_naive);
+      x_dflash2, static_cast<long long>(domino_accepted), x_domino, x_oracle, x_naive);
   EXPECT_LT(x_plain, crit);
   EXPECT_LT(x_spec, crit);
   EXPECT_LT(x_dspark, crit);
   EXPECT_LT(x_dflash2, crit);
+  EXPECT_LT(x_domino, crit);
+  EXPECT_GT(domino_accepted, n / 2) << "the Domino drafts are rejected: the check has no power";
   EXPECT_LT(x_oracle, crit);
   EXPECT_GT(x_naive, crit) << "negative control: the test cannot tell q from p";
 }

@@ -128,8 +128,13 @@ void expect_resume_bit_identical(const std::vector<std::string>& overrides) {
                       overrides.end();
   const bool dflash2 = std::find(overrides.begin(), overrides.end(),
                                  "training.objective=dflash2") != overrides.end();
+  const bool domino = std::find(overrides.begin(), overrides.end(), "training.objective=domino") !=
+                      overrides.end();
   EXPECT_EQ(cfg["architectures"][0],
-            dspark ? "DSparkDraftModel" : (dflash2 ? "DFlash2DraftModel" : "DFlashDraftModel"));
+            dspark    ? "DSparkDraftModel"
+            : dflash2 ? "DFlash2DraftModel"
+            : domino  ? "DominoDraftModel"
+                      : "DFlashDraftModel");
   EXPECT_EQ(cfg["dflash_config"]["mask_token_id"], 8000);
   // The loss went down over the run (first vs last logged step).
   EXPECT_LT(ma.back()["loss"].get<double>(), ma.front()["loss"].get<double>());
@@ -216,6 +221,34 @@ TEST(Trainer, InterruptedAndResumedDflash2RunIsBitIdenticalToAnUninterruptedOne)
   };
   EXPECT_TRUE(any_nonzero(kp));
   EXPECT_TRUE(any_nonzero(bs));
+}
+
+// Domino: the head is in the optimizer state and the checkpoint like the rest of the drafter, λ
+// follows the step across the resume (it decays over these 6 steps), and the run exports a Domino
+// drafter whose head trained.
+TEST(Trainer, InterruptedAndResumedDominoRunIsBitIdenticalToAnUninterruptedOne) {
+  for (const char* shift : {"false", "true"}) {
+    expect_resume_bit_identical({"training.objective=domino", "training.gamma=4",
+                                 "training.emb_dim=16", "training.gru_hidden_dim=24",
+                                 "training.pure_draft_prefix_len=1",
+                                 std::string("training.shift_label=") + shift});
+  }
+  test::TempDir tmp;
+  TrainOptions o;
+  o.config = config_for(tmp / "s", 1,
+                        {"training.objective=domino", "training.emb_dim=16",
+                         "training.gru_hidden_dim=24", "training.lambda_base_start=0.5",
+                         "training.export_dtype=f32"});
+  train(o);
+  EXPECT_NE(test::read_file(tmp / "s" / "log.txt")
+                .find("objective: domino, (1-λ)·Σ w·CE(F) / Σ w + λ·Σ w·CE(U) / Σ w, λ from 0.5"),
+            std::string::npos);
+  const LoadedDrafter d = drafter_load(tmp / "s" / "checkpoint-1");
+  EXPECT_EQ(d.config.domino, (DominoHead{true, 16, 24, 0, false}));
+  // The head trained (λ = 0.5 at step 0): W2 is not drafter_init's.
+  std::vector<float> init(static_cast<size_t>(d.layout.total));
+  drafter_init(init, d.layout, o.config.training.seed);
+  EXPECT_NE(d.params[d.layout.domino.proj2], init[d.layout.domino.proj2]);
 }
 
 TEST(Trainer, ResumeRefusesChangedModelOrDataKeysUnlessForced) {

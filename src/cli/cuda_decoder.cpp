@@ -57,6 +57,9 @@ std::unique_ptr<Decoder> make_cuda_decoder(const TargetModel& target, const Load
   DFLASH_CHECK(!drafter.config.dflash2.enabled,
                "the CUDA decoder drafts DFlash blocks only: a DFlash2 drafter (architectures: "
                "DFlash2DraftModel) is decoded by the cpu backend");
+  DFLASH_CHECK(!drafter.config.domino.enabled,
+               "the CUDA decoder drafts DFlash blocks only: a Domino drafter "
+               "(dflash_config.projector_type: domino) is decoded by the cpu backend");
   check_cuda_backend();
   const DecoderCudaLimits limits =
       decoder_cuda_limits(prompts, max_new_tokens, drafter.config.block_size, batch_size);
@@ -72,6 +75,9 @@ std::unique_ptr<Decoder> make_cuda_decoder(const TargetModel& target, const Load
   DFLASH_CHECK(drafter == nullptr || !drafter->config.dflash2.enabled,
                "the CUDA decoder drafts DFlash blocks only: a DFlash2 drafter (architectures: "
                "DFlash2DraftModel) is decoded by the cpu backend");
+  DFLASH_CHECK(drafter == nullptr || !drafter->config.domino.enabled,
+               "the CUDA decoder drafts DFlash blocks only: a Domino drafter "
+               "(dflash_config.projector_type: domino) is decoded by the cpu backend");
   check_cuda_backend();
   DecoderCudaLimits limits;
   limits.max_batch = batch_size;

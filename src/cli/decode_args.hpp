@@ -112,9 +112,9 @@ inline DecodeOptions decode_options_from(const DecodeArgs& a, const ModelConfig&
   return o;
 }
 
-/// With --backend cuda, reads the drafter's config.json (no weights) and refuses a DSpark drafter
-/// naming its dflash_config.projector_type, and a DFlash2 drafter naming its architectures: the
-/// CUDA decoder drafts DFlash blocks only. The first
+/// With --backend cuda, reads the drafter's config.json (no weights) and refuses a DSpark or a
+/// Domino drafter naming its dflash_config.projector_type, and a DFlash2 drafter naming its
+/// architectures: the CUDA decoder drafts DFlash blocks only. The first
 /// check of a decoding command, before the device is looked for.
 inline void check_cuda_drafter(const DecodeArgs& a) {
   if (a.backend != "cuda") return;
@@ -129,6 +129,10 @@ inline void check_cuda_drafter(const DecodeArgs& a) {
                "{}: a DFlash2 drafter (architectures: DFlash2DraftModel) is decoded by the cpu "
                "backend only; --backend cuda has no DFlash2 conv or selector walk yet (use "
                "--backend cpu)",
+               cfg.string());
+  DFLASH_CHECK(!d.domino.enabled,
+               "{}: a Domino drafter (dflash_config.projector_type: domino) is decoded by the "
+               "cpu backend only; --backend cuda has no GRU rollout yet (use --backend cpu)",
                cfg.string());
 }
 

@@ -7,6 +7,7 @@
 
 #include "core/error.hpp"
 #include "model/dflash2_selector.hpp"
+#include "model/domino_head.hpp"
 #include "model/dspark_head.hpp"
 
 namespace dflash {
@@ -144,11 +145,16 @@ void SpeculativeDecoder::step(SpecState& s, const DecodeOptions& opts,
   // DFlash drafts with slots 1..K−1 (slot 0 holds the anchor); DSpark with all K slots, slot k's
   // logits biased by the token drafted at slot k−1 (prev₀ = the anchor, the bonus token); DFlash2
   // with slots 1..K−1, walking its selector from prev₁ = the anchor (model/dflash2_selector.hpp).
-  const bool dspark = cfg.dspark.enabled;
-  const int64_t P = dspark ? K : K - 1, first = dspark ? 0 : 1;
+  // Domino drafts K−1 tokens, one at a time: slot k's logits (k = j+1, or j with shift_label)
+  // corrected by the GRU state after the anchor and proposals 0..j−1 (SpecForge
+  // `DominoDraftModel._sample_draft_tokens`); the first pure_draft_prefix_len are base-only.
+  const bool dspark = cfg.dspark.enabled, domino = cfg.domino.enabled;
+  const int64_t P = dspark ? K : K - 1;
+  const int64_t first = dspark || (domino && cfg.domino.shift_label) ? 0 : 1;
   s.proposals.resize(static_cast<size_t>(P));
   s.draft_q.resize(greedy ? 0 : static_cast<size_t>(P));  // inner vectors keep capacity
   int32_t prev = s.anchor;
+  if (domino) domino_block_start(cfg, s.domino_slot);
   for (int64_t j = 0; j < P; ++j) {
     const int64_t k = first + j;  // the slot that drafts proposal j
     std::span<const float> row(dlogits.data() + k * V, static_cast<size_t>(V));
@@ -171,6 +177,15 @@ void SpeculativeDecoder::step(SpecState& s, const DecodeOptions& opts,
                          s.drafter_ws.hf.data() + k * cfg.hidden_size, prev, static_cast<int>(k),
                          s.dspark_slot);
       row = s.dspark_row;
+    }
+    if (domino) {
+      domino_feed(cfg, drafter_.layout, drafter_.params.data(), tables_.embed, prev,
+                  s.domino_slot);
+      s.domino_row.assign(row.begin(), row.end());
+      domino_slot_logits(cfg, drafter_.layout, drafter_.params.data(), s.domino_row.data(),
+                         s.drafter_ws.hf.data() + k * cfg.hidden_size, static_cast<int>(k),
+                         s.domino_slot);
+      row = s.domino_row;
     }
     if (greedy) {
       s.proposals[j] = argmax_row(row.data(), V);

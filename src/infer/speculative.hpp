@@ -45,6 +45,7 @@
 #include "model/dflash2_selector.hpp"
 #include "model/drafter.hpp"
 #include "model/drafter_io.hpp"
+#include "model/domino_head.hpp"
 #include "model/dspark_head.hpp"
 #include "model/target.hpp"
 
@@ -95,6 +96,8 @@ struct SpecState {
   std::vector<float> dspark_row;  // a DSpark drafter: one slot's logits with the Markov bias
   DsparkSlotState dspark_slot;    // and its head's state between slots
   Dflash2SlotScores dflash2_slot;  // a DFlash2 drafter: one slot's candidates and scores
+  std::vector<float> domino_row;  // a Domino drafter: one slot's corrected logits
+  DominoSlotState domino_slot;    // and its GRU state, fed the anchor and each proposal
   explicit SpecState(const ModelConfig& c) : target_cache(c) {}
 };
 

@@ -6,6 +6,7 @@
 
 #include "core/error.hpp"
 #include "model/dflash2_selector.hpp"
+#include "model/domino_head.hpp"
 #include "model/dspark_head.hpp"
 #include "ops/attention.hpp"
 #include "ops/cross_entropy.hpp"
@@ -62,6 +63,23 @@ void DrafterConfig::validate() const {
     DFLASH_CHECK(std::isfinite(d2.final_logit_softcapping) && d2.final_logit_softcapping >= 0,
                  "final_logit_softcapping must be a finite number >= 0 (0: none; got {})",
                  d2.final_logit_softcapping);
+  }
+  const DominoHead& dm = domino;
+  if (dm.enabled) {
+    DFLASH_CHECK(!dspark.enabled, "a drafter cannot have both the DSpark and the Domino head "
+                                  "(projector_type is dspark or domino)");
+    DFLASH_CHECK(!dflash2.enabled, "a drafter cannot be both DFlash2 and Domino");
+    DFLASH_CHECK(dm.emb_dim > 0, "domino emb_dim must be > 0 (got {})", dm.emb_dim);
+    DFLASH_CHECK(dm.gru_hidden_dim > 0, "domino gru_hidden_dim must be > 0 (got {})",
+                 dm.gru_hidden_dim);
+    DFLASH_CHECK(dm.pure_draft_prefix_len >= 0 && dm.suffix_start() < block_size,
+                 "domino pure_draft_prefix_len {} leaves no corrected slot in a block of {} "
+                 "(must be in [0, {}])",
+                 dm.pure_draft_prefix_len, block_size, block_size - (dm.shift_label ? 1 : 2));
+  } else {
+    DFLASH_CHECK(dm == DominoHead{}, "emb_dim / gru_hidden_dim / pure_draft_prefix_len / "
+                                     "shift_label set on a drafter whose projector_type is not "
+                                     "domino");
   }
   const DsparkHeads& ds = dspark;
   if (!ds.enabled) {
@@ -169,6 +187,14 @@ DrafterLayout::DrafterLayout(const DrafterConfig& c) {
     add("candidate_selector.successor_codebook", {c.vocab_size, r}, false, false, ParamInit::zero);
     add("candidate_selector.hidden_projection.weight", {r, H}, false);
   }
+  const DominoHead& dm = c.domino;
+  if (dm.enabled) {
+    const int64_t G = dm.gru_hidden_dim, E = dm.emb_dim;
+    add("prefix_gru.weight_ih_l0", {3 * G, H}, false);
+    add("prefix_gru.weight_hh_l0", {3 * G, G}, false);
+    add("embed_proj.0.weight", {E, H + G}, false);
+    add("embed_proj.2.weight", {c.vocab_size, E}, false);
+  }
   auto offset_of = [&](const std::string& name) {
     for (const auto& p : params) {
       if (p.name == name) return p.offset;
@@ -195,6 +221,10 @@ DrafterLayout::DrafterLayout(const DrafterConfig& c) {
   dspark.joint_b = offset_of("markov_head.joint_proj.bias");
   dspark.conf_w = offset_of("confidence_head.proj.weight");
   dspark.conf_b = offset_of("confidence_head.proj.bias");
+  domino.gru_ih = offset_of("prefix_gru.weight_ih_l0");
+  domino.gru_hh = offset_of("prefix_gru.weight_hh_l0");
+  domino.proj1 = offset_of("embed_proj.0.weight");
+  domino.proj2 = offset_of("embed_proj.2.weight");
   fc = find("fc.weight").offset;
   hidden_norm = find("hidden_norm.weight").offset;
   norm = find("norm.weight").offset;
@@ -508,6 +538,14 @@ DrafterTrainResult drafter_train_step(const DrafterConfig& cfg, const DrafterLay
                "drafter step: a batch of the {} objective for a drafter {}",
                objective_kind_name(batch.objective.kind),
                cfg.dflash2.enabled ? "with DFlash2's conv and selector" : "without DFlash2's");
+  DFLASH_CHECK(cfg.domino.enabled == batch.objective.domino() &&
+                   (!cfg.domino.enabled ||
+                    cfg.domino.shift_label == batch.objective.domino_shift_label),
+               "drafter step: a batch of the {} objective (shift_label {}) for a drafter {}",
+               objective_kind_name(batch.objective.kind), batch.objective.domino_shift_label,
+               cfg.domino.enabled ? (cfg.domino.shift_label ? "with the Domino head, shift_label"
+                                                            : "with the Domino head")
+                                  : "without the Domino head");
   plan_batch(cfg, batch, features, ws);
   DrafterTrainResult res;
   res.argmax.assign(static_cast<size_t>(NK), -1);
@@ -550,6 +588,20 @@ DrafterTrainResult drafter_train_step(const DrafterConfig& cfg, const DrafterLay
     res.dflash2_base_sum = s2.base_sum;
     res.dflash2_selector_sum = s2.selector_sum;
     res.dflash2_in_topk_weight = s2.in_topk_weight;
+    if (!grads) return res;
+    drafter_backward(cfg, layout, params, grads, features, T, NK, ws);
+    return res;
+  }
+  if (cfg.domino.enabled) {
+    // Domino: the GRU head and the blended loss on every block; dh = ∂/∂hf of the scaled loss.
+    fit(ws.dh, NK * d.H);
+    const DominoSums dm = domino_head_step(cfg, layout, params, grads, tables, batch,
+                                           ws.hf.data(), grad_scale, ws.dh.data(),
+                                           res.argmax.data(), ws.domino);
+    res.loss_sum = dm.loss_sum;
+    res.weight_sum = dm.weight_sum;
+    res.domino_final_ce_sum = dm.final_ce_sum;
+    res.domino_base_ce_sum = dm.base_ce_sum;
     if (!grads) return res;
     drafter_backward(cfg, layout, params, grads, features, T, NK, ws);
     return res;
@@ -747,6 +799,9 @@ std::vector<S> drafter_block_logits(const DrafterConfig& cfg, const DrafterLayou
                                ws.dspark);
   }
   if (cfg.dflash2.enabled) return dflash2_unary_logits(cfg, tables.lm_head, ws.hf.data(), NK);
+  if (cfg.domino.enabled) {
+    return domino_block_logits(cfg, layout, params, tables, batch, ws.hf.data(), ws.domino);
+  }
   std::vector<S> logits(static_cast<size_t>(NK * d.V));
   linear_fwd_cpu(logits.data(), ws.hf.data(), tables.lm_head, nullptr, NK, d.H, d.V);
   return logits;

@@ -31,6 +31,7 @@
 
 #include "core/rng.hpp"
 #include "model/dflash2_conv.hpp"
+#include "model/domino_config.hpp"
 #include "model/drafter_batch.hpp"
 #include "model/objective.hpp"
 #include "ops/attention.hpp"
@@ -100,6 +101,7 @@ struct DrafterConfig {
   int num_target_layers = 0;
   DsparkHeads dspark;             ///< DSpark's heads (enabled false: a DFlash drafter)
   Dflash2Heads dflash2;           ///< DFlash2's conv and selector (enabled false: none)
+  DominoHead domino;              ///< Domino's GRU head (enabled false: none)
 
   /// Number of tapped target layers (features are [T, n_taps·H]).
   int64_t n_taps() const { return static_cast<int64_t>(target_layer_ids.size()); }
@@ -107,7 +109,8 @@ struct DrafterConfig {
   /// [0, num_target_layers), mask_token_id is outside [0, vocab_size), or the DSpark heads are
   /// inconsistent (markov_rank < 0, a gated/rnn or Markov confidence head without a Markov rank,
   /// DSpark fields on a drafter that is not DSpark), or the DFlash2 fields are (a DFlash2 key
-  /// outside its range, named; DFlash2 together with DSpark).
+  /// outside its range, named; DFlash2 together with DSpark), or the Domino head is (emb_dim or
+  /// gru_hidden_dim ≤ 0, pure_draft_prefix_len outside [0, block_size − suffix], both heads).
   void validate() const;
 };
 
@@ -165,7 +168,8 @@ struct Dflash2Offsets {
 /// post_attention_layernorm, gate, up, down}, norm, then the DSpark heads' tensors (DsparkOffsets
 /// order) that the config has, then DFlash2's (per layer attention_conv.{base_kernel,
 /// kernel_projection.weight}, mlp_conv.{…}; then the selector's predecessor, successor codebooks
-/// and hidden projection). gate_proj and up_proj of a layer are adjacent
+/// and hidden projection), then the Domino head's (DominoOffsets order). gate_proj and up_proj of
+/// a layer are adjacent
 /// (up follows gate), so the two can be read as one [2I, H] matrix. Code reaches a parameter
 /// through the named offsets below (resolved by export name at construction), never by its index in
 /// `params`.
@@ -178,6 +182,7 @@ struct DrafterLayout {
   std::vector<DrafterLayerOffsets> layers;  ///< per decoder layer
   DsparkOffsets dspark;                     ///< the DSpark heads (all −1 for a DFlash drafter)
   Dflash2Offsets dflash2;                   ///< DFlash2's conv and selector (empty for DFlash)
+  DominoOffsets domino;                     ///< the Domino head (all −1 without it)
   /// Throws dflash::Error when the parameter count of `c` overflows int64 (corrupt sizes).
   explicit DrafterLayout(const DrafterConfig& c);
   /// A parameter by export name; throws dflash::Error naming it if unknown.
@@ -204,6 +209,8 @@ struct DrafterTrainResult {
   /// DFlash2 only: Σ w·CE of the unary logits, Σ w·CE_sel of the selector (over the slots whose
   /// gold is among the candidates), Σ w of those slots (loss_sum = base + α_sel·selector).
   double dflash2_base_sum = 0, dflash2_selector_sum = 0, dflash2_in_topk_weight = 0;
+  /// Domino only: Σ w·CE(F) and Σ w·CE(U) of the step's rows (loss_sum is their (1−λ)/λ blend).
+  double domino_final_ce_sum = 0, domino_base_ce_sum = 0;
 };
 
 /// Per-layer activations kept for the backward (internal to the drafter step).
@@ -246,6 +253,7 @@ struct DrafterWorkspace {
   DsparkWorkspace<S> dspark;                // the DSpark head's scratch
   std::vector<S> conv_ddelta, conv_dtmp, conv_dy;  // DFlash2 conv backward scratch
   Dflash2Workspace<S> dflash2;                     // the DFlash2 selector's scratch
+  DominoWorkspace<S> domino;                // the Domino head's scratch
 };
 
 
@@ -262,6 +270,8 @@ struct DrafterTables {
 /// backward, accumulating parameter gradients (+=) scaled by `grad_scale` (use
 /// 1/batch.loss_normaliser() so that the gradient is that of the step's loss: Σw·CE/Σw for
 /// dflash, Σ m·w·CE / sequences for D-PACE with w held constant, DSpark's numerator / Σw).
+/// For objective domino (cfg.domino.enabled) the loss is model/domino_head.hpp's, with the batch's
+/// objective.domino_lambda.
 /// For objective dspark (cfg.dspark.enabled) `target_final` [T, H] holds the target's
 /// final-norm hidden states of the batch's context (the teacher, model/dspark_head.hpp). Throws
 /// dflash::Error on inconsistent inputs (naming them), a DSpark batch for a drafter without DSpark
@@ -275,7 +285,8 @@ DrafterTrainResult drafter_train_step(const DrafterConfig& cfg, const DrafterLay
 
 /// Logits [N·K, V] of the blocks of `batch` (training layout; no loss): for a DSpark drafter
 /// the draft logits D with teacher-forced previous tokens (dspark_block_logits), for a DFlash2
-/// drafter the unary logits ū (dflash2_unary_logits). ws.hf holds the
+/// drafter the unary logits ū (dflash2_unary_logits), for a Domino drafter the corrected logits F
+/// with teacher-forced GRU inputs (domino_block_logits). ws.hf holds the
 /// final-norm rows [N·K, H] afterwards. For tests and tools.
 template <typename S>
 std::vector<S> drafter_block_logits(const DrafterConfig& cfg, const DrafterLayout& layout,
@@ -303,7 +314,8 @@ void drafter_cache_append(DrafterCache& cache, const DrafterConfig& cfg,
 
 /// Inference layout: the block [anchor_token, MASK × (K−1)] at positions cache.len ..
 /// cache.len+K−1, attending to every cache row and to itself. Returns logits [K, V] (for a DSpark
-/// drafter the base logits U, before the Markov bias of dspark_slot_logits), a view of
+/// drafter the base logits U, before the Markov bias of dspark_slot_logits; for a Domino drafter
+/// U, before domino_slot_logits' correction), a view of
 /// `ws.logits` valid until `ws` is used again; ws.hf then holds the K final-norm rows [K, H]. The cache keeps its rows and length: its buffers
 /// are borrowed for the block's k/v rows (no copy of the context) and handed back, also when an
 /// error is thrown. Throws dflash::Error when a cache layer does not hold len rows.

@@ -79,9 +79,9 @@ void DrafterBatch::validate() const {
                T(), rows, row_length);
   check_anchors(anchors, doc_offsets, "drafter batch");
   check_targets(targets, block_size, anchors.size(), "drafter batch");
-  DFLASH_CHECK(targets.first_slot == (objective.dspark() ? 0 : 1),
+  DFLASH_CHECK(targets.first_slot == objective.first_slot(),
                "drafter batch: the targets' first supervised slot is {}, the {} objective's is {}",
-               targets.first_slot, objective_kind_name(objective.kind), objective.dspark() ? 0 : 1);
+               targets.first_slot, objective_kind_name(objective.kind), objective.first_slot());
 }
 
 double DrafterBatch::loss_denominator() const {
@@ -115,7 +115,7 @@ DrafterBatch drafter_batch_from_rows(const Batch& b, int64_t row_begin, int64_t 
                R);
   DrafterBatch out(o.block_size);
   out.objective = o.objective;
-  out.targets.first_slot = o.objective.dspark() ? 0 : 1;
+  out.targets.first_slot = o.objective.first_slot();
   int64_t supervised = 0;
   for (int64_t r = row_begin; r < row_end; ++r) {
     const std::vector<int32_t>& offsets = b.doc_offsets[static_cast<size_t>(r)];
@@ -144,6 +144,10 @@ BlockTargets drafter_row_targets(const DrafterBatchOptions& opts, std::span<cons
   if (opts.objective.dspark()) {
     return dspark_block_targets(tokens, loss_mask, doc_offsets, anchors, opts.block_size,
                                 opts.gamma);
+  }
+  if (opts.objective.domino()) {
+    return domino_block_targets(tokens, loss_mask, doc_offsets, anchors, opts.block_size,
+                                opts.gamma, opts.objective.domino_shift_label);
   }
   // D-PACE ignores γ: every supervised slot gets the static weight 1 (its mask m_k).
   const double gamma = opts.objective.dpace() ? 0.0 : opts.gamma;

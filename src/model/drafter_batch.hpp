@@ -24,6 +24,9 @@
 // - The DSpark objective (OBJECTIVES.md §1.3) has dspark_block_targets (labels x[a+1+k], slot 0
 //   supervised: targets.first_slot = 0); its loss normaliser is Σw as for dflash. Its teacher,
 //   the target's final-norm hidden state of each context token, comes with the target features.
+// - The Domino objective (OBJECTIVES.md §1.2) has domino_block_targets (dflash's targets, or with
+//   shift_label labels x[a+k+1] and slot 0 supervised) and dflash's normaliser Σw; the λ of its
+//   loss is objective.domino_lambda, set per optimizer step by the trainer.
 // - Anchors are a pure function of (seed, epoch, batch index, row) (docs/design-notes.md), so a
 //   batch is rebuilt identically from the same Batch and options.
 // - The block-row rule (positions anchor − doc_start + j, keys [doc_start, anchor) plus the block's
@@ -107,7 +110,7 @@ struct DrafterBatchOptions {
 };
 
 /// The block targets of one row's anchors under `opts`' objective: dspark_block_targets for
-/// DSpark (shifted labels), else block_targets with `opts.gamma` for dflash and with all
+/// DSpark (shifted labels), domino_block_targets for Domino (with its shift_label), else block_targets with `opts.gamma` for dflash and with all
 /// supervised weights 1 for the D-PACE losses (they ignore γ, OBJECTIVES.md §1.1). `tokens` and
 /// `loss_mask` are the row's real tokens [n], `doc_offsets` its documents [d+1] (0 .. n).
 /// Throws as block_targets.

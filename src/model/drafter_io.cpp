@@ -28,6 +28,9 @@ constexpr const char* kDsparkArch = "DSparkDraftModel";
 // DFlash2's export (OBJECTIVES.md §1.4; the architecture SGLang and vLLM serve): the DFlash config
 // plus the conv and selector keys in dflash_config.
 constexpr const char* kDflash2Arch = "DFlash2DraftModel";
+// SpecForge's Domino export (configs/*-domino.json, DominoDraftModel in modeling/draft/domino.py):
+// the DFlash config plus dflash_config.projector_type "domino" and the head's keys.
+constexpr const char* kDominoArch = "DominoDraftModel";
 constexpr const char* kConfigFile = "config.json";
 constexpr const char* kWeightsFile = "model.safetensors";
 
@@ -197,6 +200,53 @@ Dflash2Heads dflash2_heads_from_json(const json& j, bool dflash2_arch, const std
   return h;
 }
 
+/// The Domino head a config declares (OBJECTIVES.md §1.2): enabled when `architectures` names
+/// DominoDraftModel or dflash_config.projector_type is "domino"; emb_dim and gru_hidden_dim
+/// required, pure_draft_prefix_len (default 0), shift_label (default false). Throws naming the key
+/// on a missing or bad value, and on Domino keys of a drafter that is not Domino.
+DominoHead domino_head_from_json(const json& j, bool domino_arch, const std::string& source) {
+  const json proj = dflash_key(j, "projector_type", source);
+  const bool domino_proj = proj.is_string() && proj.get<std::string>() == "domino";
+  DFLASH_CHECK(!domino_arch || proj.is_null() || domino_proj,
+               "{}: 'architectures' names {} but dflash_config.projector_type is {}", source,
+               kDominoArch, proj.dump());
+  DominoHead h;
+  if (!domino_arch && !domino_proj) {
+    for (const char* key : {"emb_dim", "gru_hidden_dim", "pure_draft_prefix_len", "shift_label"}) {
+      const json v = dflash_key(j, key, source);
+      DFLASH_CHECK(v.is_null(),
+                   "{}: key 'dflash_config.{}' is set ({}) but the drafter is not Domino "
+                   "(projector_type is not domino)",
+                   source, key, v.dump());
+    }
+    return h;
+  }
+  h.enabled = true;
+  auto positive = [&](const char* key) {
+    const json v = dflash_key(j, key, source);
+    DFLASH_CHECK(!v.is_null(), "{}: missing required key 'dflash_config.{}' of a Domino drafter",
+                 source, key);
+    DFLASH_CHECK(v.is_number_integer() && v.get<int64_t>() > 0 && v.get<int64_t>() <= (1 << 20),
+                 "{}: key 'dflash_config.{}' must be an integer in [1, 2^20], got {}", source, key,
+                 v.dump());
+    return v.get<int64_t>();
+  };
+  h.emb_dim = positive("emb_dim");
+  h.gru_hidden_dim = positive("gru_hidden_dim");
+  const json p = dflash_key(j, "pure_draft_prefix_len", source);
+  DFLASH_CHECK(p.is_null() || (p.is_number_integer() && p.get<int64_t>() >= 0 &&
+                               p.get<int64_t>() < (1 << 16)),
+               "{}: key 'dflash_config.pure_draft_prefix_len' must be an integer >= 0, got {}",
+               source, p.dump());
+  h.pure_draft_prefix_len = p.is_null() ? 0 : p.get<int>();
+  const json shift = dflash_key(j, "shift_label", source);
+  DFLASH_CHECK(shift.is_null() || shift.is_boolean(),
+               "{}: key 'dflash_config.shift_label' must be true or false, got {}", source,
+               shift.dump());
+  h.shift_label = shift.is_null() ? false : shift.get<bool>();
+  return h;
+}
+
 }  // namespace
 
 json drafter_export_config(const DrafterConfig& cfg) {
@@ -251,6 +301,16 @@ json drafter_export_config(const DrafterConfig& cfg) {
     d["output_multiplier"] = h.output_multiplier;
     if (h.final_logit_softcapping > 0) d["final_logit_softcapping"] = h.final_logit_softcapping;
   }
+  if (cfg.domino.enabled) {
+    const DominoHead& h = cfg.domino;
+    j["architectures"] = json::array({kDominoArch});
+    json& d = j["dflash_config"];
+    d["projector_type"] = "domino";
+    d["emb_dim"] = h.emb_dim;
+    d["gru_hidden_dim"] = h.gru_hidden_dim;
+    d["pure_draft_prefix_len"] = h.pure_draft_prefix_len;
+    d["shift_label"] = h.shift_label;
+  }
   return j;
 }
 
@@ -258,15 +318,17 @@ DrafterConfig drafter_config_from_json(const json& j_in, const std::string& sour
   DFLASH_CHECK(j_in.is_object(), "{}: expected a JSON object, got a JSON {}", source,
                json_type(j_in));
   json j = j_in;
-  bool is_dflash = false, is_dspark = false, is_dflash2 = false;
+  bool is_dflash = false, is_dspark = false, is_dflash2 = false, is_domino = false;
   if (auto a = j.find("architectures"); a != j.end() && a->is_array()) {
     for (const json& s : *a) {
       is_dspark |= s.is_string() && s.get<std::string>() == kDsparkArch;
       is_dflash2 |= s.is_string() && s.get<std::string>() == kDflash2Arch;
+      is_domino |= s.is_string() && s.get<std::string>() == kDominoArch;
       is_dflash |= s.is_string() && s.get<std::string>() == kArch;
     }
   }
-  is_dflash |= is_dspark || is_dflash2;  // DSpark and DFlash2 drafters are DFlash backbones
+  // DSpark, DFlash2 and Domino drafters are DFlash backbones
+  is_dflash |= is_dspark || is_dflash2 || is_domino;
   if (!j.contains("model_type") || j["model_type"].is_null()) {
     // The reference trainer's config omits model_type; DFlashDraftModel is a Qwen3 decoder.
     DFLASH_CHECK(is_dflash,
@@ -324,6 +386,7 @@ DrafterConfig drafter_config_from_json(const json& j_in, const std::string& sour
   }
   c.dspark = dspark_heads_from_json(j, is_dspark, source);
   c.dflash2 = dflash2_heads_from_json(j, is_dflash2, source);
+  c.domino = domino_head_from_json(j, is_domino, source);
   try {
     c.validate();
   } catch (const Error& e) {
@@ -394,7 +457,7 @@ void drafter_check_weights(const fs::path& dir, const DrafterConfig& cfg,
   DFLASH_CHECK(wrong.empty(), "{}: {}", dir.string(), fmt::join(wrong, "; "));
   DFLASH_CHECK(unexpected.empty(),
                "{}: unexpected tensor(s) {} (a drafter folder holds only the DFlash layers and "
-               "the DSpark heads its config.json declares; no embedding or LM head)",
+               "the DSpark or Domino heads its config.json declares; no embedding or LM head)",
                dir.string(), fmt::join(unexpected, ", "));
 }
 

@@ -43,7 +43,9 @@ class SafetensorsCheckpoint;
 /// ["DFlash2DraftModel"]` and dflash_config also {block_size, conv_kernel_size, conv_group_size,
 /// selector_rank, selector_top_k, output_multiplier, final_logit_softcapping (only when > 0)}; its
 /// tensors are named as in DrafterLayout (layers.i.{attention,mlp}_conv.*, candidate_selector.*).
-/// Throws dflash::Error if `cfg` is invalid.
+/// A Domino drafter (cfg.domino.enabled) is written as SpecForge's Domino export: `architectures:
+/// ["DominoDraftModel"]` and dflash_config also {projector_type: "domino", emb_dim,
+/// gru_hidden_dim, pure_draft_prefix_len, shift_label}. Throws dflash::Error if `cfg` is invalid.
 nlohmann::json drafter_export_config(const DrafterConfig& cfg);
 
 /// Parses a drafter config.json object; `source` names the file in errors. The Qwen3 fields are
@@ -59,7 +61,9 @@ nlohmann::json drafter_export_config(const DrafterConfig& cfg);
 /// another drafter are an error naming the key. `architectures` ["DFlash2DraftModel"] makes a
 /// DFlash2 drafter: conv_kernel_size, conv_group_size, selector_rank and selector_top_k required,
 /// output_multiplier (1) and final_logit_softcapping (none) optional; those four keys on another
-/// drafter are an error naming the key.
+/// drafter are an error naming the key. `architectures` ["DominoDraftModel"] or projector_type
+/// "domino" make a Domino drafter (emb_dim and gru_hidden_dim required, pure_draft_prefix_len 0
+/// and shift_label false by default); Domino keys on another drafter are an error naming the key.
 DrafterConfig drafter_config_from_json(const nlohmann::json& j, const std::string& source);
 
 /// Writes the drafter folder `dir` (created if needed): `model.safetensors` with every parameter

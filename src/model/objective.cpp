@@ -121,8 +121,35 @@ BlockTargets dspark_block_targets(std::span<const int32_t> tokens, std::span<con
   return t;
 }
 
+BlockTargets domino_block_targets(std::span<const int32_t> tokens, std::span<const uint8_t> mask,
+                                  std::span<const int32_t> off, std::span<const Anchor> anchors,
+                                  int K, double gamma, bool shift_label) {
+  BlockTargets t = block_targets(tokens, mask, off, anchors, K, gamma);  // checks the inputs
+  if (!shift_label) return t;
+  t.first_slot = 0;
+  std::fill(t.labels.begin(), t.labels.end(), -1);
+  std::fill(t.weights.begin(), t.weights.end(), 0.0f);
+  std::fill(t.counted.begin(), t.counted.end(), uint8_t(0));
+  for (size_t b = 0; b < anchors.size(); ++b) {
+    const Anchor& a = anchors[b];
+    const int32_t e = off[a.doc + 1];
+    for (int k = 0; k < K; ++k) {
+      const int64_t p = static_cast<int64_t>(a.pos) + 1 + k;
+      const size_t i = b * K + k;
+      if (p >= e) break;
+      t.labels[i] = tokens[p];
+      if (!mask[p]) continue;  // each slot its own mask (SpecForge gathers loss_mask[a+k+1])
+      t.weights[i] = gamma > 0 ? static_cast<float>(std::exp(-static_cast<double>(k) / gamma))
+                               : 1.0f;
+      t.counted[i] = 1;
+    }
+  }
+  return t;
+}
+
 std::optional<ObjectiveKind> objective_kind_parse(std::string_view name) {
-  for (ObjectiveKind k : {ObjectiveKind::dflash, ObjectiveKind::dspark, ObjectiveKind::dflash2}) {
+  for (ObjectiveKind k : {ObjectiveKind::dflash, ObjectiveKind::dspark, ObjectiveKind::dflash2,
+                          ObjectiveKind::domino}) {
     if (name == objective_kind_name(k)) return k;
   }
   return std::nullopt;
@@ -136,6 +163,8 @@ const char* objective_kind_name(ObjectiveKind k) {
       return "dspark";
     case ObjectiveKind::dflash2:
       return "dflash2";
+    case ObjectiveKind::domino:
+      return "domino";
   }
   fail("objective {} is not an ObjectiveKind", static_cast<int>(k));
 }

@@ -79,10 +79,21 @@ BlockTargets dspark_block_targets(std::span<const int32_t> tokens,
                                   std::span<const int32_t> doc_offsets,
                                   std::span<const Anchor> anchors, int K, double gamma);
 
+/// Domino's labels and weights (OBJECTIVES.md §1.2, SpecForge `OnlineDominoModel.forward`) for
+/// blocks of `K` slots at `anchors`. shift_label false: block_targets (labels x[a+k], slot 0 never
+/// supervised, weights m_k·exp(−(k−1)/γ)). shift_label true: slot k's label is x[a+k+1] (−1 past
+/// the document end), its mask m_k = [a+k+1 < doc_end]·loss_mask[a+k+1] (per slot, not a prefix),
+/// its weight m_k·exp(−k/γ) (γ ≤ 0: m_k); first_slot 0. Throws dflash::Error as block_targets.
+BlockTargets domino_block_targets(std::span<const int32_t> tokens,
+                                  std::span<const uint8_t> loss_mask,
+                                  std::span<const int32_t> doc_offsets,
+                                  std::span<const Anchor> anchors, int K, double gamma,
+                                  bool shift_label);
+
 // LossType, Objective and dpace_block_weights: ops/loss_weights.hpp (the ops layer).
 
-/// The ObjectiveKind named by a `training.objective` value (`dflash`, `dspark`, `dflash2`);
-/// nullopt else.
+/// The ObjectiveKind named by a `training.objective` value (`dflash`, `dspark`, `dflash2`,
+/// `domino`); nullopt else.
 std::optional<ObjectiveKind> objective_kind_parse(std::string_view name);
 /// The config spelling of `k`.
 const char* objective_kind_name(ObjectiveKind k);

@@ -84,6 +84,11 @@ std::vector<std::string> cuda_drafter_unsupported(const DrafterConfig& c) {
         "the CUDA drafter has no DFlash2 conv or selector (training.objective dflash2, "
         "architectures DFlash2DraftModel): train and decode DFlash2 on the cpu backend");
   }
+  if (c.domino.enabled) {
+    out.push_back(
+        "the CUDA drafter has no Domino head (training.objective domino, "
+        "dflash_config.projector_type domino): train and decode Domino on the cpu backend");
+  }
   return out;
 }
 

@@ -29,10 +29,12 @@ enum class LossType {
 /// The training objective (`training.objective`): `dflash` (DESIGN.md §1, with the loss types of
 /// LossType) or `dspark` (OBJECTIVES.md §1.3: labels shifted by one, a prefix-contiguous mask, the
 /// drafter's logits plus a Markov bias, an L1 distance to the target's own distribution and a
-/// confidence head; its loss is always Σ w·(αce·CE + αl1·L1 + αconf·BCE) / Σ w) or `dflash2`
+/// confidence head; its loss is always Σ w·(αce·CE + αl1·L1 + αconf·BCE) / Σ w), `dflash2`
 /// (OBJECTIVES.md §1.4: dflash's targets and loss on the selector's unary logits, plus α_sel(t)
-/// times the selector's K-way CE over the unary top-K candidates, over the same Σ w).
-enum class ObjectiveKind { dflash, dspark, dflash2 };
+/// times the selector's K-way CE over the unary top-K candidates, over the same Σ w) or `domino`
+/// (OBJECTIVES.md §1.2: a GRU prefix head corrects the logits, the loss blends the corrected and
+/// the base CE by λ; model/domino_head.hpp).
+enum class ObjectiveKind { dflash, dspark, dflash2, domino };
 
 /// What a step optimises: the objective, the loss type and D-PACE's smoothing α ∈ [0, 1] (unused
 /// by plain dflash), and DSpark's three loss weights (unused by dflash).
@@ -49,12 +51,22 @@ struct Objective {
   /// DFlash2: the selector's CE does not reach the drafter (dflash2_selector_stop_gradient: its
   /// inputs h and the unary logits are detached; only A, Bs and P_h learn from it).
   bool dflash2_stop_gradient = false;
+  /// Domino: λ of this step's loss (1−λ)·ΣwCE(F)/Σw + λ·ΣwCE(U)/Σw, in [0, 1]
+  /// (domino_lambda of the optimizer step; unused by the other objectives).
+  double domino_lambda = 0.0;
+  /// Domino's shift_label: slot k predicts x[a+k+1] and slot 0 is supervised (else x[a+k]).
+  bool domino_shift_label = false;
   /// True for the three D-PACE losses.
   bool dpace() const { return loss != LossType::dflash; }
   /// True for the DSpark objective.
   bool dspark() const { return kind == ObjectiveKind::dspark; }
   /// True for the DFlash2 objective.
   bool dflash2() const { return kind == ObjectiveKind::dflash2; }
+  /// True for the Domino objective.
+  bool domino() const { return kind == ObjectiveKind::domino; }
+  /// The first block slot the objective can supervise: 0 for dspark and for domino with
+  /// shift_label (labels shifted by one), else 1 (slot 0 holds the anchor's own token).
+  int first_slot() const { return dspark() || (domino() && domino_shift_label) ? 0 : 1; }
   bool operator==(const Objective&) const = default;
 };
 

@@ -187,6 +187,15 @@ const std::vector<Field>& schema() {
                            &TrainingSection::dflash2_selector_ramp_ratio, true));
     f.push_back(make_field("training", "dflash2_selector_stop_gradient", T,
                            &TrainingSection::dflash2_selector_stop_gradient, true));
+    f.push_back(make_field("training", "emb_dim", T, &TrainingSection::emb_dim, true));
+    f.push_back(make_field("training", "gru_hidden_dim", T, &TrainingSection::gru_hidden_dim, true));
+    f.push_back(make_field("training", "pure_draft_prefix_len", T,
+                           &TrainingSection::pure_draft_prefix_len, true));
+    f.push_back(make_field("training", "shift_label", T, &TrainingSection::shift_label, true));
+    f.push_back(make_field("training", "lambda_base_start", T, &TrainingSection::lambda_base_start,
+                           true));
+    f.push_back(make_field("training", "lambda_base_decay_ratio", T,
+                           &TrainingSection::lambda_base_decay_ratio, true));
     f.push_back(make_field("training", "seed", T, &TrainingSection::seed, true));
     f.push_back(make_field("training", "save_interval", T, &TrainingSection::save_interval, false));
     f.push_back(make_field("training", "keep_last", T, &TrainingSection::keep_last, false));
@@ -422,6 +431,10 @@ void RunConfig::validate() const {
                "training.objective dflash2 is implemented on the cpu backend only "
                "(runtime.backend: cuda has no DFlash2 conv or selector yet); use runtime.backend: "
                "cpu");
+  domino_head_of(training);  // the Domino keys, or that none is set for another objective
+  DFLASH_CHECK(runtime.backend != "cuda" || training.objective != "domino",
+               "training.objective domino is implemented on the cpu backend only "
+               "(runtime.backend: cuda has no Domino head yet); use runtime.backend: cpu");
   DFLASH_CHECK(runtime.backend == "cpu" || runtime.backend == "cuda",
                "runtime.backend must be cpu or cuda, got '{}'", runtime.backend);
   DFLASH_CHECK(!runtime.devices.empty(), "runtime.devices must list at least one device");
@@ -466,7 +479,8 @@ Objective objective_of(const TrainingSection& t) {
                "dpace-continuation-value-only, got '{}'",
                t.loss_type);
   const std::optional<ObjectiveKind> kind = objective_kind_parse(t.objective);
-  DFLASH_CHECK(kind.has_value(), "training.objective must be dflash, dspark or dflash2, got '{}'",
+  DFLASH_CHECK(kind.has_value(),
+               "training.objective must be dflash, dspark, dflash2 or domino, got '{}'",
                t.objective);
   Objective o;
   o.loss = *loss;
@@ -482,6 +496,17 @@ Objective objective_of(const TrainingSection& t) {
                  t.loss_type);
     // dflash2_selector_alpha holds the step's α_sel: the trainer sets it per step.
     o.dflash2_stop_gradient = t.dflash2_selector_stop_gradient;
+    return o;
+  }
+  if (o.kind == ObjectiveKind::domino) {
+    // SpecForge's OnlineDominoModel fixes loss_type to dflash: its two CE terms carry DFlash's
+    // static weights, and no D-PACE variant of them exists to follow.
+    DFLASH_CHECK(o.loss == LossType::dflash,
+                 "training.loss_type {} is a loss of the dflash objective; training.objective "
+                 "domino blends its own two CE terms (training.lambda_base_*): set "
+                 "training.loss_type: dflash",
+                 t.loss_type);
+    o.domino_shift_label = t.shift_label;
     return o;
   }
   // D-PACE weighs slots by the drafter's own CE; DSpark's loss is a sum of three terms with its
@@ -611,6 +636,54 @@ Dflash2Heads dflash2_heads_of(const TrainingSection& t) {
   return h;
 }
 
+DominoHead domino_head_of(const TrainingSection& t) {
+  const Objective o = objective_of(t);
+  const TrainingSection defaults;
+  if (!o.domino()) {
+    // A Domino key given to another objective would be ignored: refuse it by name.
+    const std::pair<const char*, bool> unused[] = {
+        {"emb_dim", t.emb_dim.has_value()},
+        {"gru_hidden_dim", t.gru_hidden_dim.has_value()},
+        {"pure_draft_prefix_len", t.pure_draft_prefix_len != defaults.pure_draft_prefix_len},
+        {"shift_label", t.shift_label != defaults.shift_label},
+        {"lambda_base_start", t.lambda_base_start != defaults.lambda_base_start},
+        {"lambda_base_decay_ratio", t.lambda_base_decay_ratio != defaults.lambda_base_decay_ratio}};
+    for (const auto& [key, set] : unused) {
+      DFLASH_CHECK(!set, "training.{} applies only to training.objective: domino (the objective "
+                   "is {})", key, t.objective);
+    }
+    return {};
+  }
+  DFLASH_CHECK(t.emb_dim.has_value(),
+               "training.emb_dim is required by training.objective domino (the width of "
+               "embed_proj; SpecForge's example configs use 256)");
+  DFLASH_CHECK(t.gru_hidden_dim.has_value(),
+               "training.gru_hidden_dim is required by training.objective domino (the GRU's "
+               "state width; SpecForge's example configs use 1024)");
+  DFLASH_CHECK(*t.emb_dim > 0, "training.emb_dim must be > 0, got {}", *t.emb_dim);
+  DFLASH_CHECK(*t.gru_hidden_dim > 0, "training.gru_hidden_dim must be > 0, got {}",
+               *t.gru_hidden_dim);
+  DominoHead h;
+  h.enabled = true;
+  h.emb_dim = *t.emb_dim;
+  h.gru_hidden_dim = *t.gru_hidden_dim;
+  h.pure_draft_prefix_len = t.pure_draft_prefix_len;
+  h.shift_label = t.shift_label;
+  DFLASH_CHECK(t.pure_draft_prefix_len >= 0 && h.suffix_start() < t.block_size,
+               "training.pure_draft_prefix_len must be in [0, {}] (block_size {}, shift_label {}: "
+               "at least one slot corrected), got {}",
+               t.block_size - (t.shift_label ? 1 : 2), t.block_size, t.shift_label,
+               t.pure_draft_prefix_len);
+  DFLASH_CHECK(std::isfinite(t.lambda_base_start) && t.lambda_base_start >= 0 &&
+                   t.lambda_base_start <= 1,
+               "training.lambda_base_start must be in [0, 1], got {}", t.lambda_base_start);
+  DFLASH_CHECK(std::isfinite(t.lambda_base_decay_ratio) && t.lambda_base_decay_ratio > 0 &&
+                   t.lambda_base_decay_ratio <= 1,
+               "training.lambda_base_decay_ratio must be in (0, 1], got {}",
+               t.lambda_base_decay_ratio);
+  return h;
+}
+
 int64_t RunConfig::block_budget() const {
   if (data.block_budget) return *data.block_budget;
   const int64_t a = training.num_anchors, t = data.token_budget, m = data.max_length;
@@ -645,6 +718,18 @@ std::vector<std::string> RunConfig::shape_changes(const RunConfig& other) const 
       const std::string a = YAML::Dump(f->get(*this)), b = YAML::Dump(f->get(other));
       const std::string d = f->path() + ": " + a + " -> " + b;
       if (a != b && std::find(diffs.begin(), diffs.end(), d) == diffs.end()) diffs.push_back(d);
+    }
+  }
+  // The Domino head adds tensors: the objective, emb_dim and gru_hidden_dim change the shapes.
+  const DominoHead da = domino_head_of(training), db = domino_head_of(other.training);
+  if (da.enabled != db.enabled || da.emb_dim != db.emb_dim ||
+      da.gru_hidden_dim != db.gru_hidden_dim) {
+    for (const char* key : {"objective", "emb_dim", "gru_hidden_dim"}) {
+      const Field* f = find_field("training", key);
+      const std::string a = YAML::Dump(f->get(*this)), b = YAML::Dump(f->get(other));
+      const bool listed = std::find(diffs.begin(), diffs.end(), f->path() + ": " + a + " -> " + b) !=
+                          diffs.end();
+      if (a != b && !listed) diffs.push_back(f->path() + ": " + a + " -> " + b);
     }
   }
   for (const auto& f : schema()) {

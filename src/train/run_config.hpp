@@ -68,8 +68,8 @@ struct TrainingSection {
   /// (OBJECTIVES.md §1.1; LossType), on either backend.
   std::string loss_type = "dflash";
   double dpace_alpha = 0.5;  ///< D-PACE smoothing α of s_k = (1−α)q_k + α, in [0, 1]
-  /// dflash | dspark (ObjectiveKind). loss_type selects among the dflash objective's losses;
-  /// dspark takes loss_type dflash only and the keys below (OBJECTIVES.md §1.3, SpecForge's
+  /// dflash | dspark | domino (ObjectiveKind). loss_type selects among the dflash objective's
+  /// losses; dspark and domino take loss_type dflash only and the keys below (OBJECTIVES.md §1.3, SpecForge's
   /// names and defaults), which a dflash run refuses.
   std::string objective = "dflash";
   int markov_rank = 0;                         ///< r of the Markov head; 0: none
@@ -96,6 +96,14 @@ struct TrainingSection {
   double dflash2_selector_warmup_ratio = 0.0;   ///< in [0, 1]
   double dflash2_selector_ramp_ratio = 0.0;     ///< in [0, 1]
   bool dflash2_selector_stop_gradient = false;  ///< the selector's CE does not reach the drafter
+  // Domino (objective domino; OBJECTIVES.md §1.2, SpecForge's dflash_config and training keys),
+  // refused by the other objectives:
+  std::optional<int64_t> emb_dim;         ///< E of embed_proj; required by domino
+  std::optional<int64_t> gru_hidden_dim;  ///< G of the GRU; required by domino
+  int pure_draft_prefix_len = 0;          ///< P: the first P proposals are base-only
+  bool shift_label = false;               ///< slot k predicts x[a+k+1]
+  double lambda_base_start = 1.0;         ///< λ0 of the base-loss weight λ(t)
+  double lambda_base_decay_ratio = 0.5;   ///< λ decays to 0 over ⌊max_steps·ratio⌋ steps
   uint64_t seed = 0;
   int64_t save_interval = 0;         ///< 0 = only at the end
   int keep_last = 3;                 ///< complete checkpoints kept
@@ -188,6 +196,11 @@ DsparkHeads dspark_heads_of(const TrainingSection& training);
 /// [0, 1], an alpha that is negative or not finite). Ranges that need the model (group size
 /// dividing the hidden size, top-K at most the vocabulary) are DrafterConfig::validate's.
 Dflash2Heads dflash2_heads_of(const TrainingSection& training);
+/// The Domino head of the drafter a `training` section trains (enabled false for the other
+/// objectives); throws dflash::Error naming the key: a Domino key given to another objective,
+/// emb_dim or gru_hidden_dim missing or ≤ 0, pure_draft_prefix_len < 0 or leaving no corrected
+/// slot in a block, lambda_base_start outside [0, 1], lambda_base_decay_ratio outside (0, 1].
+DominoHead domino_head_of(const TrainingSection& training);
 
 /// The resume-compatibility check of `dflash train --resume DIR`: `saved` is the configuration of
 /// the checkpoint, `requested` the one the run would continue with. Throws dflash::Error naming

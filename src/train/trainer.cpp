@@ -319,15 +319,23 @@ DrafterState restore_or_init(Session& s, const TrainOptions& opts, const fs::pat
 // In an MPI job the global batch has G = ranks × drafters shares: every rank builds all of them
 // (for the step's Σw, summed in global replica order) and keeps its own, global replicas
 // [rank·drafters, (rank+1)·drafters).
+// Domino's λ is that of the optimizer step (step = the steps taken before it, SpecForge's
+// global_step) over the run's total_steps.
 StepInput make_step(Session& s, int64_t step) {
   StepInput in;
+  DrafterBatchOptions opts = s.batch_opts;
+  if (opts.objective.domino()) {
+    opts.objective.domino_lambda =
+        domino_lambda(step, s.total_steps, s.cfg.training.lambda_base_start,
+                      s.cfg.training.lambda_base_decay_ratio);
+  }
   double weight_sum = 0;
   int64_t documents = 0;
   const Batch global = s.batcher.next();
   const int64_t rows = s.cfg.data.rows_per_step;
   const int local = s.topo.drafters(), first = s.rank * local;
   for (int g = 0; g < s.replicas(); ++g) {
-    DrafterBatch b = drafter_batch_from_rows(global, g * rows, (g + 1) * rows, s.batch_opts);
+    DrafterBatch b = drafter_batch_from_rows(global, g * rows, (g + 1) * rows, opts);
     if (b.objective.dflash2()) {  // the selector's weight at this step (dflash2_selector_alpha)
       const TrainingSection& t = s.cfg.training;
       b.objective.dflash2_selector_alpha =
@@ -766,6 +774,15 @@ TrainResult train_loop(Session& s, const TrainOptions& opts, const DrafterState&
         t.dflash2_selector_warmup_ratio, t.dflash2_selector_ramp_ratio,
         t.dflash2_selector_stop_gradient ? ", stop_gradient" : ""));
   }
+  if (s.batch_opts.objective.domino()) {
+    const DominoHead& h = s.dcfg.domino;
+    const TrainingSection& t = s.cfg.training;
+    s.report.log(fmt::format(
+        "objective: domino, (1-λ)·Σ w·CE(F) / Σ w + λ·Σ w·CE(U) / Σ w, λ from {} to 0 over {} of "
+        "{} steps; GRU state {}, embed_proj {}, pure_draft_prefix_len {}, shift_label {}",
+        t.lambda_base_start, t.lambda_base_decay_ratio, s.total_steps, h.gru_hidden_dim,
+        h.emb_dim, h.pure_draft_prefix_len, h.shift_label));
+  }
   if (s.batch_opts.objective.dpace()) {
     s.report.log(fmt::format(
         "loss: {} (alpha {}): Σ w·CE divided by the step's sequences "
@@ -851,6 +868,7 @@ DrafterConfig drafter_config_for_run(const RunConfig& cfg, const ModelConfig& ta
                                               cfg.model.mask_token_id, taps, tok);
   c.dspark = dspark_heads_of(cfg.training);
   c.dflash2 = dflash2_heads_of(cfg.training);
+  c.domino = domino_head_of(cfg.training);
   c.validate();
   return c;
 }

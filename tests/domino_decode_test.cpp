@@ -1,0 +1,200 @@
+// Tests of a Domino drafter outside training: its export (SpecForge's Domino layout: architectures,
+// dflash_config keys, tensor names) read back by drafter_load, and speculative decoding with it on
+// the tiny fixture (one backbone pass, then the GRU rollout fed the anchor and each drafted token,
+// the first pure_draft_prefix_len proposals base-only; greedy output equal to the target's own).
+// The sampled path's exactness is checked by sampling_test's chi-square test, which runs a Domino
+// drafter too.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "core/error.hpp"
+#include "data/chat_template.hpp"
+#include "data/tokenizer.hpp"
+#include "infer/eval.hpp"
+#include "infer/sampling.hpp"
+#include "infer/speculative.hpp"
+#include "model/domino_head.hpp"
+#include "model/drafter_io.hpp"
+#include "model/safetensors.hpp"
+#include "util/test_util.hpp"
+
+namespace dflash {
+namespace {
+
+using test::TempDir;
+
+// A seeded Domino drafter for the tiny target, saved in the export format; W2 scaled up so that
+// the correction moves the argmax.
+std::filesystem::path save_domino_drafter(const TempDir& dir, DominoHead head, int K,
+                                          uint64_t seed) {
+  DrafterSizes sizes;
+  sizes.block_size = K;
+  sizes.intermediate_size = 128;
+  DrafterConfig c = drafter_config_for_target(test::tiny_qwen3_f32().config(), 1, sizes, 8000);
+  c.domino = head;
+  const DrafterLayout layout(c);
+  std::vector<float> params(static_cast<size_t>(layout.total));
+  drafter_init(params, layout, seed);
+  for (int64_t i = 0; i < c.vocab_size * head.emb_dim; ++i)
+    params[layout.domino.proj2 + i] *= 400.0f;
+  for (int64_t i = 0; i < head.emb_dim * (c.hidden_size + head.gru_hidden_dim); ++i) {
+    params[layout.domino.proj1 + i] *= 20.0f;
+  }
+  for (int64_t i = 0; i < 3 * head.gru_hidden_dim * c.hidden_size; ++i) {
+    params[layout.domino.gru_ih + i] *= 20.0f;
+  }
+  const auto d = dir / ("domino" + std::to_string(seed));
+  drafter_save(d, c, layout, params, DType::f32);
+  return d;
+}
+
+TEST(DominoDecode, ExportIsSpecForgesLayoutAndLoadsBack) {
+  TempDir dir;
+  const DominoHead head{true, 12, 20, 1, true};
+  const auto d = save_domino_drafter(dir, head, 5, 3);
+  const nlohmann::json j = nlohmann::json::parse(test::read_file(d / "config.json"));
+  EXPECT_EQ(j["architectures"], nlohmann::json::array({"DominoDraftModel"}));
+  const nlohmann::json& dc = j["dflash_config"];
+  EXPECT_EQ(dc["projector_type"], "domino");
+  EXPECT_EQ(dc["emb_dim"], 12);
+  EXPECT_EQ(dc["gru_hidden_dim"], 20);
+  EXPECT_EQ(dc["pure_draft_prefix_len"], 1);
+  EXPECT_EQ(dc["shift_label"], true);
+  SafetensorsCheckpoint ckpt(d);
+  EXPECT_EQ(ckpt.info("prefix_gru.weight_ih_l0").shape, (std::vector<int64_t>{60, 384}));
+  EXPECT_EQ(ckpt.info("prefix_gru.weight_hh_l0").shape, (std::vector<int64_t>{60, 20}));
+  EXPECT_EQ(ckpt.info("embed_proj.0.weight").shape, (std::vector<int64_t>{12, 384 + 20}));
+  EXPECT_EQ(ckpt.info("embed_proj.2.weight").shape, (std::vector<int64_t>{8192, 12}));
+  const LoadedDrafter l = drafter_load(d);
+  EXPECT_EQ(l.config.domino, head);
+  // SpecForge's defaults when the optional keys are absent; the required ones name themselves; a
+  // Domino key on a DFlash config is refused by name.
+  nlohmann::json k = j;
+  k["dflash_config"].erase("pure_draft_prefix_len");
+  k["dflash_config"].erase("shift_label");
+  EXPECT_EQ(drafter_config_from_json(k, "c.json").domino, (DominoHead{true, 12, 20, 0, false}));
+  auto error_of = [](const nlohmann::json& c) {
+    try {
+      drafter_config_from_json(c, "c.json");
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  nlohmann::json no_g = j;
+  no_g["dflash_config"].erase("gru_hidden_dim");
+  EXPECT_NE(error_of(no_g).find("c.json: missing required key 'dflash_config.gru_hidden_dim'"),
+            std::string::npos)
+      << error_of(no_g);
+  nlohmann::json plain = j;
+  plain["architectures"] = nlohmann::json::array({"DFlashDraftModel"});
+  plain["dflash_config"].erase("projector_type");
+  EXPECT_NE(error_of(plain).find("c.json: key 'dflash_config.emb_dim' is set"), std::string::npos)
+      << error_of(plain);
+  plain["dflash_config"]["projector_type"] = "dspark";
+  plain["architectures"] = nlohmann::json::array({"DominoDraftModel"});
+  EXPECT_NE(error_of(plain).find("'architectures' names DominoDraftModel"), std::string::npos)
+      << error_of(plain);
+}
+
+// The proposals of a step are the sequential argmax: proposal j from slot j+1 (slot j with
+// shift_label), corrected by the GRU state after the anchor and proposals 0..j−1, the first P
+// base-only.
+TEST(DominoDecode, ProposalsFollowTheGruRollout) {
+  TempDir dir;
+  for (bool shift : {false, true}) {
+    const DominoHead head{true, 12, 20, 1, shift};
+    const LoadedDrafter d = drafter_load(save_domino_drafter(dir, head, 6, shift ? 8 : 7));
+    const SpeculativeDecoder dec(test::tiny_qwen3_f32(), d);
+    const Tokenizer tok = Tokenizer::load(test::tiny_qwen3_dir());
+    DecodeOptions o;
+    o.max_new_tokens = 12;
+    SpecState s = dec.start(tok.encode("The history of the river"), o);
+    const int32_t anchor = s.anchor;
+    DrafterCache cache = s.drafter_cache;
+    dec.step(s, o);
+    ASSERT_EQ(s.last_proposals.size(), 5u);
+    // The same draft by hand.
+    DrafterWorkspace<float> ws;
+    std::vector<float> embed = test::tiny_qwen3_f32().embedding_f32();
+    const DrafterTables<float> tables{embed.data(), embed.data()};  // tied head
+    const std::span<const float> U =
+        drafter_draft_block(cache, d.config, d.layout, d.params.data(), tables, anchor, ws);
+    const int64_t V = d.config.vocab_size, H = d.config.hidden_size;
+    DominoSlotState st;
+    domino_block_start(d.config, st);
+    int32_t prev = anchor;
+    int changed = 0;
+    for (int j = 0; j < 5; ++j) {
+      const int k = shift ? j : j + 1;
+      std::vector<float> row(U.begin() + k * V, U.begin() + (k + 1) * V);
+      const int32_t plain = argmax_row(row.data(), V);
+      domino_feed(d.config, d.layout, d.params.data(), embed.data(), prev, st);
+      domino_slot_logits(d.config, d.layout, d.params.data(), row.data(), ws.hf.data() + k * H, k,
+                         st);
+      prev = argmax_row(row.data(), V);
+      if (j == 0) {
+        EXPECT_EQ(prev, plain) << "the first P = 1 proposal is base-only";
+      }
+      changed += prev != plain;
+      EXPECT_EQ(s.last_proposals[j], prev) << "shift " << shift << " proposal " << j;
+    }
+    EXPECT_GT(changed, 0) << "the correction never moved the argmax: the test has no power";
+  }
+}
+
+TEST(DominoDecode, GreedyOutputIsTheTargetsOwn) {
+  TempDir dir;
+  for (bool shift : {false, true}) {
+    const LoadedDrafter d =
+        drafter_load(save_domino_drafter(dir, DominoHead{true, 8, 16, 0, shift}, 4, 9));
+    const SpeculativeDecoder dec(test::tiny_qwen3_f32(), d);
+    const Tokenizer tok = Tokenizer::load(test::tiny_qwen3_dir());
+    const ChatTemplate tmpl = resolve_chat_template(test::tiny_qwen3_dir(), "");
+    const std::vector<EvalPrompt> prompts =
+        load_eval_prompts(test::assets_dir() / "data" / "eval_prompts.jsonl", tmpl, tok, 0, 1);
+    ASSERT_EQ(prompts.size(), 4u);
+    DecodeOptions o;
+    o.max_new_tokens = 24;
+    o.stop_ids = generation_eos_ids(test::tiny_qwen3_dir(), test::tiny_qwen3_f32().config());
+    for (const EvalPrompt& p : prompts) {
+      const auto ref =
+          greedy_generate(test::tiny_qwen3_f32(), p.tokens, o.max_new_tokens, o.stop_ids, true);
+      const DecodeResult r = dec.generate(p.tokens, o);
+      EXPECT_EQ(r.tokens, ref) << p.id << " shift " << shift;
+      for (int a : r.accept_lengths) {
+        EXPECT_GE(a, 1);
+        EXPECT_LE(a, 4);  // K − 1 drafts + the bonus
+      }
+    }
+  }
+}
+
+// --backend cuda refuses a Domino drafter by its projector_type, before looking for a device or
+// reading a weight (so on a machine without a GPU too).
+TEST(DominoDecode, CudaBackendRefusesADominoDrafter) {
+  TempDir dir;
+  const auto d = save_domino_drafter(dir, DominoHead{true, 4, 8, 0, false}, 4, 2);
+  for (const char* cmd : {"eval", "generate"}) {
+    std::vector<std::string> args = {cmd,         "--target", test::tiny_qwen3_dir().string(),
+                                     "--drafter", d.string(), "--backend",
+                                     "cuda"};
+    if (std::string(cmd) == "eval") {
+      args.insert(args.end(),
+                  {"--prompts", (test::assets_dir() / "data" / "eval_prompts.jsonl").string()});
+    } else {
+      args.insert(args.end(), {"--prompt", "hi"});
+    }
+    const auto r = test::run_dflash(args);
+    EXPECT_NE(r.exit_code, 0) << cmd;
+    EXPECT_NE(r.err.find("a Domino drafter (dflash_config.projector_type: domino) is decoded by "
+                         "the cpu backend only"),
+              std::string::npos)
+        << cmd << ": " << r.err;
+  }
+}
+
+}  // namespace
+}  // namespace dflash
