@@ -177,23 +177,9 @@ TEST(DominoDecode, GreedyOutputIsTheTargetsOwn) {
 TEST(DominoDecode, CudaBackendRefusesADominoDrafter) {
   TempDir dir;
   const auto d = save_domino_drafter(dir, DominoHead{true, 4, 8, 0, false}, 4, 2);
-  for (const char* cmd : {"eval", "generate"}) {
-    std::vector<std::string> args = {cmd,         "--target", test::tiny_qwen3_dir().string(),
-                                     "--drafter", d.string(), "--backend",
-                                     "cuda"};
-    if (std::string(cmd) == "eval") {
-      args.insert(args.end(),
-                  {"--prompts", (test::assets_dir() / "data" / "eval_prompts.jsonl").string()});
-    } else {
-      args.insert(args.end(), {"--prompt", "hi"});
-    }
-    const auto r = test::run_dflash(args);
-    EXPECT_NE(r.exit_code, 0) << cmd;
-    EXPECT_NE(r.err.find("a Domino drafter (dflash_config.projector_type: domino) is decoded by "
-                         "the cpu backend only"),
-              std::string::npos)
-        << cmd << ": " << r.err;
-  }
+  test::expect_cuda_decoding_refused(
+      d,
+      "a Domino drafter (dflash_config.projector_type: domino) is decoded by the cpu backend only");
 }
 
 }  // namespace

@@ -179,23 +179,9 @@ TEST(DSparkDecode, CudaBackendRefusesADSparkDrafter) {
   TempDir dir;
   const auto d =
       save_dspark_drafter(dir, DsparkHeads{true, 2, MarkovHeadType::vanilla, false, false}, 4, 2);
-  for (const char* cmd : {"eval", "generate"}) {
-    std::vector<std::string> args = {cmd,         "--target", test::tiny_qwen3_dir().string(),
-                                     "--drafter", d.string(), "--backend",
-                                     "cuda"};
-    if (std::string(cmd) == "eval") {
-      args.insert(args.end(),
-                  {"--prompts", (test::assets_dir() / "data" / "eval_prompts.jsonl").string()});
-    } else {
-      args.insert(args.end(), {"--prompt", "hi"});
-    }
-    const auto r = test::run_dflash(args);
-    EXPECT_NE(r.exit_code, 0) << cmd;
-    EXPECT_NE(r.err.find("a DSpark drafter (dflash_config.projector_type: dspark) is decoded by "
-                         "the cpu backend only"),
-              std::string::npos)
-        << cmd << ": " << r.err;
-  }
+  test::expect_cuda_decoding_refused(
+      d,
+      "a DSpark drafter (dflash_config.projector_type: dspark) is decoded by the cpu backend only");
 }
 
 }  // namespace

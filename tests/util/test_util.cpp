@@ -92,6 +92,23 @@ RunResult run_dflash(const std::vector<std::string>& args, const std::string& st
   return r;
 }
 
+void expect_cuda_decoding_refused(const fs::path& drafter, const std::string& expected) {
+  for (const std::string cmd : {"eval", "generate"}) {
+    std::vector<std::string> args = {cmd,         "--target",       tiny_qwen3_dir().string(),
+                                     "--drafter", drafter.string(), "--backend",
+                                     "cuda"};
+    if (cmd == "eval") {
+      args.insert(args.end(),
+                  {"--prompts", (assets_dir() / "data" / "eval_prompts.jsonl").string()});
+    } else {
+      args.insert(args.end(), {"--prompt", "hi"});
+    }
+    const RunResult r = run_dflash(args);
+    EXPECT_NE(r.exit_code, 0) << cmd;
+    EXPECT_NE(r.err.find(expected), std::string::npos) << cmd << ": " << r.err;
+  }
+}
+
 pid_t spawn_dflash(const std::vector<std::string>& args, const fs::path& log,
                    const std::vector<std::string>& env) {
   return spawn_program(dflash_binary(), args, log, env);
