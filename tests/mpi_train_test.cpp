@@ -130,8 +130,9 @@ TEST(MpiTrain, TwoRanksTrainBitIdenticallyToOneRankWithTwiceTheDrafters) {
   EXPECT_NE(log.find("the 4 drafter replicas are bit-identical after step 20"), std::string::npos)
       << log;
   EXPECT_NE(log.find("collective: mpi-host (2 ranks)"), std::string::npos) << log;
-  // status.json is rank 0's and lists every rank's workers.
+  // status.json is rank 0's and lists every rank's workers, each once, in its final phase.
   const json st = read_status(tmp / "job");
+  EXPECT_EQ(st["workers"].size(), 6u) << st.dump();
   std::set<std::string> names;
   for (const json& w : st["workers"]) {
     names.insert(w["name"].get<std::string>());

@@ -181,7 +181,9 @@ struct Session {
   std::string last_ckpt;  // newest complete checkpoint ("" none)
   int64_t last_ckpt_step = -1;
   PipelineInterval piv;
-  std::string last_workers;  // ranks > 0: the newest status.json workers entry (JSON text)
+  // The newest status.json workers entry of this rank's own workers (JSON text): ranks > 0 send
+  // it to rank 0 at the end; rank 0 starts the job's final list from it.
+  std::string last_workers;
 
   Session(const RunConfig& c, RunDir& r, TrainReport& rep, Job* j)
       : cfg(c),
@@ -613,7 +615,10 @@ PipelineHooks hooks_of(Session& s, int64_t end_step,
   };
   h.on_tick = [&s](const std::vector<WorkerInfo>& w) {
     json workers = workers_json(w);
-    if (s.job) append_remote_workers(workers, s.job->statuses());
+    if (s.job) {
+      s.last_workers = workers.dump();
+      append_remote_workers(workers, s.job->statuses());
+    }
     s.report.status().workers = std::move(workers);
     s.report.write_status();
   };
@@ -661,7 +666,9 @@ void job_agree_end(Session& s, const PipelineOutcome& o) {
   const std::vector<std::string> all = s.job->gather(text, s.cfg.runtime.stall_timeout_s);
   std::string verdict;
   if (s.rank == 0) {
-    json workers = s.report.status().workers;
+    // Rank 0's own workers, then each rank's final ones (not the mid-run snapshots that the
+    // last tick's status.json holds: a rank's workers would be listed twice, once stale).
+    json workers = s.last_workers.empty() ? json::array() : json::parse(s.last_workers);
     for (size_t k = 1; k < all.size() && verdict.empty(); ++k) {
       const size_t nl = all[k].find('\n');
       const json theirs = json::parse(all[k].substr(0, nl));
