@@ -559,51 +559,41 @@ DrafterTrainResult drafter_train_step(const DrafterConfig& cfg, const DrafterLay
   const S* norm_w = params + layout.norm;
   fit(ws.hf, NK * d.H);
   rmsnorm_fwd_cpu(ws.hf.data(), nullptr, ws.h.data(), norm_w, NK, d.H, cfg.rms_norm_eps);
-  if (cfg.dspark.enabled) {
-    // DSpark: the heads and the loss on every block row; dh = ∂/∂hf of the scaled loss.
+  if (cfg.dspark.enabled || cfg.dflash2.enabled || cfg.domino.enabled) {
+    // An objective with its own head computes its loss on every block row and dh = ∂/∂hf of the
+    // scaled loss; the backbone's backward is the same for all.
     fit(ws.dh, NK * d.H);
-    const DsparkSums ds = dspark_head_step(cfg, layout, params, grads, tables.lm_head, batch,
-                                           ws.hf.data(), target_final, grad_scale, ws.dh.data(),
-                                           res.argmax.data(), batch.objective, ws.dspark);
-    res.loss_sum = ds.loss_sum;
-    res.weight_sum = ds.weight_sum;
-    res.dspark_ce_sum = ds.ce_sum;
-    res.dspark_l1_sum = ds.l1_sum;
-    res.dspark_bce_sum = ds.bce_sum;
-    res.dspark_acc_sum = ds.acc_sum;
-    res.dspark_conf = ds.conf;
-    res.dspark_acc = ds.acc;
-    if (!grads) return res;
-    drafter_backward(cfg, layout, params, grads, features, T, NK, ws);
-    return res;
-  }
-  if (cfg.dflash2.enabled) {
-    // DFlash2: the base loss on the unary logits and the selector's CE; dh = ∂/∂hf.
-    fit(ws.dh, NK * d.H);
-    const Dflash2Sums s2 =
-        dflash2_head_step(cfg, layout, params, grads, tables.lm_head, batch, ws.hf.data(),
-                          grad_scale, ws.dh.data(), res.argmax.data(), ws.dflash2);
-    res.loss_sum = s2.loss_sum;
-    res.weight_sum = s2.weight_sum;
-    res.dflash2_base_sum = s2.base_sum;
-    res.dflash2_selector_sum = s2.selector_sum;
-    res.dflash2_in_topk_weight = s2.in_topk_weight;
-    if (!grads) return res;
-    drafter_backward(cfg, layout, params, grads, features, T, NK, ws);
-    return res;
-  }
-  if (cfg.domino.enabled) {
-    // Domino: the GRU head and the blended loss on every block; dh = ∂/∂hf of the scaled loss.
-    fit(ws.dh, NK * d.H);
-    const DominoSums dm = domino_head_step(cfg, layout, params, grads, tables, batch,
-                                           ws.hf.data(), grad_scale, ws.dh.data(),
-                                           res.argmax.data(), ws.domino);
-    res.loss_sum = dm.loss_sum;
-    res.weight_sum = dm.weight_sum;
-    res.domino_final_ce_sum = dm.final_ce_sum;
-    res.domino_base_ce_sum = dm.base_ce_sum;
-    if (!grads) return res;
-    drafter_backward(cfg, layout, params, grads, features, T, NK, ws);
+    if (cfg.dspark.enabled) {
+      const DsparkSums ds = dspark_head_step(cfg, layout, params, grads, tables.lm_head, batch,
+                                             ws.hf.data(), target_final, grad_scale, ws.dh.data(),
+                                             res.argmax.data(), batch.objective, ws.dspark);
+      res.loss_sum = ds.loss_sum;
+      res.weight_sum = ds.weight_sum;
+      res.dspark_ce_sum = ds.ce_sum;
+      res.dspark_l1_sum = ds.l1_sum;
+      res.dspark_bce_sum = ds.bce_sum;
+      res.dspark_acc_sum = ds.acc_sum;
+      res.dspark_conf = ds.conf;
+      res.dspark_acc = ds.acc;
+    } else if (cfg.dflash2.enabled) {  // the base loss on the unary logits and the selector's CE
+      const Dflash2Sums s2 =
+          dflash2_head_step(cfg, layout, params, grads, tables.lm_head, batch, ws.hf.data(),
+                            grad_scale, ws.dh.data(), res.argmax.data(), ws.dflash2);
+      res.loss_sum = s2.loss_sum;
+      res.weight_sum = s2.weight_sum;
+      res.dflash2_base_sum = s2.base_sum;
+      res.dflash2_selector_sum = s2.selector_sum;
+      res.dflash2_in_topk_weight = s2.in_topk_weight;
+    } else {  // Domino: the GRU head and the blended loss
+      const DominoSums dm =
+          domino_head_step(cfg, layout, params, grads, tables, batch, ws.hf.data(), grad_scale,
+                           ws.dh.data(), res.argmax.data(), ws.domino);
+      res.loss_sum = dm.loss_sum;
+      res.weight_sum = dm.weight_sum;
+      res.domino_final_ce_sum = dm.final_ce_sum;
+      res.domino_base_ce_sum = dm.base_ce_sum;
+    }
+    if (grads) drafter_backward(cfg, layout, params, grads, features, T, NK, ws);
     return res;
   }
   // Only the supervised rows go through the LM head (about 2/3 of them on short documents): a
