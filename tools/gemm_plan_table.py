@@ -10,7 +10,7 @@ beta ≠ 0); its time is the median of its `ms` over the logs (each already a me
 --protocol says: how the gemm_bench version that wrote the logs timed its candidates).
 Per key the entry names the fastest candidate, except that the heuristic's first one (cand=0) is
 kept unless the fastest beats it by more than MARGIN (3 %): a closer call is within the run-to-run
-spread of one shape (docs/perf.md), and the first plan is what runs without the table. A key is
+spread of one shape (docs/perf-runs.md), and the first plan is what runs without the table. A key is
 an error when the logs disagree on which algorithm is the heuristic's first.
 """
 import argparse

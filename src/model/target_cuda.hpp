@@ -49,7 +49,7 @@ struct TargetCacheCuda {
 /// cache rows (a request's cache stride); with `row_gemm` the layer's projections run on
 /// decode_linear_cuda (rows independent of the row count) where the shapes allow it (every
 /// input width a multiple of 64), else (default: faster on the H200 at every measured batch,
-/// docs/perf.md) on cuBLASLt.
+/// docs/perf-runs.md) on cuBLASLt.
 struct DecodeStepWork {
   float* attn_part = nullptr;
   int64_t rows = 0;

@@ -97,7 +97,7 @@ void gemm_plan_entry_check(const GemmPlanEntry& e, size_t index, const GemmAlgoC
   for (const Field& f : fields)
     DFLASH_CHECK(f.want == f.got,
                  "{}: its algorithm words read back {} {} where the entry names {} (a wrong or "
-                 "stale entry: regenerate the table, docs/perf.md)",
+                 "stale entry: regenerate the table, docs/perf-runs.md)",
                  gemm_plan_entry_label(e, index), f.name, f.got, f.want);
 }
 

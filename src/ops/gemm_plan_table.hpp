@@ -1,13 +1,13 @@
 // dflash.cpp — the committed table of measured cuBLASLt GEMM plans, and its lookup and validation.
 //
 // The cuBLASLt heuristic's first plan is not the fastest one at 11 of the 25 GEMM shapes of a
-// Qwen3-8B training step (docs/perf.md, "The GEMMs at the step's shapes"). Choosing by timing at
-// run time would make the algorithm, and with it the result's bits, depend on timing noise, so
-// the choice is made once, off line: `gemm_bench` times the heuristic's candidates of every shape
-// on the device and prints them in machine-readable lines, `tools/gemm_plan_table.py` keeps the
-// fastest of each shape and writes src/ops/gemm_plan_table_data.cpp (how, on which device and by
-// which command is written at the top of that file). gemm_bf16 (backend/cuda/gemm.hpp) uses an
-// entry when everything in its key matches the call, else the heuristic's first plan as before.
+// Qwen3-8B training step (docs/perf-runs.md, "The GEMMs at the step's shapes"). Choosing by
+// timing at run time would make the algorithm, and with it the result's bits, depend on timing
+// noise, so the choice is made once, off line: `gemm_bench` times the heuristic's candidates of
+// every shape on the device and prints them in machine-readable lines, `tools/gemm_plan_table.py`
+// keeps the fastest of each shape and writes src/ops/gemm_plan_table_data.cpp (how, on which device
+// and by which command is written at the top of that file). gemm_bf16 (backend/cuda/gemm.hpp) uses
+// an entry when everything in its key matches the call, else the heuristic's first plan as before.
 //
 // Invariants: an entry is keyed by everything that selects a plan: the device's SM version, the
 // cuBLASLt version (an algorithm's opaque words are only meaningful to the version that wrote
