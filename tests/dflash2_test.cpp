@@ -15,6 +15,7 @@
 #include "model/dflash2_conv.hpp"
 #include "model/dflash2_selector.hpp"
 #include "model/drafter.hpp"
+#include "util/drafter_problem.hpp"
 #include "util/test_util.hpp"
 
 using namespace dflash;
@@ -26,31 +27,19 @@ struct Sizes {
   double m = 1.0, cap = 0.0;
 };
 
-// A small random DFlash2 problem: one row of two documents (plus a padding document), anchors,
-// the target's features. `dflash2` false gives the plain DFlash drafter of the same sizes, whose
-// parameters are the DFlash2 drafter's first ones (DFlash2's tensors follow them in the layout).
+// A small random DFlash2 problem (test::DrafterProblem: one row of two documents plus a document
+// without anchors, the target's features) with its γ. `dflash2` false gives the plain DFlash
+// drafter of the same sizes, whose parameters are the DFlash2 drafter's first ones (DFlash2's
+// tensors follow them in the layout).
 template <typename S>
-struct Problem {
-  DrafterConfig cfg;
-  std::shared_ptr<DrafterLayout> layout;
-  std::vector<S> params, embed, head, features;
-  std::vector<int32_t> tokens, doc_offsets;
-  std::vector<uint8_t> mask;
-  std::vector<Anchor> anchors;
-  Objective obj;
+struct Problem : test::DrafterProblem<S> {
+  explicit Problem(test::DrafterProblem<S> base) : test::DrafterProblem<S>(std::move(base)) {}
   double gamma = 4.0;
 
   DrafterBatch batch() const {
-    DrafterBatch b(cfg.block_size);
-    b.objective = obj;
-    b.append_row(tokens, doc_offsets, anchors,
-                 block_targets(tokens, mask, doc_offsets, anchors, cfg.block_size, gamma));
-    b.weight_sum = 0;
-    for (float w : b.targets.weights) b.weight_sum += w;
-    b.validate();
-    return b;
+    return test::DrafterProblem<S>::batch(block_targets(
+        this->tokens, this->mask, this->doc_offsets, this->anchors, this->cfg.block_size, gamma));
   }
-  DrafterTables<S> tables() const { return {embed.data(), head.data()}; }
 };
 
 const std::vector<Anchor> kAnchors = {{1, 0}, {5, 0}, {6, 0}, {12, 1}, {17, 1}};
@@ -59,66 +48,31 @@ const std::vector<Anchor> kAnchors = {{1, 0}, {5, 0}, {6, 0}, {12, 1}, {17, 1}};
 template <typename S>
 Problem<S> make_problem(uint64_t seed, bool dflash2, Sizes z, bool random_dflash2 = true,
                         double alpha = 0.7, int K = 4, int H = 16, int V = 23) {
-  Problem<S> p;
-  Rng rng(seed);
-  p.cfg.hidden_size = H;
-  p.cfg.intermediate_size = 24;
-  p.cfg.num_layers = 2;
-  p.cfg.num_heads = 4;
-  p.cfg.num_kv_heads = 2;
-  p.cfg.head_dim = 8;
-  p.cfg.vocab_size = V;
-  p.cfg.rms_norm_eps = 1e-6;
-  p.cfg.rope.theta = 10000.0;
-  p.cfg.block_size = K;
-  p.cfg.mask_token_id = V - 1;
-  p.cfg.target_layer_ids = {0, 2};
-  p.cfg.num_target_layers = 3;
+  DrafterConfig cfg = test::small_drafter_config(K, H, V);
+  Objective obj;
   if (dflash2) {
-    p.cfg.dflash2 = {true, z.T, z.group, z.rank, z.top_k, z.m, z.cap};
-    p.obj.kind = ObjectiveKind::dflash2;
-    p.obj.dflash2_selector_alpha = alpha;
+    cfg.dflash2 = {true, z.T, z.group, z.rank, z.top_k, z.m, z.cap};
+    obj.kind = ObjectiveKind::dflash2;
+    obj.dflash2_selector_alpha = alpha;
   }
-  p.cfg.validate();
-  p.layout = std::make_shared<DrafterLayout>(p.cfg);
-  std::vector<float> init(static_cast<size_t>(p.layout->total));
-  drafter_init(init, *p.layout, seed);  // DFlash2's identity start
-  p.params.resize(p.layout->total);
-  for (const auto& info : p.layout->params) {
+  cfg.validate();
+  const DrafterLayout layout(cfg);
+  std::vector<float> init(static_cast<size_t>(layout.total));
+  drafter_init(init, layout, seed);  // DFlash2's identity start
+  auto identity = [&](const ParamInfo& info) {
     const bool extra = info.name.find("_conv.") != std::string::npos ||
                        info.name.rfind("candidate_selector", 0) == 0;
-    for (int64_t i = 0; i < info.numel; ++i) {
-      S& x = p.params[info.offset + i];
-      if (extra && !random_dflash2) {
-        x = static_cast<S>(init[info.offset + i]);
-      } else {
-        x = static_cast<S>(info.is_norm ? 1.0 + 0.1 * rng.normal() : 0.3 * rng.normal());
-      }
-    }
-  }
-  auto randv = [&](std::vector<S>& v, int64_t n, double sd) {
-    v.resize(n);
-    for (auto& x : v) x = static_cast<S>(sd * rng.normal());
+    return extra && !random_dflash2;
   };
-  randv(p.embed, static_cast<int64_t>(V) * H, 1.0);
-  randv(p.head, static_cast<int64_t>(V) * H, 0.5);
-  p.doc_offsets = {0, 11, 20, 22};  // the last document (2 tokens) has no anchor
-  const int64_t T = 22;
-  randv(p.features, T * 2 * H, 1.0);
-  p.tokens.resize(T);
-  p.mask.assign(T, 1);
-  for (int64_t t = 0; t < T; ++t) p.tokens[t] = static_cast<int32_t>(rng.below(V - 1));
-  p.mask[8] = 0;
-  p.anchors = kAnchors;
+  Rng rng(seed);
+  Problem<S> p(test::draw_drafter_problem<S>(rng, std::move(cfg), kAnchors, {}, identity, init));
+  p.obj = obj;
   return p;
 }
 
 template <typename S>
 DrafterTrainResult step_of(const Problem<S>& p, std::vector<S>* grads) {
-  auto ws = std::make_unique<DrafterWorkspace<S>>();
-  const DrafterBatch b = p.batch();
-  return drafter_train_step<S>(p.cfg, *p.layout, p.params.data(), grads ? grads->data() : nullptr,
-                               p.tables(), b, p.features.data(), 1.0 / b.weight_sum, *ws);
+  return test::drafter_problem_step(p, p.batch(), grads);
 }
 
 // The conv written as the formula reads, one output at a time (model/dflash2_conv.hpp).
@@ -304,16 +258,7 @@ TEST(Dflash2, Float32StepAgreesWithFloat64) {
   auto pf = make_problem<float>(9, true, z);
   std::vector<double> gd(pd.layout->total, 0.0);
   std::vector<float> gf(pf.layout->total, 0.0f);
-  const DrafterTrainResult rd = step_of(pd, &gd);
-  const DrafterTrainResult rf = step_of(pf, &gf);
-  EXPECT_NEAR(rf.loss_sum, rd.loss_sum, 1e-4 * std::abs(rd.loss_sum));
-  EXPECT_EQ(rf.argmax, rd.argmax);
-  double num = 0, den = 0;
-  for (size_t i = 0; i < gd.size(); ++i) {
-    num += (gf[i] - gd[i]) * (gf[i] - gd[i]);
-    den += gd[i] * gd[i];
-  }
-  EXPECT_LT(std::sqrt(num / den), 1e-4);
+  test::expect_float32_step_agrees(step_of(pd, &gd), gd, step_of(pf, &gf), gf);
 }
 
 // OBJECTIVES.md §4: the transform softcap(m·z) is monotone for m > 0, so the top-K of the

@@ -1,6 +1,8 @@
 // Tests of the DFlash drafter (src/model/drafter): the public reference trainer's step (golden),
 // float64 finite differences of the whole drafter + loss, the visibility rule, and the agreement of
 // the training and inference layouts.
+#include "model/drafter.hpp"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -10,93 +12,46 @@
 
 #include "core/error.hpp"
 #include "core/fs.hpp"
-#include "model/drafter.hpp"
 #include "model/safetensors.hpp"
+#include "util/drafter_problem.hpp"
 #include "util/test_util.hpp"
 
 using namespace dflash;
 
 namespace {
 
-// A small random problem: config, params, tables, one row of documents with anchors.
+// A small random problem (test::DrafterProblem) with its block targets; the trailing two padding
+// tokens form one more document without anchors (no block sees them).
 template <typename S>
-struct Problem {
-  DrafterConfig cfg;
-  std::shared_ptr<DrafterLayout> layout;
-  std::vector<S> params, embed, head, features;
-  std::vector<int32_t> tokens, doc_offsets;
-  std::vector<uint8_t> mask;
-  std::vector<Anchor> anchors;
+struct Problem : test::DrafterProblem<S> {
+  explicit Problem(test::DrafterProblem<S> base) : test::DrafterProblem<S>(std::move(base)) {}
   BlockTargets targets;
-  int64_t T = 0;
 
-  // The problem as a one-row DrafterBatch; the trailing padding tokens form one more document
-  // without anchors (no block sees them).
   DrafterBatch batch() const {
-    std::vector<int32_t> offsets = doc_offsets;
-    if (offsets.back() < T) offsets.push_back(static_cast<int32_t>(T));
-    DrafterBatch b(cfg.block_size);
-    b.append_row(tokens, offsets, anchors, targets);
+    DrafterBatch b(this->cfg.block_size);
+    b.append_row(this->tokens, this->doc_offsets, this->anchors, targets);
     return b;
   }
-  DrafterTables<S> tables() const { return {embed.data(), head.data()}; }
 };
 
 template <typename S>
 Problem<S> make_problem(uint64_t seed, int layers, int NH, int NKV, int D, int K, double gamma,
                         std::vector<int32_t> docs, std::vector<Anchor> anchors, int H = 16,
                         int V = 23) {
-  Problem<S> p;
+  test::ProblemRow row;
+  row.doc_offsets = std::move(docs);
+  row.doc_offsets.push_back(row.doc_offsets.back() + 2);  // two padding tokens at the end
+  row.mask_keep = 0.8;
   Rng rng(seed);
-  p.cfg.hidden_size = H;
-  p.cfg.intermediate_size = 24;
-  p.cfg.num_layers = layers;
-  p.cfg.num_heads = NH;
-  p.cfg.num_kv_heads = NKV;
-  p.cfg.head_dim = D;
-  p.cfg.vocab_size = V;
-  p.cfg.rms_norm_eps = 1e-6;
-  p.cfg.rope.theta = 10000.0;
-  p.cfg.block_size = K;
-  p.cfg.mask_token_id = V - 1;
-  p.cfg.target_layer_ids = {0, 2};
-  p.cfg.num_target_layers = 3;
-  p.cfg.validate();
-  p.layout = std::make_shared<DrafterLayout>(p.cfg);
-  p.params.resize(p.layout->total);
-  for (const auto& info : p.layout->params) {
-    for (int64_t i = 0; i < info.numel; ++i) {
-      p.params[info.offset + i] = static_cast<S>(info.is_norm ? 1.0 + 0.1 * rng.normal()
-                                                              : 0.3 * rng.normal());
-    }
-  }
-  auto randv = [&](std::vector<S>& v, int64_t n, double sd) {
-    v.resize(n);
-    for (auto& x : v) x = static_cast<S>(sd * rng.normal());
-  };
-  randv(p.embed, static_cast<int64_t>(V) * H, 1.0);
-  randv(p.head, static_cast<int64_t>(V) * H, 0.5);
-  p.doc_offsets = std::move(docs);
-  p.T = p.doc_offsets.back() + 2;  // two padding tokens at the end
-  randv(p.features, p.T * 2 * H, 1.0);
-  p.tokens.resize(p.T);
-  p.mask.resize(p.T);
-  for (int64_t t = 0; t < p.T; ++t) {
-    p.tokens[t] = static_cast<int32_t>(rng.below(V - 1));
-    p.mask[t] = rng.uniform() < 0.8 ? 1 : 0;
-  }
-  p.anchors = std::move(anchors);
+  Problem<S> p(test::draw_drafter_problem<S>(
+      rng, test::small_drafter_config(K, H, V, layers, NH, NKV, D), std::move(anchors), row));
   p.targets = block_targets(p.tokens, p.mask, p.doc_offsets, p.anchors, K, gamma);
   return p;
 }
 
 template <typename S>
 double loss_of(const Problem<S>& p, std::vector<S>* grads) {
-  DrafterWorkspace<S>* ws = new DrafterWorkspace<S>();
-  const DrafterBatch b = p.batch();
-  auto r = drafter_train_step<S>(p.cfg, *p.layout, p.params.data(), grads ? grads->data() : nullptr,
-                                 p.tables(), b, p.features.data(), 1.0 / b.weight_sum, *ws);
-  delete ws;
+  const DrafterTrainResult r = test::drafter_problem_step(p, p.batch(), grads);
   return r.loss_sum / r.weight_sum;
 }
 
@@ -237,7 +192,8 @@ TEST(Drafter, VisibilityRuleIsExact) {
   {
     auto q = p;
     for (int64_t t = 6; t < 10; ++t)
-      for (int64_t f = 0; f < F; ++f) q.features[t * F + f] = std::numeric_limits<float>::quiet_NaN();
+      for (int64_t f = 0; f < F; ++f)
+        q.features[t * F + f] = std::numeric_limits<float>::quiet_NaN();
     for (int64_t f = 0; f < F; ++f) q.features[15 * F + f] = 1e3f;  // doc 1, after its anchor
     auto l = drafter_block_logits(q.cfg, *q.layout, q.params.data(), q.tables(), q.batch(),
                                   q.features.data(), ws);
@@ -294,8 +250,8 @@ TEST(Drafter, VisibilityRuleIsExact) {
 // the logits' argmax on supervised slots and -1 on the others (slot 0, past the end, unmasked).
 TEST(Drafter, TrainStepUsesExactlyTheSupervisedRows) {
   // Anchor 27 runs past the end of its document; the mask leaves some slots out.
-  auto p = make_problem<float>(9, 1, 2, 1, 8, 6, 3.0, {0, 9, 30},
-                               {{2, 0}, {4, 0}, {12, 1}, {27, 1}});
+  auto p =
+      make_problem<float>(9, 1, 2, 1, 8, 6, 3.0, {0, 9, 30}, {{2, 0}, {4, 0}, {12, 1}, {27, 1}});
   DrafterWorkspace<float> ws;
   const auto logits = drafter_block_logits(p.cfg, *p.layout, p.params.data(), p.tables(), p.batch(),
                                            p.features.data(), ws);

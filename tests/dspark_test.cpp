@@ -15,6 +15,7 @@
 #include "model/dspark_head.hpp"
 #include "model/dspark_head_cuda.hpp"
 #include "model/step_plan.hpp"
+#include "util/drafter_problem.hpp"
 #include "util/test_util.hpp"
 
 using namespace dflash;
@@ -27,80 +28,33 @@ struct Heads {
   bool conf = false, conf_markov = false;
 };
 
-// A small random DSpark problem: one row of two documents (plus a padding document), its anchors,
-// the target's features and final hidden states.
+// A small random DSpark problem (test::DrafterProblem: one row of two documents plus a document
+// without anchors, the target's features) with the target's final hidden states and γ.
 template <typename S>
-struct Problem {
-  DrafterConfig cfg;
-  std::shared_ptr<DrafterLayout> layout;
-  std::vector<S> params, embed, head, features, final_hidden;
-  std::vector<int32_t> tokens, doc_offsets;
-  std::vector<uint8_t> mask;
-  std::vector<Anchor> anchors;
-  Objective obj;
+struct Problem : test::DrafterProblem<S> {
+  explicit Problem(test::DrafterProblem<S> base) : test::DrafterProblem<S>(std::move(base)) {}
+  std::vector<S> final_hidden;  // [T, H]
   double gamma = 4.0;
-  int64_t T = 0;
 
   DrafterBatch batch() const {
-    DrafterBatch b(cfg.block_size);
-    b.objective = obj;
-    b.append_row(tokens, doc_offsets, anchors,
-                 dspark_block_targets(tokens, mask, doc_offsets, anchors, cfg.block_size, gamma));
-    b.weight_sum = 0;
-    for (float w : b.targets.weights) b.weight_sum += w;
-    b.validate();
-    return b;
+    return test::DrafterProblem<S>::batch(dspark_block_targets(
+        this->tokens, this->mask, this->doc_offsets, this->anchors, this->cfg.block_size, gamma));
   }
-  DrafterTables<S> tables() const { return {embed.data(), head.data()}; }
 };
 
 template <typename S>
 Problem<S> make_problem(uint64_t seed, Heads h, std::vector<Anchor> anchors, int K = 4, int H = 16,
                         int V = 23) {
-  Problem<S> p;
+  DrafterConfig cfg = test::small_drafter_config(K, H, V);
+  cfg.dspark.enabled = true;
+  cfg.dspark.markov_rank = h.rank;
+  cfg.dspark.markov_type = h.type;
+  cfg.dspark.confidence_head = h.conf;
+  cfg.dspark.confidence_with_markov = h.conf_markov;
   Rng rng(seed);
-  p.cfg.hidden_size = H;
-  p.cfg.intermediate_size = 24;
-  p.cfg.num_layers = 2;
-  p.cfg.num_heads = 4;
-  p.cfg.num_kv_heads = 2;
-  p.cfg.head_dim = 8;
-  p.cfg.vocab_size = V;
-  p.cfg.rms_norm_eps = 1e-6;
-  p.cfg.rope.theta = 10000.0;
-  p.cfg.block_size = K;
-  p.cfg.mask_token_id = V - 1;
-  p.cfg.target_layer_ids = {0, 2};
-  p.cfg.num_target_layers = 3;
-  p.cfg.dspark.enabled = true;
-  p.cfg.dspark.markov_rank = h.rank;
-  p.cfg.dspark.markov_type = h.type;
-  p.cfg.dspark.confidence_head = h.conf;
-  p.cfg.dspark.confidence_with_markov = h.conf_markov;
-  p.cfg.validate();
-  p.layout = std::make_shared<DrafterLayout>(p.cfg);
-  p.params.resize(p.layout->total);
-  for (const auto& info : p.layout->params) {
-    for (int64_t i = 0; i < info.numel; ++i) {
-      p.params[info.offset + i] =
-          static_cast<S>(info.is_norm ? 1.0 + 0.1 * rng.normal() : 0.3 * rng.normal());
-    }
-  }
-  auto randv = [&](std::vector<S>& v, int64_t n, double sd) {
-    v.resize(n);
-    for (auto& x : v) x = static_cast<S>(sd * rng.normal());
-  };
-  randv(p.embed, static_cast<int64_t>(V) * H, 1.0);
-  randv(p.head, static_cast<int64_t>(V) * H, 0.5);
-  p.doc_offsets = {0, 11, 20, 22};  // the last document (2 tokens) has no anchor
-  p.T = 22;
-  randv(p.features, p.T * 2 * H, 1.0);
-  randv(p.final_hidden, p.T * H, 1.0);
-  p.tokens.resize(p.T);
-  p.mask.assign(p.T, 1);
-  for (int64_t t = 0; t < p.T; ++t) p.tokens[t] = static_cast<int32_t>(rng.below(V - 1));
-  p.mask[8] = 0;  // the first document's later blocks stop early
-  p.anchors = std::move(anchors);
+  Problem<S> p(test::draw_drafter_problem<S>(rng, std::move(cfg), std::move(anchors)));
+  p.final_hidden.resize(p.T * H);
+  for (S& x : p.final_hidden) x = static_cast<S>(rng.normal());
   p.obj.kind = ObjectiveKind::dspark;
   p.obj.dspark_ce_alpha = 0.3;
   p.obj.dspark_l1_alpha = 0.9;
@@ -110,11 +64,7 @@ Problem<S> make_problem(uint64_t seed, Heads h, std::vector<Anchor> anchors, int
 
 template <typename S>
 DrafterTrainResult step_of(const Problem<S>& p, std::vector<S>* grads, const S* final_hidden) {
-  auto ws = std::make_unique<DrafterWorkspace<S>>();
-  const DrafterBatch b = p.batch();
-  return drafter_train_step<S>(p.cfg, *p.layout, p.params.data(), grads ? grads->data() : nullptr,
-                               p.tables(), b, p.features.data(), 1.0 / b.weight_sum, *ws,
-                               final_hidden);
+  return test::drafter_problem_step(p, p.batch(), grads, final_hidden);
 }
 
 // The loss with acc held at `acc0` (the BCE target is detached): the step's loss with its BCE
@@ -234,16 +184,8 @@ TEST(DSpark, Float32StepAgreesWithFloat64) {
   auto pf = make_problem<float>(9, h, kAnchors);
   std::vector<double> gd(pd.layout->total, 0.0);
   std::vector<float> gf(pf.layout->total, 0.0f);
-  const DrafterTrainResult rd = step_of(pd, &gd, pd.final_hidden.data());
-  const DrafterTrainResult rf = step_of(pf, &gf, pf.final_hidden.data());
-  EXPECT_NEAR(rf.loss_sum, rd.loss_sum, 1e-4 * std::abs(rd.loss_sum));
-  EXPECT_EQ(rf.argmax, rd.argmax);
-  double num = 0, den = 0;
-  for (size_t i = 0; i < gd.size(); ++i) {
-    num += (gf[i] - gd[i]) * (gf[i] - gd[i]);
-    den += gd[i] * gd[i];
-  }
-  EXPECT_LT(std::sqrt(num / den), 1e-4);
+  test::expect_float32_step_agrees(step_of(pd, &gd, pd.final_hidden.data()), gd,
+                                   step_of(pf, &gf, pf.final_hidden.data()), gf);
 }
 
 // OBJECTIVES.md §4: when the draft logits are LMhead(Hl[a+k]) (no Markov bias, the target's final
