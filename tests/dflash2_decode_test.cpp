@@ -5,6 +5,8 @@
 // which runs a DFlash2 drafter too.
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
@@ -15,6 +17,7 @@
 #include "infer/speculative.hpp"
 #include "model/dflash2_selector.hpp"
 #include "model/drafter_io.hpp"
+#include "util/decode_fixture.hpp"
 #include "util/test_util.hpp"
 
 namespace dflash {
@@ -27,15 +30,8 @@ using test::TempDir;
 // the per-slot argmax); otherwise drafter_init's identity start.
 std::filesystem::path save_dflash2_drafter(const TempDir& dir, Dflash2Heads heads, int K,
                                            uint64_t seed, bool shape = true) {
-  DrafterSizes sizes;
-  sizes.block_size = K;
-  sizes.intermediate_size = 128;
-  DrafterConfig c = drafter_config_for_target(test::tiny_qwen3_f32().config(), 1, sizes, 8000);
-  c.dflash2 = heads;
-  const DrafterLayout layout(c);
-  std::vector<float> params(static_cast<size_t>(layout.total));
-  drafter_init(params, layout, seed);
-  if (shape) {
+  auto random_selector = [&](const DrafterConfig& c, const DrafterLayout& layout,
+                             std::vector<float>& params) {
     Rng rng(seed + 1);
     const int64_t r = heads.selector_rank;
     for (int64_t i = 0; i < c.vocab_size * r; ++i) {
@@ -45,10 +41,11 @@ std::filesystem::path save_dflash2_drafter(const TempDir& dir, Dflash2Heads head
     for (int64_t i = 0; i < r * c.hidden_size; ++i) params[layout.dflash2.hidden_proj + i] *= 50.0f;
     const ParamInfo& kp = layout.find("layers.0.mlp_conv.kernel_projection.weight");
     for (int64_t i = 0; i < kp.numel; ++i) params[kp.offset + i] = 0.05f * rng.normal();
-  }
-  const auto d = dir / ("dflash2_" + std::to_string(seed));
-  drafter_save(d, c, layout, params, DType::f32);
-  return d;
+  };
+  return test::save_tiny_drafter(
+      dir.path(), "dflash2_" + std::to_string(seed), K, seed,
+      [&](DrafterConfig& c) { c.dflash2 = heads; },
+      shape ? std::function(random_selector) : nullptr);
 }
 
 const Dflash2Heads kHeads{true, 2, 16, 8, 6, 0.5, 20.0};
@@ -117,32 +114,19 @@ TEST(Dflash2Decode, ExportIsTheDflash2LayoutAndLoadsBack) {
 TEST(Dflash2Decode, TheWalkDraftsFromThePreviousDraft) {
   TempDir dir;
   const LoadedDrafter d = drafter_load(save_dflash2_drafter(dir, kHeads, 5, 7));
-  const SpeculativeDecoder dec(test::tiny_qwen3_f32(), d);
-  const Tokenizer tok = Tokenizer::load(test::tiny_qwen3_dir());
-  DecodeOptions o;
-  o.max_new_tokens = 12;
-  SpecState s = dec.start(tok.encode("The history of the river"), o);
-  const int32_t anchor = s.anchor;
-  DrafterCache cache = s.drafter_cache;
-  dec.step(s, o);
-  ASSERT_EQ(s.last_proposals.size(), 4u);
-  // The same draft by hand.
-  DrafterWorkspace<float> ws;
-  std::vector<float> embed = test::tiny_qwen3_f32().embedding_f32();
-  const DrafterTables<float> tables{embed.data(), embed.data()};  // tied head
-  const std::span<const float> U =
-      drafter_draft_block(cache, d.config, d.layout, d.params.data(), tables, anchor, ws);
+  const test::HandDraft h = test::draft_one_block(d);
+  ASSERT_EQ(h.proposals.size(), 4u);
   const int64_t V = d.config.vocab_size, H = d.config.hidden_size;
   Dflash2SlotScores sc;
-  int32_t prev = anchor;
+  int32_t prev = h.anchor;
   int changed = 0;
   for (int k = 1; k < 5; ++k) {
-    const float* row = U.data() + k * V;
-    dflash2_slot_scores(d.config, d.layout, d.params.data(), row, ws.hf.data() + k * H, prev, sc);
+    const float* row = h.logits.data() + k * V;
+    dflash2_slot_scores(d.config, d.layout, d.params.data(), row, h.ws.hf.data() + k * H, prev, sc);
     const int32_t plain = argmax_row(row, V);
     prev = dflash2_greedy(sc);
     changed += prev != plain;
-    EXPECT_EQ(s.last_proposals[k - 1], prev) << "slot " << k;
+    EXPECT_EQ(h.proposals[k - 1], prev) << "slot " << k;
   }
   EXPECT_GT(changed, 0)
       << "the selector never moved the walk off the argmax: the test has no power";
@@ -151,25 +135,7 @@ TEST(Dflash2Decode, TheWalkDraftsFromThePreviousDraft) {
 TEST(Dflash2Decode, GreedyOutputIsTheTargetsOwn) {
   TempDir dir;
   const LoadedDrafter d = drafter_load(save_dflash2_drafter(dir, kHeads, 4, 9));
-  const SpeculativeDecoder dec(test::tiny_qwen3_f32(), d);
-  const Tokenizer tok = Tokenizer::load(test::tiny_qwen3_dir());
-  const ChatTemplate tmpl = resolve_chat_template(test::tiny_qwen3_dir(), "");
-  const std::vector<EvalPrompt> prompts =
-      load_eval_prompts(test::assets_dir() / "data" / "eval_prompts.jsonl", tmpl, tok, 0, 1);
-  ASSERT_EQ(prompts.size(), 4u);
-  DecodeOptions o;
-  o.max_new_tokens = 24;
-  o.stop_ids = generation_eos_ids(test::tiny_qwen3_dir(), test::tiny_qwen3_f32().config());
-  for (const EvalPrompt& p : prompts) {
-    const auto ref =
-        greedy_generate(test::tiny_qwen3_f32(), p.tokens, o.max_new_tokens, o.stop_ids, true);
-    const DecodeResult r = dec.generate(p.tokens, o);
-    EXPECT_EQ(r.tokens, ref) << p.id;
-    for (int a : r.accept_lengths) {
-      EXPECT_GE(a, 1);
-      EXPECT_LE(a, 4);  // K−1 drafts + the bonus
-    }
-  }
+  test::expect_greedy_decoding_lossless(d, 4, "dflash2");  // K−1 drafts + the bonus
 }
 
 // --backend cuda refuses a DFlash2 drafter by its architecture, before looking for a device or

@@ -18,6 +18,7 @@
 #include "model/domino_head.hpp"
 #include "model/drafter_io.hpp"
 #include "model/safetensors.hpp"
+#include "util/decode_fixture.hpp"
 #include "util/test_util.hpp"
 
 namespace dflash {
@@ -29,25 +30,19 @@ using test::TempDir;
 // the correction moves the argmax.
 std::filesystem::path save_domino_drafter(const TempDir& dir, DominoHead head, int K,
                                           uint64_t seed) {
-  DrafterSizes sizes;
-  sizes.block_size = K;
-  sizes.intermediate_size = 128;
-  DrafterConfig c = drafter_config_for_target(test::tiny_qwen3_f32().config(), 1, sizes, 8000);
-  c.domino = head;
-  const DrafterLayout layout(c);
-  std::vector<float> params(static_cast<size_t>(layout.total));
-  drafter_init(params, layout, seed);
-  for (int64_t i = 0; i < c.vocab_size * head.emb_dim; ++i)
-    params[layout.domino.proj2 + i] *= 400.0f;
-  for (int64_t i = 0; i < head.emb_dim * (c.hidden_size + head.gru_hidden_dim); ++i) {
-    params[layout.domino.proj1 + i] *= 20.0f;
-  }
-  for (int64_t i = 0; i < 3 * head.gru_hidden_dim * c.hidden_size; ++i) {
-    params[layout.domino.gru_ih + i] *= 20.0f;
-  }
-  const auto d = dir / ("domino" + std::to_string(seed));
-  drafter_save(d, c, layout, params, DType::f32);
-  return d;
+  return test::save_tiny_drafter(
+      dir.path(), "domino" + std::to_string(seed), K, seed,
+      [&](DrafterConfig& c) { c.domino = head; },
+      [&](const DrafterConfig& c, const DrafterLayout& layout, std::vector<float>& params) {
+        for (int64_t i = 0; i < c.vocab_size * head.emb_dim; ++i)
+          params[layout.domino.proj2 + i] *= 400.0f;
+        for (int64_t i = 0; i < head.emb_dim * (c.hidden_size + head.gru_hidden_dim); ++i) {
+          params[layout.domino.proj1 + i] *= 20.0f;
+        }
+        for (int64_t i = 0; i < 3 * head.gru_hidden_dim * c.hidden_size; ++i) {
+          params[layout.domino.gru_ih + i] *= 20.0f;
+        }
+      });
 }
 
 TEST(DominoDecode, ExportIsSpecForgesLayoutAndLoadsBack) {
@@ -107,39 +102,26 @@ TEST(DominoDecode, ProposalsFollowTheGruRollout) {
   for (bool shift : {false, true}) {
     const DominoHead head{true, 12, 20, 1, shift};
     const LoadedDrafter d = drafter_load(save_domino_drafter(dir, head, 6, shift ? 8 : 7));
-    const SpeculativeDecoder dec(test::tiny_qwen3_f32(), d);
-    const Tokenizer tok = Tokenizer::load(test::tiny_qwen3_dir());
-    DecodeOptions o;
-    o.max_new_tokens = 12;
-    SpecState s = dec.start(tok.encode("The history of the river"), o);
-    const int32_t anchor = s.anchor;
-    DrafterCache cache = s.drafter_cache;
-    dec.step(s, o);
-    ASSERT_EQ(s.last_proposals.size(), 5u);
-    // The same draft by hand.
-    DrafterWorkspace<float> ws;
-    std::vector<float> embed = test::tiny_qwen3_f32().embedding_f32();
-    const DrafterTables<float> tables{embed.data(), embed.data()};  // tied head
-    const std::span<const float> U =
-        drafter_draft_block(cache, d.config, d.layout, d.params.data(), tables, anchor, ws);
+    test::HandDraft h = test::draft_one_block(d);
+    ASSERT_EQ(h.proposals.size(), 5u);
     const int64_t V = d.config.vocab_size, H = d.config.hidden_size;
     DominoSlotState st;
     domino_block_start(d.config, st);
-    int32_t prev = anchor;
+    int32_t prev = h.anchor;
     int changed = 0;
     for (int j = 0; j < 5; ++j) {
       const int k = shift ? j : j + 1;
-      std::vector<float> row(U.begin() + k * V, U.begin() + (k + 1) * V);
+      std::vector<float> row(h.logits.begin() + k * V, h.logits.begin() + (k + 1) * V);
       const int32_t plain = argmax_row(row.data(), V);
-      domino_feed(d.config, d.layout, d.params.data(), embed.data(), prev, st);
-      domino_slot_logits(d.config, d.layout, d.params.data(), row.data(), ws.hf.data() + k * H, k,
+      domino_feed(d.config, d.layout, d.params.data(), h.embed.data(), prev, st);
+      domino_slot_logits(d.config, d.layout, d.params.data(), row.data(), h.ws.hf.data() + k * H, k,
                          st);
       prev = argmax_row(row.data(), V);
       if (j == 0) {
         EXPECT_EQ(prev, plain) << "the first P = 1 proposal is base-only";
       }
       changed += prev != plain;
-      EXPECT_EQ(s.last_proposals[j], prev) << "shift " << shift << " proposal " << j;
+      EXPECT_EQ(h.proposals[j], prev) << "shift " << shift << " proposal " << j;
     }
     EXPECT_GT(changed, 0) << "the correction never moved the argmax: the test has no power";
   }
@@ -150,25 +132,7 @@ TEST(DominoDecode, GreedyOutputIsTheTargetsOwn) {
   for (bool shift : {false, true}) {
     const LoadedDrafter d =
         drafter_load(save_domino_drafter(dir, DominoHead{true, 8, 16, 0, shift}, 4, 9));
-    const SpeculativeDecoder dec(test::tiny_qwen3_f32(), d);
-    const Tokenizer tok = Tokenizer::load(test::tiny_qwen3_dir());
-    const ChatTemplate tmpl = resolve_chat_template(test::tiny_qwen3_dir(), "");
-    const std::vector<EvalPrompt> prompts =
-        load_eval_prompts(test::assets_dir() / "data" / "eval_prompts.jsonl", tmpl, tok, 0, 1);
-    ASSERT_EQ(prompts.size(), 4u);
-    DecodeOptions o;
-    o.max_new_tokens = 24;
-    o.stop_ids = generation_eos_ids(test::tiny_qwen3_dir(), test::tiny_qwen3_f32().config());
-    for (const EvalPrompt& p : prompts) {
-      const auto ref =
-          greedy_generate(test::tiny_qwen3_f32(), p.tokens, o.max_new_tokens, o.stop_ids, true);
-      const DecodeResult r = dec.generate(p.tokens, o);
-      EXPECT_EQ(r.tokens, ref) << p.id << " shift " << shift;
-      for (int a : r.accept_lengths) {
-        EXPECT_GE(a, 1);
-        EXPECT_LE(a, 4);  // K − 1 drafts + the bonus
-      }
-    }
+    test::expect_greedy_decoding_lossless(d, 4, shift ? "shift" : "no shift");  // K−1 + bonus
   }
 }
 

@@ -16,6 +16,7 @@
 #include "infer/speculative.hpp"
 #include "model/drafter_io.hpp"
 #include "model/dspark_head.hpp"
+#include "util/decode_fixture.hpp"
 #include "util/test_util.hpp"
 
 namespace dflash {
@@ -27,22 +28,15 @@ using test::TempDir;
 // scaled up so that the bias moves the argmax.
 std::filesystem::path save_dspark_drafter(const TempDir& dir, DsparkHeads heads, int K,
                                           uint64_t seed) {
-  DrafterSizes sizes;
-  sizes.block_size = K;
-  sizes.intermediate_size = 128;
-  DrafterConfig c = drafter_config_for_target(test::tiny_qwen3_f32().config(), 1, sizes, 8000);
-  c.dspark = heads;
-  const DrafterLayout layout(c);
-  std::vector<float> params(static_cast<size_t>(layout.total));
-  drafter_init(params, layout, seed);
-  if (layout.dspark.markov_w2 >= 0) {
-    for (int64_t i = 0; i < c.vocab_size * heads.markov_rank; ++i) {
-      params[layout.dspark.markov_w2 + i] *= 400.0f;
-    }
-  }
-  const auto d = dir / ("dspark" + std::to_string(seed));
-  drafter_save(d, c, layout, params, DType::f32);
-  return d;
+  return test::save_tiny_drafter(
+      dir.path(), "dspark" + std::to_string(seed), K, seed,
+      [&](DrafterConfig& c) { c.dspark = heads; },
+      [&](const DrafterConfig& c, const DrafterLayout& layout, std::vector<float>& params) {
+        if (layout.dspark.markov_w2 < 0) return;
+        for (int64_t i = 0; i < c.vocab_size * heads.markov_rank; ++i) {
+          params[layout.dspark.markov_w2 + i] *= 400.0f;
+        }
+      });
 }
 
 TEST(DSparkDecode, ExportIsSpecForgesLayoutAndLoadsBack) {
@@ -96,33 +90,20 @@ TEST(DSparkDecode, EverySlotDraftsFromThePreviousDraft) {
        {MarkovHeadType::vanilla, MarkovHeadType::gated, MarkovHeadType::rnn}) {
     const LoadedDrafter d =
         drafter_load(save_dspark_drafter(dir, DsparkHeads{true, 6, type, false, false}, 5, 7));
-    const SpeculativeDecoder dec(test::tiny_qwen3_f32(), d);
-    const Tokenizer tok = Tokenizer::load(test::tiny_qwen3_dir());
-    DecodeOptions o;
-    o.max_new_tokens = 12;
-    SpecState s = dec.start(tok.encode("The history of the river"), o);
-    const int32_t anchor = s.anchor;
-    DrafterCache cache = s.drafter_cache;
-    dec.step(s, o);
-    ASSERT_EQ(s.last_proposals.size(), 5u) << markov_head_type_name(type);
-    // The same draft by hand.
-    DrafterWorkspace<float> ws;
-    std::vector<float> embed = test::tiny_qwen3_f32().embedding_f32();
-    const DrafterTables<float> tables{embed.data(), embed.data()};  // tied head
-    const std::span<const float> U =
-        drafter_draft_block(cache, d.config, d.layout, d.params.data(), tables, anchor, ws);
+    test::HandDraft h = test::draft_one_block(d);
+    ASSERT_EQ(h.proposals.size(), 5u) << markov_head_type_name(type);
     const int64_t V = d.config.vocab_size, H = d.config.hidden_size;
     DsparkSlotState st;
-    int32_t prev = anchor;
+    int32_t prev = h.anchor;
     int changed = 0;
     for (int k = 0; k < 5; ++k) {
-      std::vector<float> row(U.begin() + k * V, U.begin() + (k + 1) * V);
+      std::vector<float> row(h.logits.begin() + k * V, h.logits.begin() + (k + 1) * V);
       const int32_t plain = argmax_row(row.data(), V);
-      dspark_slot_logits(d.config, d.layout, d.params.data(), row.data(), ws.hf.data() + k * H,
+      dspark_slot_logits(d.config, d.layout, d.params.data(), row.data(), h.ws.hf.data() + k * H,
                          prev, k, st);
       prev = argmax_row(row.data(), V);
       changed += prev != plain;
-      EXPECT_EQ(s.last_proposals[k], prev) << markov_head_type_name(type) << " slot " << k;
+      EXPECT_EQ(h.proposals[k], prev) << markov_head_type_name(type) << " slot " << k;
     }
     EXPECT_GT(changed, 0) << "the Markov bias never moved the argmax: the test has no power";
   }
@@ -132,25 +113,7 @@ TEST(DSparkDecode, GreedyOutputIsTheTargetsOwn) {
   TempDir dir;
   const LoadedDrafter d = drafter_load(
       save_dspark_drafter(dir, DsparkHeads{true, 6, MarkovHeadType::rnn, true, true}, 4, 9));
-  const SpeculativeDecoder dec(test::tiny_qwen3_f32(), d);
-  const Tokenizer tok = Tokenizer::load(test::tiny_qwen3_dir());
-  const ChatTemplate tmpl = resolve_chat_template(test::tiny_qwen3_dir(), "");
-  const std::vector<EvalPrompt> prompts =
-      load_eval_prompts(test::assets_dir() / "data" / "eval_prompts.jsonl", tmpl, tok, 0, 1);
-  ASSERT_EQ(prompts.size(), 4u);
-  DecodeOptions o;
-  o.max_new_tokens = 24;
-  o.stop_ids = generation_eos_ids(test::tiny_qwen3_dir(), test::tiny_qwen3_f32().config());
-  for (const EvalPrompt& p : prompts) {
-    const auto ref =
-        greedy_generate(test::tiny_qwen3_f32(), p.tokens, o.max_new_tokens, o.stop_ids, true);
-    const DecodeResult r = dec.generate(p.tokens, o);
-    EXPECT_EQ(r.tokens, ref) << p.id;
-    for (int a : r.accept_lengths) {
-      EXPECT_GE(a, 1);
-      EXPECT_LE(a, 5);  // K drafts + the bonus
-    }
-  }
+  test::expect_greedy_decoding_lossless(d, 5, "dspark");  // K drafts + the bonus
 }
 
 // Oracle verification: K proposals (a DSpark block) that are the target's greedy continuation are
