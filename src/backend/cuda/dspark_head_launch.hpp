@@ -63,6 +63,54 @@ void dspark_conf_bwd(float* dhf, float* demb, float* gw, float* gb, const float*
 void dspark_w1_scatter(float* gw1, const float* demb, const int32_t* prev, const int32_t* order,
                        const int32_t* seg, int64_t max_segments, int64_t r, cudaStream_t s);
 
+/// dst[i, c] = src[i, c] for i < n, c < cols (bf16 rows; leading dimensions ld_dst and ld_src);
+/// zeros when src is null. Builds the gated head's input [h ; e] and the rnn head's [s ; e ; h].
+void dspark_copy_cols(uint16_t* dst, int64_t ld_dst, const uint16_t* src, int64_t ld_src, int64_t n,
+                      int64_t cols, cudaStream_t s);
+
+/// The latent z [n, r] of a Markov head as a pair of bf16 matrices, z = z_hi + z_lo to about 16
+/// bits (z_hi = bf16(z), z_lo = bf16(z − z_hi)): the bias GEMMs D += z_hi·W2ᵀ + z_lo·W2ᵀ then
+/// match the CPU's fp32 z where one bf16 z would move the logits by ~2⁻⁹·|W2·z|.
+struct DsparkLatent {
+  uint16_t* hi = nullptr;
+  uint16_t* lo = nullptr;
+};
+
+/// The gated head's forward over n rows (model/drafter.hpp MarkovHeadType::gated): pre [n, r]
+/// holds Wg·[h ; e] on entry and Wg·[h ; e] + bg on return; z = σ(pre) ⊙ e.
+void dspark_gated_fwd(float* pre, const float* bias, const uint16_t* emb, DsparkLatent z, int64_t n,
+                      int64_t r, cudaStream_t s);
+
+/// The gated head's backward from dz [n, r] = ∂/∂z: with g = σ(pre), demb = dz ⊙ g (overwritten),
+/// dpre = dz ⊙ e ⊙ g ⊙ (1 − g), written as f32 (for ∂bg) and bf16 (the input of the GEMMs ∂[h ; e]
+/// = dpre·Wg and ∂Wg += dpreᵀ·[h ; e]).
+void dspark_gated_bwd(const float* dz, const float* pre, const uint16_t* emb, float* demb,
+                      float* dpre, uint16_t* dpre_bf16, int64_t n, int64_t r, cudaStream_t s);
+
+/// The rnn head's recurrence over n rows = n/K whole blocks of K slots, one block of threads per
+/// block row group, slots in order (model/drafter.hpp MarkovHeadType::rnn). u [n, 3r] holds
+/// J[:, r:]·[e ; h] on entry (the GEMM over the non-recurrent inputs, the s columns of `in` being
+/// 0) and u = J·[s_{k−1} ; e ; h] + bJ on return (s_{k−1}·J[:, :r]ᵀ summed in j order, fp32, J
+/// read from its bf16 copy `jw` [3r, ld]); sprev [n, r] f32 and the s columns of in [n, ld] (bf16)
+/// receive s_{k−1} (0 at slot 0); z = tanh(u[2r:3r]).
+void dspark_rnn_fwd(float* u, const float* bias, const uint16_t* jw, int64_t ld, float* sprev,
+                    uint16_t* in, DsparkLatent z, int64_t n, int64_t K, int64_t r, cudaStream_t s);
+
+/// The rnn head's backward through each block's slots, last to first (the CPU's
+/// markov_backward): from dz [n, r], u and sprev of dspark_rnn_fwd, du [n, 3r] = ∂/∂u as f32 and
+/// bf16; the recurrence ∂s_{k−1} = ∂s_k ⊙ σ(g) + du·J[:, :r] runs in fp32 in a fixed order.
+void dspark_rnn_bwd(const float* dz, const float* u, const float* sprev, const uint16_t* jw,
+                    int64_t ld, float* du, uint16_t* du_bf16, int64_t n, int64_t K, int64_t r,
+                    cudaStream_t s);
+
+/// out[c] += Σ_i in[i, c] for c < cols (rows in order, one thread per column): a bias gradient.
+void dspark_col_sum(float* out, const float* in, int64_t n, int64_t cols, cudaStream_t s);
+
+/// The Markov head's input gradient dx [n, ldx] (columns h_col.. the hidden state, e_col.. the
+/// embedding) into dhf [n, H] (+=) and demb [n, r] (+= when add_e, else =).
+void dspark_markov_dx(float* dhf, float* demb, const float* dx, int64_t ldx, int64_t h_col,
+                      int64_t e_col, int64_t n, int64_t H, int64_t r, bool add_e, cudaStream_t s);
+
 /// sums[0..5] = Σ w·(αce·CE + αl1·L1 + αconf·BCE), Σ w, Σ w·CE, Σ w·L1, Σ w·BCE, Σ w·acc over the
 /// R rows with w ≠ 0, in double, in a fixed order (one block).
 void dspark_sums(double* sums, const DsparkRowOut& rows, const float* weights, int64_t R,
