@@ -34,7 +34,8 @@ int64_t chunk_of(const DrafterConfig& cfg, int64_t R, int64_t chunk_rows) {
 constexpr int kRowArrays = 6;  // ce, l1, bce, acc, conf, dconf
 
 // Byte offsets of the chunk workspace's buffers (C rows), each rounded to kArenaAlign:
-//   d, t      D and TL f32 [C, V];  dd  dD bf16 [C, V];  teach  Hl rows bf16 [C, H]
+//   d, t      D and TL f32 [C, V]; dD bf16 [C, V] is written over TL in place (leading dimension
+//             2V: row i in the first half of TL's row i; dspark_rows);  teach  Hl rows bf16 [C, H]
 //   emb       E = W1[p] bf16 [C, r]
 // and for the gated and rnn heads (X = H + r columns of the gated input [h ; e], 2r + H of the
 // rnn input [s ; e ; h]; A = r gate pre-activations or 3r rnn pre-activations u):
@@ -42,7 +43,7 @@ constexpr int kRowArrays = 6;  // ce, l1, bce, acc, conf, dconf
 //   act  f32 [C, A];  dz  ∂z f32 [C, r];  dact, dact_bf16  ∂act f32 and bf16 [C, A]
 //   dx   ∂x f32 [C, X];  sprev  s_{k−1} f32 [C, r] (rnn)
 struct ChunkLayout {
-  uint64_t d = 0, t = 0, dd = 0, teach = 0, emb = 0;
+  uint64_t d = 0, t = 0, teach = 0, emb = 0;
   uint64_t z_hi = 0, z_lo = 0, x = 0, act = 0, dz = 0, dact = 0, dact_bf16 = 0, dx = 0, sprev = 0;
   int64_t X = 0, A = 0;
   uint64_t total = 0;
@@ -58,7 +59,6 @@ ChunkLayout chunk_layout(const DrafterConfig& cfg, int64_t C) {
   };
   l.d = take(n * V * 4);
   l.t = take(n * V * 4);
-  l.dd = take(n * V * 2);
   l.teach = take(n * H * 2);
   l.emb = take(std::max<uint64_t>(n * r, 1) * 2);
   if (!has_latent(cfg)) return l;
@@ -176,7 +176,7 @@ ChunkBufs chunk_bufs(void* workspace, const ChunkLayout& l) {
   ChunkBufs b;
   b.d = f32(l.d);
   b.t = f32(l.t);
-  b.dd = b16(l.dd);
+  b.dd = b16(l.t);  // over TL, leading dimension 2V
   b.teach = b16(l.teach);
   b.emb = b16(l.emb);
   if (l.X == 0) return b;
@@ -324,17 +324,18 @@ void dspark_head_cuda(cuda::CudaContext& ctx, const DrafterConfig& cfg, const Dr
     in.a_l1 = static_cast<float>(obj.dspark_l1_alpha);
     in.a_conf = conf ? static_cast<float>(obj.dspark_conf_alpha) : 0.0f;
     in.grad_scale = static_cast<float>(a.grad_scale);
-    cuda::launch::dspark_rows(in, rows_at(rb.out, r0), a.grads ? b.dd : nullptr, s);
+    cuda::launch::dspark_rows(in, rows_at(rb.out, r0), a.grads ? b.dd : nullptr, 2 * V, s);
     if (!a.grads) continue;
     float* dhf = a.dhf + r0 * H;
     float* demb = rb.demb + r0 * r;
     // dhf [n, H] = dD·LMhead, then the Markov head's parts
-    cuda::gemm_bf16(ctx, dhf, DType::f32, H, b.dd, V, false, a.lm_head, H, false, n, H, V);
+    const int64_t ldd = 2 * V;
+    cuda::gemm_bf16(ctx, dhf, DType::f32, H, b.dd, ldd, false, a.lm_head, H, false, n, H, V);
     if (latent) {
-      latent_bwd(ctx, cfg, layout, a, b, b.dd, V, dhf, demb, n);
+      latent_bwd(ctx, cfg, layout, a, b, b.dd, ldd, dhf, demb, n);
     } else if (r > 0) {  // vanilla: dE [n, r] = dD·W2; dW2 [V, r] += dDᵀ·E
-      cuda::gemm_bf16(ctx, demb, DType::f32, r, b.dd, V, false, w2, r, false, n, r, V);
-      cuda::gemm_bf16(ctx, a.grads + layout.dspark.markov_w2, DType::f32, r, b.dd, V, true, b.emb,
+      cuda::gemm_bf16(ctx, demb, DType::f32, r, b.dd, ldd, false, w2, r, false, n, r, V);
+      cuda::gemm_bf16(ctx, a.grads + layout.dspark.markov_w2, DType::f32, r, b.dd, ldd, true, b.emb,
                       r, false, V, r, n, 1.0f, 1.0f);
     }
     if (conf) {

@@ -8,6 +8,7 @@
 //   D = hf·LMheadᵀ (+ z·W2ᵀ: further cuBLASLt GEMMs accumulating)
 //   TL = Hl[a+k]·LMheadᵀ (teacher rows gathered; 0 on unsupervised rows)
 //   one row kernel: softmax D and TL, argmax D, CE, L1, acc, the confidence logit and BCE, dD
+//     (bf16, written over TL's rows in place: the workspace holds two [C, V] f32 buffers)
 //   dhf = dD·LMhead (+ the confidence head's part), dW2 += dDᵀ·z, dz = dD·W2; the Markov head's
 //   backward from dz (gated: elementwise, then two GEMMs for ∂[hf ; E] and ∂Wg and a column sum
 //   for ∂bg; rnn: the slots of each block last to first in one thread block, then the same GEMMs
@@ -53,8 +54,9 @@ struct DsparkRowIndex {
 DsparkRowIndex dspark_row_index(const DrafterBatch& batch, int64_t rows, int64_t vocab);
 
 /// Device bytes of the DSpark head's chunk workspace for chunks of `chunk_rows` rows (C = min(
-/// chunk_rows, max(R, 1)); for the rnn head a multiple of K, at least K): D and TL f32 [C, V], dD
-/// bf16 [C, V], the gathered teacher rows bf16 [C, H], E bf16 [C, r]; for a gated or rnn head also
+/// chunk_rows, max(R, 1)); for the rnn head a multiple of K, at least K): D and TL f32 [C, V] (dD
+/// bf16 is written over TL: 8 bytes per logit), the gathered teacher rows bf16 [C, H], E bf16 [C,
+/// r]; for a gated or rnn head also
 /// z (two bf16 [C, r]), the head's input bf16 [C, X] and its gradient f32 [C, X] (X = H + r gated,
 /// 2r + H rnn), the pre-activations f32 [C, A] and their gradient f32 and bf16 [C, A] (A = r
 /// gated, 3r rnn), dz f32 [C, r] and (rnn) s_{k−1} f32 [C, r]; each rounded to kArenaAlign.

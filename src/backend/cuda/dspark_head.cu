@@ -16,6 +16,7 @@ namespace dflash::cuda {
 namespace {
 
 constexpr int kRowThreads = 256;
+constexpr int kGradTile = 4;  // columns per thread between the gradient pass's barriers
 
 // Online max and Σ exp(x − max) of a set of values (rescaled when the max grows; Milakov &
 // Gimelshein 2018), with the first index of the largest value (bv, bi).
@@ -75,7 +76,8 @@ __global__ void gather_rows_kernel(uint16_t* out, const uint16_t* table, const i
     out[i * cols + c] = row < 0 ? uint16_t{0} : table[row * ld + c];
 }
 
-__global__ void rows_kernel(launch::DsparkRowIn in, launch::DsparkRowOut out, uint16_t* dd) {
+__global__ void rows_kernel(launch::DsparkRowIn in, launch::DsparkRowOut out, uint16_t* dd,
+                            int64_t ldd) {
   __shared__ Online sh_online[32];
   __shared__ float sh_sum[32];
   const int64_t i = blockIdx.x, V = in.V;
@@ -89,7 +91,7 @@ __global__ void rows_kernel(launch::DsparkRowIn in, launch::DsparkRowOut out, ui
       out.acc[i] = nan, out.conf[i] = nan, out.argmax[i] = -1;
     }
     if (dd)
-      for (int64_t v = threadIdx.x; v < V; v += blockDim.x) dd[i * V + v] = 0;
+      for (int64_t v = threadIdx.x; v < V; v += blockDim.x) dd[i * ldd + v] = 0;
     return;
   }
   // Pass 1: softmax statistics of D (with its argmax) and of T.
@@ -136,12 +138,28 @@ __global__ void rows_kernel(launch::DsparkRowIn in, launch::DsparkRowOut out, ui
     out.dconf[i] = dz;
   }
   if (!dd) return;
-  // Pass 3: the logits gradient.
+  // Pass 3: the logits gradient, tile by tile of kGradTile·blockDim columns: every thread reads
+  // its columns of the tile, a barrier, then the tile's bf16 values are written. When dd overlays
+  // TL's row (dspark_rows), column v's value lands on TL's column v/2: inside the tile or an
+  // earlier one, all read before the barrier; later tiles' columns are not touched.
   const float gs = in.grad_scale * w;
-  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
-    const float p = expf(d[v] - lse_d), q = expf(t[v] - lse_t);
-    const float g = in.a_ce * (p - (v == y ? 1.f : 0.f)) + in.a_l1 * p * (sign_of(p - q) - sp);
-    dd[i * V + v] = f32_to_bf16(gs * g);
+  const int64_t tile = static_cast<int64_t>(kGradTile) * blockDim.x;
+  for (int64_t v0 = 0; v0 < V; v0 += tile) {
+    float g[kGradTile] = {};
+#pragma unroll
+    for (int e = 0; e < kGradTile; ++e) {
+      const int64_t v = v0 + e * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+      if (v >= V) break;
+      const float p = expf(d[v] - lse_d), q = expf(t[v] - lse_t);
+      g[e] = in.a_ce * (p - (v == y ? 1.f : 0.f)) + in.a_l1 * p * (sign_of(p - q) - sp);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int e = 0; e < kGradTile; ++e) {
+      const int64_t v = v0 + e * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+      if (v >= V) break;
+      dd[i * ldd + v] = f32_to_bf16(gs * g[e]);
+    }
   }
 }
 
@@ -351,9 +369,10 @@ void dspark_gather_rows(uint16_t* out, const uint16_t* table, const int32_t* idx
   DFLASH_CUDA_LAUNCH_CHECK();
 }
 
-void dspark_rows(const DsparkRowIn& in, const DsparkRowOut& out, uint16_t* dd, cudaStream_t s) {
+void dspark_rows(const DsparkRowIn& in, const DsparkRowOut& out, uint16_t* dd, int64_t ldd,
+                 cudaStream_t s) {
   if (in.n == 0) return;
-  rows_kernel<<<static_cast<unsigned>(in.n), kRowThreads, 0, s>>>(in, out, dd);
+  rows_kernel<<<static_cast<unsigned>(in.n), kRowThreads, 0, s>>>(in, out, dd, ldd);
   DFLASH_CUDA_LAUNCH_CHECK();
 }
 

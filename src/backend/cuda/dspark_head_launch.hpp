@@ -45,9 +45,13 @@ struct DsparkRowIn {
 };
 
 /// One block per row: softmax D and softmax T (online max and Σexp), argmax D, CE, L1, acc, the
-/// confidence logit and its BCE and, when dd is not null, dd bf16 [n, V] = grad_scale·w·
-/// (αce·(P − onehot(y)) + αl1·P⊙(sign(P − T) − Σ_v P_v·sign(P_v − T_v))) (0 on rows with w = 0).
-void dspark_rows(const DsparkRowIn& in, const DsparkRowOut& out, uint16_t* dd, cudaStream_t s);
+/// confidence logit and its BCE and, when dd is not null, dd bf16 [n, V] (leading dimension ldd ≥
+/// V) = grad_scale·w·(αce·(P − onehot(y)) + αl1·P⊙(sign(P − T) − Σ_v P_v·sign(P_v − T_v))) (0 on
+/// rows with w = 0). dd may overlay the teacher logits in place: dd = (uint16_t*)in.t with ldd =
+/// 2V (row i of dD in the first half of TL's row i; TL is garbage afterwards); any other overlap of
+/// dd with in.d or in.t is undefined.
+void dspark_rows(const DsparkRowIn& in, const DsparkRowOut& out, uint16_t* dd, int64_t ldd,
+                 cudaStream_t s);
 
 /// The confidence head's backward over one chunk: dhf[i, h] += dconf[i]·wc[h] (h < H), demb[i, j]
 /// += dconf[i]·wc[H + j] (j < conf_r), gw[c] += Σ_i dconf[i]·x[i, c] (x = [hf ; emb], rows in
