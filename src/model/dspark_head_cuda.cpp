@@ -39,12 +39,13 @@ constexpr int kRowArrays = 6;  // ce, l1, bce, acc, conf, dconf
 //   emb       E = W1[p] bf16 [C, r]
 // and for the gated and rnn heads (X = H + r columns of the gated input [h ; e], 2r + H of the
 // rnn input [s ; e ; h]; A = r gate pre-activations or 3r rnn pre-activations u):
-//   z_hi, z_lo  the latent z bf16 [C, r] (DsparkLatent);  x  the input bf16 [C, X]
+//   z2   the latent z as bf16 hi | lo [C, 2r] (dspark_head_launch.hpp);  x  the input bf16 [C, X]
 //   act  f32 [C, A];  dz  ∂z f32 [C, r];  dact, dact_bf16  ∂act f32 and bf16 [C, A]
-//   dx   ∂x f32 [C, X];  sprev  s_{k−1} f32 [C, r] (rnn)
+//   dx   ∂x f32 [C, X];  sprev  s_{k−1} f32 [C, r] (rnn);  w2x2  [W2 | W2] bf16 [V, 2r] (the
+//        bias GEMM's weight for z2, copied from W2's bf16 copy at the step's start)
 struct ChunkLayout {
   uint64_t d = 0, t = 0, teach = 0, emb = 0;
-  uint64_t z_hi = 0, z_lo = 0, x = 0, act = 0, dz = 0, dact = 0, dact_bf16 = 0, dx = 0, sprev = 0;
+  uint64_t z2 = 0, x = 0, act = 0, dz = 0, dact = 0, dact_bf16 = 0, dx = 0, sprev = 0, w2x2 = 0;
   int64_t X = 0, A = 0;
   uint64_t total = 0;
 };
@@ -65,8 +66,7 @@ ChunkLayout chunk_layout(const DrafterConfig& cfg, int64_t C) {
   const bool gated = cfg.dspark.markov_type == MarkovHeadType::gated;
   l.X = static_cast<int64_t>(gated ? H + r : 2 * r + H);
   l.A = static_cast<int64_t>(gated ? r : 3 * r);
-  l.z_hi = take(n * r * 2);
-  l.z_lo = take(n * r * 2);
+  l.z2 = take(n * 2 * r * 2);
   l.x = take(n * u(l.X) * 2);
   l.act = take(n * u(l.A) * 4);
   l.dz = take(n * r * 4);
@@ -74,6 +74,7 @@ ChunkLayout chunk_layout(const DrafterConfig& cfg, int64_t C) {
   l.dact_bf16 = take(n * u(l.A) * 2);
   l.dx = take(n * u(l.X) * 4);
   if (!gated) l.sprev = take(n * r * 4);
+  l.w2x2 = take(V * 2 * r * 2);
   return l;
 }
 }  // namespace
@@ -162,7 +163,7 @@ cuda::launch::DsparkRowOut rows_at(const cuda::launch::DsparkRowOut& o, int64_t 
 struct ChunkBufs {
   float *d = nullptr, *t = nullptr;
   uint16_t *dd = nullptr, *teach = nullptr, *emb = nullptr;
-  cuda::launch::DsparkLatent z;
+  uint16_t *z2 = nullptr, *w2x2 = nullptr;
   uint16_t* x = nullptr;
   float *act = nullptr, *dz = nullptr, *dact = nullptr;
   uint16_t* dact_bf16 = nullptr;
@@ -180,7 +181,8 @@ ChunkBufs chunk_bufs(void* workspace, const ChunkLayout& l) {
   b.teach = b16(l.teach);
   b.emb = b16(l.emb);
   if (l.X == 0) return b;
-  b.z = {b16(l.z_hi), b16(l.z_lo)};
+  b.z2 = b16(l.z2);
+  b.w2x2 = b16(l.w2x2);
   b.x = b16(l.x);
   b.act = f32(l.act);
   b.dz = f32(l.dz);
@@ -204,7 +206,7 @@ void latent_fwd(cuda::CudaContext& ctx, const DrafterConfig& cfg, const DrafterL
     L::dspark_copy_cols(b.x, X, hf, H, n, H, s);
     L::dspark_copy_cols(b.x + H, X, b.emb, r, n, r, s);
     cuda::gemm_bf16(ctx, b.act, DType::f32, r, b.x, X, false, wg, X, true, n, r, X);
-    L::dspark_gated_fwd(b.act, a.params + layout.dspark.gate_b, b.emb, b.z, n, r, s);
+    L::dspark_gated_fwd(b.act, a.params + layout.dspark.gate_b, b.emb, b.z2, n, r, s);
     return;
   }
   // rnn: x = [s_{k−1} ; E ; hf], the s columns 0 for the GEMM and filled by the recurrence.
@@ -213,7 +215,7 @@ void latent_fwd(cuda::CudaContext& ctx, const DrafterConfig& cfg, const DrafterL
   L::dspark_copy_cols(b.x + r, X, b.emb, r, n, r, s);
   L::dspark_copy_cols(b.x + 2 * r, X, hf, H, n, H, s);
   cuda::gemm_bf16(ctx, b.act, DType::f32, 3 * r, b.x, X, false, jw, X, true, n, 3 * r, X);
-  L::dspark_rnn_fwd(b.act, a.params + layout.dspark.joint_b, jw, X, b.sprev, b.x, b.z, n,
+  L::dspark_rnn_fwd(b.act, a.params + layout.dspark.joint_b, jw, X, b.sprev, b.x, b.z2, n,
                     cfg.block_size, r, s);
 }
 
@@ -229,8 +231,8 @@ void latent_bwd(cuda::CudaContext& ctx, const DrafterConfig& cfg, const DrafterL
   const uint16_t* w2 = a.weights_bf16 + o.markov_w2;
   // dz [n, r] = dD·W2; dW2 [V, r] += dDᵀ·z
   cuda::gemm_bf16(ctx, b.dz, DType::f32, r, dd, ldd, false, w2, r, false, n, r, V);
-  cuda::gemm_bf16(ctx, a.grads + o.markov_w2, DType::f32, r, dd, ldd, true, b.z.hi, r, false, V, r,
-                  n, 1.0f, 1.0f);
+  cuda::gemm_bf16(ctx, a.grads + o.markov_w2, DType::f32, r, dd, ldd, true, b.z2, 2 * r, false, V,
+                  r, n, 1.0f, 1.0f);
   const bool gated = cfg.dspark.markov_type == MarkovHeadType::gated;
   const int64_t A = gated ? r : 3 * r;  // pre-activation columns
   const uint16_t* w = a.weights_bf16 + (gated ? o.gate_w : o.joint_w);
@@ -287,6 +289,10 @@ void dspark_head_cuda(cuda::CudaContext& ctx, const DrafterConfig& cfg, const Dr
   const uint16_t* w1 = r > 0 ? a.weights_bf16 + layout.dspark.markov_w1 : nullptr;
   const uint16_t* w2 = r > 0 ? a.weights_bf16 + layout.dspark.markov_w2 : nullptr;
   const float* wc = conf ? a.params + layout.dspark.conf_w : nullptr;
+  if (latent) {  // [W2 | W2], the weight of the bias GEMM over z2 = [z_hi | z_lo]
+    cuda::launch::dspark_copy_cols(b.w2x2, 2 * r, w2, r, V, r, s);
+    cuda::launch::dspark_copy_cols(b.w2x2 + r, 2 * r, w2, r, V, r, s);
+  }
   for (int64_t r0 = 0; r0 < R; r0 += C) {
     const int64_t n = std::min(C, R - r0);
     const uint16_t* hf = a.hf + r0 * H;
@@ -296,9 +302,8 @@ void dspark_head_cuda(cuda::CudaContext& ctx, const DrafterConfig& cfg, const Dr
       cuda::launch::dspark_gather_rows(b.emb, w1, a.prev + r0, n, r, r, s);
       if (latent) {
         latent_fwd(ctx, cfg, layout, a, b, hf, n);
-        for (const uint16_t* z : {b.z.hi, b.z.lo}) {
-          cuda::gemm_bf16(ctx, b.d, DType::f32, V, z, r, false, w2, r, true, n, V, r, 1.0f, 1.0f);
-        }
+        cuda::gemm_bf16(ctx, b.d, DType::f32, V, b.z2, 2 * r, false, b.w2x2, 2 * r, true, n, V,
+                        2 * r, 1.0f, 1.0f);
       } else {
         cuda::gemm_bf16(ctx, b.d, DType::f32, V, b.emb, r, false, w2, r, true, n, V, r, 1.0f, 1.0f);
       }

@@ -19,10 +19,10 @@
 // Numerics (DESIGN.md §3): hf, Hl, LMhead, W1, W2, Wg and J bf16 at GEMM inputs (the bf16 copy of
 // the master weights), fp32 accumulate and fp32 logits; the biases bg, bJ and the confidence head
 // are read from their fp32 master weights; the rnn recurrence, the gate and the state are fp32. A
-// gated or rnn latent z enters the bias GEMM as z_hi + z_lo (two bf16 matrices, ~16 bits: the CPU
-// step's z is fp32). dD, ∂pre and ∂u are bf16 at the backward GEMMs' inputs (as the fused CE's
-// dlogits); the rnn recurrence's own ∂u is fp32. Every reduction is in a fixed order: two runs
-// give the same bits.
+// gated or rnn latent z enters the bias GEMM as [z_hi | z_lo] (bf16 [C, 2r], ~16 bits: the CPU
+// step's z is fp32) against [W2 | W2] (one GEMM of K = 2r). dD, ∂pre and ∂u are bf16 at the
+// backward GEMMs' inputs (as the fused CE's dlogits); the rnn recurrence's own ∂u is fp32. Every
+// reduction is in a fixed order: two runs give the same bits.
 //
 // Supported heads: every DSpark head: markov_head_type vanilla, gated or rnn with any rank r ≥ 0,
 // with or without a confidence head (and confidence_head_with_markov). The rnn head runs in chunks
@@ -57,9 +57,10 @@ DsparkRowIndex dspark_row_index(const DrafterBatch& batch, int64_t rows, int64_t
 /// chunk_rows, max(R, 1)); for the rnn head a multiple of K, at least K): D and TL f32 [C, V] (dD
 /// bf16 is written over TL: 8 bytes per logit), the gathered teacher rows bf16 [C, H], E bf16 [C,
 /// r]; for a gated or rnn head also
-/// z (two bf16 [C, r]), the head's input bf16 [C, X] and its gradient f32 [C, X] (X = H + r gated,
-/// 2r + H rnn), the pre-activations f32 [C, A] and their gradient f32 and bf16 [C, A] (A = r
-/// gated, 3r rnn), dz f32 [C, r] and (rnn) s_{k−1} f32 [C, r]; each rounded to kArenaAlign.
+/// z as bf16 hi | lo [C, 2r], [W2 | W2] bf16 [V, 2r], the head's input bf16 [C, X] and its gradient
+/// f32 [C, X] (X = H + r gated, 2r + H rnn), the pre-activations f32 [C, A] and their gradient f32
+/// and bf16 [C, A] (A = r gated, 3r rnn), dz f32 [C, r] and (rnn) s_{k−1} f32 [C, r]; each rounded
+/// to kArenaAlign.
 uint64_t dspark_head_cuda_workspace_bytes(const DrafterConfig& cfg, int64_t R, int64_t chunk_rows);
 /// Device bytes of the step-long buffers: dE f32 [R, r] and the per-row statistics f32 [6, R]
 /// (ce, l1, bce, acc, conf, dconf); each rounded to kArenaAlign.

@@ -212,10 +212,12 @@ __global__ void w1_scatter_kernel(float* gw1, const float* demb, const int32_t* 
 __device__ __forceinline__ float sigmoid_of(float x) {
   return 1.0f / (1.0f + expf(-x));
 }
-__device__ __forceinline__ void latent_store(launch::DsparkLatent z, int64_t at, float v) {
+// z2 [n, 2r] (dspark_head_launch.hpp): z_hi at column j, z_lo at column r + j of row i.
+__device__ __forceinline__ void latent_store(uint16_t* z2, int64_t i, int64_t j, int64_t r,
+                                             float v) {
   const uint16_t hi = f32_to_bf16(v);
-  z.hi[at] = hi;
-  z.lo[at] = f32_to_bf16(v - to_f32(hi));
+  z2[i * 2 * r + j] = hi;
+  z2[i * 2 * r + r + j] = f32_to_bf16(v - to_f32(hi));
 }
 
 __global__ void copy_cols_kernel(uint16_t* dst, int64_t ld_dst, const uint16_t* src, int64_t ld_src,
@@ -227,13 +229,13 @@ __global__ void copy_cols_kernel(uint16_t* dst, int64_t ld_dst, const uint16_t* 
   }
 }
 
-__global__ void gated_fwd_kernel(float* pre, const float* bias, const uint16_t* emb,
-                                 launch::DsparkLatent z, int64_t n, int64_t r) {
+__global__ void gated_fwd_kernel(float* pre, const float* bias, const uint16_t* emb, uint16_t* z2,
+                                 int64_t n, int64_t r) {
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n * r;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float p = pre[e] + bias[e % r];
     pre[e] = p;
-    latent_store(z, e, sigmoid_of(p) * to_f32(emb[e]));
+    latent_store(z2, e / r, e % r, r, sigmoid_of(p) * to_f32(emb[e]));
   }
 }
 
@@ -252,8 +254,7 @@ __global__ void gated_bwd_kernel(const float* dz, const float* pre, const uint16
 
 // One block of threads per block of K slots; shared memory: s [r].
 __global__ void rnn_fwd_kernel(float* u, const float* bias, const uint16_t* jw, int64_t ld,
-                               float* sprev, uint16_t* in, launch::DsparkLatent z, int64_t K,
-                               int64_t r) {
+                               float* sprev, uint16_t* in, uint16_t* z2, int64_t K, int64_t r) {
   extern __shared__ float sh_state[];
   float* st = sh_state;
   for (int64_t j = threadIdx.x; j < r; j += blockDim.x) st[j] = 0.f;
@@ -274,7 +275,7 @@ __global__ void rnn_fwd_kernel(float* u, const float* bias, const uint16_t* jw, 
     for (int64_t j = threadIdx.x; j < r; j += blockDim.x) {
       const float g = sigmoid_of(ui[j]);
       st[j] = g * st[j] + (1.0f - g) * tanhf(ui[r + j]);
-      latent_store(z, i * r + j, tanhf(ui[2 * r + j]));
+      latent_store(z2, i, j, r, tanhf(ui[2 * r + j]));
     }
     __syncthreads();
   }
@@ -406,11 +407,11 @@ void dspark_copy_cols(uint16_t* dst, int64_t ld_dst, const uint16_t* src, int64_
   DFLASH_CUDA_LAUNCH_CHECK();
 }
 
-void dspark_gated_fwd(float* pre, const float* bias, const uint16_t* emb, DsparkLatent z, int64_t n,
+void dspark_gated_fwd(float* pre, const float* bias, const uint16_t* emb, uint16_t* z2, int64_t n,
                       int64_t r, cudaStream_t s) {
   if (n == 0 || r == 0) return;
   gated_fwd_kernel<<<grid_for(n * r, kElementwiseThreads), kElementwiseThreads, 0, s>>>(
-      pre, bias, emb, z, n, r);
+      pre, bias, emb, z2, n, r);
   DFLASH_CUDA_LAUNCH_CHECK();
 }
 
@@ -431,11 +432,11 @@ unsigned rnn_threads(int64_t r) {
 }  // namespace
 
 void dspark_rnn_fwd(float* u, const float* bias, const uint16_t* jw, int64_t ld, float* sprev,
-                    uint16_t* in, DsparkLatent z, int64_t n, int64_t K, int64_t r, cudaStream_t s) {
+                    uint16_t* in, uint16_t* z2, int64_t n, int64_t K, int64_t r, cudaStream_t s) {
   if (n == 0 || r == 0) return;
   const size_t shmem = static_cast<size_t>(r) * sizeof(float);
   rnn_fwd_kernel<<<static_cast<unsigned>(n / K), rnn_threads(r), shmem, s>>>(u, bias, jw, ld, sprev,
-                                                                             in, z, K, r);
+                                                                             in, z2, K, r);
   DFLASH_CUDA_LAUNCH_CHECK();
 }
 

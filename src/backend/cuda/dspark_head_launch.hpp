@@ -72,17 +72,14 @@ void dspark_w1_scatter(float* gw1, const float* demb, const int32_t* prev, const
 void dspark_copy_cols(uint16_t* dst, int64_t ld_dst, const uint16_t* src, int64_t ld_src, int64_t n,
                       int64_t cols, cudaStream_t s);
 
-/// The latent z [n, r] of a Markov head as a pair of bf16 matrices, z = z_hi + z_lo to about 16
-/// bits (z_hi = bf16(z), z_lo = bf16(z − z_hi)): the bias GEMMs D += z_hi·W2ᵀ + z_lo·W2ᵀ then
-/// match the CPU's fp32 z where one bf16 z would move the logits by ~2⁻⁹·|W2·z|.
-struct DsparkLatent {
-  uint16_t* hi = nullptr;
-  uint16_t* lo = nullptr;
-};
+/// The latent z [n, r] of a gated or rnn head is written as z2 bf16 [n, 2r]: columns [0, r) hold
+/// z_hi = bf16(z), columns [r, 2r) z_lo = bf16(z − z_hi), so z_hi + z_lo is z to about 16 bits. One
+/// bias GEMM D += z2·[W2 | W2]ᵀ (K = 2r) then matches the CPU's fp32 z, where a bf16 z alone would
+/// move the logits by ~2⁻⁹·|W2·z|.
 
 /// The gated head's forward over n rows (model/drafter.hpp MarkovHeadType::gated): pre [n, r]
-/// holds Wg·[h ; e] on entry and Wg·[h ; e] + bg on return; z = σ(pre) ⊙ e.
-void dspark_gated_fwd(float* pre, const float* bias, const uint16_t* emb, DsparkLatent z, int64_t n,
+/// holds Wg·[h ; e] on entry and Wg·[h ; e] + bg on return; z = σ(pre) ⊙ e into z2 [n, 2r].
+void dspark_gated_fwd(float* pre, const float* bias, const uint16_t* emb, uint16_t* z2, int64_t n,
                       int64_t r, cudaStream_t s);
 
 /// The gated head's backward from dz [n, r] = ∂/∂z: with g = σ(pre), demb = dz ⊙ g (overwritten),
@@ -96,9 +93,9 @@ void dspark_gated_bwd(const float* dz, const float* pre, const uint16_t* emb, fl
 /// J[:, r:]·[e ; h] on entry (the GEMM over the non-recurrent inputs, the s columns of `in` being
 /// 0) and u = J·[s_{k−1} ; e ; h] + bJ on return (s_{k−1}·J[:, :r]ᵀ summed in j order, fp32, J
 /// read from its bf16 copy `jw` [3r, ld]); sprev [n, r] f32 and the s columns of in [n, ld] (bf16)
-/// receive s_{k−1} (0 at slot 0); z = tanh(u[2r:3r]).
+/// receive s_{k−1} (0 at slot 0); z = tanh(u[2r:3r]) into z2 [n, 2r].
 void dspark_rnn_fwd(float* u, const float* bias, const uint16_t* jw, int64_t ld, float* sprev,
-                    uint16_t* in, DsparkLatent z, int64_t n, int64_t K, int64_t r, cudaStream_t s);
+                    uint16_t* in, uint16_t* z2, int64_t n, int64_t K, int64_t r, cudaStream_t s);
 
 /// The rnn head's backward through each block's slots, last to first (the CPU's
 /// markov_backward): from dz [n, r], u and sprev of dspark_rnn_fwd, du [n, 3r] = ∂/∂u as f32 and
