@@ -24,6 +24,7 @@ struct BenchArgs {
   std::string json;
   std::string loss_type = "dflash";
   std::string objective = "dflash";
+  std::string markov_head_type = "vanilla";
   bool plan = false;
   int mask = -1;
 };
@@ -52,6 +53,12 @@ void run_bench_command(BenchArgs& a) {
     t.objective = "dspark";
     a.o.objective = objective_of(t);
   }
+  const std::optional<MarkovHeadType> markov = markov_head_type_parse(a.markov_head_type);
+  DFLASH_CHECK(markov.has_value(), "--markov-head-type must be vanilla, gated or rnn (got '{}')",
+               a.markov_head_type);
+  DFLASH_CHECK(a.objective == "dspark" || *markov == MarkovHeadType::vanilla,
+               "--markov-head-type {} needs --objective dspark", a.markov_head_type);
+  a.o.markov_type = *markov;
   DFLASH_CHECK(a.o.objective.dpace_alpha >= 0 && a.o.objective.dpace_alpha <= 1,
                "--dpace-alpha must be in [0, 1] (got {})", a.o.objective.dpace_alpha);
   const BenchSetup s = bench_setup(a.o);
@@ -116,10 +123,13 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   b->add_option("--objective", a->objective,
                 "The objective, as training.objective: dflash or dspark (its default alphas; "
-                "vanilla Markov head of --markov-rank, the confidence head)")
+                "the Markov head of --markov-rank and --markov-head-type, the confidence head)")
       ->capture_default_str();
   b->add_option("--markov-rank", a->o.markov_rank,
                 "DSpark's Markov rank r, as training.markov_rank")
+      ->capture_default_str();
+  b->add_option("--markov-head-type", a->markov_head_type,
+                "DSpark's Markov head, as training.markov_head_type: vanilla, gated or rnn")
       ->capture_default_str();
   b->add_option("--dpace-alpha", a->o.objective.dpace_alpha, "D-PACE's α, as training.dpace_alpha")
       ->capture_default_str();

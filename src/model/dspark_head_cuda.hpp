@@ -1,25 +1,36 @@
 // dflash.cpp — DSpark's heads and loss on the CUDA backend: the same step as dspark_head_step
 // (src/model/dspark_head.hpp, whose formulas and conventions this follows) over device buffers,
 // chunk by chunk of block rows:
-//   D = hf·LMheadᵀ (+ E·W2ᵀ with E = W1[p], gathered; a second cuBLASLt GEMM accumulating)
+//   E = W1[p] (gathered); the latent z of the Markov head (MarkovHeadType, model/drafter.hpp):
+//     vanilla z = E; gated: pre = [hf ; E]·Wgᵀ (cuBLASLt) + bg, z = σ(pre)⊙E (elementwise);
+//     rnn: u = [0 ; E ; hf]·Jᵀ (cuBLASLt), then one thread block per block of K slots adds
+//     bJ + s_{k−1}·J[:, :r]ᵀ slot after slot and forms s_k and z = tanh(u[2r:3r])
+//   D = hf·LMheadᵀ (+ z·W2ᵀ: further cuBLASLt GEMMs accumulating)
 //   TL = Hl[a+k]·LMheadᵀ (teacher rows gathered; 0 on unsupervised rows)
 //   one row kernel: softmax D and TL, argmax D, CE, L1, acc, the confidence logit and BCE, dD
-//   dhf = dD·LMhead (+ the confidence head's part), dW2 += dDᵀ·E, dE = dD·W2 (+ conf part)
+//     (bf16, written over TL's rows in place: the workspace holds two [C, V] f32 buffers)
+//   dhf = dD·LMhead (+ the confidence head's part), dW2 += dDᵀ·z, dz = dD·W2; the Markov head's
+//   backward from dz (gated: elementwise, then two GEMMs for ∂[hf ; E] and ∂Wg and a column sum
+//   for ∂bg; rnn: the slots of each block last to first in one thread block, then the same GEMMs
+//   and column sum for J and bJ) adds its parts to dhf and dE (+ the confidence head's part)
 // and after the last chunk dW1[p] += dE, scattered by segments of rows sorted by p on the host
 // (DsparkRowIndex): a fixed order of additions, no atomics.
 //
-// Numerics (DESIGN.md §3): hf, Hl, LMhead, W1 and W2 bf16 at GEMM inputs (the bf16 copy of the
-// master weights), fp32 accumulate and fp32 logits; the confidence head reads its fp32 master
-// weights; dD is bf16 (the input of the backward GEMMs, as the fused CE's). Every reduction is in
-// a fixed order: two runs give the same bits.
+// Numerics (DESIGN.md §3): hf, Hl, LMhead, W1, W2, Wg and J bf16 at GEMM inputs (the bf16 copy of
+// the master weights), fp32 accumulate and fp32 logits; the biases bg, bJ and the confidence head
+// are read from their fp32 master weights; the rnn recurrence, the gate and the state are fp32. A
+// gated or rnn latent z enters the bias GEMM as [z_hi | z_lo] (bf16 [C, 2r], ~16 bits: the CPU
+// step's z is fp32) against [W2 | W2] (one GEMM of K = 2r). dD, ∂pre and ∂u are bf16 at the
+// backward GEMMs' inputs (as the fused CE's dlogits); the rnn recurrence's own ∂u is fp32. Every
+// reduction is in a fixed order: two runs give the same bits.
 //
-// Supported heads: markov_head_type vanilla with any rank r ≥ 0, with or without a confidence
-// head (and confidence_head_with_markov). gated and rnn heads are refused by name
-// (dspark_cuda_unsupported) before any weight is read.
+// Supported heads: every DSpark head: markov_head_type vanilla, gated or rnn with any rank r ≥ 0,
+// with or without a confidence head (and confidence_head_with_markov). The rnn head runs in chunks
+// of whole blocks (chunk_rows rounded down to a multiple of K, at least K) and needs R to be a
+// multiple of K.
 #pragma once
 
 #include <cstdint>
-#include <string>
 #include <vector>
 
 #include "core/arena_plan.hpp"
@@ -27,11 +38,6 @@
 #include "model/drafter_batch.hpp"
 
 namespace dflash {
-
-/// What the CUDA DSpark head cannot run of this drafter: one line per unsupported setting naming
-/// the config field and its value (markov_head_type gated or rnn); empty when it runs all of it
-/// (and for a drafter without DSpark heads).
-std::vector<std::string> dspark_cuda_unsupported(const DrafterConfig& cfg);
 
 /// Host-side row indices of a DSpark step over `rows` block rows (the batch's N·K rows, then
 /// padding rows with weight 0 up to `rows`), uploaded with the step's inputs:
@@ -48,8 +54,13 @@ struct DsparkRowIndex {
 DsparkRowIndex dspark_row_index(const DrafterBatch& batch, int64_t rows, int64_t vocab);
 
 /// Device bytes of the DSpark head's chunk workspace for chunks of `chunk_rows` rows (C = min(
-/// chunk_rows, max(R, 1))): D and TL f32 [C, V], dD bf16 [C, V], the gathered teacher rows bf16 [C,
-/// H], E bf16 [C, r]; each rounded to kArenaAlign.
+/// chunk_rows, max(R, 1)); for the rnn head a multiple of K, at least K): D and TL f32 [C, V] (dD
+/// bf16 is written over TL: 8 bytes per logit), the gathered teacher rows bf16 [C, H], E bf16 [C,
+/// r]; for a gated or rnn head also
+/// z as bf16 hi | lo [C, 2r], [W2 | W2] bf16 [V, 2r], the head's input bf16 [C, X] and its gradient
+/// f32 [C, X] (X = H + r gated, 2r + H rnn), the pre-activations f32 [C, A] and their gradient f32
+/// and bf16 [C, A] (A = r gated, 3r rnn), dz f32 [C, r] and (rnn) s_{k−1} f32 [C, r]; each rounded
+/// to kArenaAlign.
 uint64_t dspark_head_cuda_workspace_bytes(const DrafterConfig& cfg, int64_t R, int64_t chunk_rows);
 /// Device bytes of the step-long buffers: dE f32 [R, r] and the per-row statistics f32 [6, R]
 /// (ce, l1, bce, acc, conf, dconf); each rounded to kArenaAlign.
@@ -98,8 +109,8 @@ struct DsparkCudaArgs {
 /// grads: parameter gradients of the heads += grad_scale·∂(numerator)/∂θ, dhf = grad_scale·
 /// ∂(numerator)/∂hf. sums f64 [6] = {Σ w·(αce·CE + αl1·L1 + αconf·BCE), Σ w, Σ w·CE, Σ w·L1,
 /// Σ w·BCE, Σ w·acc} over the supervised rows (DsparkSums' fields, reduced in a fixed order).
-/// Throws dflash::Error for a drafter without DSpark heads, an unsupported head
-/// (dspark_cuda_unsupported), null pointers, or a workspace smaller than planned (naming it).
+/// Throws dflash::Error for a drafter without DSpark heads, null pointers, an rnn head with R not a
+/// multiple of block_size, or a workspace smaller than planned (naming it).
 void dspark_head_cuda(cuda::CudaContext& ctx, const DrafterConfig& cfg, const DrafterLayout& layout,
                       const Objective& obj, const DsparkCudaArgs& a);
 #endif

@@ -78,7 +78,6 @@ std::vector<std::string> cuda_drafter_unsupported(const DrafterConfig& c) {
     out.push_back(fmt::format("the CUDA drafter supports head_dim 64 or 128 (drafter head_dim {})",
                               c.head_dim));
   }
-  for (std::string& d : dspark_cuda_unsupported(c)) out.push_back(std::move(d));
   if (c.dflash2.enabled) {
     out.push_back(
         "the CUDA drafter has no DFlash2 conv or selector (training.objective dflash2, "

@@ -92,9 +92,8 @@ inline constexpr const char* kGroupInputs = "step inputs";
 /// expert width not a multiple of 8 (the expert GEMMs), more than 1024 experts or top-k above 32
 /// (the router). TargetCuda refuses these at construction; the memory plans report them first.
 std::vector<std::string> cuda_target_unsupported(const ModelConfig& c);
-/// The same for a drafter: head_dim other than 64 or 128 (DrafterCuda's attention), DSpark heads
-/// the CUDA DSpark head does not run (dspark_cuda_unsupported: gated and rnn Markov heads),
-/// or DFlash2's conv and selector (DrafterCuda has neither).
+/// The same for a drafter: head_dim other than 64 or 128 (DrafterCuda's attention), or DFlash2's
+/// conv and selector (DrafterCuda has neither). Every DSpark head runs on CUDA.
 std::vector<std::string> cuda_drafter_unsupported(const DrafterConfig& c);
 
 /// Columns per context row of the features a target forward hands the drafter step: the taps

@@ -81,6 +81,7 @@ BenchSetup bench_setup(const BenchOptions& o) {
     DFLASH_CHECK(o.markov_rank >= 0, "bench: --markov-rank must be >= 0 (got {})", o.markov_rank);
     s.drafter.dspark.enabled = true;
     s.drafter.dspark.markov_rank = o.markov_rank;
+    s.drafter.dspark.markov_type = o.markov_type;
     s.drafter.dspark.confidence_head = o.objective.dspark_conf_alpha > 0;
     s.drafter.validate();
   }
@@ -398,10 +399,19 @@ StagedStep stage_bench_step(HostBatch& b, const BenchSetup& s, const BenchOption
 }
 
 // FLOPs of the DSpark head over `rows` block rows: three [rows, H]·[H, V] GEMMs (the draft logits,
-// the teacher's, dhf) and three of rank r (the Markov bias, dE, dW2); 2 per multiply-add.
+// the teacher's, dhf) and three of rank r (the Markov bias, dE, dW2); a gated or rnn head adds
+// the bias GEMM of z_lo and its own three GEMMs over [rows, X]·[X, A] (gated X = H + r, A = r;
+// rnn X = 2r + H, A = 3r; model/dspark_head_cuda.hpp); 2 per multiply-add.
 double dspark_head_flops(const DrafterConfig& d, int64_t rows) {
   const double n = static_cast<double>(rows), V = static_cast<double>(d.vocab_size);
-  return 6.0 * n * V * static_cast<double>(d.hidden_size + d.dspark.markov_rank);
+  const double H = static_cast<double>(d.hidden_size), r = d.dspark.markov_rank;
+  double f = 6.0 * n * V * (H + r);
+  if (r > 0 && d.dspark.markov_type == MarkovHeadType::gated)
+    f += 2 * n * V * r + 6 * n * r * (H + r);
+  if (r > 0 && d.dspark.markov_type == MarkovHeadType::rnn) {
+    f += 2 * n * V * r + 6 * n * 3 * r * (2 * r + H);
+  }
+  return f;
 }
 
 // Keys the real block rows see (context prefix + own block) and the causal keys of real tokens.
@@ -645,8 +655,9 @@ BenchReport run_bench(const BenchOptions& o) {
                                     : std::string(loss_type_name(o.objective.loss));
   if (dspark) {
     r.loss_type =
-        fmt::format("dspark (markov_rank {} vanilla, confidence head {})",
-                    s.drafter.dspark.markov_rank, s.drafter.dspark.confidence_head ? "on" : "off");
+        fmt::format("dspark (markov_rank {} {}, confidence head {})", s.drafter.dspark.markov_rank,
+                    markov_head_type_name(s.drafter.dspark.markov_type),
+                    s.drafter.dspark.confidence_head ? "on" : "off");
   }
   r.documents = o.rows * s.docs_per_row;
   r.doc_length = o.doc_length;

@@ -62,9 +62,10 @@ struct BenchOptions {
   /// slots by γ = 7 decay and divides by Σw; the D-PACE losses weigh them by the step's own CE and
   /// divide by the documents.
   Objective objective;
-  /// objective dspark: the Markov head's rank r (vanilla), as training.markov_rank; the confidence
-  /// head is on when objective.dspark_conf_alpha > 0.
+  /// objective dspark: the Markov head's rank r and type, as training.markov_rank and
+  /// training.markov_head_type; the confidence head is on when objective.dspark_conf_alpha > 0.
   int markov_rank = 32;
+  MarkovHeadType markov_type = MarkovHeadType::vanilla;
   uint64_t seed = 0;
   /// Where new cuBLASLt GEMM plans come from (backend/cuda/gemm.hpp, GemmPlanSource): "table"
   /// (the measured table, the heuristic for shapes it lacks) or "heuristic" (the table ignored).

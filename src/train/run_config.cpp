@@ -417,15 +417,7 @@ void RunConfig::validate() const {
   objective_of(training);  // names training.loss_type / training.objective when unknown
   DFLASH_CHECK(training.dpace_alpha >= 0 && training.dpace_alpha <= 1,
                "training.dpace_alpha must be in [0, 1], got {}", training.dpace_alpha);
-  const DsparkHeads heads = dspark_heads_of(training);  // or that no DSpark key is set for dflash
-  // The CUDA DSpark head runs vanilla Markov heads only: the others are refused here, before any
-  // weight is read.
-  DFLASH_CHECK(runtime.backend != "cuda" || heads.markov_rank == 0 ||
-                   heads.markov_type == MarkovHeadType::vanilla,
-               "training.markov_head_type: dflash_config.markov_head_type {} is implemented on the "
-               "cpu backend only (runtime.backend: cuda runs vanilla Markov heads); use "
-               "runtime.backend: cpu",
-               markov_head_type_name(heads.markov_type));
+  dspark_heads_of(training);   // or that no DSpark key is set for dflash
   dflash2_heads_of(training);  // the DFlash2 keys, or that none is set for another objective
   DFLASH_CHECK(runtime.backend != "cuda" || training.objective != "dflash2",
                "training.objective dflash2 is implemented on the cpu backend only "

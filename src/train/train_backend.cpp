@@ -2,21 +2,16 @@
 // train_backend.hpp).
 #include "train/train_backend.hpp"
 
-#include <fmt/ranges.h>
-
 #include <cmath>
 #include <limits>
 
 #include "core/error.hpp"
 #include "core/parallel.hpp"
-#include "model/dspark_head_cuda.hpp"
 #include "train/job.hpp"
 
 namespace dflash {
 
 void cuda_check_objective(const DrafterConfig& cfg) {
-  const std::vector<std::string> bad = dspark_cuda_unsupported(cfg);
-  DFLASH_CHECK(bad.empty(), "{} (runtime.backend: cuda)", fmt::join(bad, "; "));
   DFLASH_CHECK(!cfg.dflash2.enabled,
                "training.objective dflash2 is implemented on the cpu backend only "
                "(runtime.backend: cuda has no DFlash2 conv, selector or loss yet)");

@@ -1,8 +1,9 @@
 // The CUDA DSpark head (src/model/dspark_head_cuda) against the CPU reference dspark_head_step on
-// the same bf16-rounded inputs: V not a multiple of any tile, Markov rank 0, 3 and 8, the
-// confidence head with and without the Markov input, rows with weight 0 (masked slots, slots past
-// a document's end and padding rows after the batch), chunks that do not divide the rows; guard
-// bytes; and two runs giving the same bits.
+// the same bf16-rounded inputs: V not a multiple of any tile, Markov rank 0, 3, 5 and 8 of each
+// head type (vanilla, gated, rnn), the confidence head with and without the Markov input, rows
+// with weight 0 (masked slots, slots past a document's end and padding rows after the batch),
+// chunks that do not divide the rows (the rnn head's rounded down to whole blocks); guard bytes;
+// two runs giving the same bits; the rnn head refusing rows that are not whole blocks.
 #include "model/dspark_head_cuda.hpp"
 
 #include <algorithm>
@@ -35,6 +36,7 @@ constexpr double kGrads = tol::kCeGrad;
 struct Heads {
   int rank = 0;
   bool conf = false, conf_markov = false;
+  MarkovHeadType type = MarkovHeadType::vanilla;
 };
 
 // A DSpark problem with every value already bf16 (so the CPU and the GPU read the same inputs):
@@ -70,6 +72,7 @@ Problem make_problem(uint32_t seed, Heads h, int64_t H, int64_t V, int64_t pad) 
   p.cfg.dspark.markov_rank = h.rank;
   p.cfg.dspark.confidence_head = h.conf;
   p.cfg.dspark.confidence_with_markov = h.conf_markov;
+  p.cfg.dspark.markov_type = h.type;
   p.cfg.validate();
   p.layout = std::make_shared<DrafterLayout>(p.cfg);
   p.params.resize(static_cast<size_t>(p.layout->total));
@@ -176,7 +179,8 @@ std::vector<float> slice(const std::vector<float>& v, int64_t offset, int64_t n)
 
 void check_parity(const Problem& p, int64_t chunk_rows) {
   SCOPED_TRACE(::testing::Message()
-               << "r=" << p.cfg.dspark.markov_rank << " conf=" << p.cfg.dspark.confidence_head
+               << markov_head_type_name(p.cfg.dspark.markov_type)
+               << " r=" << p.cfg.dspark.markov_rank << " conf=" << p.cfg.dspark.confidence_head
                << " markov_conf=" << p.cfg.dspark.confidence_with_markov
                << " V=" << p.cfg.vocab_size << " chunk=" << chunk_rows);
   const int64_t H = p.cfg.hidden_size, V = p.cfg.vocab_size, r = p.cfg.dspark.markov_rank;
@@ -237,6 +241,14 @@ void check_parity(const Problem& p, int64_t chunk_rows) {
     heads.push_back({o.markov_w1, V * r});
     heads.push_back({o.markov_w2, V * r});
   }
+  if (o.gate_w >= 0) {
+    heads.push_back({o.gate_w, r * (H + r)});
+    heads.push_back({o.gate_b, r});
+  }
+  if (o.joint_w >= 0) {
+    heads.push_back({o.joint_w, 3 * r * (2 * r + H)});
+    heads.push_back({o.joint_b, 3 * r});
+  }
   if (p.cfg.dspark.confidence_head) {
     heads.push_back({o.conf_w, p.cfg.dspark.confidence_in(H)});
     heads.push_back({o.conf_b, 1});
@@ -265,33 +277,52 @@ TEST(DsparkHeadCuda, MatchesTheCpuStep) {
   check_parity(make_problem(5, {8, false, false}, 64, 1000, 12), 1024);
 }
 
-TEST(DsparkHeadCuda, TwoRunsGiveTheSameBits) {
+// The gated head σ(Wg·[h ; e] + bg) ⊙ e: odd V and H + r, several chunks, padding rows.
+TEST(DsparkHeadCuda, GatedHeadMatchesTheCpuStep) {
   DFLASH_REQUIRE_GPU();
-  const Problem p = make_problem(6, {3, true, true}, 64, 1003, 8);
-  const GpuOut a = run_gpu(p, 12), b = run_gpu(p, 12);
-  EXPECT_TRUE(same_bits(a.grads, b.grads));
-  EXPECT_TRUE(same_bits(a.dhf, b.dhf));
-  EXPECT_TRUE(same_bits(a.sums, b.sums));
-  EXPECT_TRUE(same_bits(a.argmax, b.argmax));
-  EXPECT_TRUE(same_bits(a.acc, b.acc));
-  EXPECT_TRUE(same_bits(a.conf, b.conf));
-  EXPECT_TRUE(same_bits(a.ce, b.ce));
+  const MarkovHeadType g = MarkovHeadType::gated;
+  check_parity(make_problem(11, {3, true, true, g}, 64, 1003, 8), 10);
+  check_parity(make_problem(12, {8, false, false, g}, 72, 517, 4), 7);
+  check_parity(make_problem(13, {5, true, false, g}, 128, 3001, 0), 1024);
 }
 
-TEST(DsparkHeadCuda, RefusesGatedAndRnnHeadsByName) {
+// The rnn head: its state runs through each block's slots (chunks of whole blocks: 10 → 8 and
+// 7 → 4 rows at K = 4, and one chunk of all rows), padding blocks after the batch.
+TEST(DsparkHeadCuda, RnnHeadMatchesTheCpuStep) {
   DFLASH_REQUIRE_GPU();
-  for (MarkovHeadType t : {MarkovHeadType::gated, MarkovHeadType::rnn}) {
-    Problem p = make_problem(7, {3, false, false}, 64, 517, 0);
-    p.cfg.dspark.markov_type = t;
-    try {
-      run_gpu(p, 16);
-      ADD_FAILURE() << "no error for markov_head_type " << markov_head_type_name(t);
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(std::string("dflash_config.markov_head_type ") +
-                                           markov_head_type_name(t) +
-                                           " is implemented on the cpu backend only"),
-                std::string::npos)
-          << e.what();
-    }
+  const MarkovHeadType n = MarkovHeadType::rnn;
+  check_parity(make_problem(21, {3, true, true, n}, 64, 1003, 8), 10);
+  check_parity(make_problem(22, {8, true, false, n}, 128, 3001, 0), 7);
+  check_parity(make_problem(23, {5, false, false, n}, 72, 1000, 12), 1024);
+}
+
+TEST(DsparkHeadCuda, TwoRunsGiveTheSameBits) {
+  DFLASH_REQUIRE_GPU();
+  for (MarkovHeadType t : {MarkovHeadType::vanilla, MarkovHeadType::gated, MarkovHeadType::rnn}) {
+    SCOPED_TRACE(markov_head_type_name(t));
+    const Problem p = make_problem(6, {3, true, true, t}, 64, 1003, 8);
+    const GpuOut a = run_gpu(p, 12), b = run_gpu(p, 12);
+    EXPECT_TRUE(same_bits(a.grads, b.grads));
+    EXPECT_TRUE(same_bits(a.dhf, b.dhf));
+    EXPECT_TRUE(same_bits(a.sums, b.sums));
+    EXPECT_TRUE(same_bits(a.argmax, b.argmax));
+    EXPECT_TRUE(same_bits(a.acc, b.acc));
+    EXPECT_TRUE(same_bits(a.conf, b.conf));
+    EXPECT_TRUE(same_bits(a.ce, b.ce));
+  }
+}
+
+// The rnn head's state runs through whole blocks: rows that end inside a block are refused by
+// name, not computed with a truncated block.
+TEST(DsparkHeadCuda, RnnHeadRefusesRowsThatAreNotWholeBlocks) {
+  DFLASH_REQUIRE_GPU();
+  const Problem p = make_problem(7, {3, false, false, MarkovHeadType::rnn}, 64, 517, 2);
+  try {
+    run_gpu(p, 16);
+    ADD_FAILURE() << "no error for " << p.R << " rows at block_size 4";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the rnn Markov head runs whole blocks"),
+              std::string::npos)
+        << e.what();
   }
 }

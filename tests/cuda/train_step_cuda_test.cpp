@@ -332,7 +332,9 @@ TEST(DrafterCuda, StepMatchesCpuReference) {
 // The D-PACE losses on the device (one CE pass, weights from the rows' CE, the rows' gradients
 // scaled) against the CPU step, for each variant.
 // The DSpark objective's whole drafter step (vanilla Markov head of rank 3, the confidence head
-// with the Markov input; and rank 0 without a confidence head) against the CPU step.
+// with the Markov input; rank 0 without a confidence head; the rnn head of rank 3 with the
+// confidence head on the Markov input; the gated head of rank 4 without a confidence head)
+// against the CPU step.
 TEST(DrafterCuda, DsparkStepMatchesCpuReference) {
   DFLASH_REQUIRE_GPU();
   Objective obj;
@@ -346,10 +348,18 @@ TEST(DrafterCuda, DsparkStepMatchesCpuReference) {
   heads.confidence_head = true;
   heads.confidence_with_markov = true;
   expect_step_matches_cpu(obj, heads);
+  heads.markov_type = MarkovHeadType::rnn;
+  std::printf("markov_head_type rnn\n");
+  expect_step_matches_cpu(obj, heads);
   heads.markov_rank = 0;
+  heads.markov_type = MarkovHeadType::vanilla;
   heads.confidence_head = false;
   heads.confidence_with_markov = false;
   obj.dspark_conf_alpha = 0.0;
+  expect_step_matches_cpu(obj, heads);
+  heads.markov_rank = 4;
+  heads.markov_type = MarkovHeadType::gated;
+  std::printf("markov_head_type gated\n");
   expect_step_matches_cpu(obj, heads);
 }
 

@@ -115,15 +115,13 @@ TEST(TrainerCuda, ResumedRunIsBitIdenticalAndFollowsTheCpuRun) {
   }
 }
 
-// training.objective dspark on the CUDA backend (vanilla Markov head of rank 3, the confidence head
-// on the Markov input): an interrupted and resumed run equals an uninterrupted one bit for bit
-// (the heads' parameters and moments are in the checkpoint with the rest), metrics.jsonl carries
-// the DSpark terms, and the loss follows the CPU run's within 2 % at every step.
-TEST(TrainerCuda, DsparkResumedRunIsBitIdenticalAndFollowsTheCpuRun) {
-  DFLASH_REQUIRE_GPU();
-  const std::vector<std::string> dspark = {
-      "training.objective=dspark", "training.gamma=4", "training.markov_rank=3",
-      "training.confidence_head_with_markov=true"};
+namespace {
+
+// training.objective dspark on the CUDA backend with the DSpark options `dspark`: an interrupted
+// and resumed run equals an uninterrupted one bit for bit (the heads' parameters and moments are
+// in the checkpoint with the rest), metrics.jsonl carries the DSpark terms, and the loss follows
+// the CPU run's within 2 % at every step.
+void expect_dspark_resumes_and_follows_cpu(const std::vector<std::string>& dspark) {
   test::TempDir tmp;
   TrainOptions a;
   a.config = config_for(tmp / "a", 6, "cuda", true, dspark);
@@ -161,4 +159,22 @@ TEST(TrainerCuda, DsparkResumedRunIsBitIdenticalAndFollowsTheCpuRun) {
     std::printf("step %zu: dspark loss cpu %.5f gpu %.5f, acc cpu %.4f gpu %.4f\n", i + 1, lc, lg,
                 ac, ag);
   }
+}
+
+}  // namespace
+
+// The vanilla Markov head of rank 3 with the confidence head on the Markov input.
+TEST(TrainerCuda, DsparkResumedRunIsBitIdenticalAndFollowsTheCpuRun) {
+  DFLASH_REQUIRE_GPU();
+  expect_dspark_resumes_and_follows_cpu({"training.objective=dspark", "training.gamma=4",
+                                         "training.markov_rank=3",
+                                         "training.confidence_head_with_markov=true"});
+}
+
+// The rnn Markov head (its state through each block's slots) of rank 3, the same way.
+TEST(TrainerCuda, DsparkRnnHeadResumedRunIsBitIdenticalAndFollowsTheCpuRun) {
+  DFLASH_REQUIRE_GPU();
+  expect_dspark_resumes_and_follows_cpu({"training.objective=dspark", "training.gamma=4",
+                                         "training.markov_rank=3", "training.markov_head_type=rnn",
+                                         "training.confidence_head_with_markov=true"});
 }

@@ -16,6 +16,7 @@ namespace dflash::cuda {
 namespace {
 
 constexpr int kRowThreads = 256;
+constexpr int kGradTile = 4;  // columns per thread between the gradient pass's barriers
 
 // Online max and Σ exp(x − max) of a set of values (rescaled when the max grows; Milakov &
 // Gimelshein 2018), with the first index of the largest value (bv, bi).
@@ -75,7 +76,8 @@ __global__ void gather_rows_kernel(uint16_t* out, const uint16_t* table, const i
     out[i * cols + c] = row < 0 ? uint16_t{0} : table[row * ld + c];
 }
 
-__global__ void rows_kernel(launch::DsparkRowIn in, launch::DsparkRowOut out, uint16_t* dd) {
+__global__ void rows_kernel(launch::DsparkRowIn in, launch::DsparkRowOut out, uint16_t* dd,
+                            int64_t ldd) {
   __shared__ Online sh_online[32];
   __shared__ float sh_sum[32];
   const int64_t i = blockIdx.x, V = in.V;
@@ -89,7 +91,7 @@ __global__ void rows_kernel(launch::DsparkRowIn in, launch::DsparkRowOut out, ui
       out.acc[i] = nan, out.conf[i] = nan, out.argmax[i] = -1;
     }
     if (dd)
-      for (int64_t v = threadIdx.x; v < V; v += blockDim.x) dd[i * V + v] = 0;
+      for (int64_t v = threadIdx.x; v < V; v += blockDim.x) dd[i * ldd + v] = 0;
     return;
   }
   // Pass 1: softmax statistics of D (with its argmax) and of T.
@@ -136,12 +138,28 @@ __global__ void rows_kernel(launch::DsparkRowIn in, launch::DsparkRowOut out, ui
     out.dconf[i] = dz;
   }
   if (!dd) return;
-  // Pass 3: the logits gradient.
+  // Pass 3: the logits gradient, tile by tile of kGradTile·blockDim columns: every thread reads
+  // its columns of the tile, a barrier, then the tile's bf16 values are written. When dd overlays
+  // TL's row (dspark_rows), column v's value lands on TL's column v/2: inside the tile or an
+  // earlier one, all read before the barrier; later tiles' columns are not touched.
   const float gs = in.grad_scale * w;
-  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
-    const float p = expf(d[v] - lse_d), q = expf(t[v] - lse_t);
-    const float g = in.a_ce * (p - (v == y ? 1.f : 0.f)) + in.a_l1 * p * (sign_of(p - q) - sp);
-    dd[i * V + v] = f32_to_bf16(gs * g);
+  const int64_t tile = static_cast<int64_t>(kGradTile) * blockDim.x;
+  for (int64_t v0 = 0; v0 < V; v0 += tile) {
+    float g[kGradTile] = {};
+#pragma unroll
+    for (int e = 0; e < kGradTile; ++e) {
+      const int64_t v = v0 + e * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+      if (v >= V) break;
+      const float p = expf(d[v] - lse_d), q = expf(t[v] - lse_t);
+      g[e] = in.a_ce * (p - (v == y ? 1.f : 0.f)) + in.a_l1 * p * (sign_of(p - q) - sp);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int e = 0; e < kGradTile; ++e) {
+      const int64_t v = v0 + e * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+      if (v >= V) break;
+      dd[i * ldd + v] = f32_to_bf16(gs * g[e]);
+    }
   }
 }
 
@@ -191,6 +209,135 @@ __global__ void w1_scatter_kernel(float* gw1, const float* demb, const int32_t* 
   }
 }
 
+__device__ __forceinline__ float sigmoid_of(float x) {
+  return 1.0f / (1.0f + expf(-x));
+}
+// z2 [n, 2r] (dspark_head_launch.hpp): z_hi at column j, z_lo at column r + j of row i.
+__device__ __forceinline__ void latent_store(uint16_t* z2, int64_t i, int64_t j, int64_t r,
+                                             float v) {
+  const uint16_t hi = f32_to_bf16(v);
+  z2[i * 2 * r + j] = hi;
+  z2[i * 2 * r + r + j] = f32_to_bf16(v - to_f32(hi));
+}
+
+__global__ void copy_cols_kernel(uint16_t* dst, int64_t ld_dst, const uint16_t* src, int64_t ld_src,
+                                 int64_t n, int64_t cols) {
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n * cols;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = e / cols, c = e % cols;
+    dst[i * ld_dst + c] = src ? src[i * ld_src + c] : uint16_t{0};
+  }
+}
+
+__global__ void gated_fwd_kernel(float* pre, const float* bias, const uint16_t* emb, uint16_t* z2,
+                                 int64_t n, int64_t r) {
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n * r;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float p = pre[e] + bias[e % r];
+    pre[e] = p;
+    latent_store(z2, e / r, e % r, r, sigmoid_of(p) * to_f32(emb[e]));
+  }
+}
+
+__global__ void gated_bwd_kernel(const float* dz, const float* pre, const uint16_t* emb,
+                                 float* demb, float* dpre, uint16_t* dpre_bf16, int64_t n,
+                                 int64_t r) {
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n * r;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float g = sigmoid_of(pre[e]);
+    demb[e] = dz[e] * g;
+    const float d = dz[e] * to_f32(emb[e]) * g * (1.0f - g);
+    dpre[e] = d;
+    dpre_bf16[e] = f32_to_bf16(d);
+  }
+}
+
+// One block of threads per block of K slots; shared memory: s [r].
+__global__ void rnn_fwd_kernel(float* u, const float* bias, const uint16_t* jw, int64_t ld,
+                               float* sprev, uint16_t* in, uint16_t* z2, int64_t K, int64_t r) {
+  extern __shared__ float sh_state[];
+  float* st = sh_state;
+  for (int64_t j = threadIdx.x; j < r; j += blockDim.x) st[j] = 0.f;
+  __syncthreads();
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t i = blockIdx.x * K + k;
+    float* ui = u + i * 3 * r;
+    for (int64_t t = threadIdx.x; t < 3 * r; t += blockDim.x) {
+      float acc = ui[t] + bias[t];
+      for (int64_t j = 0; j < r; ++j) acc += st[j] * to_f32(jw[t * ld + j]);
+      ui[t] = acc;
+    }
+    for (int64_t j = threadIdx.x; j < r; j += blockDim.x) {
+      sprev[i * r + j] = st[j];
+      in[i * ld + j] = f32_to_bf16(st[j]);
+    }
+    __syncthreads();  // u of row i complete; every read of st done
+    for (int64_t j = threadIdx.x; j < r; j += blockDim.x) {
+      const float g = sigmoid_of(ui[j]);
+      st[j] = g * st[j] + (1.0f - g) * tanhf(ui[r + j]);
+      latent_store(z2, i, j, r, tanhf(ui[2 * r + j]));
+    }
+    __syncthreads();
+  }
+}
+
+// One block of threads per block of K slots, slots last to first; shared memory: ds [r], du [3r].
+__global__ void rnn_bwd_kernel(const float* dz, const float* u, const float* sprev,
+                               const uint16_t* jw, int64_t ld, float* du, uint16_t* du_bf16,
+                               int64_t K, int64_t r) {
+  extern __shared__ float sh_state[];
+  float* ds = sh_state;
+  float* dui = sh_state + r;
+  for (int64_t j = threadIdx.x; j < r; j += blockDim.x) ds[j] = 0.f;
+  __syncthreads();
+  for (int64_t k = K - 1; k >= 0; --k) {
+    const int64_t i = blockIdx.x * K + k;
+    const float* ui = u + i * 3 * r;
+    for (int64_t j = threadIdx.x; j < r; j += blockDim.x) {
+      const float g = sigmoid_of(ui[j]), c = tanhf(ui[r + j]), o = tanhf(ui[2 * r + j]);
+      const float d[3] = {ds[j] * (sprev[i * r + j] - c) * g * (1.0f - g),
+                          ds[j] * (1.0f - g) * (1.0f - c * c), dz[i * r + j] * (1.0f - o * o)};
+      for (int q = 0; q < 3; ++q) {
+        dui[q * r + j] = d[q];
+        du[i * 3 * r + q * r + j] = d[q];
+        du_bf16[i * 3 * r + q * r + j] = f32_to_bf16(d[q]);
+      }
+      ds[j] *= g;  // s_k = g⊙s_{k−1} + …: the direct path to s_{k−1}
+    }
+    __syncthreads();
+    for (int64_t j = threadIdx.x; j < r; j += blockDim.x) {
+      float acc = 0.f;
+      for (int64_t t = 0; t < 3 * r; ++t) acc += dui[t] * to_f32(jw[t * ld + j]);
+      ds[j] += acc;
+    }
+    __syncthreads();
+  }
+}
+
+__global__ void col_sum_kernel(float* out, const float* in, int64_t n, int64_t cols) {
+  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (c >= cols) return;
+  float g = 0.f;
+  for (int64_t i = 0; i < n; ++i) g += in[i * cols + c];
+  out[c] += g;
+}
+
+__global__ void markov_dx_kernel(float* dhf, float* demb, const float* dx, int64_t ldx,
+                                 int64_t h_col, int64_t e_col, int64_t n, int64_t H, int64_t r,
+                                 bool add_e) {
+  const int64_t cols = H + r;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n * cols;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = e / cols, c = e % cols;
+    if (c < H) {
+      dhf[i * H + c] += dx[i * ldx + h_col + c];
+    } else {
+      const float v = dx[i * ldx + e_col + (c - H)];
+      demb[i * r + (c - H)] = add_e ? demb[i * r + (c - H)] + v : v;
+    }
+  }
+}
+
 __global__ void sums_kernel(double* sums, launch::DsparkRowOut rows, const float* weights,
                             int64_t R, double a_ce, double a_l1, double a_conf) {
   __shared__ double sh[32];
@@ -223,9 +370,10 @@ void dspark_gather_rows(uint16_t* out, const uint16_t* table, const int32_t* idx
   DFLASH_CUDA_LAUNCH_CHECK();
 }
 
-void dspark_rows(const DsparkRowIn& in, const DsparkRowOut& out, uint16_t* dd, cudaStream_t s) {
+void dspark_rows(const DsparkRowIn& in, const DsparkRowOut& out, uint16_t* dd, int64_t ldd,
+                 cudaStream_t s) {
   if (in.n == 0) return;
-  rows_kernel<<<static_cast<unsigned>(in.n), kRowThreads, 0, s>>>(in, out, dd);
+  rows_kernel<<<static_cast<unsigned>(in.n), kRowThreads, 0, s>>>(in, out, dd, ldd);
   DFLASH_CUDA_LAUNCH_CHECK();
 }
 
@@ -248,6 +396,72 @@ void dspark_w1_scatter(float* gw1, const float* demb, const int32_t* prev, const
   const int threads = r >= 128 ? 128 : 32;
   w1_scatter_kernel<<<static_cast<unsigned>(max_segments), threads, 0, s>>>(gw1, demb, prev, order,
                                                                             seg, r);
+  DFLASH_CUDA_LAUNCH_CHECK();
+}
+
+void dspark_copy_cols(uint16_t* dst, int64_t ld_dst, const uint16_t* src, int64_t ld_src, int64_t n,
+                      int64_t cols, cudaStream_t s) {
+  if (n == 0 || cols == 0) return;
+  copy_cols_kernel<<<grid_for(n * cols, kElementwiseThreads), kElementwiseThreads, 0, s>>>(
+      dst, ld_dst, src, ld_src, n, cols);
+  DFLASH_CUDA_LAUNCH_CHECK();
+}
+
+void dspark_gated_fwd(float* pre, const float* bias, const uint16_t* emb, uint16_t* z2, int64_t n,
+                      int64_t r, cudaStream_t s) {
+  if (n == 0 || r == 0) return;
+  gated_fwd_kernel<<<grid_for(n * r, kElementwiseThreads), kElementwiseThreads, 0, s>>>(
+      pre, bias, emb, z2, n, r);
+  DFLASH_CUDA_LAUNCH_CHECK();
+}
+
+void dspark_gated_bwd(const float* dz, const float* pre, const uint16_t* emb, float* demb,
+                      float* dpre, uint16_t* dpre_bf16, int64_t n, int64_t r, cudaStream_t s) {
+  if (n == 0 || r == 0) return;
+  gated_bwd_kernel<<<grid_for(n * r, kElementwiseThreads), kElementwiseThreads, 0, s>>>(
+      dz, pre, emb, demb, dpre, dpre_bf16, n, r);
+  DFLASH_CUDA_LAUNCH_CHECK();
+}
+
+namespace {
+// Threads of the rnn kernels: one per u column (3r), in whole warps, at most 1024.
+unsigned rnn_threads(int64_t r) {
+  const int64_t t = (3 * r + 31) / 32 * 32;
+  return static_cast<unsigned>(t < 1024 ? t : 1024);
+}
+}  // namespace
+
+void dspark_rnn_fwd(float* u, const float* bias, const uint16_t* jw, int64_t ld, float* sprev,
+                    uint16_t* in, uint16_t* z2, int64_t n, int64_t K, int64_t r, cudaStream_t s) {
+  if (n == 0 || r == 0) return;
+  const size_t shmem = static_cast<size_t>(r) * sizeof(float);
+  rnn_fwd_kernel<<<static_cast<unsigned>(n / K), rnn_threads(r), shmem, s>>>(u, bias, jw, ld, sprev,
+                                                                             in, z2, K, r);
+  DFLASH_CUDA_LAUNCH_CHECK();
+}
+
+void dspark_rnn_bwd(const float* dz, const float* u, const float* sprev, const uint16_t* jw,
+                    int64_t ld, float* du, uint16_t* du_bf16, int64_t n, int64_t K, int64_t r,
+                    cudaStream_t s) {
+  if (n == 0 || r == 0) return;
+  const size_t shmem = static_cast<size_t>(4 * r) * sizeof(float);
+  rnn_bwd_kernel<<<static_cast<unsigned>(n / K), rnn_threads(r), shmem, s>>>(dz, u, sprev, jw, ld,
+                                                                             du, du_bf16, K, r);
+  DFLASH_CUDA_LAUNCH_CHECK();
+}
+
+void dspark_col_sum(float* out, const float* in, int64_t n, int64_t cols, cudaStream_t s) {
+  if (cols == 0) return;
+  col_sum_kernel<<<grid_for(cols, kElementwiseThreads), kElementwiseThreads, 0, s>>>(out, in, n,
+                                                                                     cols);
+  DFLASH_CUDA_LAUNCH_CHECK();
+}
+
+void dspark_markov_dx(float* dhf, float* demb, const float* dx, int64_t ldx, int64_t h_col,
+                      int64_t e_col, int64_t n, int64_t H, int64_t r, bool add_e, cudaStream_t s) {
+  if (n == 0) return;
+  markov_dx_kernel<<<grid_for(n * (H + r), kElementwiseThreads), kElementwiseThreads, 0, s>>>(
+      dhf, demb, dx, ldx, h_col, e_col, n, H, r, add_e);
   DFLASH_CUDA_LAUNCH_CHECK();
 }
 
