@@ -66,3 +66,35 @@ PY
   mv "$DEST.part/cutlass_library/source/include" "$DEST/include"
   rm -rf "$DEST.part"
 fi
+
+# cudnn-frontend headers for the cuDNN causal prefill (src/backend/cuda/attention_cudnn.cpp; the
+# cuDNN library itself comes with the CUDA installation): Debian has no package, so take the
+# include folder of the pinned nvidia-cudnn-frontend wheel from PyPI (hash checked; the headers
+# are the same in every platform's wheel, the x86-64 one is named) into .deps/ (ignored by git;
+# CMake's DFLASH_CUDNN_FRONTEND_DIR points there).
+CUDNN_FE_VERSION=1.16.0
+CUDNN_FE_WHEEL=nvidia_cudnn_frontend-$CUDNN_FE_VERSION-cp311-cp311-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl
+CUDNN_FE_SHA256=5c4a8fc573d85a86e08b15d9bf37f729e2487298781867a492a59cde6ac295e2
+DEST="$ROOT/.deps/cudnn-frontend-$CUDNN_FE_VERSION"
+if { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; } &&
+   [ ! -f "$DEST/include/cudnn_frontend.h" ]; then
+  echo "setup: cudnn-frontend $CUDNN_FE_VERSION headers into $DEST"
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  python3 -m venv "$tmp/venv"
+  "$tmp/venv/bin/pip" download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+    --python-version 3.11 --implementation cp --platform manylinux_2_28_x86_64 \
+    "nvidia-cudnn-frontend==$CUDNN_FE_VERSION" -d "$tmp"
+  echo "$CUDNN_FE_SHA256  $tmp/$CUDNN_FE_WHEEL" | sha256sum -c --quiet -
+  python3 - "$tmp/$CUDNN_FE_WHEEL" "$DEST.part" <<'PY'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    for name in z.namelist():
+        if name.startswith("include/") and not name.endswith("/"):
+            z.extract(name, sys.argv[2])
+PY
+  mkdir -p "$DEST"
+  rm -rf "$DEST/include"
+  mv "$DEST.part/include" "$DEST/include"
+  rm -rf "$DEST.part"
+fi

@@ -555,6 +555,23 @@ TEST(AttentionWindow, NarrowsTheFirstRangeToTheLastWKeys) {
               ::testing::HasSubstr("window must be >= 1"));
 }
 
+TEST(AttentionCausalVarlenDocs, InvertsTheRangesAndNamesTheFirstRowOfAnotherForm) {
+  const std::vector<int32_t> offsets = {0, 5, 6, 12};
+  auto r = attention_causal_varlen_ranges(offsets.data(), 3, 12);
+  EXPECT_EQ(attention_causal_varlen_docs(r.data(), 12), offsets);
+  auto w = r;
+  attention_window_ranges(w.data(), r.data(), 12, 3);  // row 3 sees [1, 4): a window
+  EXPECT_THAT(error_of([&] { attention_causal_varlen_docs(w.data(), 12); }),
+              ::testing::HasSubstr("row 3 has range {1, 4, 0, 0}, not the causal varlen form"));
+  r[3].lo2 = 8;  // a second range
+  r[3].hi2 = 9;
+  EXPECT_THAT(error_of([&] { attention_causal_varlen_docs(r.data(), 12); }),
+              ::testing::HasSubstr("row 3 has range {0, 4, 8, 9}"));
+  r[0].lo1 = 1;  // row 0 must start a document
+  EXPECT_THAT(error_of([&] { attention_causal_varlen_docs(r.data(), 12); }),
+              ::testing::HasSubstr("row 0 has range"));
+}
+
 TEST(AttentionFwd, MaskedKeysAreNeverRead) {
   // Drafter-like rows: ctx [lo, anchor) plus an own block; every other key/value row is NaN.
   const int64_t Tc = 12, K = 3, Tk = Tc + 2 * K, NH = 4, NKV = 1, D = 64;

@@ -29,8 +29,9 @@
 #                     verify, drafter-block and speculative steps at batch 1 and 8 with cuBLASLt
 #                     projections (the default) and decode_linear_cuda ones (…RowGemm); BM_Gemm and
 #                     BM_DecodeLinear weight GB/s; tiny tokens/s at batch 1 and 64
-#   gemm-bench        gemm_bench: every cuBLASLt GEMM shape of the reference step (ms, TFLOP/s, the
-#                     plan's tile/stages/split-K) and the heuristic's other candidates against it
+#   gemm-bench[:ARGS] gemm_bench ARGS (comma-separated, e.g. gemm-bench:--only=target,--rounds=45):
+#                     every cuBLASLt GEMM shape of the reference step (ms, TFLOP/s, the plan's
+#                     tile/stages/split-K) and the heuristic's other candidates against it
 #   train:NAME[:KEY=V...]
 #                     `dflash train --config configs/tiny-reference.yaml KEY=V...` into run NAME:
 #                     rc, wall, first/last loss and simulated τ, s_per_step
@@ -319,8 +320,10 @@ for part in "$@"; do
       timeout 300 "$B/decode_cuda_bench" --benchmark_counters_tabular=true > "$out/decode_bench.log" 2>&1
       echo "decode bench rc=$?" >> "$summary"
       grep -E "^BM_" "$out/decode_bench.log" >> "$summary" ;;
-    gemm-bench)
-      timeout 120 "$B/gemm_bench" > "$out/gemm_bench.txt" 2>&1
+    gemm-bench|gemm-bench:*)
+      split=()
+      [[ $part == *:* ]] && split_args "${part#gemm-bench:}"
+      timeout 120 "$B/gemm_bench" "${split[@]}" > "$out/gemm_bench.txt" 2>&1
       echo "gemm bench rc=$?" >> "$summary"
       cat "$out/gemm_bench.txt" >> "$summary" ;;
     train:*)

@@ -14,18 +14,22 @@
 // words; words: the opaque cublasLtMatmulAlgo_t in hex), which tools/gemm_plan_table.py turns
 // into the table; a candidate more than 3 % faster than the plan used is also printed in words.
 // GPU time from CUDA events: the plan used, the median of 9 runs after 2 warm-up runs; the
-// candidates, 2 warm-up runs each, then 15 rounds that run each candidate once in turn (drift
-// falls on all alike), the median per candidate.
+// candidates, 2 warm-up runs each, then 15 rounds (--rounds=N) that run each candidate once in
+// turn (drift falls on all alike), the median per candidate.
 //
-//     build/bench/gemm_bench [table|heuristic]   (the plan source, default table; one H200:
-//                                                 about 15 s)
+//     build/bench/gemm_bench [table|heuristic] [--rounds=N] [--only=PREFIX]
+//         the plan source (default table); rounds per candidate (default 15); only the shapes
+//         whose name starts with PREFIX (e.g. "target"). One H200, all shapes, 15 rounds: about
+//         15 s.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "backend/cuda/check.hpp"
@@ -45,7 +49,7 @@ constexpr double kPeakTflops = 825.0;
 constexpr int kWarmup = 2, kRuns = 9;
 // Rounds of the candidates' timing: each round runs every candidate once, in order, so drift in
 // clocks or temperature over a shape's measurement falls on all of them alike.
-constexpr int kCandidateRounds = 15;
+constexpr int kDefaultCandidateRounds = 15;
 constexpr int kCandidates = 16;  // the heuristic's answers timed per shape
 
 // One GEMM of the step: D[M,N] = op(A)·op(B) (+ C), as gemm_bf16's arguments.
@@ -115,16 +119,17 @@ float median_ms(cudaStream_t s, const std::function<void()>& fn) {
   return ms[ms.size() / 2];
 }
 
-// Medians of fns[i]'s GPU time over kCandidateRounds interleaved rounds, after kWarmup runs each.
+// Medians of fns[i]'s GPU time over `rounds` interleaved rounds, after kWarmup runs each.
 std::vector<float> interleaved_median_ms(cudaStream_t s,
-                                         const std::vector<std::function<void()>>& fns) {
+                                         const std::vector<std::function<void()>>& fns,
+                                         int rounds) {
   cudaEvent_t a, b;
   DFLASH_CUDA_CHECK(cudaEventCreate(&a));
   DFLASH_CUDA_CHECK(cudaEventCreate(&b));
   for (const auto& fn : fns)
     for (int i = 0; i < kWarmup; ++i) fn();
   std::vector<std::vector<float>> ms(fns.size());
-  for (int round = 0; round < kCandidateRounds; ++round) {
+  for (int round = 0; round < rounds; ++round) {
     for (size_t i = 0; i < fns.size(); ++i) {
       DFLASH_CUDA_CHECK(cudaEventRecord(a, s));
       fns[i]();
@@ -191,12 +196,27 @@ void print_plan_line(const Case& k, const GemmShapeKey& key, int cand, float ms,
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc > 2) {
-    std::fprintf(stderr, "usage: gemm_bench [table|heuristic]\n");
-    return 2;
+  int rounds = kDefaultCandidateRounds;
+  std::string only;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg.starts_with("--rounds=")) {
+      rounds = std::atoi(arg.c_str() + 9);
+      if (rounds < 1) {
+        std::fprintf(stderr, "gemm_bench: --rounds must be >= 1 (got '%s')\n", arg.c_str() + 9);
+        return 2;
+      }
+    } else if (arg.starts_with("--only=")) {
+      only = arg.substr(7);
+    } else if (arg == "table" || arg == "heuristic") {
+      cuda::gemm_plan_source_set(cuda::gemm_plan_source_parse(arg, "gemm_bench argument"));
+    } else {
+      std::fprintf(stderr,
+                   "usage: gemm_bench [table|heuristic] [--rounds=N] [--only=PREFIX] (got '%s')\n",
+                   arg.c_str());
+      return 2;
+    }
   }
-  if (argc == 2)
-    cuda::gemm_plan_source_set(cuda::gemm_plan_source_parse(argv[1], "gemm_bench argument"));
   if (cuda::device_count() == 0) {
     std::fprintf(stderr, "gemm_bench: no CUDA device\n");
     return 1;
@@ -221,7 +241,10 @@ int main(int argc, char** argv) {
               "ta", "out", "beta", "ms", "TFLOP/s", "%825", "ms/step", "source", "cuBLASLt plan");
   double step_ms = 0, step_tflop = 0, step_first_ms = 0;
   int n_table = 0;
+  int n_cases = 0;
   for (const Case& k : kCases) {
+    if (!std::string_view(k.name).starts_with(only)) continue;
+    ++n_cases;
     const int64_t lda = k.trans_a ? k.M : k.K, ldb = k.trans_b ? k.K : k.N, ldc = k.N;
     auto run = [&] {
       cuda::gemm_bf16(ctx, c.data(), k.out, ldc, a.as<uint16_t>(), lda, k.trans_a, b.as<uint16_t>(),
@@ -255,7 +278,7 @@ int main(int argc, char** argv) {
                        ctx.stream());
       });
     }
-    const std::vector<float> cand_ms = interleaved_median_ms(ctx.stream(), runs);
+    const std::vector<float> cand_ms = interleaved_median_ms(ctx.stream(), runs, rounds);
     float best = ms, first = cand_ms.empty() ? ms : cand_ms[0];
     int best_i = -1;
     for (size_t i = 0; i < res.size(); ++i) {
@@ -269,8 +292,7 @@ int main(int argc, char** argv) {
       std::printf("%-30s   candidate %d of %zu is faster: %.3f ms (%.0f TFLOP/s), %s\n", "", best_i,
                   res.size(), best, tflop / best * 1e3, algo_string(res[best_i].algo).c_str());
   }
-  std::printf("plans: %d from the table, %d from the heuristic (%s)\n", n_table,
-              static_cast<int>(kCases.size()) - n_table,
+  std::printf("plans: %d from the table, %d from the heuristic (%s)\n", n_table, n_cases - n_table,
               cuda::gemm_plan_source_name(cuda::gemm_plan_source()));
   std::printf("sum over one step's GEMMs with the heuristic's first plans: %.1f ms\n",
               step_first_ms);

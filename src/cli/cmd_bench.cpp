@@ -141,6 +141,11 @@ void add_bench_command(CLI::App& app) {
                 "cuBLASLt GEMM plans from the measured table (the heuristic's first for shapes "
                 "it lacks) or from the heuristic alone (the table ignored)")
       ->capture_default_str();
+  b->add_option("--prefill", a->o.prefill,
+                "The target's causal prefill: the project's attention kernels or cuDNN's fused "
+                "attention")
+      ->check(CLI::IsMember({"kernels", "cudnn"}))
+      ->capture_default_str();
   b->add_option("--recompute", a->o.recompute,
                 "Drafter backward: recompute the forward's activations (always), keep them "
                 "(never), or keep them when the plan fits (auto), as training.recompute")

@@ -462,6 +462,22 @@ void TargetCuda::forward_cached(uint16_t* taps, const int32_t* tokens, const int
              split);
 }
 
+void TargetCuda::use_cudnn_prefill(int64_t max_docs, int64_t max_doc_len) {
+  const ModelConfig& c = cfg_;
+  for (const Layer& L : layers_)
+    DFLASH_CHECK(!L.sinks,
+                 "TargetCuda::use_cudnn_prefill: the target has attention sinks "
+                 "(attention_sinks); the cuDNN causal graph has none");
+  for (const Layer& L : layers_)
+    DFLASH_CHECK(!L.sliding,
+                 "TargetCuda::use_cudnn_prefill: the target has sliding-window layers "
+                 "(layer_types, sliding_window {}); the cuDNN causal graph has no window",
+                 c.sliding_window);
+  cudnn_ = std::make_unique<CudnnCausalPrefill>(
+      ctx_, CudnnPrefillShape{max_docs, max_doc_len, c.num_attention_heads, c.num_key_value_heads,
+                              c.head_dim, 1.0 / std::sqrt(static_cast<double>(c.head_dim))});
+}
+
 void TargetCuda::run_layers(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
                             const AttnRange* ranges, int64_t T, int64_t Tg,
                             std::span<const int> layer_ids, int64_t n_run,
@@ -479,6 +495,9 @@ void TargetCuda::run_layers(uint16_t* taps, const int32_t* tokens, const int32_t
   // Sliding layers see the last `sliding_window` keys of each causal range (HF
   // sliding_window_overlay), derived on the device once per forward.
   if (win_) attention_window_ranges_cuda(ctx_, win_, ranges, T, c.sliding_window);
+  // The prefill on cuDNN (use_cudnn_prefill): the documents of `ranges`, once per forward.
+  const bool on_cudnn = cudnn_ && !cache;
+  if (on_cudnn) cudnn_->set_documents(ranges, T);
   QkvPrepare prep{T, NH, NKV, D, nullptr, nullptr, eps, pos, inv_freq_, rope_scaling_};
   // The projections: decode_linear_cuda on the T rows of a decoding step (row bits independent
   // of T), else cuBLASLt on Tg ≥ T rows (rows [T, Tg) compute garbage from whatever the
@@ -522,7 +541,10 @@ void TargetCuda::run_layers(uint16_t* taps, const int32_t* tokens, const int32_t
       }
     } else {
       qkv_prepare_cuda(ctx_, q, nullptr, k, v, nullptr, qkv, prep);
-      attention_fwd_cuda(ctx_, o, nullptr, q, k, v, visible, ap);
+      if (on_cudnn)
+        cudnn_->forward(o, q, k, v);
+      else
+        attention_fwd_cuda(ctx_, o, nullptr, q, k, v, visible, ap);
     }
     // x += o · Woᵀ (+ bo) (the GEMM accumulates into the fp32 residual stream).
     project_into_x(o, L.wo, L.bo, QD);

@@ -31,6 +31,7 @@
 #include "backend/cuda/context.hpp"
 #include "model/target.hpp"
 #include "ops/attention.hpp"
+#include "ops/attention_cudnn.hpp"
 
 namespace dflash {
 
@@ -123,6 +124,16 @@ class TargetCuda {
   const ModelConfig& config() const { return cfg_; }
   /// Tokens a forward may hold.
   int64_t max_tokens() const { return max_tokens_; }
+  /// From now on forward_taps and forward_taps_final run the causal prefill of every layer on
+  /// cuDNN's fused attention (ops/attention_cudnn.hpp: one graph of `max_docs` document slots of
+  /// at most `max_doc_len` rows, built here, its index arrays and workspace cudaMalloc'ed outside
+  /// the arena) instead of attention_fwd_cuda; forward_cached keeps its kernels. A forward with
+  /// more documents or a longer one traps on the device (attention_cudnn.hpp). Throws
+  /// dflash::Error when a layer has a sliding window or attention sinks (the cuDNN graph computes
+  /// neither: the config field is named) or when cuDNN cannot build the graph (its reason).
+  void use_cudnn_prefill(int64_t max_docs, int64_t max_doc_len);
+  /// True after use_cudnn_prefill.
+  bool cudnn_prefill() const { return cudnn_ != nullptr; }
 
   /// The embedding table and LM head on the device, bf16 [V, H] (the same array when tied).
   const uint16_t* embed() const { return embed_; }
@@ -172,6 +183,8 @@ class TargetCuda {
            *o_ = nullptr;
   uint16_t *gu_ = nullptr, *act_ = nullptr, *tap_ = nullptr;  // gu_/act_ null without dense layers
   AttnRange* win_ = nullptr;  // window ranges; null without sliding layers
+  // use_cudnn_prefill's graph; null: the prefill runs attention_fwd_cuda.
+  std::unique_ptr<CudnnCausalPrefill> cudnn_;
   /// MoE workspace (all null without MoE layers): R = max_tokens · top-k rows.
   struct MoeWork {
     float* logits = nullptr;                                                          // [T, E]

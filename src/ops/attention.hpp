@@ -81,6 +81,11 @@ void attention_causal_varlen_ranges(AttnRange* ranges, const int32_t* doc_offset
 std::vector<AttnRange> attention_causal_varlen_ranges(const int32_t* doc_offsets, int64_t n_docs,
                                                       int64_t T);
 
+/// The document offsets (cu_seqlens, [n_docs+1], from 0 to T) that `ranges` [T] of
+/// the causal varlen form describe (the inverse of attention_causal_varlen_ranges). Throws
+/// dflash::Error naming the first row whose range is not {doc_start, t+1, 0, 0}.
+std::vector<int32_t> attention_causal_varlen_docs(const AttnRange* ranges, int64_t T);
+
 /// Sliding-window visibility: out[t] = in[t] with its first range narrowed to its last `window`
 /// keys, lo1 = max(lo1, hi1 − window) (the second range is kept). For causal rows ({s, t+1}) this
 /// is HF's sliding window: row t sees [max(s, t+1−W), t+1). `out` may alias `in`. Throws

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 
@@ -32,9 +33,14 @@
 #include "model/target_cuda.hpp"
 #include "ops/adamw.hpp"
 #include "ops/attention.hpp"
+#include "ops/attention_cudnn.hpp"
 #include "ops/cast.hpp"
 #include "ops/cross_entropy.hpp"
+#include "ops/decode_fused.hpp"
 #include "ops/fill.hpp"
+#include "ops/linear.hpp"
+#include "ops/rmsnorm.hpp"
+#include "ops/swiglu.hpp"
 #endif
 
 namespace dflash {
@@ -510,6 +516,103 @@ void collect_gemm_plans(cuda::CudaContext& ctx, const BenchOptions& o, BenchRepo
             [](const BenchGemmPlan& a, const BenchGemmPlan& b) { return a.shape < b.shape; });
 }
 
+/// The ops of one dense target layer as TargetCuda::run_layers runs them, each timed alone on T
+/// rows of random inputs at the target's shapes (rows "target ..."): the two RMSNorms (one row:
+/// the same op and shape), the fused q|k|v GEMM, qkv_prepare (q/k RMSNorm, RoPE, the k/v copy),
+/// o_proj accumulated into the fp32 residual, the fused gate|up GEMM, SwiGLU and down_proj
+/// accumulated. GEMM floors at kPeakBf16Flops; the others at the bytes they must move over
+/// kPeakCopyBytesPerS (flops NAN). `pos` [T] device positions. Their sum, times the layers, against
+/// the target forward phase says what the attention and the launches leave.
+std::vector<BenchKernel> target_layer_rows(cuda::CudaContext& ctx, const BenchOptions& o,
+                                           const ModelConfig& c, int64_t T, const int32_t* pos) {
+  const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
+  const int64_t NH = c.num_attention_heads, NKV = c.num_key_value_heads;
+  const int64_t QD = NH * D, KD = NKV * D, QKV = QD + 2 * KD;
+  auto z = [](int64_t n) { return static_cast<size_t>(n); };
+  DeviceMemory x(z(T * H * 4)), hn(z(T * H * 2)), qkv(z(T * QKV * 2)), q(z(T * QD * 2)),
+      k(z(T * KD * 2)), v(z(T * KD * 2)), gu(z(T * 2 * I * 2)), act(z(T * I * 2)),
+      wqkv(z(QKV * H * 2)), wo(z(H * QD * 2)), wgu(z(2 * I * H * 2)), wdown(z(H * I * 2)),
+      norm(z(std::max(H, D) * 4)), inv_freq(z(D / 2 * 4));
+  int seed = 41;
+  for (auto [p, n] : {std::pair{hn.as<uint16_t>(), T * H},
+                      {qkv.as<uint16_t>(), T * QKV},
+                      {gu.as<uint16_t>(), T * 2 * I},
+                      {act.as<uint16_t>(), T * I},
+                      {wqkv.as<uint16_t>(), QKV * H},
+                      {wo.as<uint16_t>(), H * QD},
+                      {wgu.as<uint16_t>(), 2 * I * H},
+                      {wdown.as<uint16_t>(), H * I}})
+    fill_uniform_cuda(ctx, p, n, 0.0f, 0.02f, static_cast<uint64_t>(seed++));
+  fill_uniform_cuda(ctx, x.as<float>(), T * H, 0.0f, 1.0f, 51);
+  fill_uniform_cuda(ctx, norm.as<float>(), std::max(H, D), 1.0f, 0.0f, 52);
+  fill_uniform_cuda(ctx, inv_freq.as<float>(), D / 2, 0.01f, 0.01f, 53);
+  const double t = static_cast<double>(T);
+  auto gemm = [&](const char* name, int64_t in, int64_t out, auto&& fn) {
+    const double flops = 2.0 * t * static_cast<double>(in * out);
+    BenchKernel r{name, fmt::format("{}x{}x{}", T, out, in), NAN, flops,
+                  flops / kPeakBf16Flops * 1e3};
+    r.ms = time_kernel(ctx, o.kernel_reps, fn);
+    return r;
+  };
+  auto pass = [&](const char* name, std::string shape, double bytes, auto&& fn) {
+    BenchKernel r{name, std::move(shape), NAN, NAN, bytes / kPeakCopyBytesPerS * 1e3};
+    r.ms = time_kernel(ctx, o.kernel_reps, fn);
+    return r;
+  };
+  const double eps = c.rms_norm_eps;
+  QkvPrepare prep{
+      T, NH, NKV, D, norm.as<float>(), norm.as<float>(), eps, pos, inv_freq.as<float>(), 1.0f};
+  std::vector<BenchKernel> rows;
+  rows.push_back(
+      pass("target RMSNorm (x2)", fmt::format("{}x{} f32 -> bf16", T, H), t * H * 6, [&] {
+        rmsnorm_fwd_cuda(ctx, hn.as<uint16_t>(), static_cast<float*>(nullptr), x.as<const float>(),
+                         norm.as<const float>(), T, H, eps);
+      }));
+  rows.push_back(gemm("target q|k|v GEMM", H, QKV, [&] {
+    linear_fwd_cuda(ctx, qkv.as<uint16_t>(), hn.as<const uint16_t>(), wqkv.as<const uint16_t>(), T,
+                    H, QKV);
+  }));
+  rows.push_back(
+      pass("target qkv_prepare", fmt::format("{}x{} (q/k-norm, RoPE)", T, QKV), t * QKV * 4, [&] {
+        qkv_prepare_cuda(ctx, q.as<uint16_t>(), nullptr, k.as<uint16_t>(), v.as<uint16_t>(),
+                         nullptr, qkv.as<const uint16_t>(), prep);
+      }));
+  rows.push_back(gemm("target o GEMM (+= x)", QD, H, [&] {
+    linear_fwd_acc_cuda(ctx, x.as<float>(), q.as<const uint16_t>(), wo.as<const uint16_t>(), T, QD,
+                        H);
+  }));
+  rows.push_back(gemm("target gate|up GEMM", H, 2 * I, [&] {
+    linear_fwd_cuda(ctx, gu.as<uint16_t>(), hn.as<const uint16_t>(), wgu.as<const uint16_t>(), T, H,
+                    2 * I);
+  }));
+  rows.push_back(pass("target SwiGLU", fmt::format("{}x{} bf16", T, I), t * I * 6, [&] {
+    swiglu_fwd_cuda(ctx, act.as<uint16_t>(), gu.as<const uint16_t>(), gu.as<const uint16_t>() + I,
+                    T, I, 2 * I);
+  }));
+  rows.push_back(gemm("target down GEMM (+= x)", I, H, [&] {
+    linear_fwd_acc_cuda(ctx, x.as<float>(), act.as<const uint16_t>(), wdown.as<const uint16_t>(), T,
+                        I, H);
+  }));
+  return rows;
+}
+
+/// The documents of a staged step: {count, longest} (every bench step has the same split).
+std::pair<int64_t, int64_t> bench_documents(const StagedStep& packed) {
+  const std::vector<int32_t> off =
+      attention_causal_varlen_docs(packed.context_ranges.data(), packed.T);
+  int64_t longest = 0;
+  for (size_t d = 0; d + 1 < off.size(); ++d)
+    longest = std::max<int64_t>(longest, off[d + 1] - off[d]);
+  return {static_cast<int64_t>(off.size()) - 1, longest};
+}
+
+/// --prefill cudnn: the target's causal prefill on cuDNN, its graph sized for `packed`'s documents.
+void bench_use_prefill(TargetCuda& target, const BenchOptions& o, const StagedStep& packed) {
+  if (o.prefill != "cudnn") return;
+  const auto [docs, longest] = bench_documents(packed);
+  target.use_cudnn_prefill(docs, longest);
+}
+
 // `dflash bench --target-only`: the target's tap forward alone, in the plan of that forward
 // (bench_plan), on the inputs of the full bench's first step (same tokens, positions and document
 // ranges). Each forward is timed with device events (median over o.steps after o.warmup) and by
@@ -536,6 +639,7 @@ BenchReport run_target_bench(const BenchOptions& o, const BenchSetup& s,
   HostBatch batch = make_rows(s, o);
   const StagedStep packed = stage_bench_step(batch, s, o, 0);
   DFLASH_CHECK(packed.T == plan.T, "bench: {} staged tokens for a plan of {}", packed.T, plan.T);
+  bench_use_prefill(target, o, packed);
   tokens.fill(packed.tokens);
   tranges.fill(packed.context_ranges);
   pos.fill(std::vector<int32_t>(packed.pos.begin(), packed.pos.begin() + plan.T));
@@ -552,9 +656,9 @@ BenchReport run_target_bench(const BenchOptions& o, const BenchSetup& s,
   r.steps = o.steps;
   r.header = fmt::format(
       "dflash bench --target-only: {}, random weights; taps [{}] (a {}-layer drafter's): {} of {} "
-      "layers; {} row(s) x {} tokens ({} documents of {} per row); {}",
+      "layers; {} row(s) x {} tokens ({} documents of {} per row); causal prefill: {}; {}",
       s.model_name, fmt::join(taps, ", "), s.drafter.num_layers, plan.target_layers,
-      s.target.num_hidden_layers, o.rows, o.token_budget, s.docs_per_row, o.doc_length,
+      s.target.num_hidden_layers, o.rows, o.token_budget, s.docs_per_row, o.doc_length, o.prefill,
       cuda::device_description(o.device));
 
   cudaEvent_t ev0 = ctx.new_event(true), ev1 = ctx.new_event(true);
@@ -665,14 +769,15 @@ BenchReport run_bench(const BenchOptions& o) {
   r.header = fmt::format(
       "dflash bench: {}, random weights; drafter {} layers, taps [{}], block {}; {} row(s) x {} "
       "tokens ({} documents of {} per row), {} anchors per document: {} blocks ({} block rows); "
-      "loss {}; the backward {} the forward's activations ({}); {}",
+      "loss {}; the backward {} the forward's activations ({}); causal prefill: {}; {}",
       s.model_name, s.drafter.num_layers, fmt::join(s.drafter.target_layer_ids, ","), o.block_size,
       o.rows, o.token_budget, s.docs_per_row, o.doc_length, o.anchors, s.blocks, plan.NK,
       r.loss_type, plan.activations == DrafterActivations::keep ? "keeps" : "recomputes",
-      plan.activations_reason, cuda::device_description(o.device));
+      plan.activations_reason, o.prefill, cuda::device_description(o.device));
 
   cudaStream_t st = ctx.stream();
   HostBatch batch = make_rows(s, o);
+  bench_use_prefill(target, o, stage_bench_step(batch, s, o, 0));
   StagedStep packed;
   auto enqueue_target = [&](int64_t t) {
     tokens.upload<int32_t>(st, 0, t);
@@ -912,9 +1017,32 @@ BenchReport run_bench(const BenchOptions& o) {
     bwd_rows.push_back(ab);
     pf_rows.push_back(pf);
   }
+  {
+    // The same prefill on cuDNN's fused attention (ops/attention_cudnn.hpp), its graph sized for
+    // the step's documents; the index kernel reading the ranges (once per target forward, not
+    // per layer) runs before the timed forwards.
+    // A graph cuDNN cannot build leaves the row out and says why on stderr (the other rows stand).
+    const auto [docs, longest] = bench_documents(packed);
+    try {
+      CudnnCausalPrefill cp(ctx, CudnnPrefillShape{docs, longest, tc.num_attention_heads,
+                                                   tc.num_key_value_heads, tc.head_dim, tp.scale});
+      cp.set_documents(static_cast<const AttnRange*>(tranges.dev), TT);
+      BenchKernel pf{"causal prefill cudnn", pshape, NAN, pf_flops,
+                     pf_flops / kPeakBf16Flops * 1e3};
+      pf.ms = time_kernel(ctx, o.kernel_reps, [&] {
+        cp.forward(to.as<uint16_t>(), tq.as<uint16_t>(), tk.as<uint16_t>(), tv.as<uint16_t>());
+      });
+      pf_rows.push_back(pf);
+    } catch (const Error& e) {
+      fmt::print(stderr, "bench: the causal prefill cudnn row was not timed: {}\n", e.what());
+    }
+  }
   r.kernels = fwd_rows;
   r.kernels.insert(r.kernels.end(), bwd_rows.begin(), bwd_rows.end());
   r.kernels.insert(r.kernels.end(), pf_rows.begin(), pf_rows.end());
+  if (tc.intermediate_size > 0 && tc.num_experts == 0)  // a dense target's layer, op by op
+    for (BenchKernel& k : target_layer_rows(ctx, o, tc, TT, static_cast<const int32_t*>(pos.dev)))
+      r.kernels.push_back(std::move(k));
   const int64_t H = d.hidden_size, V = d.vocab_size;
   if (d.dspark.enabled) {
     // The DSpark head with its gradients over the step's block rows (dspark_head_cuda: logits,

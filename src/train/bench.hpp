@@ -15,6 +15,10 @@
 // drafter's taps, activations, the tap features, inputs), so a 32B target fits one H200; its
 // figures are printed as tools/hf_target_forward.py prints the HF forward's.
 //
+// The kernel rows time the DFlash attention families, the causal prefill of every family and of
+// cuDNN (ops/attention_cudnn.hpp), one dense target layer op by op ("target ..."), the fused CE
+// (or the DSpark head) and AdamW. --prefill cudnn runs the target forward's prefill on cuDNN.
+//
 // FLOP counts: model/step_plan.hpp (drafter_step_flops, target_forward_flops); rates are against
 // 825 TFLOP/s (cuBLASLt bf16 8192³ on the H200, DESIGN.md §4) and bytes against 4.3 TB/s.
 // Invariants: every figure not measured stays NaN and is printed as "-", never as 0.
@@ -70,6 +74,9 @@ struct BenchOptions {
   /// Where new cuBLASLt GEMM plans come from (backend/cuda/gemm.hpp, GemmPlanSource): "table"
   /// (the measured table, the heuristic for shapes it lacks) or "heuristic" (the table ignored).
   std::string gemm_plans = "table";
+  /// The target's causal prefill: "kernels" (attention_fwd_cuda's automatic family) or "cudnn"
+  /// (TargetCuda::use_cudnn_prefill, a graph for the documents of the bench's steps).
+  std::string prefill = "kernels";
 };
 
 /// The shapes of a bench run.

@@ -10,7 +10,9 @@
 // every tap must agree within tol::kTargetTaps (2e-2, as the tiny-qwen3 check in
 // train_step_cuda_test), and the MoE families must route every token as the CPU does (checked
 // through the taps). Random weights made on the device (`dflash bench`'s) fill every tensor of
-// each family and of the qwen2.5-32b preset's first layers.
+// each family and of the qwen2.5-32b preset's first layers. The prefill on cuDNN's fused attention
+// (TargetCuda::use_cudnn_prefill) matches the CPU too, and is refused by name for sliding-window
+// and sink targets.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -19,6 +21,7 @@
 #include <random>
 
 #include "backend/cuda/context.hpp"
+#include "core/error.hpp"
 #include "cuda/cuda_test_util.hpp"
 #include "cuda/tolerances.hpp"
 #include "model/presets.hpp"
@@ -75,8 +78,10 @@ struct Docs {
 
 // Taps of every layer: GPU over the packed documents vs the CPU per document. Returns the worst
 // relative error; `golden` (may be null) adds HF's layer outputs for documents 1 and 2 (the
-// goldens' prompts p0 and p1).
-double compare(const TargetModel& m, const Docs& d, const SafetensorsFile* golden) {
+// goldens' prompts p0 and p1). With `cudnn` the GPU's prefill runs on cuDNN's fused attention
+// (TargetCuda::use_cudnn_prefill, a graph of exactly the documents' count and longest length).
+double compare(const TargetModel& m, const Docs& d, const SafetensorsFile* golden,
+               bool cudnn = false) {
   const int64_t H = m.hidden_size(), L = m.num_layers();
   std::vector<int> layers(static_cast<size_t>(L));
   for (int l = 0; l < L; ++l) layers[static_cast<size_t>(l)] = l;
@@ -93,6 +98,11 @@ double compare(const TargetModel& m, const Docs& d, const SafetensorsFile* golde
       attention_causal_varlen_ranges(offsets.data(), static_cast<int64_t>(d.docs.size()), T);
   cuda::CudaContext ctx(0);
   TargetCuda tc(ctx, m, T + 5);
+  if (cudnn) {
+    size_t longest = 0;
+    for (const auto& doc : d.docs) longest = std::max(longest, doc.size());
+    tc.use_cudnn_prefill(static_cast<int64_t>(d.docs.size()), static_cast<int64_t>(longest));
+  }
   DeviceGuarded<int32_t> dt(tokens), dp(pos);
   DeviceGuarded<AttnRange> dr(ranges);
   DeviceGuarded<uint16_t> out(static_cast<size_t>(T * L * H));
@@ -190,6 +200,43 @@ TEST(TargetCudaFamilies, DenseFamiliesWithHeadDim64MatchCpu) {
                   random_tokens(29, V, seed + 2), random_tokens(13, V, seed + 3)}};
     const double worst = compare(m, d, nullptr);
     std::printf("%s: worst tap error %.3g (GPU vs CPU)\n", v.name, worst);
+  }
+}
+
+TEST(TargetCudaFamilies, TheCudnnPrefillMatchesCpuAndRefusesWindowsAndSinks) {
+  DFLASH_REQUIRE_GPU();
+  {
+    SCOPED_TRACE("qwen3-moe on cuDNN");
+    const TargetModel m = TargetModel::load(models() / "qwen3-moe");
+    const SafetensorsFile g(models() / "qwen3-moe" / "golden.safetensors");
+    const std::vector<int32_t> p0 = ids_of(g, "p0.input_ids"), p1 = ids_of(g, "p1.input_ids");
+    const double worst = compare(m, Docs{{{p0[0]}, p0, p1}}, &g, true);
+    std::printf("qwen3-moe, cuDNN prefill: worst tap error %.3g\n", worst);
+  }
+  for (const char* fixture : {"qwen2-bias", "llama3-rope"}) {
+    SCOPED_TRACE(std::string(fixture) + " on cuDNN");
+    TempDir dir;
+    json cfg = json::parse(read_file(models() / fixture / "config.json"));
+    cfg.merge_patch(json{{"head_dim", 64}});
+    write_random_checkpoint(dir.path(), cfg, 7);
+    const TargetModel m = TargetModel::load(dir.path());
+    const int64_t V = m.vocab_size();
+    const Docs d{{random_tokens(1, V, 8), random_tokens(40, V, 9), random_tokens(29, V, 10),
+                  random_tokens(13, V, 11)}};
+    const double worst = compare(m, d, nullptr, true);
+    std::printf("%s, cuDNN prefill: worst tap error %.3g\n", fixture, worst);
+  }
+  cuda::CudaContext ctx(0);
+  for (auto [fixture, reason] :
+       {std::pair{"qwen3-moe-window", "sliding-window layers"}, {"gpt-oss", "attention sinks"}}) {
+    const TargetModel m = TargetModel::load(models() / fixture);
+    TargetCuda tc(ctx, m, 16);
+    try {
+      tc.use_cudnn_prefill(2, 8);
+      ADD_FAILURE() << fixture << ": use_cudnn_prefill did not throw";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(reason), std::string::npos) << e.what();
+    }
   }
 }
 

@@ -48,6 +48,22 @@ std::vector<AttnRange> attention_causal_varlen_ranges(const int32_t* doc_offsets
   return r;
 }
 
+std::vector<int32_t> attention_causal_varlen_docs(const AttnRange* ranges, int64_t T) {
+  DFLASH_CHECK(T >= 1 && ranges, "attention_causal_varlen_docs: {} rows, ranges {}", T,
+               ranges ? "set" : "null");
+  std::vector<int32_t> off;
+  for (int64_t t = 0; t < T; ++t) {
+    const AttnRange& r = ranges[t];
+    if (r.lo1 == t) off.push_back(static_cast<int32_t>(t));
+    DFLASH_CHECK(!off.empty() && r.lo1 == off.back() && r.hi1 == t + 1 && r.lo2 == r.hi2,
+                 "attention_causal_varlen_docs: row {} has range {{{}, {}, {}, {}}}, not the "
+                 "causal varlen form {{doc_start, row+1, 0, 0}}",
+                 t, r.lo1, r.hi1, r.lo2, r.hi2);
+  }
+  off.push_back(static_cast<int32_t>(T));
+  return off;
+}
+
 void attention_window_ranges(AttnRange* out, const AttnRange* in, int64_t T, int64_t window) {
   DFLASH_CHECK(window >= 1 && T >= 0, "attention_window_ranges: window must be >= 1, got {} (T={})",
                window, T);
