@@ -36,8 +36,11 @@ DominoRowIndex domino_row_index(const DrafterConfig& cfg, const DrafterBatch& b,
                "Domino row index: {} rows for a batch of {} block rows (must be whole blocks of "
                "{})",
                rows, NK, K);
+  const double lambda = b.objective.domino_lambda;
+  DFLASH_CHECK(lambda >= 0 && lambda <= 1, "Domino row index: lambda {} outside [0, 1]", lambda);
   const int64_t off = cfg.domino.shift_label ? 0 : 1, steps = cfg.domino.gru_steps(cfg.block_size);
   DominoRowIndex x;
+  x.lambda = lambda;
   x.gru_tok.assign(u(rows), -1);
   for (int64_t row = 0; row < NK; ++row) {
     const Anchor& a = b.anchors[u(row / K)];
@@ -228,14 +231,13 @@ void domino_head_cuda(cuda::CudaContext& ctx, const DrafterConfig& cfg, const Dr
                "Domino head step with the {} objective (shift_label {}) for a drafter with "
                "shift_label {}",
                objective_kind_name(obj.kind), obj.domino_shift_label, cfg.domino.shift_label);
-  DFLASH_CHECK(obj.domino_lambda >= 0 && obj.domino_lambda <= 1,
-               "domino_head_cuda: lambda {} outside [0, 1]", obj.domino_lambda);
   const int64_t R = a.R, K = cfg.block_size;
   DFLASH_CHECK(R >= 0 && R % K == 0 && a.chunk_rows > 0,
                "domino_head_cuda: {} rows (whole blocks of {}) in chunks of {}", R, K,
                a.chunk_rows);
   DFLASH_CHECK(a.weights_bf16 && a.embed && a.lm_head && a.hf && a.labels && a.weights &&
-                   a.gru_tok && a.argmax && a.sums && a.workspace && a.rows && (!a.grads || a.dhf),
+                   a.gru_tok && a.lambda && a.argmax && a.sums && a.workspace && a.rows &&
+                   (!a.grads || a.dhf),
                "domino_head_cuda: null pointer");
   const uint64_t need_ws = domino_head_cuda_workspace_bytes(cfg, R, a.chunk_rows);
   const uint64_t need_rows = domino_head_cuda_rows_bytes(R);
@@ -266,13 +268,13 @@ void domino_head_cuda(cuda::CudaContext& ctx, const DrafterConfig& cfg, const Dr
     in.V = cfg.vocab_size;
     in.K = K;
     in.s0 = cfg.domino.suffix_start();
-    in.lambda = static_cast<float>(obj.domino_lambda);
+    in.lambda = a.lambda;
     in.grad_scale = static_cast<float>(a.grad_scale);
     const cuda::launch::DominoRowOut out{ce_f + r0, ce_u + r0, a.argmax + r0};
     cuda::launch::domino_rows(in, out, g ? k.du : nullptr, g ? k.df : nullptr, ctx.stream());
     if (g) chunk_backward(ctx, cfg, a, w, k, r0, n);
   }
-  cuda::launch::domino_sums(a.sums, ce_f, ce_u, a.weights, R, obj.domino_lambda, ctx.stream());
+  cuda::launch::domino_sums(a.sums, ce_f, ce_u, a.weights, R, a.lambda, ctx.stream());
 }
 
 #endif  // DFLASH_HAVE_CUDA

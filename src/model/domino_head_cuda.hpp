@@ -33,12 +33,14 @@ namespace dflash {
 /// Host-side row index of a Domino step over `rows` block rows (the batch's N·K rows, then
 /// padding rows with weight 0 up to `rows`): gru_tok [rows], at the row b·K + j + off of block
 /// b's GRU input j (domino_head_cuda.hpp's layout), the token x[a+j] (0 past the document end, as
-/// domino_head_step), and −1 on rows that hold no GRU input and on padding rows. Throws
+/// domino_head_step), and −1 on rows that hold no GRU input and on padding rows; lambda, the
+/// batch's objective.domino_lambda (staged to the device with the step's inputs). Throws
 /// dflash::Error when the batch is not of objective domino or its shift_label differs from the
-/// config's, `rows` < N·K or is not a multiple of K, or a token or a supervised row's label is
-/// outside [0, vocab) (naming the row).
+/// config's, λ is outside [0, 1], `rows` < N·K or is not a multiple of K, or a token or a
+/// supervised row's label is outside [0, vocab) (naming the row).
 struct DominoRowIndex {
   std::vector<int32_t> gru_tok;
+  double lambda = 0;
 };
 DominoRowIndex domino_row_index(const DrafterConfig& cfg, const DrafterBatch& batch, int64_t rows);
 
@@ -79,6 +81,7 @@ struct DominoCudaArgs {
   const int32_t* labels = nullptr;         ///< [R] (domino_block_targets)
   const float* weights = nullptr;          ///< [R] loss weights (0: unsupervised)
   const int32_t* gru_tok = nullptr;        ///< DominoRowIndex::gru_tok [R]
+  const double* lambda = nullptr;          ///< λ [1] of the step (DominoRowIndex::lambda)
   float* dhf = nullptr;                    ///< [R, H] f32, overwritten (with grads)
   int32_t* argmax = nullptr;               ///< [R] argmax F (−1 on unsupervised rows)
   double* sums = nullptr;                  ///< [4] see domino_head_cuda
@@ -93,10 +96,11 @@ struct DominoCudaArgs {
 /// The Domino head step on the device (enqueue only; graph-capturable: no host copies). With
 /// grads: parameter gradients of the head += grad_scale·∂(numerator)/∂θ, dhf = grad_scale·
 /// ∂(numerator)/∂hf. sums f64 [4] = {Σ w·((1−λ)·CE_F + λ·CE_U), Σ w, Σ w·CE_F, Σ w·CE_U} over the
-/// supervised rows (DominoSums' fields, reduced in a fixed order), λ = obj.domino_lambda. Throws
-/// dflash::Error for a drafter without the Domino head, an objective other than domino or of
-/// another shift_label, λ outside [0, 1], R not a multiple of K, null pointers, or a workspace
-/// smaller than planned (naming it).
+/// supervised rows (DominoSums' fields, reduced in a fixed order), λ = a.lambda[0] read on the
+/// device (a captured graph replays the step with each step's λ; domino_row_index checks it is in
+/// [0, 1]). Throws dflash::Error for a drafter without the Domino head, an objective other than
+/// domino or of another shift_label, R not a multiple of K, null pointers, or a workspace smaller
+/// than planned (naming it).
 void domino_head_cuda(cuda::CudaContext& ctx, const DrafterConfig& cfg, const DrafterLayout& layout,
                       const Objective& obj, const DominoCudaArgs& a);
 #endif

@@ -125,7 +125,7 @@ GpuOut run_gpu(const Problem& p, int64_t chunk_rows) {
       hf(to_bf16(p.hf));
   DeviceGuarded<int32_t> lab(labels), tok(idx.gru_tok), argmax(static_cast<size_t>(p.R));
   DeviceGuarded<float> dhf(static_cast<size_t>(p.R * p.cfg.hidden_size));
-  DeviceGuarded<double> sums(4);
+  DeviceGuarded<double> sums(4), lambda(std::vector<double>{idx.lambda});
   const uint64_t ws_bytes = domino_head_cuda_workspace_bytes(p.cfg, p.R, chunk_rows);
   const uint64_t rows_bytes = domino_head_cuda_rows_bytes(p.R);
   DeviceGuarded<uint8_t> ws(ws_bytes), rows(rows_bytes);
@@ -140,6 +140,7 @@ GpuOut run_gpu(const Problem& p, int64_t chunk_rows) {
   a.labels = lab.get();
   a.weights = w.get();
   a.gru_tok = tok.get();
+  a.lambda = lambda.get();
   a.dhf = dhf.get();
   a.argmax = argmax.get();
   a.sums = sums.get();

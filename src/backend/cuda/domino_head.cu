@@ -179,8 +179,9 @@ __global__ void rows_kernel(launch::DominoRowIn in, launch::DominoRowOut out, ui
   }
   if (!du) return;
   // Pass 2: the logits gradients.
-  const float c = in.grad_scale * w;
-  const float cf = c * (1.f - in.lambda), cu = corrected ? c * in.lambda : c;
+  const double c = static_cast<double>(in.grad_scale) * w, lambda = in.lambda[0];
+  const auto cf = static_cast<float>(c * (1.0 - lambda));
+  const auto cu = static_cast<float>(corrected ? c * lambda : c);
   for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
     const float one = v == y ? 1.f : 0.f;
     const float gu = expf(u[v] - lse_u) - one;
@@ -191,8 +192,9 @@ __global__ void rows_kernel(launch::DominoRowIn in, launch::DominoRowOut out, ui
 }
 
 __global__ void sums_kernel(double* sums, const float* ce_f, const float* ce_u,
-                            const float* weights, int64_t R, double lambda) {
+                            const float* weights, int64_t R, const double* lambda_in) {
   __shared__ double sh[32];
+  const double lambda = lambda_in[0];
   double acc[4] = {0, 0, 0, 0};
   for (int64_t i = threadIdx.x; i < R; i += blockDim.x) {
     const double w = weights[i];
@@ -261,7 +263,7 @@ void domino_rows(const DominoRowIn& in, const DominoRowOut& out, uint16_t* du, u
 }
 
 void domino_sums(double* sums, const float* ce_f, const float* ce_u, const float* weights,
-                 int64_t R, double lambda, cudaStream_t s) {
+                 int64_t R, const double* lambda, cudaStream_t s) {
   sums_kernel<<<1, 1024, 0, s>>>(sums, ce_f, ce_u, weights, R, lambda);
   DFLASH_CUDA_LAUNCH_CHECK();
 }

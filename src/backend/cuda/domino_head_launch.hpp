@@ -59,8 +59,9 @@ struct DominoRowIn {
   const float* f = nullptr;         ///< corrected logits F [n, V] f32 (F = U on rows k < s0)
   const int32_t* labels = nullptr;  ///< [n]
   const float* weights = nullptr;   ///< [n]
+  const double* lambda = nullptr;   ///< λ [1] (device memory: a graph replays it per step)
   int64_t n = 0, V = 0, K = 0, s0 = 0;
-  float lambda = 0, grad_scale = 0;
+  float grad_scale = 0;
 };
 
 /// Per-row outputs of one chunk (views of [R] arrays offset to the chunk).
@@ -78,8 +79,8 @@ void domino_rows(const DominoRowIn& in, const DominoRowOut& out, uint16_t* du, u
                  cudaStream_t s);
 
 /// sums[0..3] = Σ w·((1−λ)·CE_F + λ·CE_U), Σ w, Σ w·CE_F, Σ w·CE_U over the R rows with w ≠ 0,
-/// in double, in a fixed order (one block).
+/// in double, in a fixed order (one block); λ = lambda[0] (device memory).
 void domino_sums(double* sums, const float* ce_f, const float* ce_u, const float* weights,
-                 int64_t R, double lambda, cudaStream_t s);
+                 int64_t R, const double* lambda, cudaStream_t s);
 
 }  // namespace dflash::cuda::launch
