@@ -440,6 +440,7 @@ TEST(Domino, RolloutStepsAreChecked) {
 // b·K + j + off (off 1 without shift_label), the token x[a+j] (0 past the document end), −1 on
 // rows without an input and on padding blocks; λ carried; bad inputs refused by name.
 TEST(Domino, CudaRowIndexPlacesEachGruInputAtItsReadersRow) {
+  int past_end = 0;  // GRU inputs past their document's end (shift_label true reads one more)
   for (bool shift : {false, true}) {
     auto p = make_problem<float>(3, HeadOpts{shift, 1, 0.25}, kAnchors);
     const DrafterBatch b = p.batch();
@@ -447,7 +448,6 @@ TEST(Domino, CudaRowIndexPlacesEachGruInputAtItsReadersRow) {
     const DominoRowIndex x = domino_row_index(p.cfg, b, NK + 2 * K);
     ASSERT_EQ(static_cast<int64_t>(x.gru_tok.size()), NK + 2 * K);
     EXPECT_EQ(x.lambda, 0.25);
-    int past_end = 0;
     for (int64_t row = 0; row < NK + 2 * K; ++row) {
       const int64_t j = row % K - off;
       int32_t want = -1;
@@ -460,7 +460,6 @@ TEST(Domino, CudaRowIndexPlacesEachGruInputAtItsReadersRow) {
       }
       EXPECT_EQ(x.gru_tok[static_cast<size_t>(row)], want) << "row " << row << " shift " << shift;
     }
-    EXPECT_GT(past_end, 0);  // blocks that run past their document are exercised
     EXPECT_THAT_ERROR(domino_row_index(p.cfg, b, NK + 1), "must be whole blocks");
     DrafterBatch wrong = b;
     wrong.objective.domino_shift_label = !shift;
@@ -469,6 +468,7 @@ TEST(Domino, CudaRowIndexPlacesEachGruInputAtItsReadersRow) {
     wrong.objective.domino_lambda = 1.5;
     EXPECT_THAT_ERROR(domino_row_index(p.cfg, wrong, NK), "lambda 1.5 outside [0, 1]");
   }
+  EXPECT_GT(past_end, 0);  // blocks that run past their document are exercised
   // Chunks are whole blocks: 12 rows of blocks of 5 are 10, fewer than a block are one block.
   auto p = make_problem<float>(4, HeadOpts{}, kAnchors);
   EXPECT_EQ(domino_chunk_rows(p.cfg, 100, 12), 10);
