@@ -419,6 +419,9 @@ class CudaDrafterStage final : public DrafterStage {
                        {});
     r.metrics.loss_weighted_sum = res.loss_sum;
     r.metrics.dspark = b.objective.dspark();
+    r.metrics.domino = b.objective.domino();
+    r.metrics.domino_final_ce_sum = res.domino_final_ce_sum;
+    r.metrics.domino_base_ce_sum = res.domino_base_ce_sum;
     r.metrics.dspark_ce_sum = res.dspark_ce_sum;
     r.metrics.dspark_l1_sum = res.dspark_l1_sum;
     r.metrics.dspark_bce_sum = res.dspark_bce_sum;

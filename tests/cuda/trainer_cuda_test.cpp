@@ -190,7 +190,10 @@ TEST(TrainerCuda, DominoResumedRunIsBitIdenticalAndFollowsTheCpuRun) {
   ASSERT_EQ(ma.size(), 6u);
   ASSERT_EQ(mb.size(), 6u);
   for (size_t i = 0; i < ma.size(); ++i) {
-    EXPECT_EQ(ma[i]["loss"].get<double>(), mb[i]["loss"].get<double>()) << "step " << i + 1;
+    for (const char* k : {"loss", "domino_ce_final", "domino_ce_base"}) {
+      ASSERT_TRUE(ma[i].contains(k)) << k;
+      EXPECT_EQ(ma[i][k].get<double>(), mb[i][k].get<double>()) << k << " step " << i + 1;
+    }
   }
   TrainOptions d;  // enqueued op by op: the same bits as the replayed graphs
   d.config = config_for(tmp / "d", 6, "cuda", false, domino);
@@ -204,6 +207,8 @@ TEST(TrainerCuda, DominoResumedRunIsBitIdenticalAndFollowsTheCpuRun) {
   for (size_t i = 0; i < mc.size(); ++i) {
     const double lc = mc[i]["loss"].get<double>(), lg = ma[i]["loss"].get<double>();
     EXPECT_NEAR(lg, lc, 0.02 * lc) << "step " << i + 1;
+    const double fc = mc[i]["domino_ce_final"].get<double>();
+    EXPECT_NEAR(ma[i]["domino_ce_final"].get<double>(), fc, 0.02 * fc) << "step " << i + 1;
     std::printf("step %zu: domino loss cpu %.5f gpu %.5f\n", i + 1, lc, lg);
   }
 }
