@@ -13,6 +13,7 @@
 
 #include "core/error.hpp"
 #include "model/domino_head.hpp"
+#include "model/domino_head_cuda.hpp"
 #include "model/drafter.hpp"
 #include "model/step_plan.hpp"
 #include "ops/linear.hpp"
@@ -328,10 +329,11 @@ TEST(Domino, ConfigValidationNamesTheField) {
   c = p.cfg;
   c.dspark.enabled = true;
   EXPECT_THAT_ERROR(c.validate(), "both the DSpark and the Domino head");
-  // The CUDA drafter (training, the pipeline's GPU stages, the CUDA decoder) refuses the head.
+  // The CUDA drafter runs the head (model/domino_head_cuda): only this drafter's head_dim 8 is
+  // refused.
   const std::vector<std::string> cuda = cuda_drafter_unsupported(p.cfg);
-  ASSERT_EQ(cuda.size(), 2u);  // head_dim 8 too
-  EXPECT_THAT(cuda[1], ::testing::HasSubstr("no Domino head (training.objective domino"));
+  ASSERT_EQ(cuda.size(), 1u);
+  EXPECT_THAT(cuda[0], ::testing::HasSubstr("head_dim 64 or 128 (drafter head_dim 8)"));
   // Batches of another objective or shift setting are refused by the step.
   Problem<double> d = make_problem<double>(2, HeadOpts{}, kAnchors);
   auto ws = std::make_unique<DrafterWorkspace<double>>();
@@ -374,4 +376,44 @@ TEST(Domino, RolloutStepsAreChecked) {
   }
   EXPECT_THAT_ERROR(domino_feed(p.cfg, *p.layout, p.params.data(), p.embed.data(), 3, st),
                     "has read all its 4 tokens");
+}
+
+// The CUDA head's host-side row index (model/domino_head_cuda.hpp): block b's GRU input j at row
+// b·K + j + off (off 1 without shift_label), the token x[a+j] (0 past the document end), −1 on
+// rows without an input and on padding blocks; λ carried; bad inputs refused by name.
+TEST(Domino, CudaRowIndexPlacesEachGruInputAtItsReadersRow) {
+  int past_end = 0;  // GRU inputs past their document's end (shift_label true reads one more)
+  for (bool shift : {false, true}) {
+    auto p = make_problem<float>(3, HeadOpts{shift, 1, 0.25}, kAnchors);
+    const DrafterBatch b = p.batch();
+    const int64_t K = p.cfg.block_size, NK = b.N() * K, off = shift ? 0 : 1;
+    const DominoRowIndex x = domino_row_index(p.cfg, b, NK + 2 * K);
+    ASSERT_EQ(static_cast<int64_t>(x.gru_tok.size()), NK + 2 * K);
+    EXPECT_EQ(x.lambda, 0.25);
+    for (int64_t row = 0; row < NK + 2 * K; ++row) {
+      const int64_t j = row % K - off;
+      int32_t want = -1;
+      if (row < NK && j >= 0 && j < p.cfg.domino.gru_steps(p.cfg.block_size)) {
+        const Anchor& a = b.anchors[static_cast<size_t>(row / K)];
+        const int64_t pos = a.pos + j;
+        const bool inside = pos < b.doc_offsets[static_cast<size_t>(a.doc) + 1];
+        past_end += inside ? 0 : 1;
+        want = inside ? b.tokens[static_cast<size_t>(pos)] : 0;
+      }
+      EXPECT_EQ(x.gru_tok[static_cast<size_t>(row)], want) << "row " << row << " shift " << shift;
+    }
+    EXPECT_THAT_ERROR(domino_row_index(p.cfg, b, NK + 1), "must be whole blocks");
+    DrafterBatch wrong = b;
+    wrong.objective.domino_shift_label = !shift;
+    EXPECT_THAT_ERROR(domino_row_index(p.cfg, wrong, NK), "shift_label");
+    wrong = b;
+    wrong.objective.domino_lambda = 1.5;
+    EXPECT_THAT_ERROR(domino_row_index(p.cfg, wrong, NK), "lambda 1.5 outside [0, 1]");
+  }
+  EXPECT_GT(past_end, 0);  // blocks that run past their document are exercised
+  // Chunks are whole blocks: 12 rows of blocks of 5 are 10, fewer than a block are one block.
+  auto p = make_problem<float>(4, HeadOpts{}, kAnchors);
+  EXPECT_EQ(domino_chunk_rows(p.cfg, 100, 12), 10);
+  EXPECT_EQ(domino_chunk_rows(p.cfg, 100, 3), 5);
+  EXPECT_EQ(domino_chunk_rows(p.cfg, 15, 8192), 15);
 }

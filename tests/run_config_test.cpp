@@ -365,10 +365,9 @@ TEST(RunConfig, DominoKeysAreValidatedNamingTheKey) {
             std::string::npos);
   EXPECT_NE(err(with({"training.shift_label=maybe"})).find("training.shift_label"),
             std::string::npos);
-  // No silent fallback: the CUDA stages have no Domino head.
-  EXPECT_NE(err(with({"runtime.backend=cuda"}))
-                .find("training.objective domino is implemented on the cpu backend only"),
-            std::string::npos);
+  // The CUDA backend trains the Domino head (model/domino_head_cuda).
+  const RunConfig on_cuda = RunConfig::from_yaml(kYaml, "run.yaml", with({"runtime.backend=cuda"}));
+  EXPECT_EQ(domino_head_of(on_cuda.training), (DominoHead{true, 32, 48, 0, false}));
 }
 
 TEST(RunConfig, OverridesApplyAndUnknownPathsFail) {

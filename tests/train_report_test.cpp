@@ -191,6 +191,42 @@ TEST(TrainReport, UnmeasuredFiguresAreLeftOutAndOldStateStillReads) {
   EXPECT_EQ(IntervalMetrics::from_json(old, "state.json", 4).to_json(), iv.to_json());
 }
 
+// Domino's two CE sums (ObjectiveMetrics) reach metrics.jsonl as means over Σw, survive a
+// checkpoint, and stay out of the other objectives' records; a malformed entry is named.
+TEST(TrainReport, DominoTermsReachTheRecordAsMeansOverTheWeights) {
+  IntervalMetrics iv(kK);
+  DrafterStepResult a = applied_step(1.0), b = applied_step(1.0);
+  for (DrafterStepResult* r : {&a, &b}) {
+    r->metrics.domino = true;
+    r->metrics.domino_final_ce_sum = 3.0;
+    r->metrics.domino_base_ce_sum = 5.0;
+  }
+  iv.add_step(a, 100, 40, StepTimes{0, 0, 0, 1});
+  iv.add_step(b, 100, 40, StepTimes{0, 0, 0, 1});
+  const json r = interval_record(iv, 2, 0, 1e-3, 0);
+  EXPECT_DOUBLE_EQ(r.at("domino_ce_final").get<double>(), 1.5);  // Σ w·CE(F) 6 over Σ w 4
+  EXPECT_DOUBLE_EQ(r.at("domino_ce_base").get<double>(), 2.5);
+  const IntervalMetrics back = IntervalMetrics::from_json(iv.to_json(), "state.json", kK);
+  EXPECT_EQ(back.to_json(), iv.to_json());
+  for (const char* k : {"loss", "domino_ce_final", "domino_ce_base"}) {
+    EXPECT_EQ(interval_record(back, 2, 0, 1e-3, 0).at(k), r.at(k)) << k;
+  }
+  IntervalMetrics plain(kK);
+  plain.add_step(applied_step(1.0), 100, 40, StepTimes{0, 0, 0, 1});
+  EXPECT_FALSE(plain.to_json().contains("domino_sums"));
+  EXPECT_FALSE(interval_record(plain, 1, 0, 1e-3, 0).contains("domino_ce_final"));
+  json bad = iv.to_json();
+  bad["domino_sums"] = json::array({1.0});
+  try {
+    IntervalMetrics::from_json(bad, "state.json", kK);
+    ADD_FAILURE() << "no error for a short domino_sums";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("state.json: key 'domino_sums' must be a list of 2"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // DSpark's term sums (ObjectiveMetrics) reach metrics.jsonl as means over Σw, survive a
 // checkpoint, and stay out of the other objectives' records; a malformed entry is named.
 TEST(TrainReport, DsparkTermsReachTheRecordAsMeansOverTheWeights) {

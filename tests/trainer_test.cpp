@@ -243,6 +243,13 @@ TEST(Trainer, InterruptedAndResumedDominoRunIsBitIdenticalToAnUninterruptedOne) 
   EXPECT_NE(test::read_file(tmp / "s" / "log.txt")
                 .find("objective: domino, (1-λ)·Σ w·CE(F) / Σ w + λ·Σ w·CE(U) / Σ w, λ from 0.5"),
             std::string::npos);
+  // metrics.jsonl carries the two terms (each Σ w·CE / Σ w); the loss is their blend at λ 0.5.
+  const auto m = test::deterministic_metrics(tmp / "s");
+  ASSERT_EQ(m.size(), 1u);
+  const double ce_f = m[0].at("domino_ce_final").get<double>();
+  const double ce_u = m[0].at("domino_ce_base").get<double>();
+  EXPECT_NEAR(m[0].at("loss").get<double>(), 0.5 * ce_f + 0.5 * ce_u, 1e-12 * (ce_f + ce_u));
+  EXPECT_NE(ce_f, ce_u);
   const LoadedDrafter d = drafter_load(tmp / "s" / "checkpoint-1");
   EXPECT_EQ(d.config.domino, (DominoHead{true, 16, 24, 0, false}));
   // The head trained (λ = 0.5 at step 0): W2 is not drafter_init's.

@@ -45,8 +45,8 @@ void run_bench_command(BenchArgs& a) {
                "dpace-continuation-value-only (got '{}')",
                a.loss_type);
   a.o.objective.loss = *loss;
-  DFLASH_CHECK(a.objective == "dflash" || a.objective == "dspark",
-               "--objective must be dflash or dspark (got '{}')", a.objective);
+  DFLASH_CHECK(a.objective == "dflash" || a.objective == "dspark" || a.objective == "domino",
+               "--objective must be dflash, dspark or domino (got '{}')", a.objective);
   if (a.objective == "dspark") {  // training.objective dspark with its default alphas
     DFLASH_CHECK(a.loss_type == "dflash", "--objective dspark has its own loss: drop --loss-type");
     TrainingSection t;
@@ -59,6 +59,14 @@ void run_bench_command(BenchArgs& a) {
   DFLASH_CHECK(a.objective == "dspark" || *markov == MarkovHeadType::vanilla,
                "--markov-head-type {} needs --objective dspark", a.markov_head_type);
   a.o.markov_type = *markov;
+  if (a.objective == "domino") {  // training.objective domino with the bench's head sizes
+    DFLASH_CHECK(a.loss_type == "dflash", "--objective domino has its own loss: drop --loss-type");
+    TrainingSection t;
+    t.objective = "domino";
+    t.shift_label = a.o.domino_shift_label;
+    a.o.objective = objective_of(t);
+    a.o.objective.domino_lambda = 0.5;  // mid-run; the step's cost does not depend on λ
+  }
   DFLASH_CHECK(a.o.objective.dpace_alpha >= 0 && a.o.objective.dpace_alpha <= 1,
                "--dpace-alpha must be in [0, 1] (got {})", a.o.objective.dpace_alpha);
   const BenchSetup s = bench_setup(a.o);
@@ -122,14 +130,27 @@ void add_bench_command(CLI::App& app) {
                 "dpace-cumulative-confidence-only or dpace-continuation-value-only")
       ->capture_default_str();
   b->add_option("--objective", a->objective,
-                "The objective, as training.objective: dflash or dspark (its default alphas; "
-                "the Markov head of --markov-rank and --markov-head-type, the confidence head)")
+                "The objective, as training.objective: dflash, dspark (its default alphas; "
+                "the Markov head of --markov-rank and --markov-head-type, the confidence head) "
+                "or domino (the head of --domino-*, λ 0.5)")
       ->capture_default_str();
   b->add_option("--markov-rank", a->o.markov_rank,
                 "DSpark's Markov rank r, as training.markov_rank")
       ->capture_default_str();
   b->add_option("--markov-head-type", a->markov_head_type,
                 "DSpark's Markov head, as training.markov_head_type: vanilla, gated or rnn")
+      ->capture_default_str();
+  b->add_option("--domino-emb-dim", a->o.domino_emb_dim,
+                "Domino's E (embed_proj width), as training.emb_dim")
+      ->capture_default_str();
+  b->add_option("--domino-gru-dim", a->o.domino_gru_dim,
+                "Domino's G (the GRU's state width), as training.gru_hidden_dim")
+      ->capture_default_str();
+  b->add_option("--domino-prefix-len", a->o.domino_prefix_len,
+                "Domino's P, as training.pure_draft_prefix_len")
+      ->capture_default_str();
+  b->add_option("--domino-shift-label", a->o.domino_shift_label,
+                "Domino's shift_label, as training.shift_label (true or false)")
       ->capture_default_str();
   b->add_option("--dpace-alpha", a->o.objective.dpace_alpha, "D-PACE's α, as training.dpace_alpha")
       ->capture_default_str();

@@ -13,6 +13,7 @@
 
 #include "backend/cuda/check.hpp"
 #include "core/error.hpp"
+#include "model/domino_head_cuda.hpp"
 #include "model/dspark_head_cuda.hpp"
 #include "model/step_plan.hpp"
 #include "ops/attention.hpp"
@@ -128,6 +129,12 @@ void DrafterCuda::take_buffers(cuda::DeviceArena& a) {
     dspark_rows_bytes_ = dspark_head_cuda_rows_bytes(c, NK);
     dspark_rows_ = a.get_bytes("drafter.dspark.rows", dspark_rows_bytes_);
     dspark_sums_ = a.get<double>("drafter.dspark.sums", 6);
+  } else if (c.domino.enabled) {
+    domino_ws_bytes_ = domino_head_cuda_workspace_bytes(c, NK, ce_chunk_rows_);
+    domino_ws_ = a.get_bytes("drafter.domino.workspace", domino_ws_bytes_);
+    domino_rows_bytes_ = domino_head_cuda_rows_bytes(NK);
+    domino_rows_ = a.get_bytes("drafter.domino.rows", domino_rows_bytes_);
+    domino_sums_ = a.get<double>("drafter.domino.sums", 4);
   } else {
     FusedCeParams cp;
     cp.R = NK;
@@ -219,6 +226,11 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   DFLASH_CHECK(!c.dspark.enabled || (in.dspark_prev && in.dspark_teacher_pos &&
                                      in.dspark_w1_order && in.dspark_w1_seg),
                "DrafterCuda::forward_backward: a DSpark step without its row index");
+  DFLASH_CHECK(in.objective.domino() == c.domino.enabled,
+               "DrafterCuda::forward_backward: the {} objective for a drafter {} the Domino head",
+               objective_kind_name(in.objective.kind), c.domino.enabled ? "with" : "without");
+  DFLASH_CHECK(!c.domino.enabled || (in.domino_gru_tok && in.domino_lambda),
+               "DrafterCuda::forward_backward: a Domino step without its row index");
   const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim, NH = c.num_heads;
   const int64_t NKV = c.num_kv_heads, QD = NH * D, KD = NKV * D, F = c.n_taps() * H;
   const double eps = c.rms_norm_eps;
@@ -333,6 +345,30 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
     // {Σ w·loss, Σ w} where fetch_results reads the other objectives' sums.
     DFLASH_CUDA_CHECK(
         cudaMemcpyAsync(sums_, dspark_sums_, 2 * sizeof(double), cudaMemcpyDeviceToDevice, s));
+  } else if (c.domino.enabled) {
+    DominoCudaArgs da;
+    da.R = NK;
+    da.weights_bf16 = wbf_;
+    da.grads = grads_;
+    da.embed = embed_;
+    da.lm_head = head_;
+    da.hf = hf_;
+    da.labels = in.labels;
+    da.weights = in.weights;
+    da.gru_tok = in.domino_gru_tok;
+    da.lambda = in.domino_lambda;
+    da.dhf = d_hf_;
+    da.argmax = argmax_;
+    da.sums = domino_sums_;
+    da.workspace = domino_ws_;
+    da.workspace_bytes = domino_ws_bytes_;
+    da.rows = domino_rows_;
+    da.rows_bytes = domino_rows_bytes_;
+    da.grad_scale = grad_scale;
+    da.chunk_rows = ce_chunk_rows_;
+    domino_head_cuda(ctx_, c, layout_, in.objective, da);
+    DFLASH_CUDA_CHECK(
+        cudaMemcpyAsync(sums_, domino_sums_, 2 * sizeof(double), cudaMemcpyDeviceToDevice, s));
   } else {
     FusedCeParams cp;
     cp.R = NK;
@@ -426,6 +462,10 @@ DrafterCuda::Results DrafterCuda::fetch_results(int64_t NK) {
   if (cfg_.dspark.enabled) {
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(d, dspark_sums_, sizeof d, cudaMemcpyDeviceToHost, s));
   }
+  double dm[4] = {0, 0, 0, 0};  // Domino's sums (domino_head_cuda)
+  if (cfg_.domino.enabled) {
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(dm, domino_sums_, sizeof dm, cudaMemcpyDeviceToHost, s));
+  }
   ctx_.synchronize();
   r.loss_sum = sums[0];
   r.weight_sum = sums[1];
@@ -436,6 +476,8 @@ DrafterCuda::Results DrafterCuda::fetch_results(int64_t NK) {
     r.dspark_bce_sum = d[4];
     r.dspark_acc_sum = d[5];
   }
+  r.domino_final_ce_sum = dm[2];
+  r.domino_base_ce_sum = dm[3];
   return r;
 }
 

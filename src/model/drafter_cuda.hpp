@@ -1,7 +1,8 @@
 // dflash.cpp — the DFlash drafter's training step on the CUDA backend (the same model and objective
 // as drafter_train_step in src/model/drafter.hpp, over a whole packed step at once; the inputs are
 // a DrafterBatch staged by drafter_batch_stage, src/model/drafter_batch.hpp). A drafter with DSpark
-// heads runs the DSpark head (model/dspark_head_cuda.hpp) in place of the fused LM-head CE.
+// heads runs the DSpark head (model/dspark_head_cuda.hpp) in place of the fused LM-head CE, a
+// drafter with the Domino head the Domino head (model/domino_head_cuda.hpp).
 //
 // Numerics (DESIGN.md §3): fp32 master weights, AdamW moments and gradients; a bf16 copy of the
 // weights feeds every GEMM (bf16 in, fp32 accumulate); the residual stream, norm statistics,
@@ -53,6 +54,11 @@ struct DrafterCudaInputs {
   /// and w1_seg [NK + 1].
   const int32_t *dspark_prev = nullptr, *dspark_teacher_pos = nullptr;
   const int32_t *dspark_w1_order = nullptr, *dspark_w1_seg = nullptr;
+  /// Domino only (objective domino, a drafter with the Domino head; the loss of
+  /// domino_head_cuda): DominoRowIndex::gru_tok [NK] and the step's λ [1] (DominoRowIndex::lambda;
+  /// on the device, so that a captured graph reads each step's).
+  const int32_t* domino_gru_tok = nullptr;
+  const double* domino_lambda = nullptr;
 };
 
 /// Drafter weights, optimizer state and the activation workspace on one GPU.
@@ -97,12 +103,12 @@ class DrafterCuda {
   void download_grads(std::span<float> grads);
 
   /// Forward and backward of one step: zeroes the gradients, then accumulates d(Σ w·CE)·grad_scale
-  /// (DSpark: d(numerator)·grad_scale, dspark_head_cuda) into them (use grad_scale =
-  /// 1/DrafterBatch::loss_normaliser of the step: 1/Σw for dflash, 1/sequences for D-PACE), and the
-  /// global gradient sum of squares. D-PACE: one fused CE pass with weights m_k gives each row's CE
-  /// and unit-weight gradient; dpace_weights_cuda turns the CE into the weights and rows_scale_cuda
-  /// scales each row's gradient by its weight. Outputs stay on the device until fetch_results.
-  /// Enqueue only.
+  /// (DSpark, Domino: d(numerator)·grad_scale, dspark_head_cuda, domino_head_cuda) into them (use
+  /// grad_scale = 1/DrafterBatch::loss_normaliser of the step: 1/Σw for dflash, 1/sequences for
+  /// D-PACE), and the global gradient sum of squares. D-PACE: one fused CE pass with weights m_k
+  /// gives each row's CE and unit-weight gradient; dpace_weights_cuda turns the CE into the weights
+  /// and rows_scale_cuda scales each row's gradient by its weight. Outputs stay on the device until
+  /// fetch_results. Enqueue only.
   void forward_backward(const DrafterCudaInputs& in, double grad_scale);
 
   /// Results of the last forward_backward copied to the host (synchronises the stream).
@@ -114,6 +120,9 @@ class DrafterCuda {
     /// DSpark only: Σ w·CE, Σ w·L1, Σ w·BCE, Σ w·acc (loss_sum is Σ w·(αce·CE + αl1·L1 +
     /// αconf·BCE)); 0 for the other objectives.
     double dspark_ce_sum = 0, dspark_l1_sum = 0, dspark_bce_sum = 0, dspark_acc_sum = 0;
+    /// Domino only: Σ w·CE(F) and Σ w·CE(U) (loss_sum is Σ w·((1−λ)·CE(F) + λ·CE(U))); 0 for
+    /// the other objectives.
+    double domino_final_ce_sum = 0, domino_base_ce_sum = 0;
   };
   Results fetch_results(int64_t NK);
 
@@ -164,6 +173,10 @@ class DrafterCuda {
   void *dspark_ws_ = nullptr, *dspark_rows_ = nullptr;
   uint64_t dspark_ws_bytes_ = 0, dspark_rows_bytes_ = 0;
   double* dspark_sums_ = nullptr;
+  // Domino's head (model/domino_head_cuda.hpp): chunk workspace, row buffers, sums [4].
+  void *domino_ws_ = nullptr, *domino_rows_ = nullptr;
+  uint64_t domino_ws_bytes_ = 0, domino_rows_bytes_ = 0;
+  double* domino_sums_ = nullptr;
   // Backward scratch.
   float *dh_, *dhn2_, *dx_, *dctx_, *dctx_pre_;
   uint16_t *dh_bf_, *d_act_, *d_gu_, *d_o_, *dq_, *dq_raw_, *dk_, *dk_raw_, *dv_, *dctx_bf_;

@@ -221,6 +221,9 @@ void ObjectiveMetrics::merge(const ObjectiveMetrics& o) {
   dspark_l1_sum += o.dspark_l1_sum;
   dspark_bce_sum += o.dspark_bce_sum;
   dspark_acc_sum += o.dspark_acc_sum;
+  domino = domino || o.domino;
+  domino_final_ce_sum += o.domino_final_ce_sum;
+  domino_base_ce_sum += o.domino_base_ce_sum;
 }
 
 void accumulate_metrics(ObjectiveMetrics& m, const BlockTargets& t, std::span<const int32_t> argmax,

@@ -121,6 +121,10 @@ struct ObjectiveMetrics {
   /// (DsparkSums; loss_weighted_sum is their αs' combination), each over weight_sum.
   bool dspark = false;
   double dspark_ce_sum = 0, dspark_l1_sum = 0, dspark_bce_sum = 0, dspark_acc_sum = 0;
+  /// Domino only (domino true): Σ w·CE(F) and Σ w·CE(U) of its two terms (DominoSums;
+  /// loss_weighted_sum is their blend by the step's λ), each over weight_sum.
+  bool domino = false;
+  double domino_final_ce_sum = 0, domino_base_ce_sum = 0;
 
   explicit ObjectiveMetrics(int K_ = 0) : K(K_), slot_correct(K_, 0), slot_count(K_, 0) {}
   /// loss_weighted_sum / weight_sum (0 when weight_sum = 0).

@@ -8,6 +8,7 @@
 #include <algorithm>
 
 #include "core/error.hpp"
+#include "model/domino_head_cuda.hpp"
 #include "model/dspark_head_cuda.hpp"
 #include "ops/adamw.hpp"
 #include "ops/attention.hpp"
@@ -82,11 +83,6 @@ std::vector<std::string> cuda_drafter_unsupported(const DrafterConfig& c) {
     out.push_back(
         "the CUDA drafter has no DFlash2 conv or selector (training.objective dflash2, "
         "architectures DFlash2DraftModel): train and decode DFlash2 on the cpu backend");
-  }
-  if (c.domino.enabled) {
-    out.push_back(
-        "the CUDA drafter has no Domino head (training.objective domino, "
-        "dflash_config.projector_type domino): train and decode Domino on the cpu backend");
   }
   return out;
 }
@@ -309,6 +305,11 @@ void plan_drafter_step(ArenaPlanner& p, const DrafterConfig& c, const DrafterLay
           dspark_head_cuda_workspace_bytes(c, s.max_rows, s.ce_chunk_rows), head);
     p.add("drafter.dspark.rows", kGroupHead, dspark_head_cuda_rows_bytes(c, s.max_rows), head);
     p.add("drafter.dspark.sums", kGroupDrafterState, 6 * sizeof(double), all);
+  } else if (c.domino.enabled) {
+    p.add("drafter.domino.workspace", kGroupHead,
+          domino_head_cuda_workspace_bytes(c, s.max_rows, s.ce_chunk_rows), head);
+    p.add("drafter.domino.rows", kGroupHead, domino_head_cuda_rows_bytes(s.max_rows), head);
+    p.add("drafter.domino.sums", kGroupDrafterState, 4 * sizeof(double), all);
   } else {
     p.add("drafter.ce_workspace", kGroupHead,
           cross_entropy_fused_cuda_workspace_bytes(cp, true, false), head);

@@ -93,7 +93,8 @@ inline constexpr const char* kGroupInputs = "step inputs";
 /// (the router). TargetCuda refuses these at construction; the memory plans report them first.
 std::vector<std::string> cuda_target_unsupported(const ModelConfig& c);
 /// The same for a drafter: head_dim other than 64 or 128 (DrafterCuda's attention), or DFlash2's
-/// conv and selector (DrafterCuda has neither). Every DSpark head runs on CUDA.
+/// conv and selector (DrafterCuda has neither). Every DSpark head and the Domino head
+/// (model/domino_head_cuda.hpp) run on CUDA.
 std::vector<std::string> cuda_drafter_unsupported(const DrafterConfig& c);
 
 /// Columns per context row of the features a target forward hands the drafter step: the taps
@@ -157,7 +158,9 @@ void plan_target_activations(ArenaPlanner& p, const ModelConfig& c, int64_t n_la
 /// DrafterCuda's state, activations and workspaces ("drafter.*"), see the file comment.
 /// "drafter.features" [max_ctx, drafter_feature_cols] bf16 is written by the target phase. A
 /// DSpark drafter's head phase uses "drafter.dspark.workspace", "drafter.dspark.rows" (model/
-/// dspark_head_cuda.hpp) and "drafter.dspark.sums" f64 [6] instead of the fused CE's workspace.
+/// dspark_head_cuda.hpp) and "drafter.dspark.sums" f64 [6] instead of the fused CE's workspace; a
+/// Domino drafter's "drafter.domino.workspace", "drafter.domino.rows" (model/domino_head_cuda.hpp)
+/// and "drafter.domino.sums" f64 [4].
 void plan_drafter_step(ArenaPlanner& p, const DrafterConfig& c, const DrafterLayout& layout,
                        const DrafterStepSizes& s);
 /// The pool every op's internal scratch comes from during a step ("workspace.op_scratch"): the

@@ -12,6 +12,7 @@
 
 #include "core/error.hpp"
 #include "core/rng.hpp"
+#include "model/domino_head_cuda.hpp"
 #include "model/drafter_batch.hpp"
 #include "model/drafter_io.hpp"
 #include "model/dspark_head_cuda.hpp"
@@ -89,6 +90,11 @@ BenchSetup bench_setup(const BenchOptions& o) {
     s.drafter.dspark.markov_rank = o.markov_rank;
     s.drafter.dspark.markov_type = o.markov_type;
     s.drafter.dspark.confidence_head = o.objective.dspark_conf_alpha > 0;
+    s.drafter.validate();
+  }
+  if (o.objective.domino()) {
+    s.drafter.domino = {true, o.domino_emb_dim, o.domino_gru_dim, o.domino_prefix_len,
+                        o.objective.domino_shift_label};
     s.drafter.validate();
   }
   s.docs_per_row = o.token_budget / o.doc_length;
@@ -366,6 +372,7 @@ struct StagedStep {
   std::vector<AttnRange> context_ranges, block_ranges;
   std::vector<float> weights;
   DsparkRowIndex dspark;  // DSpark only: the step's row index
+  DominoRowIndex domino;  // Domino only: the step's row index
 };
 
 // Samples anchors for step `step`, builds its DrafterBatch and stages it (what the trainer and the
@@ -401,6 +408,7 @@ StagedStep stage_bench_step(HostBatch& b, const BenchSetup& s, const BenchOption
                       {st.tokens, st.context_ranges, st.pos, st.block_tokens, st.block_ranges,
                        st.labels, st.weights});
   if (o.objective.dspark()) st.dspark = dspark_row_index(d, st.NK, s.drafter.vocab_size);
+  if (o.objective.domino()) st.domino = domino_row_index(s.drafter, d, st.NK);
   return st;
 }
 
@@ -418,6 +426,23 @@ double dspark_head_flops(const DrafterConfig& d, int64_t rows) {
     f += 2 * n * V * r + 6 * n * 3 * r * (2 * r + H);
   }
   return f;
+}
+
+// FLOPs of the Domino head over `rows` block rows (domino_head_cuda's GEMMs, 2 per multiply-add):
+// [H, V] twice (U, dhf) and [E, V] three times (F, dZ, dW2); [H+G, E] three times (A, its dX and
+// dW1); the GRU's [H, 3G] twice (XI, dW_ih) and [G, 3G] three times (HH, dprev, dW_hh).
+double domino_head_flops(const DrafterConfig& d, int64_t rows) {
+  const double n = static_cast<double>(rows), V = static_cast<double>(d.vocab_size);
+  const double H = static_cast<double>(d.hidden_size), E = static_cast<double>(d.domino.emb_dim);
+  const double G = static_cast<double>(d.domino.gru_hidden_dim);
+  return 2.0 * n * (2 * V * H + 3 * V * E + 3 * E * (H + G) + 6 * G * H + 9 * G * G);
+}
+
+// The head phase's name and FLOPs in the bench table: the objective's head, else the fused CE's.
+std::pair<const char*, double> head_phase(const DrafterConfig& d, int64_t rows, double ce_flops) {
+  if (d.dspark.enabled) return {"DSpark head (+ final norm)", dspark_head_flops(d, rows)};
+  if (d.domino.enabled) return {"Domino head (+ final norm)", domino_head_flops(d, rows)};
+  return {"LM-head CE (+ final norm)", ce_flops};
 }
 
 // Keys the real block rows see (context prefix + own block) and the causal keys of real tokens.
@@ -745,6 +770,13 @@ BenchReport run_bench(const BenchOptions& o) {
     final_norm = arena.get<float>(kTargetFinalNorm, s.target.hidden_size);
     fill_uniform_cuda(ctx, final_norm, s.target.hidden_size, 1.0f, 0.0f, o.seed + 3);
   }
+  // Domino: its row index and λ.
+  const bool domino = s.drafter.domino.enabled;
+  std::unique_ptr<Staged> dm_tok, dm_lambda;
+  if (domino) {
+    dm_tok = std::make_unique<Staged>(arena, kInputDominoGruTok, NK * 4);
+    dm_lambda = std::make_unique<Staged>(arena, kInputDominoLambda, sizeof(double));
+  }
   const uint64_t pool = arena.planned_bytes("workspace.op_scratch");
   ctx.allocator().use_pool(arena.get_bytes("workspace.op_scratch", pool), pool);
   const std::vector<std::string> unused = arena.untaken();
@@ -762,6 +794,14 @@ BenchReport run_bench(const BenchOptions& o) {
         fmt::format("dspark (markov_rank {} {}, confidence head {})", s.drafter.dspark.markov_rank,
                     markov_head_type_name(s.drafter.dspark.markov_type),
                     s.drafter.dspark.confidence_head ? "on" : "off");
+  }
+  if (domino) {
+    const DominoHead& h = s.drafter.domino;
+    r.loss_type = fmt::format(
+        "domino (emb_dim {}, gru_hidden_dim {}, pure_draft_prefix_len {}, shift_label {}, "
+        "lambda {})",
+        h.emb_dim, h.gru_hidden_dim, h.pure_draft_prefix_len, h.shift_label,
+        o.objective.domino_lambda);
   }
   r.documents = o.rows * s.docs_per_row;
   r.doc_length = o.doc_length;
@@ -817,6 +857,12 @@ BenchReport run_bench(const BenchOptions& o) {
       in.dspark_w1_order = static_cast<int32_t*>(dsp[2]->dev);
       in.dspark_w1_seg = static_cast<int32_t*>(dsp[3]->dev);
     }
+    if (domino) {
+      dm_tok->upload<int32_t>(st, 0, nk);
+      dm_lambda->upload<double>(st, 0, 1);
+      in.domino_gru_tok = static_cast<int32_t*>(dm_tok->dev);
+      in.domino_lambda = static_cast<double*>(dm_lambda->dev);
+    }
     drafter.forward_backward(in, 1.0);
   };
   enum Ev { kStart, kTarget, kForward, kHead, kBackward, kOptStart, kOptEnd, kNumEv };
@@ -844,6 +890,10 @@ BenchReport run_bench(const BenchOptions& o) {
       dsp[1]->fill(packed.dspark.teacher_pos);
       dsp[2]->fill(packed.dspark.w1_order);
       dsp[3]->fill(packed.dspark.w1_seg);
+    }
+    if (domino) {
+      dm_tok->fill(packed.domino.gru_tok);
+      dm_lambda->fill(std::vector<double>{packed.domino.lambda});
     }
     const double total_w = packed.loss_normaliser;
     const auto w2 = Clock::now();
@@ -914,8 +964,8 @@ BenchReport run_bench(const BenchOptions& o) {
     r.phases = {
         {"target forward", m[kTgt], tgt_flops, 0},
         {"drafter forward", m[kFwd], fv.fwd_gemm + fv.attn_fwd, 0},
-        {dspark ? "DSpark head (+ final norm)" : "LM-head CE (+ final norm)", m[kHd],
-         dspark ? dspark_head_flops(s.drafter, packed.NK) : fv.head, 0},
+        {head_phase(s.drafter, packed.NK, fv.head).first, m[kHd],
+         head_phase(s.drafter, packed.NK, fv.head).second, 0},
         {"drafter backward", m[kBwd], fv.bwd_gemm + fv.attn_bwd, 0},
         {"optimizer (AdamW, bf16)", m[kOpt], 0, 30.0 * static_cast<double>(layout.total)},
     };
@@ -1082,6 +1132,41 @@ BenchReport run_bench(const BenchOptions& o) {
                         NAN, head_flops, head_flops / kPeakBf16Flops * 1e3};
     dk_head.ms =
         time_kernel(ctx, o.kernel_reps, [&] { dspark_head_cuda(ctx, d, layout, o.objective, da); });
+    r.kernels.push_back(dk_head);
+  } else if (d.domino.enabled) {
+    // The Domino head with its gradients over the step's block rows (domino_head_cuda), random
+    // weights and hidden states, the step's labels, weights and row index.
+    DeviceMemory hid(Tq * H * 2), dhid(Tq * H * 4), amax(Tq * 4), sums(4 * 8);
+    DeviceMemory pb(layout.total * 2), pg(layout.total * 4);
+    fill_uniform_cuda(ctx, hid.as<uint16_t>(), Tq * H, 0.0f, 1.0f, 31);
+    fill_uniform_cuda(ctx, pb.as<uint16_t>(), layout.total, 0.0f, 0.02f, 33);
+    DominoCudaArgs da;
+    da.R = Tq;
+    da.weights_bf16 = pb.as<uint16_t>();
+    da.grads = pg.as<float>();
+    da.embed = target.embed();
+    da.lm_head = target.lm_head();
+    da.hf = hid.as<uint16_t>();
+    da.labels = static_cast<const int32_t*>(labels.dev);
+    da.weights = static_cast<const float*>(weights.dev);
+    da.gru_tok = static_cast<const int32_t*>(dm_tok->dev);
+    da.lambda = static_cast<const double*>(dm_lambda->dev);
+    da.dhf = dhid.as<float>();
+    da.argmax = amax.as<int32_t>();
+    da.sums = sums.as<double>();
+    da.workspace_bytes = domino_head_cuda_workspace_bytes(d, Tq, kDrafterCeChunkRows);
+    da.workspace = arena.get_bytes("drafter.domino.workspace", da.workspace_bytes);
+    da.rows_bytes = domino_head_cuda_rows_bytes(Tq);
+    da.rows = arena.get_bytes("drafter.domino.rows", da.rows_bytes);  // idle outside the head
+    da.grad_scale = 1.0;
+    da.chunk_rows = kDrafterCeChunkRows;
+    const double head_flops = domino_head_flops(d, Tq);
+    BenchKernel dk_head{"Domino head + grads",
+                        fmt::format("{} rows, H {}, V {}, E {}, G {}", Tq, H, V, d.domino.emb_dim,
+                                    d.domino.gru_hidden_dim),
+                        NAN, head_flops, head_flops / kPeakBf16Flops * 1e3};
+    dk_head.ms =
+        time_kernel(ctx, o.kernel_reps, [&] { domino_head_cuda(ctx, d, layout, o.objective, da); });
     r.kernels.push_back(dk_head);
   } else {
     // The fused LM-head CE with its input gradient, over the step's block rows.

@@ -70,6 +70,11 @@ struct BenchOptions {
   /// training.markov_head_type; the confidence head is on when objective.dspark_conf_alpha > 0.
   int markov_rank = 32;
   MarkovHeadType markov_type = MarkovHeadType::vanilla;
+  /// objective domino: the head's sizes, as training.emb_dim, gru_hidden_dim,
+  /// pure_draft_prefix_len and shift_label (defaults: SpecForge's example Domino config).
+  int64_t domino_emb_dim = 256, domino_gru_dim = 1024;
+  int domino_prefix_len = 1;
+  bool domino_shift_label = true;
   uint64_t seed = 0;
   /// Where new cuBLASLt GEMM plans come from (backend/cuda/gemm.hpp, GemmPlanSource): "table"
   /// (the measured table, the heuristic for shapes it lacks) or "heuristic" (the table ignored).

@@ -161,8 +161,11 @@ class CpuDrafterStage final : public DrafterStage {
       r.metrics.dspark_l1_sum = out.dspark_l1_sum;
       r.metrics.dspark_bce_sum = out.dspark_bce_sum;
       r.metrics.dspark_acc_sum = out.dspark_acc_sum;
+      r.metrics.domino_final_ce_sum = out.domino_final_ce_sum;
+      r.metrics.domino_base_ce_sum = out.domino_base_ce_sum;
     }
     r.metrics.dspark = batch.objective.dspark();
+    r.metrics.domino = batch.objective.domino();
     // D-PACE's loss is divided by the sequences, this batch's documents (supervised or not).
     if (batch.objective.dpace()) r.metrics.weight_sum = batch.loss_denominator();
     if (!collective_) r.grad_norm = std::sqrt(sum_squares_cpu(grads_.data(), layout_.total));

@@ -54,6 +54,7 @@
 #include "backend/cuda/graph.hpp"
 #include "backend/cuda/pinned.hpp"
 #include "core/dtype.hpp"
+#include "model/domino_head_cuda.hpp"
 #include "model/drafter_cuda.hpp"
 #include "model/dspark_head_cuda.hpp"
 #include "model/step_plan.hpp"
@@ -334,6 +335,10 @@ class CudaDrafterStage final : public DrafterStage {
       dspark_order_ = Staged(a, kInputDsparkW1Order, NK * sizeof(int32_t));
       dspark_seg_ = Staged(a, kInputDsparkW1Seg, (NK + 1) * sizeof(int32_t));
     }
+    if (cfg.domino.enabled) {
+      domino_tok_ = Staged(a, kInputDominoGruTok, NK * sizeof(int32_t));
+      domino_lambda_ = Staged(a, kInputDominoLambda, sizeof(double));
+    }
     arena_finish(*ctx_, a, "cuda drafter stage");
     if (group) collective_ = cuda_collective_member(group, replica, ctx_->stream());
     for (cudaEvent_t* e : {&ev_step_start_, &ev_step_end_, &ev_opt_start_, &ev_opt_end_}) {
@@ -344,9 +349,12 @@ class CudaDrafterStage final : public DrafterStage {
   void step(const DrafterBatch& b, const TargetFeatures& features) override {
     DFLASH_CHECK(!queue_.waiting_for_update(),
                  "cuda drafter stage: step() called twice without update() in between");
-    // The loss is part of the captured step graphs: one per run.
+    // The loss is part of the captured step graphs: one per run. Domino's λ changes per step and
+    // is read on the device (staged with the row index), so it is not part of it.
     if (!objective_) objective_ = b.objective;
-    DFLASH_CHECK(b.objective == *objective_,
+    Objective fixed = b.objective;
+    fixed.domino_lambda = objective_->domino_lambda;
+    DFLASH_CHECK(fixed == *objective_,
                  "cuda drafter stage: a batch with loss {} after batches with loss {}",
                  loss_type_name(b.objective.loss), loss_type_name(objective_->loss));
     DFLASH_CHECK(b.block_size == cfg_.block_size,
@@ -411,6 +419,9 @@ class CudaDrafterStage final : public DrafterStage {
                        {});
     r.metrics.loss_weighted_sum = res.loss_sum;
     r.metrics.dspark = b.objective.dspark();
+    r.metrics.domino = b.objective.domino();
+    r.metrics.domino_final_ce_sum = res.domino_final_ce_sum;
+    r.metrics.domino_base_ce_sum = res.domino_base_ce_sum;
     r.metrics.dspark_ce_sum = res.dspark_ce_sum;
     r.metrics.dspark_l1_sum = res.dspark_l1_sum;
     r.metrics.dspark_bce_sum = res.dspark_bce_sum;
@@ -494,6 +505,11 @@ class CudaDrafterStage final : public DrafterStage {
     st.labels = {labels_.host.as<int32_t>(), NKs};
     st.weights = {weights_.host.as<float>(), NKs};
     drafter_batch_stage(b, cfg_.mask_token_id, 0, st);
+    if (cfg_.domino.enabled) {
+      const DominoRowIndex x = domino_row_index(cfg_, b, NK);
+      std::memcpy(domino_tok_.host.as<int32_t>(), x.gru_tok.data(), NKs * sizeof(int32_t));
+      std::memcpy(domino_lambda_.host.as<double>(), &x.lambda, sizeof(double));
+    }
     if (!cfg_.dspark.enabled) return;
     const DsparkRowIndex x = dspark_row_index(b, NK, cfg_.vocab_size);
     std::memcpy(dspark_prev_.host.as<int32_t>(), x.prev.data(), NKs * sizeof(int32_t));
@@ -529,6 +545,12 @@ class CudaDrafterStage final : public DrafterStage {
       in.dspark_teacher_pos = dspark_tpos_.device<int32_t>();
       in.dspark_w1_order = dspark_order_.device<int32_t>();
       in.dspark_w1_seg = dspark_seg_.device<int32_t>();
+    }
+    if (cfg_.domino.enabled) {
+      domino_tok_.upload(s, static_cast<size_t>(NK) * sizeof(int32_t));
+      domino_lambda_.upload(s, sizeof(double));
+      in.domino_gru_tok = domino_tok_.device<int32_t>();
+      in.domino_lambda = domino_lambda_.device<double>();
     }
     drafter_->forward_backward(in, 1.0);  // unscaled: the step's 1/Σw is applied by adamw()
   }
@@ -569,6 +591,7 @@ class CudaDrafterStage final : public DrafterStage {
   std::vector<AttnRange> context_ranges_;  // host only
   Staged pos_, block_tokens_, block_ranges_, labels_, weights_;
   Staged dspark_prev_, dspark_tpos_, dspark_order_, dspark_seg_;  // DSpark's DsparkRowIndex
+  Staged domino_tok_, domino_lambda_;                             // Domino's DominoRowIndex
   cuda::GraphCache<std::pair<int64_t, int64_t>> graphs_;
   std::map<int, std::string> peers_;
   std::unique_ptr<Collective> collective_;

@@ -20,6 +20,7 @@
 #include "backend/cuda/device.hpp"
 #include "backend/cuda/graph.hpp"
 #include "backend/cuda/pinned.hpp"
+#include "model/domino_head_cuda.hpp"
 #include "model/drafter_cuda.hpp"
 #include "model/dspark_head_cuda.hpp"
 #include "model/step_plan.hpp"
@@ -71,6 +72,7 @@ uint64_t used_device_memory() {
 struct CudaTrainBackend::Inputs {
   Staged tokens, target_ranges, pos, block_tokens, block_ranges, labels, weights;
   Staged dspark_prev, dspark_tpos, dspark_order, dspark_seg;  // DSpark's DsparkRowIndex
+  Staged domino_tok, domino_lambda;                           // Domino's DominoRowIndex
   float* final_norm = nullptr;  // DSpark: the target's final-norm weight [H] (the teacher)
   Objective objective;          // the staged batch's loss
   cudaEvent_t start = nullptr, after_target = nullptr, end = nullptr;
@@ -132,6 +134,10 @@ CudaTrainBackend::CudaTrainBackend(int device, const TargetModel& target, const 
     in_->final_norm = a.get<float>(kTargetFinalNorm, static_cast<int64_t>(w.size()));
     DFLASH_CUDA_CHECK(
         cudaMemcpy(in_->final_norm, w.data(), w.size() * sizeof(float), cudaMemcpyHostToDevice));
+  }
+  if (cfg.domino.enabled) {
+    in_->domino_tok = make_staged(a, kInputDominoGruTok, NK * sizeof(int32_t));
+    in_->domino_lambda = make_staged(a, kInputDominoLambda, sizeof(double));
   }
   const char* pool = "workspace.op_scratch";
   const uint64_t pool_bytes = a.planned_bytes(pool);
@@ -219,6 +225,12 @@ void CudaTrainBackend::enqueue_drafter(int64_t T, int64_t NK) {
     di.dspark_w1_order = static_cast<int32_t*>(in_->dspark_order.dev);
     di.dspark_w1_seg = static_cast<int32_t*>(in_->dspark_seg.dev);
   }
+  if (cfg_.domino.enabled) {
+    in_->domino_tok.upload<int32_t>(s, 0, NK);
+    in_->domino_lambda.upload<double>(s, 0, 1);
+    di.domino_gru_tok = static_cast<int32_t*>(in_->domino_tok.dev);
+    di.domino_lambda = static_cast<double*>(in_->domino_lambda.dev);
+  }
   drafter_->forward_backward(di, 1.0);  // unscaled: the step's 1/Σw is applied by adamw()
 }
 
@@ -256,6 +268,11 @@ std::unique_ptr<TargetFeatures> CudaTrainBackend::forward_taps(const DrafterBatc
     in_->dspark_tpos.fill(x.teacher_pos);
     in_->dspark_order.fill(x.w1_order);
     in_->dspark_seg.fill(x.w1_seg);
+  }
+  if (cfg_.domino.enabled) {
+    const DominoRowIndex x = domino_row_index(cfg_, b, NK);
+    in_->domino_tok.fill(x.gru_tok);
+    in_->domino_lambda.fill(std::vector<double>{x.lambda});
   }
   staged_T_ = T;
   staged_NK_ = NK;
@@ -324,6 +341,9 @@ void CudaTrainBackend::step(const DrafterBatch& b, const TargetFeatures& feature
                      {});
   r.metrics.loss_weighted_sum = res.loss_sum;
   r.metrics.dspark = b.objective.dspark();
+  r.metrics.domino = b.objective.domino();
+  r.metrics.domino_final_ce_sum = res.domino_final_ce_sum;
+  r.metrics.domino_base_ce_sum = res.domino_base_ce_sum;
   r.metrics.dspark_ce_sum = res.dspark_ce_sum;
   r.metrics.dspark_l1_sum = res.dspark_l1_sum;
   r.metrics.dspark_bce_sum = res.dspark_bce_sum;

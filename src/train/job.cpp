@@ -289,6 +289,7 @@ void pack(std::vector<double>& out, const ReplicaStepFigures& f) {
   for (int64_t v : m.slot_count) out.push_back(static_cast<double>(v));
   out.insert(out.end(), {m.dspark ? 1.0 : 0.0, m.dspark_ce_sum, m.dspark_l1_sum, m.dspark_bce_sum,
                          m.dspark_acc_sum});
+  out.insert(out.end(), {m.domino ? 1.0 : 0.0, m.domino_final_ce_sum, m.domino_base_ce_sum});
 }
 
 ReplicaStepFigures unpack(const std::vector<double>& in, size_t& at, int from) {
@@ -315,6 +316,9 @@ ReplicaStepFigures unpack(const std::vector<double>& in, size_t& at, int from) {
   m.dspark_l1_sum = next();
   m.dspark_bce_sum = next();
   m.dspark_acc_sum = next();
+  m.domino = next() != 0.0;
+  m.domino_final_ce_sum = next();
+  m.domino_base_ce_sum = next();
   return f;
 }
 

@@ -37,6 +37,12 @@ void plan_dspark_inputs(ArenaPlanner& p, const DrafterConfig& drafter, uint64_t 
   }
   p.add(kInputDsparkW1Seg, kGroupInputs, (NK + 1) * 4, all);
 }
+// The DominoRowIndex of a Domino step (model/domino_head_cuda.hpp), staged as inputs.
+void plan_domino_inputs(ArenaPlanner& p, const DrafterConfig& drafter, uint64_t NK) {
+  if (!drafter.domino.enabled) return;
+  p.add(kInputDominoGruTok, kGroupInputs, NK * 4, step_all_phases());
+  p.add(kInputDominoLambda, kGroupInputs, sizeof(double), step_all_phases());
+}
 }  // namespace
 
 TrainMemoryPlan plan_train_memory(const ModelConfig& target, const DrafterConfig& drafter,
@@ -75,6 +81,7 @@ TrainMemoryPlan plan_train_memory(const ModelConfig& target, const DrafterConfig
   p.add("inputs.labels", kGroupInputs, NK * 4, all);
   p.add("inputs.weights", kGroupInputs, NK * 4, all);
   plan_dspark_inputs(p, drafter, NK);
+  plan_domino_inputs(p, drafter, NK);
   plan.arena = p.finish();
   return plan;
 }
@@ -175,6 +182,7 @@ TrainMemoryPlan plan_drafter_worker_memory(const ModelConfig& target, const Draf
   p.add("inputs.labels", kGroupInputs, NK * 4, all);
   p.add("inputs.weights", kGroupInputs, NK * 4, all);
   plan_dspark_inputs(p, drafter, NK);
+  plan_domino_inputs(p, drafter, NK);
   plan.arena = p.finish();
   return plan;
 }

@@ -102,6 +102,10 @@ inline constexpr const char* kInputDsparkPrev = "inputs.dspark_prev";
 inline constexpr const char* kInputDsparkTeacherPos = "inputs.dspark_teacher_pos";
 inline constexpr const char* kInputDsparkW1Order = "inputs.dspark_w1_order";
 inline constexpr const char* kInputDsparkW1Seg = "inputs.dspark_w1_seg";
+/// Names of a Domino step's staged row index (DominoRowIndex: gru_tok [NK] int32, lambda [1]
+/// f64), in the plans of a drafter step (Domino drafters only).
+inline constexpr const char* kInputDominoGruTok = "inputs.domino_gru_tok";
+inline constexpr const char* kInputDominoLambda = "inputs.domino_lambda";
 
 /// Name and group of the tap features in a plan of the target forward alone.
 inline constexpr const char* kTargetOnlyFeatures = "taps.features";

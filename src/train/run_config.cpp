@@ -424,9 +424,6 @@ void RunConfig::validate() const {
                "(runtime.backend: cuda has no DFlash2 conv or selector yet); use runtime.backend: "
                "cpu");
   domino_head_of(training);  // the Domino keys, or that none is set for another objective
-  DFLASH_CHECK(runtime.backend != "cuda" || training.objective != "domino",
-               "training.objective domino is implemented on the cpu backend only "
-               "(runtime.backend: cuda has no Domino head yet); use runtime.backend: cpu");
   DFLASH_CHECK(runtime.backend == "cpu" || runtime.backend == "cuda",
                "runtime.backend must be cpu or cuda, got '{}'", runtime.backend);
   DFLASH_CHECK(!runtime.devices.empty(), "runtime.devices must list at least one device");

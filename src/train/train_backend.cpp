@@ -15,9 +15,6 @@ void cuda_check_objective(const DrafterConfig& cfg) {
   DFLASH_CHECK(!cfg.dflash2.enabled,
                "training.objective dflash2 is implemented on the cpu backend only "
                "(runtime.backend: cuda has no DFlash2 conv, selector or loss yet)");
-  DFLASH_CHECK(!cfg.domino.enabled,
-               "training.objective domino is implemented on the cpu backend only (runtime.backend: "
-               "cuda has no Domino GRU head and no Domino loss yet)");
 }
 
 TrainBackend train_backend_create(const TrainBackendOptions& opts, const TargetModel& target,

@@ -81,6 +81,9 @@ json IntervalMetrics::to_json() const {
     j["dspark_sums"] = {obj.dspark_ce_sum, obj.dspark_l1_sum, obj.dspark_bce_sum,
                         obj.dspark_acc_sum};
   }
+  if (obj.domino) {  // Domino's term sums (ObjectiveMetrics)
+    j["domino_sums"] = {obj.domino_final_ce_sum, obj.domino_base_ce_sum};
+  }
   return j;
 }
 
@@ -149,6 +152,17 @@ IntervalMetrics IntervalMetrics::from_json(const json& j, const std::string& src
     m.obj.dspark_bce_sum = d[2].get<double>();
     m.obj.dspark_acc_sum = d[3].get<double>();
   }
+  // Domino's term sums (absent for the other objectives and in checkpoints written before).
+  if (j.contains("domino_sums")) {
+    const json& d = j.at("domino_sums");
+    DFLASH_CHECK(d.is_array() && d.size() == 2 &&
+                     std::all_of(d.begin(), d.end(), [](const json& v) { return v.is_number(); }),
+                 "{}: key 'domino_sums' must be a list of 2 numbers (Σw·CE(F), Σw·CE(U)), got {}",
+                 src, d.dump());
+    m.obj.domino = true;
+    m.obj.domino_final_ce_sum = d[0].get<double>();
+    m.obj.domino_base_ce_sum = d[1].get<double>();
+  }
   return m;
 }
 
@@ -174,6 +188,10 @@ json interval_record(const IntervalMetrics& iv, int64_t step, int64_t epoch, dou
       r["dspark_l1"] = iv.obj.dspark_l1_sum / w;
       r["dspark_bce"] = iv.obj.dspark_bce_sum / w;
       r["dspark_acc"] = iv.obj.dspark_acc_sum / w;
+    }
+    if (iv.obj.domino && iv.obj.weight_sum > 0) {  // Domino's terms, each Σ w·CE / Σ w
+      r["domino_ce_final"] = iv.obj.domino_final_ce_sum / iv.obj.weight_sum;
+      r["domino_ce_base"] = iv.obj.domino_base_ce_sum / iv.obj.weight_sum;
     }
   }
   r["interval_steps"] = iv.steps;

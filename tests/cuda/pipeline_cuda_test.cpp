@@ -45,13 +45,14 @@ DrafterConfig tiny_drafter() {
 }
 
 // Two rows of 128 slots with a few random documents each (tokens below 8000), 3 anchors per
-// document.
-DrafterBatch make_batch(uint32_t seed) {
+// document; the targets of objective `obj` (dflash's, or Domino's with its shift_label).
+DrafterBatch make_batch(uint32_t seed, const Objective& obj = {}) {
   std::mt19937 rng(seed);
   std::uniform_int_distribution<int32_t> tok(0, 7999);
   std::bernoulli_distribution bit(0.7);
   Rng arng(seed);
   DrafterBatch d(8);
+  d.objective = obj;
   for (const std::vector<int>& docs : {std::vector<int>{40, 61}, std::vector<int>{97}}) {
     std::vector<int32_t> t, off{0};
     std::vector<uint8_t> m;
@@ -63,7 +64,10 @@ DrafterBatch make_batch(uint32_t seed) {
       off.push_back(static_cast<int32_t>(t.size()));
     }
     const std::vector<Anchor> anchors = sample_anchors(m, off, 3, arng);
-    d.append_row(t, off, anchors, block_targets(t, m, off, anchors, 8, 7.0));
+    d.append_row(t, off, anchors,
+                 obj.domino()
+                     ? domino_block_targets(t, m, off, anchors, 8, 7.0, obj.domino_shift_label)
+                     : block_targets(t, m, off, anchors, 8, 7.0));
   }
   d.row_length = 128;
   return d;
@@ -117,9 +121,12 @@ std::string master_bytes(const fs::path& ckpt) {
 
 }  // namespace
 
-TEST(PipelineCuda, SplitStagesComputeWhatTheOneContextBackendComputes) {
-  DFLASH_REQUIRE_GPU();
-  const DrafterConfig cfg = tiny_drafter();
+namespace {
+
+// A target stage and a drafter stage against the one-context CudaTrainBackend over 3 steps of
+// `obj` (Domino: λ changes every step, as the trainer sets it): the same sums, metrics, gradient
+// norm and state bit for bit.
+void expect_split_stages_match_one_context(const DrafterConfig& cfg, Objective obj) {
   const DrafterLayout layout(cfg);
   TrainBackendOptions opts;
   opts.backend = "cuda";
@@ -137,7 +144,8 @@ TEST(PipelineCuda, SplitStagesComputeWhatTheOneContextBackendComputes) {
   one.load_state(s0);
   drafter->load_state(s0);
   for (uint32_t step = 0; step < 3; ++step) {
-    const DrafterBatch b = make_batch(100 + step);
+    obj.domino_lambda = obj.domino() ? 1.0 - 0.4 * step : 0.0;
+    const DrafterBatch b = make_batch(100 + step, obj);
     const auto f1 = one.forward_taps(b);
     one.step(b, *f1);
     one.update(1e-3);
@@ -149,6 +157,8 @@ TEST(PipelineCuda, SplitStagesComputeWhatTheOneContextBackendComputes) {
     EXPECT_EQ(r1.metrics.loss_weighted_sum, r2.metrics.loss_weighted_sum) << step;
     EXPECT_EQ(r1.metrics.weight_sum, r2.metrics.weight_sum) << step;
     EXPECT_EQ(r1.metrics.slot_correct, r2.metrics.slot_correct) << step;
+    EXPECT_EQ(r1.metrics.domino_final_ce_sum, r2.metrics.domino_final_ce_sum) << step;
+    EXPECT_EQ(r1.metrics.domino_base_ce_sum, r2.metrics.domino_base_ce_sum) << step;
     EXPECT_EQ(r1.grad_norm, r2.grad_norm) << step;
     EXPECT_EQ(r1.clip, r2.clip) << step;
   }
@@ -160,6 +170,26 @@ TEST(PipelineCuda, SplitStagesComputeWhatTheOneContextBackendComputes) {
   EXPECT_EQ(a.updates, 3);
   EXPECT_EQ(b.updates, 3);
   EXPECT_NE(drafter->summary().find("captured as CUDA graphs"), std::string::npos);
+}
+
+}  // namespace
+
+TEST(PipelineCuda, SplitStagesComputeWhatTheOneContextBackendComputes) {
+  DFLASH_REQUIRE_GPU();
+  expect_split_stages_match_one_context(tiny_drafter(), Objective{});
+}
+
+// The same for training.objective domino (E 16, G 24, P 1, shift_label): the stage's captured
+// graphs read each step's λ from the device, as CudaTrainBackend's.
+TEST(PipelineCuda, DominoSplitStagesComputeWhatTheOneContextBackendComputes) {
+  DFLASH_REQUIRE_GPU();
+  DrafterConfig cfg = tiny_drafter();
+  cfg.domino = DominoHead{true, 16, 24, 1, true};
+  cfg.validate();
+  Objective obj;
+  obj.kind = ObjectiveKind::domino;
+  obj.domino_shift_label = true;
+  expect_split_stages_match_one_context(cfg, obj);
 }
 
 TEST(PipelineCuda, TwoReplicasOnOneGpuStayBitIdentical) {

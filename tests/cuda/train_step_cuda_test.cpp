@@ -19,6 +19,7 @@
 #include "model/drafter_batch.hpp"
 #include "model/drafter_cuda.hpp"
 #include "model/drafter_io.hpp"
+#include "model/domino_head_cuda.hpp"
 #include "model/dspark_head_cuda.hpp"
 #include "model/objective.hpp"
 #include "model/target.hpp"
@@ -44,7 +45,8 @@ struct HostBatch {
 };
 
 HostBatch make_batch(const std::vector<std::vector<int>>& doc_lengths, int64_t L, int64_t V, int K,
-                     int num_anchors, uint32_t seed, double gamma = 7.0, bool dspark = false) {
+                     int num_anchors, uint32_t seed, double gamma = 7.0, bool dspark = false,
+                     const Objective& obj = {}) {
   HostBatch b;
   b.L = L;
   std::mt19937 rng(seed);
@@ -62,8 +64,11 @@ HostBatch make_batch(const std::vector<std::vector<int>>& doc_lengths, int64_t L
       off.push_back(static_cast<int32_t>(t.size()));
     }
     b.anchors.push_back(sample_anchors(m, off, num_anchors, arng));
-    b.targets.push_back(dspark ? dspark_block_targets(t, m, off, b.anchors.back(), K, gamma)
-                               : block_targets(t, m, off, b.anchors.back(), K, gamma));
+    const std::vector<Anchor>& a = b.anchors.back();
+    b.targets.push_back(
+        dspark         ? dspark_block_targets(t, m, off, a, K, gamma)
+        : obj.domino() ? domino_block_targets(t, m, off, a, K, gamma, obj.domino_shift_label)
+                       : block_targets(t, m, off, a, K, gamma));
     b.tokens.push_back(std::move(t));
     b.offsets.push_back(std::move(off));
     b.mask.push_back(std::move(m));
@@ -160,8 +165,9 @@ namespace {
 // DrafterCuda's step with loss `obj` against drafter_train_step summed over the rows (loss, Σw,
 // every parameter gradient, the norm, the argmax), determinism, and an AdamW step.
 // `heads`: a DSpark drafter with these heads (obj must be dspark); its teacher rows follow the
-// taps in the features.
-void expect_step_matches_cpu(const Objective& obj, const DsparkHeads& heads = {}) {
+// taps in the features. `domino`: a drafter with this Domino head (obj must be domino).
+void expect_step_matches_cpu(const Objective& obj, const DsparkHeads& heads = {},
+                             const DominoHead& domino = {}) {
   DrafterConfig c;
   c.hidden_size = 128;
   c.intermediate_size = 160;
@@ -176,6 +182,7 @@ void expect_step_matches_cpu(const Objective& obj, const DsparkHeads& heads = {}
   c.target_layer_ids = {0, 2};
   c.num_target_layers = 3;
   c.dspark = heads;
+  c.domino = domino;
   c.validate();
   const DrafterLayout layout(c);
   const int64_t H = c.hidden_size, V = c.vocab_size, F = c.n_taps() * H;
@@ -195,7 +202,7 @@ void expect_step_matches_cpu(const Objective& obj, const DsparkHeads& heads = {}
   // Three rows of 61 slots with several documents and padding; up to 6 anchors per document.
   // D-PACE ignores γ: its static weights are the mask (drafter_batch_from_rows).
   HostBatch b = make_batch({{1, 30, 17}, {61}, {5, 12}}, 61, V, K, 6, 3, obj.dpace() ? 0.0 : 7.0,
-                           heads.enabled);
+                           heads.enabled, obj);
   const DrafterBatch whole = drafter_batch_of(b, K, 0, SIZE_MAX, obj);
   const Staged s = stage(whole, c.mask_token_id, 8 * K);
   ASSERT_GT(s.N, 8);
@@ -214,6 +221,7 @@ void expect_step_matches_cpu(const Objective& obj, const DsparkHeads& heads = {}
   DrafterTables<float> tables{embed.data(), head.data()};
   DrafterWorkspace<float> ws;
   double cpu_loss = 0, cpu_w = 0, cpu_ce = 0, cpu_l1 = 0, cpu_bce = 0, cpu_acc = 0;
+  double cpu_final_ce = 0, cpu_base_ce = 0;  // Domino's terms
   std::vector<int32_t> cpu_argmax;
   int64_t t0 = 0;  // the row's first context row in the packed step
   for (size_t r = 0; r < b.tokens.size(); ++r) {
@@ -230,6 +238,8 @@ void expect_step_matches_cpu(const Objective& obj, const DsparkHeads& heads = {}
     cpu_l1 += res.dspark_l1_sum;
     cpu_bce += res.dspark_bce_sum;
     cpu_acc += res.dspark_acc_sum;
+    cpu_final_ce += res.domino_final_ce_sum;
+    cpu_base_ce += res.domino_base_ce_sum;
     cpu_argmax.insert(cpu_argmax.end(), res.argmax.begin(), res.argmax.end());
   }
 
@@ -262,6 +272,11 @@ void expect_step_matches_cpu(const Objective& obj, const DsparkHeads& heads = {}
     in.dspark_w1_order = device_copy(ctx, keep, x.w1_order);
     in.dspark_w1_seg = device_copy(ctx, keep, x.w1_seg);
   }
+  if (domino.enabled) {
+    const DominoRowIndex x = domino_row_index(c, whole, s.NK);
+    in.domino_gru_tok = device_copy(ctx, keep, x.gru_tok);
+    in.domino_lambda = device_copy(ctx, keep, std::vector<double>{x.lambda});
+  }
 
   dc.forward_backward(in, 1.0 / total_w);
   const DrafterCuda::Results r1 = dc.fetch_results(s.NK);
@@ -277,6 +292,12 @@ void expect_step_matches_cpu(const Objective& obj, const DsparkHeads& heads = {}
     EXPECT_NEAR(r1.dspark_l1_sum, cpu_l1, 1e-2 * std::abs(cpu_l1));
     EXPECT_NEAR(r1.dspark_bce_sum, cpu_bce, 1e-2 * std::abs(cpu_bce) + 1e-9);
     EXPECT_NEAR(r1.dspark_acc_sum, cpu_acc, 1e-2 * std::abs(cpu_acc));
+  }
+  if (domino.enabled) {  // Domino's two CE terms (fp32 rows, double sums)
+    EXPECT_NEAR(r1.domino_final_ce_sum, cpu_final_ce, 1e-2 * std::abs(cpu_final_ce));
+    EXPECT_NEAR(r1.domino_base_ce_sum, cpu_base_ce, 1e-2 * std::abs(cpu_base_ce));
+    std::printf("Domino Σw·CE(F) cpu %.6f gpu %.6f; Σw·CE(U) cpu %.6f gpu %.6f\n", cpu_final_ce,
+                r1.domino_final_ce_sum, cpu_base_ce, r1.domino_base_ce_sum);
   }
   for (const auto& p : layout.params) {
     std::vector<float> g(gpu_grads.begin() + p.offset, gpu_grads.begin() + p.offset + p.numel);
@@ -361,6 +382,21 @@ TEST(DrafterCuda, DsparkStepMatchesCpuReference) {
   heads.markov_type = MarkovHeadType::gated;
   std::printf("markov_head_type gated\n");
   expect_step_matches_cpu(obj, heads);
+}
+
+// The Domino objective's whole drafter step against the CPU step: shift_label false with P 0 and
+// odd E, G; shift_label true with P 1; λ strictly inside (0, 1).
+TEST(DrafterCuda, DominoStepMatchesCpuReference) {
+  DFLASH_REQUIRE_GPU();
+  Objective obj;
+  obj.kind = ObjectiveKind::domino;
+  obj.domino_lambda = 0.3;
+  DominoHead h{true, 33, 17, 0, false};
+  expect_step_matches_cpu(obj, {}, h);
+  obj.domino_lambda = 0.7;
+  obj.domino_shift_label = true;
+  h = DominoHead{true, 16, 9, 1, true};
+  expect_step_matches_cpu(obj, {}, h);
 }
 
 TEST(DrafterCuda, DPaceStepMatchesCpuReference) {
