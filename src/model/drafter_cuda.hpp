@@ -1,7 +1,10 @@
 // dflash.cpp — the DFlash drafter's training step on the CUDA backend (the same model and objective
 // as drafter_train_step in src/model/drafter.hpp, over a whole packed step at once; the inputs are
 // a DrafterBatch staged by drafter_batch_stage, src/model/drafter_batch.hpp). A drafter with DSpark
-// heads runs the DSpark head (model/dspark_head_cuda.hpp) in place of the fused LM-head CE.
+// heads runs the DSpark head (model/dspark_head_cuda.hpp) in place of the fused LM-head CE. A
+// DFlash2 drafter runs its grouped dynamic causal conv around every attention and MLP sublayer of
+// the block stream (ops/dflash2_conv.hpp, as drafter.cpp's block_forward); its candidate selector
+// is not on the CUDA backend yet, so its steps run at α_sel = 0 with ū = U only (the plain CE).
 //
 // Numerics (DESIGN.md §3): fp32 master weights, AdamW moments and gradients; a bf16 copy of the
 // weights feeds every GEMM (bf16 in, fp32 accumulate); the residual stream, norm statistics,
@@ -135,10 +138,19 @@ class DrafterCuda {
   // Saved activations of one layer (see model/step_plan.hpp), and where its kvin [ctx ;
   // norm(x_in)], q, k (after norm + RoPE), hn2 = norm(h_mid) and act = SwiGLU(gu) live: the
   // layer's own buffers when kept, the buffers shared by every layer when recomputed.
+  // DFlash2's conv around one sublayer (model/dflash2_conv.hpp): δ [NK, 2·T·Gc] f32, the
+  // sublayer output y [NK, H] f32 before the post-conv, and its input u [NK, H] bf16 before the
+  // pre-conv (the layer's own when kept, one per sublayer kind when recomputed). All null for a
+  // drafter without DFlash2.
+  struct ConvBuf {
+    float *delta = nullptr, *y = nullptr;
+    uint16_t* u = nullptr;
+  };
   struct LayerBuf {
     uint16_t *q_raw, *k_raw, *v, *o, *gu;
     float *lse, *h_mid, *h_out;
     uint16_t *kvin, *q, *k, *hn2, *act;
+    ConvBuf attn_conv, mlp_conv;
   };
   cuda::CudaContext& ctx_;
   DrafterConfig cfg_;
@@ -167,9 +179,13 @@ class DrafterCuda {
   // Backward scratch.
   float *dh_, *dhn2_, *dx_, *dctx_, *dctx_pre_;
   uint16_t *dh_bf_, *d_act_, *d_gu_, *d_o_, *dq_, *dq_raw_, *dk_, *dk_raw_, *dv_, *dctx_bf_;
+  // DFlash2's conv backward: dy [NK, H] bf16, dδ [NK, 2·T·Gc] bf16, du [NK, H] f32.
+  uint16_t *conv_dy_ = nullptr, *conv_ddelta_ = nullptr;
+  float* conv_du_ = nullptr;
   std::vector<LayerBuf> layers_;
   PhaseEvents phase_events_;
   void take_buffers(cuda::DeviceArena& a);
+  void take_conv_buffers(cuda::DeviceArena& a);
 };
 
 }  // namespace dflash

@@ -94,8 +94,12 @@ inline constexpr const char* kGroupInputs = "step inputs";
 std::vector<std::string> cuda_target_unsupported(const ModelConfig& c);
 /// The same for a drafter: head_dim other than 64 or 128 (DrafterCuda's attention), DSpark heads
 /// the CUDA DSpark head does not run (dspark_cuda_unsupported: gated and rnn Markov heads),
-/// or DFlash2's conv and selector (DrafterCuda has neither).
+/// or DFlash2's candidate selector (DrafterCuda runs DFlash2's conv but not its selector: it
+/// steps a DFlash2 drafter only at α_sel = 0, see DrafterCuda::forward_backward).
 std::vector<std::string> cuda_drafter_unsupported(const DrafterConfig& c);
+/// What DrafterCuda cannot even hold: cuda_drafter_unsupported without the DFlash2 selector
+/// (DrafterCuda's constructor refuses these; forward_backward refuses a selector step).
+std::vector<std::string> cuda_drafter_step_unsupported(const DrafterConfig& c);
 
 /// Columns per context row of the features a target forward hands the drafter step: the taps
 /// [n_taps·H], and for a DSpark drafter (cfg.dspark.enabled) also the target's final-norm hidden
