@@ -13,6 +13,7 @@
 
 #include "backend/cuda/check.hpp"
 #include "core/error.hpp"
+#include "model/dflash2_head_cuda.hpp"
 #include "model/dspark_head_cuda.hpp"
 #include "model/step_plan.hpp"
 #include "ops/attention.hpp"
@@ -138,6 +139,13 @@ void DrafterCuda::take_buffers(cuda::DeviceArena& a) {
     ce_ws_bytes_ = cross_entropy_fused_cuda_workspace_bytes(cp, true, false);
     ce_ws_ = a.get_bytes("drafter.ce_workspace", ce_ws_bytes_);
   }
+  if (c.dflash2.enabled) {
+    dflash2_ws_bytes_ = dflash2_head_cuda_workspace_bytes(c, NK, ce_chunk_rows_);
+    dflash2_ws_ = a.get_bytes("drafter.dflash2.workspace", dflash2_ws_bytes_);
+    dflash2_rows_bytes_ = dflash2_head_cuda_rows_bytes(c, NK);
+    dflash2_rows_ = a.get_bytes("drafter.dflash2.rows", dflash2_rows_bytes_);
+    dflash2_sums_ = a.get<double>("drafter.dflash2.sums", 5);
+  }
   row_w_ = a.get<float>("drafter.row_weights", NK);
   dh_ = a.get<float>("drafter.dh", NK * H);
   dh_bf_ = a.get<uint16_t>("drafter.dh_bf", NK * H);
@@ -246,18 +254,8 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   DFLASH_CHECK(in.objective.dflash2() == c.dflash2.enabled,
                "DrafterCuda::forward_backward: the {} objective for a drafter {} DFlash2's conv",
                objective_kind_name(in.objective.kind), c.dflash2.enabled ? "with" : "without");
-  // DFlash2's loss is Σ w·(CE(ū) + α_sel·CE_sel): the conv runs here, the candidate selector does
-  // not yet. At α_sel = 0 with ū = U (output_multiplier 1, no softcap) the loss and its gradient
-  // are the plain CE of the LM head, which the fused CE computes.
-  DFLASH_CHECK(!c.dflash2.enabled ||
-                   (in.objective.dflash2_selector_alpha == 0 && c.dflash2.output_multiplier == 1 &&
-                    c.dflash2.final_logit_softcapping == 0),
-               "DrafterCuda::forward_backward: the DFlash2 candidate selector (α_sel {}), "
-               "output_multiplier {} and final_logit_softcapping {} are not implemented on the "
-               "CUDA backend (it runs DFlash2's conv with α_sel 0, output_multiplier 1 and no "
-               "softcap only)",
-               in.objective.dflash2_selector_alpha, c.dflash2.output_multiplier,
-               c.dflash2.final_logit_softcapping);
+  DFLASH_CHECK(!c.dflash2.enabled || in.dflash2_prev,
+               "DrafterCuda::forward_backward: a DFlash2 step without its predecessor tokens");
   DFLASH_CHECK(!c.dspark.enabled || (in.dspark_prev && in.dspark_teacher_pos &&
                                      in.dspark_w1_order && in.dspark_w1_seg),
                "DrafterCuda::forward_backward: a DSpark step without its row index");
@@ -276,6 +274,10 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   float* nullf = nullptr;
   const AttnParams ap{NK, TK, NH, NKV, D, 1.0 / std::sqrt(static_cast<double>(D))};
   cudaStream_t s = ctx_.stream();
+  // DFlash2: with ū = U the fused CE computes the base CE (plain DFlash's bits) and the selector
+  // head adds its term; otherwise the head computes both.
+  const bool d2_base_in_head = c.dflash2.enabled && (c.dflash2.output_multiplier != 1 ||
+                                                     c.dflash2.final_logit_softcapping != 0);
   // A layer's kvin holds [ctx rows T ; block rows NK] of its k/v projections; its block rows are
   // hn = norm(x_in), the input of q_proj.
   auto hn_of = [&](const LayerBuf& a) { return a.kvin + T * H; };
@@ -436,7 +438,7 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
     // {Σ w·loss, Σ w} where fetch_results reads the other objectives' sums.
     DFLASH_CUDA_CHECK(
         cudaMemcpyAsync(sums_, dspark_sums_, 2 * sizeof(double), cudaMemcpyDeviceToDevice, s));
-  } else {
+  } else if (!d2_base_in_head) {
     FusedCeParams cp;
     cp.R = NK;
     cp.H = H;
@@ -445,6 +447,33 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
     cp.grad_scale = grad_scale;
     cross_entropy_fused_cuda(ctx_, d_hf_, nullptr, argmax_, dpace ? row_w_ : nullptr, sums_, hf_,
                              head_, in.labels, in.weights, cp, ce_ws_, ce_ws_bytes_);
+  }
+  if (c.dflash2.enabled) {  // the selector (and, unless ū = U, the base CE): d_hf +=
+    Dflash2CudaArgs a2;
+    a2.R = NK;
+    a2.params = params_;
+    a2.grads = grads_;
+    a2.lm_head = head_;
+    a2.hf = hf_;
+    a2.labels = in.labels;
+    a2.weights = in.weights;
+    a2.prev = in.dflash2_prev;
+    a2.dhf = d_hf_;
+    a2.base_in_head = d2_base_in_head;
+    a2.argmax = d2_base_in_head ? argmax_ : nullptr;  // else the fused CE's
+    a2.sums = dflash2_sums_;
+    a2.workspace = dflash2_ws_;
+    a2.workspace_bytes = dflash2_ws_bytes_;
+    a2.rows = dflash2_rows_;
+    a2.rows_bytes = dflash2_rows_bytes_;
+    a2.grad_scale = grad_scale;
+    a2.chunk_rows = ce_chunk_rows_;
+    dflash2_head_cuda(ctx_, c, layout_, in.objective, a2);
+    dflash2_alpha_ = in.objective.dflash2_selector_alpha;
+    if (d2_base_in_head) {  // {Σ w·base, Σ w} where fetch_results reads the base
+      DFLASH_CUDA_CHECK(cudaMemcpyAsync(sums_, dflash2_sums_ + 1, 2 * sizeof(double),
+                                        cudaMemcpyDeviceToDevice, s));
+    }
   }
   if (dpace) {  // CE → D-PACE weights (and the sums), then d_hf row r ·= w_r
     dpace_weights_cuda(ctx_, row_w_, sums_, in.weights, NK / c.block_size, c.block_size,
@@ -539,6 +568,10 @@ DrafterCuda::Results DrafterCuda::fetch_results(int64_t NK) {
   if (cfg_.dspark.enabled) {
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(d, dspark_sums_, sizeof d, cudaMemcpyDeviceToHost, s));
   }
+  double d2[5] = {0, 0, 0, 0, 0};  // DFlash2's sums (dflash2_head_cuda)
+  if (cfg_.dflash2.enabled) {
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(d2, dflash2_sums_, sizeof d2, cudaMemcpyDeviceToHost, s));
+  }
   ctx_.synchronize();
   r.loss_sum = sums[0];
   r.weight_sum = sums[1];
@@ -548,6 +581,12 @@ DrafterCuda::Results DrafterCuda::fetch_results(int64_t NK) {
     r.dspark_l1_sum = d[3];
     r.dspark_bce_sum = d[4];
     r.dspark_acc_sum = d[5];
+  }
+  if (cfg_.dflash2.enabled) {  // sums: {Σ w·base, Σ w} (the fused CE's or the head's)
+    r.dflash2_base_sum = sums[0];
+    r.dflash2_selector_sum = d2[2];
+    r.dflash2_in_topk_weight = d2[3];
+    r.loss_sum = sums[0] + dflash2_alpha_ * d2[2];
   }
   return r;
 }

@@ -3,8 +3,10 @@
 // a DrafterBatch staged by drafter_batch_stage, src/model/drafter_batch.hpp). A drafter with DSpark
 // heads runs the DSpark head (model/dspark_head_cuda.hpp) in place of the fused LM-head CE. A
 // DFlash2 drafter runs its grouped dynamic causal conv around every attention and MLP sublayer of
-// the block stream (ops/dflash2_conv.hpp, as drafter.cpp's block_forward); its candidate selector
-// is not on the CUDA backend yet, so its steps run at α_sel = 0 with ū = U only (the plain CE).
+// the block stream (ops/dflash2_conv.hpp, as drafter.cpp's block_forward) and its candidate
+// selector and loss (model/dflash2_head_cuda.hpp); with ū = U (output_multiplier 1, no softcap)
+// the base CE is the fused CE's, so an identity-start DFlash2 drafter at α_sel = 0 steps with
+// plain DFlash's bits.
 //
 // Numerics (DESIGN.md §3): fp32 master weights, AdamW moments and gradients; a bf16 copy of the
 // weights feeds every GEMM (bf16 in, fp32 accumulate); the residual stream, norm statistics,
@@ -56,6 +58,9 @@ struct DrafterCudaInputs {
   /// and w1_seg [NK + 1].
   const int32_t *dspark_prev = nullptr, *dspark_teacher_pos = nullptr;
   const int32_t *dspark_w1_order = nullptr, *dspark_w1_seg = nullptr;
+  /// DFlash2 only: the predecessor token of each block row [NK] (dflash2_prev_tokens,
+  /// model/dflash2_head_cuda.hpp).
+  const int32_t* dflash2_prev = nullptr;
 };
 
 /// Drafter weights, optimizer state and the activation workspace on one GPU.
@@ -117,6 +122,9 @@ class DrafterCuda {
     /// DSpark only: Σ w·CE, Σ w·L1, Σ w·BCE, Σ w·acc (loss_sum is Σ w·(αce·CE + αl1·L1 +
     /// αconf·BCE)); 0 for the other objectives.
     double dspark_ce_sum = 0, dspark_l1_sum = 0, dspark_bce_sum = 0, dspark_acc_sum = 0;
+    /// DFlash2 only: Σ w·CE(ū), Σ w·CE_sel, Σ w over the rows whose gold is a candidate
+    /// (loss_sum = base + α_sel·selector); 0 for the other objectives.
+    double dflash2_base_sum = 0, dflash2_selector_sum = 0, dflash2_in_topk_weight = 0;
   };
   Results fetch_results(int64_t NK);
 
@@ -176,6 +184,12 @@ class DrafterCuda {
   void *dspark_ws_ = nullptr, *dspark_rows_ = nullptr;
   uint64_t dspark_ws_bytes_ = 0, dspark_rows_bytes_ = 0;
   double* dspark_sums_ = nullptr;
+  // DFlash2's selector head (model/dflash2_head_cuda.hpp): chunk workspace, row buffers, sums
+  // [5], and α_sel of the last step (fetch_results' loss = base + α_sel·selector).
+  void *dflash2_ws_ = nullptr, *dflash2_rows_ = nullptr;
+  uint64_t dflash2_ws_bytes_ = 0, dflash2_rows_bytes_ = 0;
+  double* dflash2_sums_ = nullptr;
+  double dflash2_alpha_ = 0;
   // Backward scratch.
   float *dh_, *dhn2_, *dx_, *dctx_, *dctx_pre_;
   uint16_t *dh_bf_, *d_act_, *d_gu_, *d_o_, *dq_, *dq_raw_, *dk_, *dk_raw_, *dv_, *dctx_bf_;

@@ -8,6 +8,7 @@
 #include <algorithm>
 
 #include "core/error.hpp"
+#include "model/dflash2_head_cuda.hpp"
 #include "model/dspark_head_cuda.hpp"
 #include "ops/adamw.hpp"
 #include "ops/attention.hpp"
@@ -82,8 +83,10 @@ std::vector<std::string> cuda_drafter_unsupported(const DrafterConfig& c) {
   for (std::string& d : dspark_cuda_unsupported(c)) out.push_back(std::move(d));
   if (c.dflash2.enabled) {
     out.push_back(
-        "the CUDA drafter has DFlash2's conv but no candidate selector (training.objective "
-        "dflash2, architectures DFlash2DraftModel): train and decode DFlash2 on the cpu backend");
+        "the CUDA trainer does not run DFlash2 yet (DrafterCuda steps its conv and selector; "
+        "the GPU pipeline stage, its CUDA graphs and bench do not stage it): train and decode "
+        "DFlash2 (training.objective dflash2, architectures DFlash2DraftModel) on the cpu "
+        "backend");
   }
   if (c.domino.enabled) {
     out.push_back(
@@ -94,9 +97,11 @@ std::vector<std::string> cuda_drafter_unsupported(const DrafterConfig& c) {
 }
 
 std::vector<std::string> cuda_drafter_step_unsupported(const DrafterConfig& c) {
-  DrafterConfig backbone = c;
-  backbone.dflash2.enabled = false;  // the conv runs; forward_backward refuses a selector step
-  return cuda_drafter_unsupported(backbone);
+  DrafterConfig without = c;
+  without.dflash2.enabled = false;  // DrafterCuda steps DFlash2 within the selector's limits
+  std::vector<std::string> out = cuda_drafter_unsupported(without);
+  for (std::string& d : dflash2_cuda_unsupported(c)) out.push_back(std::move(d));
+  return out;
 }
 
 int64_t drafter_feature_cols(const DrafterConfig& c) {
@@ -358,6 +363,12 @@ void plan_drafter_step(ArenaPlanner& p, const DrafterConfig& c, const DrafterLay
   } else {
     p.add("drafter.ce_workspace", kGroupHead,
           cross_entropy_fused_cuda_workspace_bytes(cp, true, false), head);
+  }
+  if (c.dflash2.enabled) {  // the selector head (model/dflash2_head_cuda.hpp)
+    p.add("drafter.dflash2.workspace", kGroupHead,
+          dflash2_head_cuda_workspace_bytes(c, s.max_rows, s.ce_chunk_rows), head);
+    p.add("drafter.dflash2.rows", kGroupHead, dflash2_head_cuda_rows_bytes(c, s.max_rows), head);
+    p.add("drafter.dflash2.sums", kGroupDrafterState, 5 * sizeof(double), all);
   }
   // The D-PACE losses: each block row's CE, then its weight (ops/loss_weights.hpp).
   p.add("drafter.row_weights", kGroupHead, NK * kF, head);

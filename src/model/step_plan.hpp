@@ -94,11 +94,10 @@ inline constexpr const char* kGroupInputs = "step inputs";
 std::vector<std::string> cuda_target_unsupported(const ModelConfig& c);
 /// The same for a drafter: head_dim other than 64 or 128 (DrafterCuda's attention), DSpark heads
 /// the CUDA DSpark head does not run (dspark_cuda_unsupported: gated and rnn Markov heads),
-/// or DFlash2's candidate selector (DrafterCuda runs DFlash2's conv but not its selector: it
-/// steps a DFlash2 drafter only at α_sel = 0, see DrafterCuda::forward_backward).
+/// or DFlash2 (DrafterCuda steps it, the CUDA trainer, its graphs and bench do not stage it yet).
 std::vector<std::string> cuda_drafter_unsupported(const DrafterConfig& c);
-/// What DrafterCuda cannot even hold: cuda_drafter_unsupported without the DFlash2 selector
-/// (DrafterCuda's constructor refuses these; forward_backward refuses a selector step).
+/// What DrafterCuda itself cannot step (its constructor refuses these): cuda_drafter_unsupported
+/// less the DFlash2 entry, plus the CUDA selector's limits (dflash2_cuda_unsupported).
 std::vector<std::string> cuda_drafter_step_unsupported(const DrafterConfig& c);
 
 /// Columns per context row of the features a target forward hands the drafter step: the taps

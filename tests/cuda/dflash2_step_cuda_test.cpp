@@ -1,12 +1,12 @@
-// DFlash2's conv in DrafterCuda's block stream (src/model/drafter_cuda.cpp): at the identity start
-// (β = e₀, W_kp = 0) a DFlash2 drafter's CUDA step is plain DFlash's bit for bit (loss, Σw,
-// argmax, every shared parameter's gradient), with the activations recomputed and kept; with
-// random conv tensors the CUDA step follows the CPU's drafter_train_step (α_sel = 0: the selector
-// adds nothing to the loss or the gradients), gives the same bits on a second run and with kept
-// activations; a step with α_sel > 0 (the candidate selector) is refused by name.
-// Weights, tables and features are rounded to bf16 first, as in train_step_cuda_test.cpp.
+// DFlash2 in DrafterCuda (src/model/drafter_cuda.cpp: the conv in the block stream, the selector
+// head of model/dflash2_head_cuda.hpp): at the identity start (β = e₀, W_kp = 0) and α_sel = 0 a
+// DFlash2 drafter's CUDA step is plain DFlash's bit for bit (loss, Σw, argmax, every shared
+// parameter's gradient), with the activations recomputed and kept; with random conv and selector
+// tensors the whole CUDA step follows the CPU's drafter_train_step (α_sel > 0 with ū = U, and
+// with m ≠ 1, a softcap and stop_gradient), gives the same bits on a second run and with kept
+// activations. Weights, tables and features are rounded to bf16 first, as in
+// train_step_cuda_test.cpp.
 #include <cuda_runtime.h>
-#include <gmock/gmock.h>
 
 #include <algorithm>
 #include <cmath>
@@ -15,6 +15,7 @@
 
 #include "backend/cuda/context.hpp"
 #include "cuda/cuda_test_util.hpp"
+#include "model/dflash2_head_cuda.hpp"
 #include "model/drafter_batch.hpp"
 #include "model/drafter_cuda.hpp"
 #include "model/objective.hpp"
@@ -30,8 +31,8 @@ size_t sz(int64_t n) {
 }
 
 // The drafter of train_step_cuda_test.cpp; with `T` > 0 a DFlash2 drafter with conv taps T and
-// groups of `group` channels (selector rank 4, top 8; ū = U).
-DrafterConfig config(int T = 0, int group = 0) {
+// groups of `group` channels (selector rank 4, top 8; ū = softcap(m·U)).
+DrafterConfig config(int T = 0, int group = 0, double m = 1.0, double cap = 0.0) {
   DrafterConfig c;
   c.hidden_size = 128;
   c.intermediate_size = 160;
@@ -45,7 +46,7 @@ DrafterConfig config(int T = 0, int group = 0) {
   c.mask_token_id = 300;
   c.target_layer_ids = {0, 2};
   c.num_target_layers = 3;
-  if (T > 0) c.dflash2 = {true, T, group, 4, 8, 1.0, 0.0};
+  if (T > 0) c.dflash2 = {true, T, group, 4, 8, m, cap};
   c.validate();
   return c;
 }
@@ -93,23 +94,29 @@ DrafterBatch batch_of(const HostRows& b, int K, const Objective& obj, size_t fir
   return d;
 }
 
-Objective objective_of(const DrafterConfig& c) {
+Objective objective_of(const DrafterConfig& c, double alpha = 0.0, bool stop = false) {
   Objective o;
-  if (c.dflash2.enabled) o.kind = ObjectiveKind::dflash2;  // α_sel = 0
+  if (!c.dflash2.enabled) return o;
+  o.kind = ObjectiveKind::dflash2;
+  o.dflash2_selector_alpha = alpha;
+  o.dflash2_stop_gradient = stop;
   return o;
 }
 
 // Parameters: drafter_init's (DFlash2's identity start), then the base tensors random (norm
-// weights around 1) and, with `random_conv`, the conv tensors too (β around e₀, W_kp small).
+// weights around 1) and, with `random_conv`, the conv and selector tensors too (β around e₀,
+// W_kp small, Bs no longer 0).
 std::vector<float> params_of(const DrafterLayout& layout, bool random_conv) {
   std::vector<float> p(sz(layout.total));
   drafter_init(p, layout, 5);
   for (const auto& info : layout.params) {
     const bool conv = info.name.find("_conv.") != std::string::npos;
     const bool selector = info.name.rfind("candidate_selector", 0) == 0;
-    if ((conv && !random_conv) || selector) continue;
-    const std::vector<float> r =
-        randn(sz(info.numel), 77 + static_cast<uint32_t>(info.offset), conv ? 0.05f : 0.02f);
+    if ((conv || selector) && !random_conv) continue;
+    const std::vector<float> r = randn(sz(info.numel), 77 + static_cast<uint32_t>(info.offset),
+                                       conv       ? 0.05f
+                                       : selector ? 0.3f
+                                                  : 0.02f);
     for (int64_t i = 0; i < info.numel; ++i) {
       float& x = p[sz(info.offset + i)];
       x = info.is_norm || info.name.find("base_kernel") != std::string::npos ? x + 10 * r[sz(i)]
@@ -138,8 +145,8 @@ struct Step {
   std::vector<AttnRange> ranges;
   std::vector<float> weights, features, embed, head;
 
-  Step(cuda::CudaContext& c, const DrafterConfig& cfg, const HostRows& rows)
-      : ctx(c), whole(batch_of(rows, cfg.block_size, objective_of(cfg))) {
+  Step(cuda::CudaContext& c, const DrafterConfig& cfg, const HostRows& rows, const Objective& obj)
+      : ctx(c), whole(batch_of(rows, cfg.block_size, obj)) {
     const int K = cfg.block_size;
     T = whole.rows * whole.row_length;
     NK = (whole.N() * K + 8 * K - 1) / (8 * K) * (8 * K);
@@ -182,7 +189,10 @@ struct Step {
     in.ranges = device_copy(ctx, keep, ranges);
     in.labels = device_copy(ctx, keep, labels);
     in.weights = device_copy(ctx, keep, weights);
-    in.objective = objective_of(cfg);
+    in.objective = whole.objective;
+    if (cfg.dflash2.enabled) {
+      in.dflash2_prev = device_copy(ctx, keep, dflash2_prev_tokens(whole, NK, cfg.vocab_size));
+    }
     Out first;
     for (int k = 0; k < runs; ++k) {
       dc.forward_backward(in, 1.0 / whole.loss_normaliser());
@@ -215,15 +225,19 @@ TEST(Dflash2Cuda, IdentityConvStepIsPlainDflashBitForBit) {
   ASSERT_EQ(l2.find("norm.weight").offset, l1.find("norm.weight").offset);
   ASSERT_TRUE(same_bits(head_of(p2, l1.total), p1));  // the shared tensors come first
   const HostRows rows = make_rows(c1.vocab_size, c1.block_size, 3);
-  Step step(ctx, c1, rows);
+  Step step(ctx, c1, rows, objective_of(c1));
   for (DrafterActivations acts : {DrafterActivations::recompute, DrafterActivations::keep}) {
     SCOPED_TRACE(drafter_activations_name(acts));
+    step.whole.objective = objective_of(c1);
     const Step::Out a = step.run(c1, l1, p1, acts);
+    step.whole.objective = objective_of(c2);  // α_sel = 0: the selector only measures
     const Step::Out b = step.run(c2, l2, p2, acts);
     EXPECT_EQ(b.r.loss_sum, a.r.loss_sum);
     EXPECT_EQ(b.r.weight_sum, a.r.weight_sum);
     EXPECT_TRUE(same_bits(b.r.argmax, a.r.argmax));
     EXPECT_TRUE(same_bits(head_of(b.grads, l1.total), a.grads));
+    EXPECT_GT(b.r.dflash2_selector_sum, 0.0);
+    EXPECT_EQ(b.r.dflash2_base_sum, a.r.loss_sum);
     // The conv's tensors learn (β from the first step, W_kp through dδ).
     for (const auto& info : l2.params) {
       if (info.name.find("_conv.") == std::string::npos) continue;
@@ -234,17 +248,26 @@ TEST(Dflash2Cuda, IdentityConvStepIsPlainDflashBitForBit) {
   }
 }
 
-TEST(Dflash2Cuda, ConvStepMatchesCpuReference) {
+// One DFlash2 setting of the whole-step comparison.
+struct Case {
+  int T, group;
+  double m, cap, alpha;
+  bool stop;
+};
+
+TEST(Dflash2Cuda, StepMatchesCpuReference) {
   DFLASH_REQUIRE_GPU();
   cuda::CudaContext ctx(0);
-  // T = 2 of 4 slots with 4 groups of 32 channels; T = b with one group of 128.
-  for (auto [T, group] : {std::pair{2, 32}, std::pair{4, 128}}) {
-    SCOPED_TRACE(::testing::Message() << "T=" << T << " group=" << group);
-    const DrafterConfig c = config(T, group);
+  // T = 2 of 4 slots with 4 groups of 32 channels, ū = U (the fused CE's base); T = b with one
+  // group of 128, m and a softcap (the head's base) and stop_gradient.
+  for (const Case& k : {Case{2, 32, 1.0, 0.0, 0.7, false}, Case{4, 128, 0.8, 5.0, 0.5, true}}) {
+    SCOPED_TRACE(::testing::Message() << "T=" << k.T << " group=" << k.group << " m=" << k.m
+                                      << " cap=" << k.cap << " stop=" << k.stop);
+    const DrafterConfig c = config(k.T, k.group, k.m, k.cap);
     const DrafterLayout layout(c);
     const std::vector<float> params = params_of(layout, true);
     const HostRows rows = make_rows(c.vocab_size, c.block_size, 4);
-    Step step(ctx, c, rows);
+    Step step(ctx, c, rows, objective_of(c, k.alpha, k.stop));
     const Step::Out gpu = step.run(c, layout, params, DrafterActivations::recompute, 2);
     const Step::Out kept = step.run(c, layout, params, DrafterActivations::keep);
     EXPECT_EQ(kept.r.loss_sum, gpu.r.loss_sum);
@@ -253,11 +276,11 @@ TEST(Dflash2Cuda, ConvStepMatchesCpuReference) {
     std::vector<float> cpu_grads(params.size(), 0.0f);
     DrafterTables<float> tables{step.embed.data(), step.head.data()};
     DrafterWorkspace<float> ws;
-    double cpu_loss = 0, cpu_w = 0;
+    double cpu_loss = 0, cpu_w = 0, cpu_base = 0, cpu_sel = 0, cpu_hit = 0;
     const int64_t F = c.n_taps() * c.hidden_size;
     int64_t t0 = 0;
     for (size_t r = 0; r < rows.tokens.size(); ++r) {
-      const DrafterBatch row = batch_of(rows, c.block_size, objective_of(c), r, r + 1);
+      const DrafterBatch row = batch_of(rows, c.block_size, step.whole.objective, r, r + 1);
       const float* feats = step.features.data() + t0 * F;
       t0 += row.T();
       if (row.N() == 0) continue;
@@ -266,12 +289,19 @@ TEST(Dflash2Cuda, ConvStepMatchesCpuReference) {
                                     1.0 / step.whole.loss_normaliser(), ws);
       cpu_loss += res.loss_sum;
       cpu_w += res.weight_sum;
+      cpu_base += res.dflash2_base_sum;
+      cpu_sel += res.dflash2_selector_sum;
+      cpu_hit += res.dflash2_in_topk_weight;
     }
     EXPECT_NEAR(gpu.r.weight_sum, cpu_w, 1e-6 * cpu_w);
     EXPECT_NEAR(gpu.r.loss_sum, cpu_loss, 1e-2 * std::abs(cpu_loss));
-    std::printf("loss sum cpu %.6f gpu %.6f\n", cpu_loss, gpu.r.loss_sum);
+    ASSERT_GT(cpu_hit, 0.0);
+    EXPECT_NEAR(gpu.r.dflash2_base_sum, cpu_base, 1e-2 * cpu_base);
+    EXPECT_NEAR(gpu.r.dflash2_selector_sum, cpu_sel, 3e-2 * cpu_sel);
+    EXPECT_NEAR(gpu.r.dflash2_in_topk_weight, cpu_hit, 5e-2 * cpu_w);
+    std::printf("loss sum cpu %.6f gpu %.6f; selector sum cpu %.6f gpu %.6f\n", cpu_loss,
+                gpu.r.loss_sum, cpu_sel, gpu.r.dflash2_selector_sum);
     for (const auto& p : layout.params) {
-      if (p.name.rfind("candidate_selector", 0) == 0) continue;  // α_sel = 0: no gradient
       const std::vector<float> g(gpu.grads.begin() + p.offset,
                                  gpu.grads.begin() + p.offset + p.numel);
       const std::vector<float> h(cpu_grads.begin() + p.offset,
@@ -280,34 +310,5 @@ TEST(Dflash2Cuda, ConvStepMatchesCpuReference) {
       EXPECT_LT(e, 5e-2) << p.name;
       std::printf("%-50s grad relative error %.3g\n", p.name.c_str(), e);
     }
-  }
-}
-
-TEST(Dflash2Cuda, SelectorStepIsRefusedByName) {
-  DFLASH_REQUIRE_GPU();
-  cuda::CudaContext ctx(0);
-  const DrafterConfig c = config(2, 32);
-  const DrafterLayout layout(c);
-  const HostRows rows = make_rows(c.vocab_size, c.block_size, 5);
-  Step step(ctx, c, rows);
-  const uint16_t* d_embed = device_copy(ctx, step.keep, to_bf16(step.embed));
-  const uint16_t* d_head = device_copy(ctx, step.keep, to_bf16(step.head));
-  DrafterCuda dc(ctx, c, layout, step.T, step.NK, d_embed, d_head);
-  DrafterCudaInputs in;
-  in.T = step.T;
-  in.NK = step.NK;
-  in.features = dc.features();
-  in.pos = device_copy(ctx, step.keep, step.pos);
-  in.block_tokens = device_copy(ctx, step.keep, step.block_tokens);
-  in.ranges = device_copy(ctx, step.keep, step.ranges);
-  in.labels = device_copy(ctx, step.keep, step.labels);
-  in.weights = device_copy(ctx, step.keep, step.weights);
-  in.objective = objective_of(c);
-  in.objective.dflash2_selector_alpha = 0.5;
-  try {
-    dc.forward_backward(in, 1.0);
-    ADD_FAILURE() << "a selector step ran";
-  } catch (const Error& e) {
-    EXPECT_THAT(e.what(), ::testing::HasSubstr("candidate selector"));
   }
 }
