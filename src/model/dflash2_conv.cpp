@@ -7,17 +7,6 @@
 
 namespace dflash {
 
-void Dflash2ConvShape::check() const {
-  DFLASH_CHECK(H > 0 && group > 0 && H % group == 0,
-               "conv_group_size {} must divide hidden_size {}", group, H);
-  DFLASH_CHECK(taps >= 1 && taps <= block, "conv_kernel_size {} must be in [1, block_size {}]",
-               taps, block);
-  DFLASH_CHECK(rows >= 0 && rows % block == 0,
-               "DFlash2 conv over {} rows, not a multiple of the "
-               "block size {}",
-               rows, block);
-}
-
 template <typename S>
 void dflash2_conv_fwd(S* out, const S* x, const S* base_side, const S* delta, int side,
                       const Dflash2ConvShape& s) {

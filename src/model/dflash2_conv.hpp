@@ -19,17 +19,9 @@
 #include <cstdint>
 #include <vector>
 
-namespace dflash {
+#include "ops/dflash2_conv.hpp"  // Dflash2ConvShape
 
-/// Sizes of one conv: `rows` block rows (a multiple of `block`), H channels, `taps` T ≤ block,
-/// `group` g channels per group (H % g == 0).
-struct Dflash2ConvShape {
-  int64_t rows = 0, H = 0, block = 0, taps = 0, group = 0;
-  int64_t groups() const { return H / group; }                 ///< Gc
-  int64_t delta_width() const { return 2 * taps * groups(); }  ///< 2·T·Gc, one row of δ
-  /// Throws dflash::Error naming the size that is inconsistent.
-  void check() const;
-};
+namespace dflash {
 
 /// out [rows, H] = side `side` (0 pre, 1 post) of the conv over x [rows, H] with base
 /// β_side [T, H] (base_kernel + side·T·H) and δ [rows, 2·T·Gc] (the formula of the file header).

@@ -14,11 +14,13 @@
 #include "backend/cuda/check.hpp"
 #include "core/error.hpp"
 #include "model/domino_head_cuda.hpp"
+#include "model/dflash2_head_cuda.hpp"
 #include "model/dspark_head_cuda.hpp"
 #include "model/step_plan.hpp"
 #include "ops/attention.hpp"
 #include "ops/cast.hpp"
 #include "ops/cross_entropy.hpp"
+#include "ops/dflash2_conv.hpp"
 #include "ops/embedding.hpp"
 #include "ops/fill.hpp"
 #include "ops/linear.hpp"
@@ -51,7 +53,7 @@ DrafterCuda::DrafterCuda(cuda::CudaContext& ctx, const DrafterConfig& cfg,
       head_(lm_head),
       rope_scaling_(static_cast<float>(rope_attention_scaling(cfg.rope))) {
   cfg.validate();
-  const std::vector<std::string> unsupported = cuda_drafter_unsupported(cfg);
+  const std::vector<std::string> unsupported = cuda_drafter_step_unsupported(cfg);
   DFLASH_CHECK(unsupported.empty(), "{}", fmt::join(unsupported, "; "));
   DFLASH_CHECK(max_ctx > 0 && max_block_rows > 0 && max_block_rows % cfg.block_size == 0 &&
                    ce_chunk_rows > 0,
@@ -144,6 +146,13 @@ void DrafterCuda::take_buffers(cuda::DeviceArena& a) {
     ce_ws_bytes_ = cross_entropy_fused_cuda_workspace_bytes(cp, true, false);
     ce_ws_ = a.get_bytes("drafter.ce_workspace", ce_ws_bytes_);
   }
+  if (c.dflash2.enabled) {
+    dflash2_ws_bytes_ = dflash2_head_cuda_workspace_bytes(c, NK, ce_chunk_rows_);
+    dflash2_ws_ = a.get_bytes("drafter.dflash2.workspace", dflash2_ws_bytes_);
+    dflash2_rows_bytes_ = dflash2_head_cuda_rows_bytes(c, NK);
+    dflash2_rows_ = a.get_bytes("drafter.dflash2.rows", dflash2_rows_bytes_);
+    dflash2_sums_ = a.get<double>("drafter.dflash2.sums", 5);
+  }
   row_w_ = a.get<float>("drafter.row_weights", NK);
   dh_ = a.get<float>("drafter.dh", NK * H);
   dh_bf_ = a.get<uint16_t>("drafter.dh_bf", NK * H);
@@ -160,6 +169,32 @@ void DrafterCuda::take_buffers(cuda::DeviceArena& a) {
   dctx_ = a.get<float>("drafter.dctx", T * H);
   dctx_pre_ = a.get<float>("drafter.dctx_pre", T * H);
   dctx_bf_ = a.get<uint16_t>("drafter.dctx_bf", T * H);
+  if (c.dflash2.enabled) take_conv_buffers(a);
+}
+
+// DFlash2's conv buffers (plan_dflash2_conv in model/step_plan.cpp).
+void DrafterCuda::take_conv_buffers(cuda::DeviceArena& a) {
+  const int64_t NK = max_rows_, H = cfg_.hidden_size;
+  const int64_t W = 2 * cfg_.dflash2.conv_kernel_size * (H / cfg_.dflash2.conv_group_size);
+  const bool keep = activations_ == DrafterActivations::keep;
+  uint16_t* shared_u[2] = {nullptr, nullptr};
+  if (!keep) {
+    shared_u[0] = a.get<uint16_t>("drafter.attn_conv.u", NK * H);
+    shared_u[1] = a.get<uint16_t>("drafter.mlp_conv.u", NK * H);
+  }
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    ConvBuf* subs[2] = {&layers_[l].attn_conv, &layers_[l].mlp_conv};
+    for (int k = 0; k < 2; ++k) {
+      const std::string n =
+          fmt::format("drafter.layers.{}.{}.", l, k == 0 ? "attn_conv" : "mlp_conv");
+      subs[k]->delta = a.get<float>(n + "delta", NK * W);
+      subs[k]->y = a.get<float>(n + "y", NK * H);
+      subs[k]->u = keep ? a.get<uint16_t>(n + "u", NK * H) : shared_u[k];
+    }
+  }
+  conv_dy_ = a.get<uint16_t>("drafter.conv.dy", NK * H);
+  conv_ddelta_ = a.get<uint16_t>("drafter.conv.ddelta", NK * W);
+  conv_du_ = a.get<float>("drafter.conv.du", NK * H);
 }
 
 void DrafterCuda::upload_state(std::span<const float> params, std::span<const float> m,
@@ -223,6 +258,11 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   DFLASH_CHECK(in.objective.dspark() == c.dspark.enabled,
                "DrafterCuda::forward_backward: the {} objective for a drafter {} DSpark heads",
                objective_kind_name(in.objective.kind), c.dspark.enabled ? "with" : "without");
+  DFLASH_CHECK(in.objective.dflash2() == c.dflash2.enabled,
+               "DrafterCuda::forward_backward: the {} objective for a drafter {} DFlash2's conv",
+               objective_kind_name(in.objective.kind), c.dflash2.enabled ? "with" : "without");
+  DFLASH_CHECK(!c.dflash2.enabled || in.dflash2_prev,
+               "DrafterCuda::forward_backward: a DFlash2 step without its predecessor tokens");
   DFLASH_CHECK(!c.dspark.enabled || (in.dspark_prev && in.dspark_teacher_pos &&
                                      in.dspark_w1_order && in.dspark_w1_seg),
                "DrafterCuda::forward_backward: a DSpark step without its row index");
@@ -246,6 +286,10 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   float* nullf = nullptr;
   const AttnParams ap{NK, TK, NH, NKV, D, 1.0 / std::sqrt(static_cast<double>(D))};
   cudaStream_t s = ctx_.stream();
+  // DFlash2: with ū = U the fused CE computes the base CE (plain DFlash's bits) and the selector
+  // head adds its term; otherwise the head computes both.
+  const bool d2_base_in_head = c.dflash2.enabled && (c.dflash2.output_multiplier != 1 ||
+                                                     c.dflash2.final_logit_softcapping != 0);
   // A layer's kvin holds [ctx rows T ; block rows NK] of its k/v projections; its block rows are
   // hn = norm(x_in), the input of q_proj.
   auto hn_of = [&](const LayerBuf& a) { return a.kvin + T * H; };
@@ -263,12 +307,53 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   auto swiglu = [&](const LayerBuf& a) {
     swiglu_fwd_cuda(ctx_, a.act, a.gu, a.gu + I, NK, I, 2 * I);
   };
+  // DFlash2 (model/dflash2_conv.hpp): the norms write the sublayer input u, and the pre-conv
+  // of u (with δ = u·W_kpᵀ, computed once in the forward and kept) is the sublayer's input ũ.
+  const bool conv = c.dflash2.enabled;
+  const Dflash2ConvShape cs{NK, H, c.block_size, c.dflash2.conv_kernel_size,
+                            c.dflash2.conv_group_size};
+  const Dflash2Offsets& o2 = layout_.dflash2;
+  const int64_t TH = cs.taps * H;  // β_post = base_kernel + T·H
+  auto conv_pre = [&](const ConvBuf& cb, uint16_t* ut, int64_t base) {
+    dflash2_conv_fwd_cuda(ctx_, ut, nullf, cb.u, pf(base), cb.delta, 0, cs);
+  };
   auto input_norm = [&](const LayerBuf& a, const float* x_in, int64_t l) {
-    rmsnorm_fwd_cuda(ctx_, hn_of(a), nullf, x_in, pf(layer(l).input_layernorm), NK, H, eps);
+    rmsnorm_fwd_cuda(ctx_, conv ? a.attn_conv.u : hn_of(a), nullf, x_in,
+                     pf(layer(l).input_layernorm), NK, H, eps);
+    if (conv) conv_pre(a.attn_conv, hn_of(a), o2.attn_base[static_cast<size_t>(l)]);
   };
   auto post_norm = [&](const LayerBuf& a, int64_t l) {
-    rmsnorm_fwd_cuda(ctx_, a.hn2, nullf, a.h_mid, pf(layer(l).post_attention_layernorm), NK, H,
-                     eps);
+    rmsnorm_fwd_cuda(ctx_, conv ? a.mlp_conv.u : a.hn2, nullf, a.h_mid,
+                     pf(layer(l).post_attention_layernorm), NK, H, eps);
+    if (conv) conv_pre(a.mlp_conv, a.hn2, o2.mlp_base[static_cast<size_t>(l)]);
+  };
+  // δ = u·W_kpᵀ of a sublayer (forward only; the backward reads the kept δ).
+  auto conv_delta = [&](const ConvBuf& cb, int64_t kp) {
+    linear_fwd_cuda(ctx_, cb.delta, cb.u, wb(kp), NK, H, cs.delta_width());
+  };
+  // out = res + post_conv(x·Wᵀ): y = 0 + x·Wᵀ by the same GEMM as linear_fwd_res_cuda's (beta 1),
+  // so that at the identity conv out has the bits of plain DFlash's res + x·Wᵀ.
+  auto proj_post_conv = [&](float* out, const float* res, const ConvBuf& cb, const uint16_t* x,
+                            int64_t w, int64_t IN, int64_t base) {
+    DFLASH_CUDA_CHECK(cudaMemsetAsync(cb.y, 0, static_cast<size_t>(NK * H) * kF, s));
+    linear_fwd_acc_cuda(ctx_, cb.y, x, wb(w), NK, IN, H);
+    dflash2_conv_fwd_cuda(ctx_, out, res, cb.y, pf(base) + TH, cb.delta, 1, cs);
+  };
+  // Backward of the post-conv for dout f32: conv_dy_ = bf16(∂/∂y) (the projection's backward GEMM
+  // input), the δ¹ half of conv_ddelta_, dβ¹ += .
+  auto post_conv_bwd = [&](const ConvBuf& cb, const float* dout, int64_t base) {
+    dflash2_conv_bwd_dx_cuda(ctx_, conv_dy_, false, dout, pf(base) + TH, cb.delta, 1, cs);
+    dflash2_conv_bwd_ddelta_cuda(ctx_, conv_ddelta_, dout, static_cast<const float*>(cb.y), 1, cs);
+    dflash2_conv_bwd_dbase_cuda(ctx_, gf(base) + TH, dout, static_cast<const float*>(cb.y), cs);
+  };
+  // Backward of the pre-conv for dũ f32: conv_du_ = ∂/∂u through δ (dδ·W_kp, both halves of
+  // conv_ddelta_) and through the taps; dβ⁰ +=, dW_kp += dδᵀ·u.
+  auto pre_conv_bwd = [&](const ConvBuf& cb, const float* dut, int64_t base, int64_t kp) {
+    dflash2_conv_bwd_ddelta_cuda(ctx_, conv_ddelta_, dut, static_cast<const uint16_t*>(cb.u), 0,
+                                 cs);
+    dflash2_conv_bwd_dbase_cuda(ctx_, gf(base), dut, static_cast<const uint16_t*>(cb.u), cs);
+    linear_bwd_cuda(ctx_, conv_du_, gf(kp), conv_ddelta_, cb.u, wb(kp), NK, H, cs.delta_width());
+    dflash2_conv_bwd_dx_cuda(ctx_, conv_du_, true, dut, pf(base), cb.delta, 0, cs);
   };
   auto embed_blocks = [&] {
     embedding_fwd_cuda(ctx_, h0_, embed_, in.block_tokens, NK, c.vocab_size, H);
@@ -293,18 +378,38 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   for (int64_t l = 0; l < c.num_layers; ++l) {
     LayerBuf& a = layers_[static_cast<size_t>(l)];
     const DrafterLayerOffsets& L = layer(l);
-    input_norm(a, h, l);
+    if (conv) {  // u, δ, then ũ into kvin's block rows
+      rmsnorm_fwd_cuda(ctx_, a.attn_conv.u, nullf, h, pf(L.input_layernorm), NK, H, eps);
+      conv_delta(a.attn_conv, o2.attn_kp[static_cast<size_t>(l)]);
+      conv_pre(a.attn_conv, hn_of(a), o2.attn_base[static_cast<size_t>(l)]);
+    } else {
+      input_norm(a, h, l);
+    }
     linear_fwd_cuda(ctx_, a.q_raw, hn_of(a), wb(L.q_proj), NK, H, QD);
     norm_rope_q(a, l);
     linear_fwd_cuda(ctx_, a.k_raw, a.kvin, wb(L.k_proj), TK, H, KD);
     norm_rope_k(a, l);
     linear_fwd_cuda(ctx_, a.v, a.kvin, wb(L.v_proj), TK, H, KD);
     attention_fwd_cuda(ctx_, a.o, a.lse, a.q, a.k, a.v, in.ranges, ap);
-    linear_fwd_res_cuda(ctx_, a.h_mid, h, a.o, wb(L.o_proj), NK, QD, H);  // h_mid = h + o_proj
-    post_norm(a, l);
+    if (conv) {  // h_mid = h + post_conv(o_proj)
+      proj_post_conv(a.h_mid, h, a.attn_conv, a.o, L.o_proj, QD,
+                     o2.attn_base[static_cast<size_t>(l)]);
+      rmsnorm_fwd_cuda(ctx_, a.mlp_conv.u, nullf, a.h_mid, pf(L.post_attention_layernorm), NK, H,
+                       eps);
+      conv_delta(a.mlp_conv, o2.mlp_kp[static_cast<size_t>(l)]);
+      conv_pre(a.mlp_conv, a.hn2, o2.mlp_base[static_cast<size_t>(l)]);
+    } else {
+      linear_fwd_res_cuda(ctx_, a.h_mid, h, a.o, wb(L.o_proj), NK, QD, H);  // h_mid = h + o_proj
+      post_norm(a, l);
+    }
     linear_fwd_cuda(ctx_, a.gu, a.hn2, wb(L.gate_proj), NK, H, 2 * I);  // [gate | up]
     swiglu(a);
-    linear_fwd_res_cuda(ctx_, a.h_out, a.h_mid, a.act, wb(L.down_proj), NK, I, H);
+    if (conv) {
+      proj_post_conv(a.h_out, a.h_mid, a.mlp_conv, a.act, L.down_proj, I,
+                     o2.mlp_base[static_cast<size_t>(l)]);
+    } else {
+      linear_fwd_res_cuda(ctx_, a.h_out, a.h_mid, a.act, wb(L.down_proj), NK, I, H);
+    }
     h = a.h_out;
   }
 
@@ -369,7 +474,7 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
     domino_head_cuda(ctx_, c, layout_, in.objective, da);
     DFLASH_CUDA_CHECK(
         cudaMemcpyAsync(sums_, domino_sums_, 2 * sizeof(double), cudaMemcpyDeviceToDevice, s));
-  } else {
+  } else if (!d2_base_in_head) {
     FusedCeParams cp;
     cp.R = NK;
     cp.H = H;
@@ -378,6 +483,33 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
     cp.grad_scale = grad_scale;
     cross_entropy_fused_cuda(ctx_, d_hf_, nullptr, argmax_, dpace ? row_w_ : nullptr, sums_, hf_,
                              head_, in.labels, in.weights, cp, ce_ws_, ce_ws_bytes_);
+  }
+  if (c.dflash2.enabled) {  // the selector (and, unless ū = U, the base CE): d_hf +=
+    Dflash2CudaArgs a2;
+    a2.R = NK;
+    a2.params = params_;
+    a2.grads = grads_;
+    a2.lm_head = head_;
+    a2.hf = hf_;
+    a2.labels = in.labels;
+    a2.weights = in.weights;
+    a2.prev = in.dflash2_prev;
+    a2.dhf = d_hf_;
+    a2.base_in_head = d2_base_in_head;
+    a2.argmax = d2_base_in_head ? argmax_ : nullptr;  // else the fused CE's
+    a2.sums = dflash2_sums_;
+    a2.workspace = dflash2_ws_;
+    a2.workspace_bytes = dflash2_ws_bytes_;
+    a2.rows = dflash2_rows_;
+    a2.rows_bytes = dflash2_rows_bytes_;
+    a2.grad_scale = grad_scale;
+    a2.chunk_rows = ce_chunk_rows_;
+    dflash2_head_cuda(ctx_, c, layout_, in.objective, a2);
+    dflash2_alpha_ = in.objective.dflash2_selector_alpha;
+    if (d2_base_in_head) {  // {Σ w·base, Σ w} where fetch_results reads the base
+      DFLASH_CUDA_CHECK(cudaMemcpyAsync(sums_, dflash2_sums_ + 1, 2 * sizeof(double),
+                                        cudaMemcpyDeviceToDevice, s));
+    }
   }
   if (dpace) {  // CE → D-PACE weights (and the sums), then d_hf row r ·= w_r
     dpace_weights_cuda(ctx_, row_w_, sums_, in.weights, NK / c.block_size, c.block_size,
@@ -393,17 +525,25 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
     LayerBuf& a = layers_[static_cast<size_t>(l)];
     const DrafterLayerOffsets& L = layer(l);
     // MLP: h_out = h_mid + down(SwiGLU(gu)), gu = norm(h_mid)·Wguᵀ. dh_bf = bf16(dh) on entry.
+    const size_t lz = static_cast<size_t>(l);
+    if (conv) post_conv_bwd(a.mlp_conv, dh_, o2.mlp_base[lz]);  // conv_dy_ = bf16(d down)
     if (recompute) swiglu(a);
-    linear_bwd_cuda(ctx_, d_act_, gf(L.down_proj), dh_bf_, a.act, wb(L.down_proj), NK, I, H);
+    linear_bwd_cuda(ctx_, d_act_, gf(L.down_proj), conv ? conv_dy_ : dh_bf_, a.act, wb(L.down_proj),
+                    NK, I, H);
     swiglu_bwd_cuda(ctx_, d_gu_, d_gu_ + I, d_act_, a.gu, a.gu + I, NK, I, 2 * I);
     if (recompute) post_norm(a, l);
     // gate and up are adjacent in the layout: one [2I, H] linear.
     linear_bwd_cuda(ctx_, dhn2_, gf(L.gate_proj), d_gu_, a.hn2, wb(L.gate_proj), NK, H, 2 * I);
+    // DFlash2: dhn2 = ∂/∂ũ → conv_du_ = ∂/∂u.
+    if (conv) pre_conv_bwd(a.mlp_conv, dhn2_, o2.mlp_base[lz], o2.mlp_kp[lz]);
     // dh = d(h_mid) = dh + norm's dx, and dh_bf = bf16(dh).
-    rmsnorm_bwd_res_cuda(ctx_, dh_, dh_bf_, true, gf(L.post_attention_layernorm), dhn2_, a.h_mid,
-                         pf(L.post_attention_layernorm), NK, H, eps);
-    // Attention: h_mid = x_in + o_proj(o).
-    linear_bwd_cuda(ctx_, d_o_, gf(L.o_proj), dh_bf_, a.o, wb(L.o_proj), NK, QD, H);
+    rmsnorm_bwd_res_cuda(ctx_, dh_, dh_bf_, true, gf(L.post_attention_layernorm),
+                         conv ? conv_du_ : dhn2_, a.h_mid, pf(L.post_attention_layernorm), NK, H,
+                         eps);
+    // Attention: h_mid = x_in + o_proj(o) (DFlash2: x_in + post_conv(o_proj(o))).
+    if (conv) post_conv_bwd(a.attn_conv, dh_, o2.attn_base[lz]);
+    linear_bwd_cuda(ctx_, d_o_, gf(L.o_proj), conv ? conv_dy_ : dh_bf_, a.o, wb(L.o_proj), NK, QD,
+                    H);
     const float* x_in = l == 0 ? h0_ : layers_[static_cast<size_t>(l - 1)].h_out;
     if (recompute) {
       if (l == 0) embed_blocks();
@@ -425,12 +565,14 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
     linear_bwd_cuda(ctx_, nullf, gf(L.k_proj), dk_raw_, a.kvin, wb(L.k_proj), TK, H, KD);
     linear_bwd_cuda(ctx_, nullf, gf(L.v_proj), dv_, a.kvin, wb(L.v_proj), TK, H, KD);
     linear_bwd_cuda(ctx_, nullf, gf(L.q_proj), dq_raw_, hn_of(a), wb(L.q_proj), NK, H, QD);
+    // DFlash2: the block rows of dx = ∂/∂ũ → conv_du_ = ∂/∂u.
+    if (conv) pre_conv_bwd(a.attn_conv, dx_ + T * H, o2.attn_base[lz], o2.attn_kp[lz]);
     // input_layernorm of the block rows; ctx rows enter every layer unnormed. dh = d(x_in) and
     // its bf16 copy for the layer below; layer 0's x_in is the frozen block embedding: only dw.
     const bool below = l > 0;
     rmsnorm_bwd_res_cuda(ctx_, below ? dh_ : nullf, below ? dh_bf_ : nullptr, true,
-                         gf(L.input_layernorm), dx_ + T * H, x_in, pf(L.input_layernorm), NK, H,
-                         eps);
+                         gf(L.input_layernorm), conv ? conv_du_ : dx_ + T * H, x_in,
+                         pf(L.input_layernorm), NK, H, eps);
     if (l == c.num_layers - 1) {
       DFLASH_CUDA_CHECK(cudaMemcpyAsync(dctx_, dx_, static_cast<size_t>(T * H) * kF,
                                         cudaMemcpyDeviceToDevice, s));
@@ -466,6 +608,10 @@ DrafterCuda::Results DrafterCuda::fetch_results(int64_t NK) {
   if (cfg_.domino.enabled) {
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(dm, domino_sums_, sizeof dm, cudaMemcpyDeviceToHost, s));
   }
+  double d2[5] = {0, 0, 0, 0, 0};  // DFlash2's sums (dflash2_head_cuda)
+  if (cfg_.dflash2.enabled) {
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(d2, dflash2_sums_, sizeof d2, cudaMemcpyDeviceToHost, s));
+  }
   ctx_.synchronize();
   r.loss_sum = sums[0];
   r.weight_sum = sums[1];
@@ -478,6 +624,12 @@ DrafterCuda::Results DrafterCuda::fetch_results(int64_t NK) {
   }
   r.domino_final_ce_sum = dm[2];
   r.domino_base_ce_sum = dm[3];
+  if (cfg_.dflash2.enabled) {  // sums: {Σ w·base, Σ w} (the fused CE's or the head's)
+    r.dflash2_base_sum = sums[0];
+    r.dflash2_selector_sum = d2[2];
+    r.dflash2_in_topk_weight = d2[3];
+    r.loss_sum = sums[0] + dflash2_alpha_ * d2[2];
+  }
   return r;
 }
 

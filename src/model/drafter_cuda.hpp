@@ -2,7 +2,12 @@
 // as drafter_train_step in src/model/drafter.hpp, over a whole packed step at once; the inputs are
 // a DrafterBatch staged by drafter_batch_stage, src/model/drafter_batch.hpp). A drafter with DSpark
 // heads runs the DSpark head (model/dspark_head_cuda.hpp) in place of the fused LM-head CE, a
-// drafter with the Domino head the Domino head (model/domino_head_cuda.hpp).
+// drafter with the Domino head the Domino head (model/domino_head_cuda.hpp). A
+// DFlash2 drafter runs its grouped dynamic causal conv around every attention and MLP sublayer of
+// the block stream (ops/dflash2_conv.hpp, as drafter.cpp's block_forward) and its candidate
+// selector and loss (model/dflash2_head_cuda.hpp); with ū = U (output_multiplier 1, no softcap)
+// the base CE is the fused CE's, so an identity-start DFlash2 drafter at α_sel = 0 steps with
+// plain DFlash's bits.
 //
 // Numerics (DESIGN.md §3): fp32 master weights, AdamW moments and gradients; a bf16 copy of the
 // weights feeds every GEMM (bf16 in, fp32 accumulate); the residual stream, norm statistics,
@@ -59,6 +64,9 @@ struct DrafterCudaInputs {
   /// on the device, so that a captured graph reads each step's).
   const int32_t* domino_gru_tok = nullptr;
   const double* domino_lambda = nullptr;
+  /// DFlash2 only: the predecessor token of each block row [NK] (dflash2_prev_tokens,
+  /// model/dflash2_head_cuda.hpp).
+  const int32_t* dflash2_prev = nullptr;
 };
 
 /// Drafter weights, optimizer state and the activation workspace on one GPU.
@@ -123,6 +131,9 @@ class DrafterCuda {
     /// Domino only: Σ w·CE(F) and Σ w·CE(U) (loss_sum is Σ w·((1−λ)·CE(F) + λ·CE(U))); 0 for
     /// the other objectives.
     double domino_final_ce_sum = 0, domino_base_ce_sum = 0;
+    /// DFlash2 only: Σ w·CE(ū), Σ w·CE_sel, Σ w over the rows whose gold is a candidate
+    /// (loss_sum = base + α_sel·selector); 0 for the other objectives.
+    double dflash2_base_sum = 0, dflash2_selector_sum = 0, dflash2_in_topk_weight = 0;
   };
   Results fetch_results(int64_t NK);
 
@@ -144,10 +155,19 @@ class DrafterCuda {
   // Saved activations of one layer (see model/step_plan.hpp), and where its kvin [ctx ;
   // norm(x_in)], q, k (after norm + RoPE), hn2 = norm(h_mid) and act = SwiGLU(gu) live: the
   // layer's own buffers when kept, the buffers shared by every layer when recomputed.
+  // DFlash2's conv around one sublayer (model/dflash2_conv.hpp): δ [NK, 2·T·Gc] f32, the
+  // sublayer output y [NK, H] f32 before the post-conv, and its input u [NK, H] bf16 before the
+  // pre-conv (the layer's own when kept, one per sublayer kind when recomputed). All null for a
+  // drafter without DFlash2.
+  struct ConvBuf {
+    float *delta = nullptr, *y = nullptr;
+    uint16_t* u = nullptr;
+  };
   struct LayerBuf {
     uint16_t *q_raw, *k_raw, *v, *o, *gu;
     float *lse, *h_mid, *h_out;
     uint16_t *kvin, *q, *k, *hn2, *act;
+    ConvBuf attn_conv, mlp_conv;
   };
   cuda::CudaContext& ctx_;
   DrafterConfig cfg_;
@@ -177,12 +197,22 @@ class DrafterCuda {
   void *domino_ws_ = nullptr, *domino_rows_ = nullptr;
   uint64_t domino_ws_bytes_ = 0, domino_rows_bytes_ = 0;
   double* domino_sums_ = nullptr;
+  // DFlash2's selector head (model/dflash2_head_cuda.hpp): chunk workspace, row buffers, sums
+  // [5], and α_sel of the last step (fetch_results' loss = base + α_sel·selector).
+  void *dflash2_ws_ = nullptr, *dflash2_rows_ = nullptr;
+  uint64_t dflash2_ws_bytes_ = 0, dflash2_rows_bytes_ = 0;
+  double* dflash2_sums_ = nullptr;
+  double dflash2_alpha_ = 0;
   // Backward scratch.
   float *dh_, *dhn2_, *dx_, *dctx_, *dctx_pre_;
   uint16_t *dh_bf_, *d_act_, *d_gu_, *d_o_, *dq_, *dq_raw_, *dk_, *dk_raw_, *dv_, *dctx_bf_;
+  // DFlash2's conv backward: dy [NK, H] bf16, dδ [NK, 2·T·Gc] bf16, du [NK, H] f32.
+  uint16_t *conv_dy_ = nullptr, *conv_ddelta_ = nullptr;
+  float* conv_du_ = nullptr;
   std::vector<LayerBuf> layers_;
   PhaseEvents phase_events_;
   void take_buffers(cuda::DeviceArena& a);
+  void take_conv_buffers(cuda::DeviceArena& a);
 };
 
 }  // namespace dflash

@@ -9,10 +9,12 @@
 
 #include "core/error.hpp"
 #include "model/domino_head_cuda.hpp"
+#include "model/dflash2_head_cuda.hpp"
 #include "model/dspark_head_cuda.hpp"
 #include "ops/adamw.hpp"
 #include "ops/attention.hpp"
 #include "ops/cross_entropy.hpp"
+#include "ops/dflash2_conv.hpp"
 #include "ops/moe.hpp"
 #include "ops/rmsnorm.hpp"
 
@@ -81,9 +83,19 @@ std::vector<std::string> cuda_drafter_unsupported(const DrafterConfig& c) {
   }
   if (c.dflash2.enabled) {
     out.push_back(
-        "the CUDA drafter has no DFlash2 conv or selector (training.objective dflash2, "
-        "architectures DFlash2DraftModel): train and decode DFlash2 on the cpu backend");
+        "the CUDA trainer does not run DFlash2 yet (DrafterCuda steps its conv and selector; "
+        "the GPU pipeline stage, its CUDA graphs and bench do not stage it): train and decode "
+        "DFlash2 (training.objective dflash2, architectures DFlash2DraftModel) on the cpu "
+        "backend");
   }
+  return out;
+}
+
+std::vector<std::string> cuda_drafter_step_unsupported(const DrafterConfig& c) {
+  DrafterConfig without = c;
+  without.dflash2.enabled = false;  // DrafterCuda steps DFlash2 within the selector's limits
+  std::vector<std::string> out = cuda_drafter_unsupported(without);
+  for (std::string& d : dflash2_cuda_unsupported(c)) out.push_back(std::move(d));
   return out;
 }
 
@@ -216,6 +228,42 @@ const char* drafter_activations_name(DrafterActivations a) {
   return a == DrafterActivations::keep ? "keep" : "recompute";
 }
 
+namespace {
+
+// DFlash2's convs around each sublayer (model/dflash2_conv.hpp, ops/dflash2_conv.hpp): per layer
+// and sublayer δ [NK, 2·T·Gc] f32 and the sublayer output y [NK, H] f32 before the post-conv
+// (saved); the sublayer input u [NK, H] bf16 before the pre-conv (saved with `keep`, else one per
+// sublayer kind, recomputed by the norm in the backward); the backward's dy [NK, H] bf16 (the
+// o_proj / down_proj GEMM input), dδ [NK, 2·T·Gc] bf16 (the kernel projection's GEMM input) and
+// du [NK, H] f32.
+void plan_dflash2_conv(ArenaPlanner& p, const DrafterConfig& c, const DrafterStepSizes& s) {
+  const uint64_t NK = u(s.max_rows), H = u(c.hidden_size);
+  const uint64_t W =
+      u(2 * c.dflash2.conv_kernel_size * (c.hidden_size / c.dflash2.conv_group_size));
+  const bool keep = s.activations == DrafterActivations::keep;
+  const PhaseMask saved = step_phase_range(kPhaseFwdAttn, kPhaseBwdAttn);
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    for (const char* sub : {"attn_conv", "mlp_conv"}) {
+      const std::string n = fmt::format("drafter.layers.{}.{}.", l, sub);
+      p.add(n + "delta", kGroupSaved, NK * W * kF, saved);
+      p.add(n + "y", kGroupSaved, NK * H * kF, saved);
+      if (keep) p.add(n + "u", kGroupSaved, NK * H * kBf, saved);
+    }
+  }
+  if (!keep) {
+    p.add("drafter.attn_conv.u", kGroupLayerScratch, NK * H * kBf,
+          step_phases({kPhaseFwdAttn, kPhaseBwdAttn}));
+    p.add("drafter.mlp_conv.u", kGroupLayerScratch, NK * H * kBf,
+          step_phases({kPhaseFwdMlp, kPhaseBwdMlp}));
+  }
+  const PhaseMask bwd = step_phases({kPhaseBwdMlp, kPhaseBwdAttn});
+  p.add("drafter.conv.dy", kGroupBackward, NK * H * kBf, bwd);
+  p.add("drafter.conv.ddelta", kGroupBackward, NK * W * kBf, bwd);
+  p.add("drafter.conv.du", kGroupBackward, NK * H * kF, bwd);
+}
+
+}  // namespace
+
 void plan_drafter_step(ArenaPlanner& p, const DrafterConfig& c, const DrafterLayout& layout,
                        const DrafterStepSizes& s) {
   DFLASH_CHECK(
@@ -291,6 +339,8 @@ void plan_drafter_step(ArenaPlanner& p, const DrafterConfig& c, const DrafterLay
     p.add("drafter.act", kGroupLayerScratch, NK * I * kBf, mlp);
   }
 
+  if (c.dflash2.enabled) plan_dflash2_conv(p, c, s);
+
   // Final norm and the fused CE.
   const PhaseMask head = step_phases({kPhaseHead});
   FusedCeParams cp;
@@ -313,6 +363,12 @@ void plan_drafter_step(ArenaPlanner& p, const DrafterConfig& c, const DrafterLay
   } else {
     p.add("drafter.ce_workspace", kGroupHead,
           cross_entropy_fused_cuda_workspace_bytes(cp, true, false), head);
+  }
+  if (c.dflash2.enabled) {  // the selector head (model/dflash2_head_cuda.hpp)
+    p.add("drafter.dflash2.workspace", kGroupHead,
+          dflash2_head_cuda_workspace_bytes(c, s.max_rows, s.ce_chunk_rows), head);
+    p.add("drafter.dflash2.rows", kGroupHead, dflash2_head_cuda_rows_bytes(c, s.max_rows), head);
+    p.add("drafter.dflash2.sums", kGroupDrafterState, 5 * sizeof(double), all);
   }
   // The D-PACE losses: each block row's CE, then its weight (ops/loss_weights.hpp).
   p.add("drafter.row_weights", kGroupHead, NK * kF, head);
@@ -351,6 +407,11 @@ void plan_op_scratch(ArenaPlanner& p, const ModelConfig& target, int64_t target_
   }
   const AttnParams ap{NK, TK, c.num_heads, c.num_kv_heads, D, 1.0};
   most = std::max(most, attention_bwd_cuda_scratch_bytes(ap));
+  if (c.dflash2.enabled) {  // dβ's partial sums
+    const Dflash2ConvShape cs{NK, c.hidden_size, c.block_size, c.dflash2.conv_kernel_size,
+                              c.dflash2.conv_group_size};
+    most = std::max(most, dflash2_conv_bwd_cuda_scratch_bytes(cs));
+  }
   p.add("workspace.op_scratch", kGroupOpScratch, most, step_all_phases());
 }
 
