@@ -2,9 +2,10 @@
 // drafter attention: 4 documents of 2,048 context tokens, 512 anchors per document = 2,048 blocks
 // of 16 = 32,768 query rows, 32 query / 8 KV heads, head_dim 128), every CUDA kernel family in
 // one process on the same inputs: forward and backward per family, GPU time from CUDA events
-// (median of --reps runs after --warmup runs, default 10 and 2), TFLOP/s on the useful FLOPs and % of the
-// 825 TFLOP/s floor as the bench counts them (forward 4·D·NH·visible keys, backward 2.5× that).
-// Small and quick, so that Nsight Compute can profile single launches of each kernel:
+// (median of --reps runs after --warmup runs, default 10 and 2), and the % of the floor: the
+// useful FLOPs at 825 TFLOP/s, counted as the bench counts them (forward 4·D·NH·visible keys,
+// backward 2.5× that). Small and quick, so that Nsight Compute can profile single launches of
+// each kernel:
 //
 //     build/bench/attention_bench [--reps N] [--warmup N] [--families wgmma,wgmma_v3,...]
 //                                 [--head-dim 64|128] [--bwd-only]
@@ -48,8 +49,8 @@ struct Family {
 };
 const Family kFamilies[] = {
     {"wgmma", AttnCudaKernels::wgmma},
+    {"wgmma_v5", AttnCudaKernels::wgmma_v5},
     {"wgmma_v3", AttnCudaKernels::wgmma_v3},
-    {"wgmma_pair", AttnCudaKernels::wgmma_pair},
     {"tensor_core", AttnCudaKernels::tensor_core},
 };
 
@@ -161,31 +162,31 @@ int main(int argc, char** argv) try {
   Buf q(Tq * QD * 2), k(Tk * KD * 2), v(Tk * KD * 2), o(Tq * QD * 2), lse(kHeads * Tq * 4),
       dq(Tq * QD * 2), dk(Tk * KD * 2), dv(Tk * KD * 2), dout(Tq * QD * 2),
       rg(ranges.size() * sizeof(AttnRange));
-  DFLASH_CUDA_CHECK(cudaMemcpy(rg.p, ranges.data(), ranges.size() * sizeof(AttnRange),
-                               cudaMemcpyHostToDevice));
+  DFLASH_CUDA_CHECK(
+      cudaMemcpy(rg.p, ranges.data(), ranges.size() * sizeof(AttnRange), cudaMemcpyHostToDevice));
   fill_uniform_cuda(ctx, q.as<uint16_t>(), Tq * QD, 0.0f, 1.0f, 11);
   fill_uniform_cuda(ctx, k.as<uint16_t>(), Tk * KD, 0.0f, 1.0f, 12);
   fill_uniform_cuda(ctx, v.as<uint16_t>(), Tk * KD, 0.0f, 1.0f, 13);
   fill_uniform_cuda(ctx, dout.as<uint16_t>(), Tq * QD, 0.0f, 1.0f, 14);
-  std::printf("DFlash attention: q %ldx%dx%ld, kv %ldx%dx%ld, %.1f visible keys per row; "
-              "floor fwd %.3f ms, bwd %.3f ms at 825 TFLOP/s; median of %d runs\n",
-              static_cast<long>(Tq), kHeads, static_cast<long>(D), static_cast<long>(Tk), kKvHeads,
-              static_cast<long>(D), visible / static_cast<double>(Tq),
-              fwd_flops / kPeakFlops * 1e3, 2.5 * fwd_flops / kPeakFlops * 1e3, reps);
+  std::printf(
+      "DFlash attention: q %ldx%dx%ld, kv %ldx%dx%ld, %.1f visible keys per row; "
+      "floor fwd %.3f ms, bwd %.3f ms at 825 TFLOP/s; median of %d runs\n",
+      static_cast<long>(Tq), kHeads, static_cast<long>(D), static_cast<long>(Tk), kKvHeads,
+      static_cast<long>(D), visible / static_cast<double>(Tq), fwd_flops / kPeakFlops * 1e3,
+      2.5 * fwd_flops / kPeakFlops * 1e3, reps);
   for (const Family& f : fams) {
     AttnParams p{Tq, Tk, kHeads, kKvHeads, D, 1.0 / std::sqrt(static_cast<double>(D))};
     p.kernels = f.kernels;
     auto fwd = [&] {
-      attention_fwd_cuda(ctx, o.as<uint16_t>(), lse.as<float>(), q.as<uint16_t>(),
-                         k.as<uint16_t>(), v.as<uint16_t>(), rg.as<AttnRange>(), p);
+      attention_fwd_cuda(ctx, o.as<uint16_t>(), lse.as<float>(), q.as<uint16_t>(), k.as<uint16_t>(),
+                         v.as<uint16_t>(), rg.as<AttnRange>(), p);
     };
     fwd();  // o and lse for the backward
     const double fwd_ms = bwd_only ? NAN : time_ms(ctx, warmup, reps, fwd);
     const double bwd_ms = time_ms(ctx, warmup, reps, [&] {
       attention_bwd_cuda(ctx, dq.as<uint16_t>(), dk.as<uint16_t>(), dv.as<uint16_t>(),
-                         dout.as<uint16_t>(), q.as<uint16_t>(), k.as<uint16_t>(),
-                         v.as<uint16_t>(), o.as<uint16_t>(), lse.as<float>(), rg.as<AttnRange>(),
-                         p);
+                         dout.as<uint16_t>(), q.as<uint16_t>(), k.as<uint16_t>(), v.as<uint16_t>(),
+                         o.as<uint16_t>(), lse.as<float>(), rg.as<AttnRange>(), p);
     });
     if (bwd_only)
       std::printf("%-12s fwd (not timed)                 bwd %7.3f ms %5.1f %% of floor\n", f.name,
