@@ -5,10 +5,10 @@
 // one after the other; v5 = v3 with dq overlapped (kOverlap: Q as register fragments, K in three
 // stages); v6 = v5 with the backward's instructions per tile cut (kV6: the dk/dv chunk loader
 // finds its 4 items once instead of per copy; dq's and dk/dv's dS parts are chosen once per tile
-// or chunk and warp as unmasked or masked), the same values bit for bit. All share the forward. A CTA is one
-// warpgroup (128 threads), the tiles are its own, and its threads issue the shared copies and
-// meet at one CTA barrier per tile or chunk. (v4, two warpgroups per CTA sharing its tiles, was
-// slower in every measurement and was removed with v6.)
+// or chunk and warp as unmasked or masked), the same values bit for bit. All share the forward. A
+// CTA is one warpgroup (128 threads), the tiles are its own, and its threads issue the shared
+// copies and meet at one CTA barrier per tile or chunk. (v4, two warpgroups per CTA sharing its
+// tiles, was slower in every measurement and was removed with v6.)
 //
 // Work split: exactly the tensor-core kernels' (attention_tc.cuh): a CTA of 4 warps holds 4
 // consecutive items (16 query rows under one query head each, group-major, heads inside), so
@@ -503,10 +503,9 @@ __device__ __forceinline__ void dq_tile_ds(float (&s)[32], const float (&dp)[32]
 /// warp: no test per element, no branch), true to test each element and select 0 where its row
 /// does not see its key (unseen keys may hold NaN: selected away, never multiplied).
 template <bool kMasked>
-__device__ __forceinline__ void dq_tile_ds_v6(float (&s)[32], const float (&dp)[32],
-                                              const Rng* wrs, const float (&lse2)[2],
-                                              const float (&dl)[2], float scale_log2, int kb,
-                                              int kend, int lane) {
+__device__ __forceinline__ void dq_tile_ds_v6(float (&s)[32], const float (&dp)[32], const Rng* wrs,
+                                              const float (&lse2)[2], const float (&dl)[2],
+                                              float scale_log2, int kb, int kend, int lane) {
   const int gr = lane >> 2, tq = lane & 3;
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
