@@ -52,10 +52,11 @@ enum class AttnCudaKernels {
   ffma,         ///< the first CUDA-core version (src/backend/cuda/attention.cu), kept as a
                 ///< cross-check of the tensor-core kernels
   wgmma,        ///< Hopper kernels (src/backend/cuda/attention_wgmma.cu: wgmma, sm_90 only; an
-                ///< error on any other device), v5: one warpgroup per CTA, dq overlapped
+                ///< error on any other device), v6: one warpgroup per CTA, dq overlapped, the
+                ///< backward's loops cut to fewer instructions (the same values as v5)
+  wgmma_v5,     ///< the Hopper kernels as of v5 (dk/dv as v3's; the same values as v6): the
+                ///< default on sm_90 (kAttnHopperKernels) until v6 is measured on the device
   wgmma_v3,     ///< the Hopper kernels as of v3b (no overlap in dq), kept for comparison
-  wgmma_pair,   ///< v4: two warpgroups per CTA sharing its tiles (128 query rows per K/V tile, 128
-                ///< keys per Q/dO chunk), dq and dk/dv overlapped; kept for comparison
 };
 
 /// Sizes and softmax scale of one attention call.
@@ -120,9 +121,10 @@ constexpr uint64_t attention_bwd_cuda_scratch_bytes(const AttnParams& p) {
          arena_round(static_cast<uint64_t>(tiles < 1 ? 1 : tiles) * 2 * 4);
 }
 
-/// The family AttnCudaKernels::automatic runs on an sm_90 device: the faster of the two wgmma
-/// CTA shapes at the reference batch (docs/perf.md, "Hopper attention").
-inline constexpr AttnCudaKernels kAttnHopperKernels = AttnCudaKernels::wgmma;
+/// The family AttnCudaKernels::automatic runs on an sm_90 device: the fastest wgmma version
+/// measured at the reference batch that has passed the CUDA tests on the device (docs/perf.md,
+/// "Hopper attention"): v5 until v6 (`wgmma`) has been measured and tested there.
+inline constexpr AttnCudaKernels kAttnHopperKernels = AttnCudaKernels::wgmma_v5;
 
 #ifdef DFLASH_HAVE_CUDA
 namespace cuda {
@@ -133,8 +135,8 @@ class CudaContext;
 void attention_window_ranges_cuda(cuda::CudaContext& ctx, AttnRange* out, const AttnRange* in,
                                   int64_t T, int64_t window);
 
-/// True when ctx's device can run the wgmma kernels (AttnCudaKernels::wgmma, wgmma_v3,
-/// wgmma_pair): an sm_90 GPU.
+/// True when ctx's device can run the wgmma kernels (AttnCudaKernels::wgmma, wgmma_v5,
+/// wgmma_v3): an sm_90 GPU.
 bool attention_wgmma_available_cuda(cuda::CudaContext& ctx);
 /// The family `k` names on ctx's device: automatic → kAttnHopperKernels or tensor_core (see
 /// AttnCudaKernels), any other value itself.
@@ -142,7 +144,7 @@ AttnCudaKernels attention_kernels_cuda(cuda::CudaContext& ctx, AttnCudaKernels k
 
 /// CUDA forward: q, k, v, o bf16 (raw bits), lse f32 [NH, Tq] (may be null), `ranges` [Tq] a
 /// DEVICE array. D must be 64 or 128. p.kernels picks the kernels: automatic (the default),
-/// wgmma, wgmma_v3 or wgmma_pair (src/backend/cuda/attention_wgmma.cu, sm_90 only) or tensor_core
+/// wgmma, wgmma_v5 or wgmma_v3 (src/backend/cuda/attention_wgmma.cu, sm_90 only) or tensor_core
 /// (src/backend/cuda/attention_tc.cu), all with q, k, v, o 16-byte aligned, or ffma
 /// (src/backend/cuda/attention.cu; q, k, v 4-byte aligned). Ranges are clamped to [0, Tk) on the
 /// device (validate them on the host with the CPU rules when made). Tiled: memory independent of

@@ -1013,14 +1013,14 @@ BenchReport run_bench(const BenchOptions& o) {
   std::vector<AttnCudaKernels> fams{fam0};
   if (attention_wgmma_available_cuda(ctx))
     for (AttnCudaKernels k :
-         {AttnCudaKernels::wgmma, AttnCudaKernels::wgmma_v3, AttnCudaKernels::wgmma_pair})
+         {AttnCudaKernels::wgmma, AttnCudaKernels::wgmma_v5, AttnCudaKernels::wgmma_v3})
       if (k != fam0) fams.push_back(k);
   if (fam0 != AttnCudaKernels::tensor_core) fams.push_back(AttnCudaKernels::tensor_core);
   auto fam_name = [](AttnCudaKernels k) {
-    return k == AttnCudaKernels::wgmma        ? "wgmma"
-           : k == AttnCudaKernels::wgmma_v3   ? "wgmma v3"
-           : k == AttnCudaKernels::wgmma_pair ? "wgmma pair"
-                                              : "mma.sync";
+    return k == AttnCudaKernels::wgmma      ? "wgmma"
+           : k == AttnCudaKernels::wgmma_v5 ? "wgmma v5"
+           : k == AttnCudaKernels::wgmma_v3 ? "wgmma v3"
+                                            : "mma.sync";
   };
   // Causal prefill of the target (one layer), on its own q/k/v shapes.
   const ModelConfig& tc = s.target;

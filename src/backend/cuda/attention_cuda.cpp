@@ -20,16 +20,16 @@
 namespace dflash {
 
 namespace {
-/// True for the Hopper families (AttnCudaKernels::wgmma, wgmma_v3, wgmma_pair).
+/// True for the Hopper families (AttnCudaKernels::wgmma, wgmma_v5, wgmma_v3).
 bool is_wgmma(AttnCudaKernels k) {
-  return k == AttnCudaKernels::wgmma || k == AttnCudaKernels::wgmma_v3 ||
-         k == AttnCudaKernels::wgmma_pair;
+  return k == AttnCudaKernels::wgmma || k == AttnCudaKernels::wgmma_v5 ||
+         k == AttnCudaKernels::wgmma_v3;
 }
 /// The kernel version of a Hopper family.
 cuda::launch::WgmmaVariant wgmma_variant(AttnCudaKernels k) {
-  return k == AttnCudaKernels::wgmma_pair ? cuda::launch::WgmmaVariant::pair
-         : k == AttnCudaKernels::wgmma_v3 ? cuda::launch::WgmmaVariant::v3
-                                          : cuda::launch::WgmmaVariant::v5;
+  return k == AttnCudaKernels::wgmma_v3   ? cuda::launch::WgmmaVariant::v3
+         : k == AttnCudaKernels::wgmma_v5 ? cuda::launch::WgmmaVariant::v5
+                                          : cuda::launch::WgmmaVariant::v6;
 }
 
 void check_attn(const char* op, const AttnParams& p) {
@@ -78,8 +78,7 @@ void attention_fwd_cuda(cuda::CudaContext& ctx, uint16_t* o, float* lse, const u
                  "attention_fwd_cuda (wgmma): the wgmma kernels need an sm_90 GPU (Hopper); "
                  "device {} is not one (choose the tensor_core kernels)",
                  ctx.device());
-    cuda::launch::attention_wgmma_fwd(o, lse, q, k, v, ranges, p, wgmma_variant(kind),
-                                      ctx.stream());
+    cuda::launch::attention_wgmma_fwd(o, lse, q, k, v, ranges, p, ctx.stream());
     return;
   }
   if (kind == AttnCudaKernels::tensor_core) {

@@ -1,13 +1,14 @@
 // dflash.cpp — the Hopper attention kernels (sm_90a): forward and backward on wgmma, one
 // warpgroup per 64 query rows (forward, dq) or per 64 keys (dk/dv) (semantics in
 // src/ops/attention.hpp; launchers declared in attention_wgmma.hpp).
-// Versions (launch::WgmmaVariant; measurements in docs/perf.md): v3 = NW 1 (warpgroups per CTA),
-// the backward's products one after the other; v5 = v3 with dq overlapped (kOverlap: Q as
-// register fragments, K in three stages); pair (v4) = NW 2, two warpgroups sharing the CTA's
-// tiles (128 query rows per K/V tile, 128 keys per Q/dO chunk) with dq and dk/dv overlapped.
-// Every kernel below is written for NW warpgroups: warpgroup w holds the CTA's items 4w .. 4w+3
-// (forward, dq) or its keys 64w .. 64w+63 (dk/dv); all NW·128 threads issue the shared copies
-// and meet at one CTA barrier per tile or chunk.
+// Versions (launch::WgmmaVariant; measurements in docs/perf.md): v3 = the backward's products
+// one after the other; v5 = v3 with dq overlapped (kOverlap: Q as register fragments, K in three
+// stages); v6 = v5 with the backward's instructions per tile cut (kV6: the dk/dv chunk loader
+// finds its 4 items once instead of per copy; dq's and dk/dv's dS parts are chosen once per tile
+// or chunk and warp as unmasked or masked), the same values bit for bit. All share the forward. A
+// CTA is one warpgroup (128 threads), the tiles are its own, and its threads issue the shared
+// copies and meet at one CTA barrier per tile or chunk. (v4, two warpgroups per CTA sharing its
+// tiles, was slower in every measurement and was removed with v6.)
 //
 // Work split: exactly the tensor-core kernels' (attention_tc.cuh): a CTA of 4 warps holds 4
 // consecutive items (16 query rows under one query head each, group-major, heads inside), so
@@ -64,29 +65,22 @@ namespace gmma = cute::SM90::GMMA;
 
 constexpr int kBlockBytes = kCtaRows * 128;  // one 64-column block of a 64-row tile
 
-/// Threads of a CTA of NW warpgroups (NW = 1: v3, one warpgroup; NW = 2: v4, two warpgroups
-/// sharing the CTA's tiles).
-template <int NW>
-constexpr int wg_threads() {
-  return 128 * NW;
-}
-/// Shared-memory head of the forward and dq kernels: the row ranges of the CTA's 64·NW rows
-/// (1024·NW bytes) and the interval reduction (64·NW bytes), rounded up.
-template <int NW>
-constexpr int wg_head_bytes() {
-  return 2048 * NW;
-}
+/// Threads of a CTA: one warpgroup.
+constexpr int kWgThreads = 128;
+/// Shared-memory head of the forward and dq kernels: the row ranges of the CTA's 64 rows (1024
+/// bytes) and the interval reduction (64 bytes), rounded up.
+constexpr int kWgHeadBytes = 2048;
 
 /// Bytes of one 64-row tile (Q, K or V) of head dimension D.
 template <int D>
 constexpr int tile_bytes() {
   return kCtaRows * D * 2;
 }
-/// Dynamic shared memory of the forward: head, alignment slack, one Q tile per warpgroup, two K
-/// and two V tiles.
-template <int D, int NW>
+/// Dynamic shared memory of the forward: head, alignment slack, the Q tile, two K and two V
+/// tiles.
+template <int D>
 constexpr int wg_fwd_smem() {
-  return wg_head_bytes<NW>() + 1024 + (NW + 4) * tile_bytes<D>();
+  return kWgHeadBytes + 1024 + 5 * tile_bytes<D>();
 }
 
 /// Byte offset of 16-byte chunk `c` (0 .. D/8−1) of row `r` (0..63) in a swizzled tile.
@@ -105,14 +99,29 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, int lbo, int sbo) 
   d.bitfield.layout_type_ = static_cast<uint8_t>(gmma::LayoutType::B128);
   return d.desc_;
 }
-/// K-major operand (rows = M or N, columns = the K index d): k-step ks of 16 columns.
-__device__ __forceinline__ uint64_t kmajor_desc(uint32_t tile, int ks) {
-  return sw128_desc(tile + (ks >> 2) * kBlockBytes + (ks & 3) * 32, 16, 1024);
+/// `d` with its start address moved by `bytes` (a multiple of 16). The start-address field is the
+/// descriptor's low 14 bits (address / 16) and shared addresses stay below 2^18, so the sum never
+/// carries out of it: sw128_desc(a, l, s) + b / 16 == sw128_desc(a + b, l, s), bit for bit, with
+/// one 64-bit add per wgmma instead of rebuilding the bit fields (~10 uniform instructions).
+__device__ __forceinline__ uint64_t desc_plus(uint64_t d, int bytes) {
+  return d + static_cast<uint64_t>(bytes >> 4);
 }
-/// MN-major operand (rows = the K index key, columns = N index d): k-step kk of 16 rows; the
-/// next 64 columns of N lie one block further (LBO), the next 8 rows 1024 bytes further (SBO).
-__device__ __forceinline__ uint64_t mnmajor_desc(uint32_t tile, int kk) {
-  return sw128_desc(tile + kk * 2048, kBlockBytes, 1024);
+/// K-major operand (rows = M or N, columns = the K index d): the descriptor of the tile and the
+/// byte offset of k-step ks of 16 columns.
+__device__ __forceinline__ uint64_t kmajor_desc(uint32_t tile) {
+  return sw128_desc(tile, 16, 1024);
+}
+__device__ __forceinline__ constexpr int kmajor_step(int ks) {
+  return (ks >> 2) * kBlockBytes + (ks & 3) * 32;
+}
+/// MN-major operand (rows = the K index key, columns = N index d): the descriptor of the tile and
+/// the byte offset of k-step kk of 16 rows; the next 64 columns of N lie one block further (LBO),
+/// the next 8 rows 1024 bytes further (SBO).
+__device__ __forceinline__ uint64_t mnmajor_desc(uint32_t tile) {
+  return sw128_desc(tile, kBlockBytes, 1024);
+}
+__device__ __forceinline__ constexpr int mnmajor_step(int kk) {
+  return kk * 2048;
 }
 
 // The atoms take their accumulators as separate references; these expand an array.
@@ -143,9 +152,10 @@ __device__ __forceinline__ void fence_regs(uint32_t (&r)[4][4]) {
 template <int D>
 __device__ __forceinline__ void issue_qk(float (&s)[32], uint32_t q_tile, uint32_t k_tile) {
   using Atom = gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>;
+  const uint64_t da = kmajor_desc(q_tile), db = kmajor_desc(k_tile);
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks)
-    gmma_ss<Atom>(kmajor_desc(q_tile, ks), kmajor_desc(k_tile, ks), s,
+    gmma_ss<Atom>(desc_plus(da, kmajor_step(ks)), desc_plus(db, kmajor_step(ks)), s,
                   ks == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One,
                   std::make_index_sequence<32>{});
 }
@@ -158,9 +168,10 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&p)[
       std::conditional_t<D == 128,
                          gmma::MMA_64x128x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>,
                          gmma::MMA_64x64x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>>;
+  const uint64_t db = mnmajor_desc(v_tile);
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk)
-    gmma_rs<Atom>(p[kk], mnmajor_desc(v_tile, kk), o, gmma::ScaleOut::One,
+    gmma_rs<Atom>(p[kk], desc_plus(db, mnmajor_step(kk)), o, gmma::ScaleOut::One,
                   std::make_index_sequence<D / 2>{});
 }
 /// s (64 × 64) = Q·Kᵀ over D with Q as register A fragments (qf[ks]: k-step ks of the warp's 16
@@ -169,9 +180,10 @@ template <int D>
 __device__ __forceinline__ void issue_qk_rs(float (&s)[32], const uint32_t (&qf)[D / 16][4],
                                             uint32_t k_tile) {
   using Atom = gmma::MMA_64x64x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K>;
+  const uint64_t db = kmajor_desc(k_tile);
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks)
-    gmma_rs<Atom>(qf[ks], kmajor_desc(k_tile, ks), s,
+    gmma_rs<Atom>(qf[ks], desc_plus(db, kmajor_step(ks)), s,
                   ks == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One,
                   std::make_index_sequence<32>{});
 }
@@ -187,16 +199,16 @@ __device__ __forceinline__ void load_a_frags(uint32_t (&qf)[D / 16][4], const ch
   for (int ks = 0; ks < D / 16; ++ks) mma::ldsm_x4(qf[ks], tile + sw128(row, 2 * ks + (lane >> 4)));
 }
 
-/// cp.async copies, by the 128·NW threads of the CTA, of keys [kb, kend) of KV head g of `src`
+/// cp.async copies, by the 128 threads of the CTA, of keys [kb, kend) of KV head g of `src`
 /// ([Tk, NKV, D]) into a swizzled tile; rows past kend and keys no row of the CTA sees (`rs`,
-/// 64·NW ranges) are zero-filled (they may hold NaN, and P = 0 times NaN would poison O). Thread
-/// i always copies chunk i % (D/8) of rows i / (D/8) + P·k (P = 128·NW / (D/8) rows per pass, a
+/// 64 ranges) are zero-filled (they may hold NaN, and P = 0 times NaN would poison O). Thread
+/// i always copies chunk i % (D/8) of rows i / (D/8) + P·k (P = 128 / (D/8) rows per pass, a
 /// multiple of 8, so the swizzle term is fixed per thread): the addresses advance by a constant
 /// per pass.
-template <int D, int NW>
+template <int D>
 __device__ void load_keys(char* dst, const uint16_t* src, const Args& a, int g, int kb, int kend,
                           const Rng* rs) {
-  constexpr int C = D / 8, P = wg_threads<NW>() / C, PASSES = kKeys / P, R = kCtaRows * NW;
+  constexpr int C = D / 8, P = kWgThreads / C, PASSES = kKeys / P, R = kCtaRows;
   static_assert(P % 8 == 0 && kKeys % P == 0, "rows per pass keep the swizzle phase");
   const int lane = threadIdx.x & 31;
   // Common case: one row of the CTA sees the whole tile, so every key of it is needed.
@@ -345,41 +357,40 @@ __device__ void store_rows(const Args& a, const Item& it, float (&o)[D / 2], flo
   }
 }
 
-/// o and lse of a CTA's 64·NW query rows (the file comment's forward; warpgroup w holds CTA
-/// items 4w .. 4w+3 and its own Q tile, the K/V tiles are shared): grid query_ctas(a, NW) × NKV,
-/// 128·NW threads, wg_fwd_smem<D, NW>() bytes of dynamic shared memory.
-template <int D, int NW>
-__global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_fwd_kernel(const Args a) {
+/// o and lse of a CTA's 64 query rows (the file comment's forward): grid query_ctas(a, 1) × NKV,
+/// 128 threads, wg_fwd_smem<D>() bytes of dynamic shared memory.
+template <int D>
+__global__ void __launch_bounds__(kWgThreads) attn_wg_fwd_kernel(const Args a) {
   DFLASH_DYNAMIC_SMEM(smem);
   Rng* rs = reinterpret_cast<Rng*>(smem);
-  int* red = reinterpret_cast<int*>(smem + kCtaRows * NW * 16);
+  int* red = reinterpret_cast<int*>(smem + kCtaRows * 16);
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const uint32_t tiles_at = (base + wg_head_bytes<NW>() + 1023) & ~1023u;  // 1024-aligned (swizzle)
+  const uint32_t tiles_at = (base + kWgHeadBytes + 1023) & ~1023u;  // 1024-aligned (swizzle)
   char* tiles = smem + (tiles_at - base);
   constexpr int TB = tile_bytes<D>();
-  // Q of warpgroups 0 .. NW−1, then K stages 0 and 1, then V stages 0 and 1.
-  auto k_stage = [&](int st) { return NW + st; };
-  auto v_stage = [&](int st) { return NW + 2 + st; };
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
-  const uint32_t q_at = tiles_at + wg * TB;
+  // Q, then K stages 0 and 1, then V stages 0 and 1.
+  auto k_stage = [&](int st) { return 1 + st; };
+  auto v_stage = [&](int st) { return 3 + st; };
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint32_t q_at = tiles_at;
 
-  QueryCta<1> c = query_cta_begin<1, kWarps * NW>(a, rs, red);
+  QueryCta<1> c = query_cta_begin<1, kWarps>(a, rs, red);
   const Rng* wrs = rs + warp * kRows;
   const Rng mine[2] = {wrs[lane >> 2], wrs[(lane >> 2) + 8]};  // this thread's two rows
   // Group 0: Q and K_0. Group 1: K_1 and V_0. Group j+2 (end of iteration j): K_{j+2}, V_{j+1}.
   TileCursor kcur = c.tiles, vcur = c.tiles;
-  load_item_tile<D>(tiles + wg * TB, a.q, a, c.it[0], warp & 3, lane);
+  load_item_tile<D>(tiles, a.q, a, c.it[0], warp, lane);
   if (!kcur.done()) {
-    load_keys<D, NW>(tiles + k_stage(0) * TB, a.k, a, c.g, kcur.kb, kcur.kend(), rs);
+    load_keys<D>(tiles + k_stage(0) * TB, a.k, a, c.g, kcur.kb, kcur.kend(), rs);
     kcur.next();
   }
   mma::cp_async_commit();
   if (!kcur.done()) {
-    load_keys<D, NW>(tiles + k_stage(1) * TB, a.k, a, c.g, kcur.kb, kcur.kend(), rs);
+    load_keys<D>(tiles + k_stage(1) * TB, a.k, a, c.g, kcur.kb, kcur.kend(), rs);
     kcur.next();
   }
   if (!vcur.done()) {
-    load_keys<D, NW>(tiles + v_stage(0) * TB, a.v, a, c.g, vcur.kb, vcur.kend(), rs);
+    load_keys<D>(tiles + v_stage(0) * TB, a.v, a, c.g, vcur.kb, vcur.kend(), rs);
     vcur.next();
   }
   mma::cp_async_commit();
@@ -430,11 +441,11 @@ __global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_fwd_kernel(const Arg
     }
     __syncthreads();  // K stage st and V stage st^1 are free
     if (!kcur.done()) {
-      load_keys<D, NW>(tiles + k_stage(st) * TB, a.k, a, c.g, kcur.kb, kcur.kend(), rs);
+      load_keys<D>(tiles + k_stage(st) * TB, a.k, a, c.g, kcur.kb, kcur.kend(), rs);
       kcur.next();
     }
     if (!vcur.done()) {
-      load_keys<D, NW>(tiles + v_stage(st ^ 1) * TB, a.v, a, c.g, vcur.kb, vcur.kend(), rs);
+      load_keys<D>(tiles + v_stage(st ^ 1) * TB, a.v, a, c.g, vcur.kb, vcur.kend(), rs);
       vcur.next();
     }
     mma::cp_async_commit();
@@ -452,24 +463,19 @@ __global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_fwd_kernel(const Arg
 // ---------------------------------------------------------------- backward
 
 /// K stages of the dq kernel: two without the overlap (v3: dQ += dS_j·K_j completes before tile
-/// j+2 takes K_j's stage), three with it (v4, v5: K_{j−1} stays while dQ += dS_{j−1}·K_{j−1} runs
-/// beside tile j's products and tile j+1 lands).
+/// j+2 takes K_j's stage), three with it (v5, v6: K_{j−1} stays while dQ += dS_{j−1}·K_{j−1} runs
+/// beside tile j's products and tile j+1 lands; Q is then held as register A fragments and its
+/// shared tile serves as the third K stage, so two CTAs still fit on an SM).
 template <bool kOverlap>
 constexpr int wg_dq_kstages() {
   return kOverlap ? 3 : 2;
 }
-/// Whether the dq kernel holds Q as register A fragments (v5: one warpgroup with the overlap;
-/// Q's shared tile then serves as the third K stage, so two CTAs still fit on an SM).
-template <int NW, bool kOverlap>
-constexpr bool wg_dq_q_in_regs() {
-  return kOverlap && NW == 1;
-}
-/// Dynamic shared memory of the dq kernel: head, slack, Q and dO tiles per warpgroup, the K
-/// stages that do not use Q's tile, two V tiles.
-template <int D, int NW, bool kOverlap>
+/// Dynamic shared memory of the dq kernel: head, slack, the Q and dO tiles, the K stages that do
+/// not use Q's tile, two V tiles.
+template <int D, bool kOverlap>
 constexpr int wg_dq_smem() {
-  constexpr int k_tiles = wg_dq_kstages<kOverlap>() - (wg_dq_q_in_regs<NW, kOverlap>() ? 1 : 0);
-  return wg_head_bytes<NW>() + 1024 + (2 * NW + k_tiles + 2) * tile_bytes<D>();
+  constexpr int k_tiles = wg_dq_kstages<kOverlap>() - (kOverlap ? 1 : 0);
+  return kWgHeadBytes + 1024 + (2 + k_tiles + 2) * tile_bytes<D>();
 }
 
 /// dS = P ∘ (dP − Δ) of the warp's 16 rows and a key tile [kb, kend), in place of s (S = Q·Kᵀ on
@@ -492,41 +498,65 @@ __device__ __forceinline__ void dq_tile_ds(float (&s)[32], const float (&dp)[32]
   }
 }
 
-/// dQ of a CTA's 64·NW query rows (FlashAttention-2 Algorithm 2's dq half): per key tile of the
+/// v6's dq_tile_ds (the same values, bit for bit) for a tile some row of the warp touches:
+/// kMasked false when every row sees every key of the tile (TileFacts::full, known per tile and
+/// warp: no test per element, no branch), true to test each element and select 0 where its row
+/// does not see its key (unseen keys may hold NaN: selected away, never multiplied).
+template <bool kMasked>
+__device__ __forceinline__ void dq_tile_ds_v6(float (&s)[32], const float (&dp)[32], const Rng* wrs,
+                                              const float (&lse2)[2], const float (&dl)[2],
+                                              float scale_log2, int kb, int kend, int lane) {
+  const int gr = lane >> 2, tq = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    const int r = (i >> 1) & 1;
+    const float p = exp2_ftz(fmaf(s[i], scale_log2, -lse2[r]));
+    const float d = p * (dp[i] - dl[r]);
+    if constexpr (kMasked) {
+      const int key = kb + 8 * (i >> 2) + 2 * tq + (i & 1);
+      s[i] = key < kend && sees(wrs[gr + 8 * r], key) ? d : 0.f;
+    } else {
+      s[i] = d;
+    }
+  }
+}
+
+/// dQ of a CTA's 64 query rows (FlashAttention-2 Algorithm 2's dq half): per key tile of the
 /// forward's cursor, S = Q·Kᵀ and dP = dO·Vᵀ (wgmma SS, both operands K-major), then
 /// dS = P ∘ (dP − Δ) with P = exp2(S·scale·log2e − lse2) (masked entries 0), then dQ += dS·K
-/// (wgmma RS, K as the MN-major operand); dq = scale·dQ. The K/V tiles are shared by the NW
-/// warpgroups (warpgroup w: CTA items 4w .. 4w+3). Without kOverlap (v3, NW = 1): tile j+1 loads
-/// while tile j is computed, its three products one after the other. With kOverlap (v4: NW = 2;
-/// v5: NW = 1, Q as register fragments, S = Q·Kᵀ an RS product): step j issues S_j, dP_j
-/// together with dQ += dS_{j−1}·K_{j−1} and computes dS_j while that product runs (the forward's
-/// intra-warpgroup overlap), tile j+1 loading meanwhile. Grid query_ctas(a, NW) × NKV, 128·NW
-/// threads, wg_dq_smem<D, NW, kOverlap>() bytes of shared memory.
-template <int D, int NW, bool kOverlap>
-__global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_dq_kernel(const Args a) {
+/// (wgmma RS, K as the MN-major operand); dq = scale·dQ. Without kOverlap (v3): tile j+1 loads
+/// while tile j is computed, its three products one after the other. With kOverlap (v5, v6: Q
+/// as register fragments, S = Q·Kᵀ an RS product): step j issues S_j, dP_j together with
+/// dQ += dS_{j−1}·K_{j−1} and computes dS_j while that product runs (the forward's
+/// intra-warpgroup overlap), tile j+1 loading meanwhile. kV6 (with kOverlap): dS by
+/// dq_tile_ds_v6, its masked or unmasked version chosen per tile and warp. Grid query_ctas(a, 1)
+/// × NKV, 128 threads, wg_dq_smem<D, kOverlap>() bytes of shared memory.
+template <int D, bool kOverlap, bool kV6>
+__global__ void __launch_bounds__(kWgThreads) attn_wg_dq_kernel(const Args a) {
+  static_assert(kOverlap || !kV6, "v6 is v5's overlapped dq");
   DFLASH_DYNAMIC_SMEM(smem);
   Rng* rs = reinterpret_cast<Rng*>(smem);
-  int* red = reinterpret_cast<int*>(smem + kCtaRows * NW * 16);
+  int* red = reinterpret_cast<int*>(smem + kCtaRows * 16);
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const uint32_t tiles_at = (base + wg_head_bytes<NW>() + 1023) & ~1023u;
+  const uint32_t tiles_at = (base + kWgHeadBytes + 1023) & ~1023u;
   char* tiles = smem + (tiles_at - base);
   constexpr int TB = tile_bytes<D>(), KST = wg_dq_kstages<kOverlap>();
-  constexpr bool kQRegs = wg_dq_q_in_regs<NW, kOverlap>();
-  // Q of warpgroups 0 .. NW−1, their dO, then the K stages (with kQRegs the last one is Q's
-  // tile once Q is in registers), then V stages 0 and 1.
-  constexpr int K0 = 2 * NW, V0 = 2 * NW + (kQRegs ? KST - 1 : KST);
+  constexpr bool kQRegs = kOverlap;
+  // Q, dO, then the K stages (with kQRegs the last one is Q's tile once Q is in registers), then
+  // V stages 0 and 1.
+  constexpr int K0 = 2, V0 = 2 + (kQRegs ? KST - 1 : KST);
   auto k_slot = [&](int st) { return kQRegs && st == KST - 1 ? 0 : K0 + st; };
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
-  const uint32_t q_at = tiles_at + wg * TB, do_at = tiles_at + (NW + wg) * TB;
-  QueryCta<1> c = query_cta_begin<1, kWarps * NW>(a, rs, red);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint32_t q_at = tiles_at, do_at = tiles_at + TB;
+  QueryCta<1> c = query_cta_begin<1, kWarps>(a, rs, red);
   const Item it = c.it[0];
   const Rng* wrs = rs + warp * kRows;
-  load_item_tile<D>(tiles + wg * TB, a.q, a, it, warp & 3, lane);
-  load_item_tile<D>(tiles + (NW + wg) * TB, a.dout, a, it, warp & 3, lane);
+  load_item_tile<D>(tiles, a.q, a, it, warp, lane);
+  load_item_tile<D>(tiles + TB, a.dout, a, it, warp, lane);
   TileCursor nxt = c.tiles;
   if (!nxt.done()) {
-    load_keys<D, NW>(tiles + K0 * TB, a.k, a, c.g, nxt.kb, nxt.kend(), rs);
-    load_keys<D, NW>(tiles + V0 * TB, a.v, a, c.g, nxt.kb, nxt.kend(), rs);
+    load_keys<D>(tiles + K0 * TB, a.k, a, c.g, nxt.kb, nxt.kend(), rs);
+    load_keys<D>(tiles + V0 * TB, a.v, a, c.g, nxt.kb, nxt.kend(), rs);
     nxt.next();
   }
   mma::cp_async_commit();
@@ -542,8 +572,8 @@ __global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_dq_kernel(const Args
   if constexpr (!kOverlap) {
     for (int st = 0; !c.tiles.done(); st ^= 1) {
       if (!nxt.done()) {
-        load_keys<D, NW>(tiles + (K0 + (st ^ 1)) * TB, a.k, a, c.g, nxt.kb, nxt.kend(), rs);
-        load_keys<D, NW>(tiles + (V0 + (st ^ 1)) * TB, a.v, a, c.g, nxt.kb, nxt.kend(), rs);
+        load_keys<D>(tiles + (K0 + (st ^ 1)) * TB, a.k, a, c.g, nxt.kb, nxt.kend(), rs);
+        load_keys<D>(tiles + (V0 + (st ^ 1)) * TB, a.v, a, c.g, nxt.kb, nxt.kend(), rs);
         nxt.next();
       }
       mma::cp_async_commit();
@@ -572,30 +602,27 @@ __global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_dq_kernel(const Args
       c.tiles.next();
     }
   } else {
-    // Step j: tile j (K stage j % 3, V stage j % 2) has landed; after the barrier every
-    // warpgroup is done with tile j−2's K and tile j−1's V, whose stages take tile j+1 (with
-    // kQRegs, tile 2 first takes Q's tile: step 0 moved Q into registers before the barrier of
-    // step 1). HS: tile j exists (S_j, dP_j); HP: a dS_{j−1} is pending (dQ += dS_{j−1}·K_{j−1}).
-    // A template per case keeps each wgmma batch free of branches.
-    uint32_t qf[D / 16][4];  // with kQRegs: Q's A fragments (unused, and dropped, otherwise)
+    // Step j: tile j (K stage j % 3, V stage j % 2) has landed; after the barrier the warpgroup
+    // is done with tile j−2's K and tile j−1's V, whose stages take tile j+1 (tile 2 first takes
+    // Q's tile: step 0 moved Q into registers before the barrier of step 1). HS: tile j exists
+    // (S_j, dP_j); HP: a dS_{j−1} is pending (dQ += dS_{j−1}·K_{j−1}). A template per case keeps
+    // each wgmma batch free of branches.
+    uint32_t qf[D / 16][4];  // Q's A fragments
     auto step = [&]<bool HS, bool HP>(int j) {
       mma::cp_async_wait<0>();
       cutlass::arch::fence_view_async_shared();
       __syncthreads();
       if (!nxt.done()) {
-        load_keys<D, NW>(tiles + k_slot((j + 1) % KST) * TB, a.k, a, c.g, nxt.kb, nxt.kend(), rs);
-        load_keys<D, NW>(tiles + (V0 + ((j + 1) & 1)) * TB, a.v, a, c.g, nxt.kb, nxt.kend(), rs);
+        load_keys<D>(tiles + k_slot((j + 1) % KST) * TB, a.k, a, c.g, nxt.kb, nxt.kend(), rs);
+        load_keys<D>(tiles + (V0 + ((j + 1) & 1)) * TB, a.v, a, c.g, nxt.kb, nxt.kend(), rs);
         nxt.next();
       }
       mma::cp_async_commit();
-      if constexpr (kQRegs && HS && !HP) load_a_frags<D>(qf, tiles, warp, lane);  // step 0
+      if constexpr (HS && !HP) load_a_frags<D>(qf, tiles, warp, lane);  // step 0
       fence_regs(s), fence_regs(dp), fence_regs(acc), fence_regs(ds);
       cute::warpgroup_arrive();
       if constexpr (HS) {
-        if constexpr (kQRegs)
-          issue_qk_rs<D>(s, qf, tiles_at + k_slot(j % KST) * TB);
-        else
-          issue_qk<D>(s, q_at, tiles_at + k_slot(j % KST) * TB);
+        issue_qk_rs<D>(s, qf, tiles_at + k_slot(j % KST) * TB);
         issue_qk<D>(dp, do_at, tiles_at + (V0 + (j & 1)) * TB);
       }
       cute::warpgroup_commit_batch();
@@ -606,7 +633,18 @@ __global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_dq_kernel(const Args
         fence_regs(s), fence_regs(dp);
         const int kb = c.tiles.kb, kend = c.tiles.kend();
         const TileFacts f = tile_facts<1>(wrs, kb, kend, lane);
-        dq_tile_ds(s, dp, wrs, f, lse2, dl, a.scale_log2, kb, kend, lane);
+        if constexpr (kV6) {
+          if (!f.touch) {  // no row of this warp sees a key of the tile: dS = 0
+#pragma unroll
+            for (int i = 0; i < 32; ++i) s[i] = 0.f;
+          } else if (f.full) {
+            dq_tile_ds_v6<false>(s, dp, wrs, lse2, dl, a.scale_log2, kb, kend, lane);
+          } else {
+            dq_tile_ds_v6<true>(s, dp, wrs, lse2, dl, a.scale_log2, kb, kend, lane);
+          }
+        } else {
+          dq_tile_ds(s, dp, wrs, f, lse2, dl, a.scale_log2, kb, kend, lane);
+        }
       }
       cute::warpgroup_wait<0>();
       fence_regs(acc), fence_regs(ds);
@@ -646,24 +684,17 @@ template <int D>
 constexpr int wg_chunk_bytes() {
   return 2 * tile_bytes<D>() + 2048;
 }
-/// Chunk stages of the dk/dv kernel: two in v3 (one warpgroup; chunk c+1 loads while chunk c is
-/// computed), three in v4 (two warpgroups; chunk c−1 stays while its dV, dK products run beside
-/// chunk c's, and chunk c+1 lands).
-template <int NW>
-constexpr int wg_dkdv_cstages() {
-  return NW == 1 ? 2 : 3;
-}
-/// Dynamic shared memory of the dk/dv kernel: slack, the K and V tiles of each warpgroup, the
-/// chunk stages.
-template <int D, int NW>
+/// Dynamic shared memory of the dk/dv kernel: slack, the K and V tiles, two chunk stages (chunk
+/// c+1 loads while chunk c is computed).
+template <int D>
 constexpr int wg_dkdv_smem() {
-  return 1024 + 2 * NW * tile_bytes<D>() + wg_dkdv_cstages<NW>() * wg_chunk_bytes<D>();
+  return 1024 + 2 * tile_bytes<D>() + 2 * wg_chunk_bytes<D>();
 }
 
 /// Pᵀ and dSᵀ = Pᵀ ∘ (dPᵀ − Δ) of the warp's 16 keys [kw, kw_end) and a chunk of 64 query rows
 /// (stats lse2, dl and ranges rs of the chunk's rows), in place: s (Sᵀ on entry) becomes Pᵀ, dp
 /// (dPᵀ on entry) dSᵀ; entries a row does not see are 0. Element i: key kw + gr + 8·((i/2) % 2),
-/// query row 8·(i/4) + 2·tq + i%2 of the chunk.
+/// query row 8·(i/4) + 2·tq + i%2 of the chunk. (v3, v5: the visibility test per element.)
 __device__ __forceinline__ void dkdv_chunk_ds(float (&s)[32], float (&dp)[32], const Rng* rs,
                                               const float* lse2, const float* dl, int kw,
                                               int kw_end, int Tk, float scale_log2, int lane) {
@@ -682,16 +713,42 @@ __device__ __forceinline__ void dkdv_chunk_ds(float (&s)[32], float (&dp)[32], c
   }
 }
 
-/// cp.async copies, by the CTA's 128·NW threads, of chunk `chunk` of the list (Q, dO rows) and
+/// v6's dkdv_chunk_ds (the same values, bit for bit): kMasked false when every row of the chunk
+/// sees all 16 of the warp's keys (chosen once per chunk and warp: no test per element, no
+/// branch); kMasked true tests each element and selects 0 where its row does not see its key
+/// (unseen keys may hold NaN: selected away, never multiplied).
+template <bool kMasked>
+__device__ __forceinline__ void dkdv_chunk_ds_v6(float (&s)[32], float (&dp)[32], const Rng* rs,
+                                                 const float* lse2, const float* dl, int kw, int Tk,
+                                                 float scale_log2, int lane) {
+  const int gr = lane >> 2, tq = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    const int qi = 8 * (i >> 2) + 2 * tq + (i & 1);
+    float p = exp2_ftz(fmaf(s[i], scale_log2, -lse2[qi]));
+    float d = p * (dp[i] - dl[qi]);
+    if constexpr (kMasked) {
+      const int key = kw + gr + 8 * ((i >> 1) & 1);
+      const bool vis = key < Tk && sees(rs[qi], key);
+      p = vis ? p : 0.f;
+      d = vis ? d : 0.f;
+    }
+    s[i] = p;
+    dp[i] = d;
+  }
+}
+
+/// cp.async copies, by the CTA's 128 threads, of chunk `chunk` of the list (Q, dO rows) and
 /// plain loads of its rows' lse2, Δ and ranges into stage `st` (rows past the list: zero rows,
-/// lse2 = +inf, no keys).
-template <int D, int NW>
+/// lse2 = +inf, no keys). v3, v5: each copy finds its row's item (two run-time divisions by the
+/// GQA ratio) and its 64-bit address anew.
+template <int D>
 __device__ void load_wg_chunk(char* st, const Args& a, const ItemList& L, int chunk, int g) {
   constexpr int C = D / 8, TB = tile_bytes<D>();
   float* lse2 = reinterpret_cast<float*>(st + 2 * TB);
   float* dl = lse2 + kCtaRows;
   Rng* rs = reinterpret_cast<Rng*>(dl + kCtaRows);
-  for (int e = threadIdx.x; e < kCtaRows * C; e += wg_threads<NW>()) {
+  for (int e = threadIdx.x; e < kCtaRows * C; e += kWgThreads) {
     const int i = e / C, cc = e % C;
     const Item it = list_item(L, chunk * kWarps + i / kRows, a.rep, g);
     const int t = it.t0 + i % kRows;
@@ -703,152 +760,142 @@ __device__ void load_wg_chunk(char* st, const Args& a, const ItemList& L, int ch
   load_chunk_stats(lse2, dl, rs, a, L, chunk, g);
 }
 
-/// Key tiles of the dk/dv kernel with NW warpgroups (one tile of 64·NW keys per CTA and KV head).
-template <int NW>
-int wg_dkdv_tiles(const Args& a) {
-  return (key_tiles(a) + NW - 1) / NW;
+/// v6's load_wg_chunk (the same bytes in the same places, a fraction of the instructions): thread
+/// i copies 16-byte column c = i % C (C = D/8) of chunk rows r0 + P·k, r0 = i / C, P = 128 / C
+/// rows per pass (8 at D 128, 16 at D 64: a multiple of 8, so the swizzle term is fixed per
+/// thread; a divisor of 16, so pass k stays inside item P·k / 16, at its token r0 + P·k % 16).
+/// The chunk's 4 items (list entries 4·chunk .. 4·chunk+3, group-major as list_item) are found
+/// once from the first (one division by the GQA ratio), each with its row-r0 offset and how many
+/// of its rows from r0 on exist.
+template <int D>
+__device__ void load_wg_chunk_v6(char* st, const Args& a, const ItemList& L, int chunk, int g) {
+  constexpr int C = D / 8, P = kWgThreads / C, PASSES = kCtaRows / P, TB = tile_bytes<D>();
+  static_assert(P % 8 == 0 && kRows % P == 0, "a pass keeps the swizzle phase and one item");
+  const int r0 = threadIdx.x / C, c = threadIdx.x % C;
+  const int first = chunk * kWarps;
+  int group = first / a.rep, head = first - group * a.rep;
+  int64_t off[kWarps];  // element offset of row r0 of item j (head's column c)
+  int rows[kWarps];     // rows r0, r0+1, ... of item j that exist (0 past the list or Tq)
+#pragma unroll
+  for (int j = 0; j < kWarps; ++j) {
+    const int t = (L.tg_lo + group) * kRows + r0;
+    off[j] = (static_cast<int64_t>(t) * a.NH + g * a.rep + head) * D + c * 8;
+    rows[j] = first + j < L.n ? a.Tq - t : 0;
+    if (++head == a.rep) {
+      head = 0;
+      ++group;
+    }
+  }
+  char* to = st + sw128(r0, c);
+  const int64_t token_elems = static_cast<int64_t>(a.NH) * D;
+#pragma unroll
+  for (int k = 0; k < PASSES; ++k) {
+    const int j = P * k / kRows, dt = P * k % kRows;  // item, token offset
+    const bool ok = dt < rows[j];
+    const int64_t o = ok ? off[j] + dt * token_elems : 0;
+    cp_async16(to + P * k * 128, a.q + o, ok);
+    cp_async16(to + TB + P * k * 128, a.dout + o, ok);
+  }
+  load_chunk_stats(reinterpret_cast<float*>(st + 2 * TB),
+                   reinterpret_cast<float*>(st + 2 * TB) + kCtaRows,
+                   reinterpret_cast<Rng*>(st + 2 * TB + 2 * kCtaRows * 4), a, L, chunk, g);
 }
 
-/// dK, dV of one tile of 64·NW keys of KV head g (FlashAttention-2 Algorithm 2's dk/dv half, in
-/// FlashAttention-3's transposed form): per chunk of 64 query rows of the tile's span (the union
-/// of the spans of its 64-key tiles), Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (wgmma SS, 64 keys × 64 rows),
-/// Pᵀ and dSᵀ = Pᵀ ∘ (dPᵀ − Δ), then dV += Pᵀ·dO and dK += dSᵀ·Q (wgmma RS, dO and Q as MN-major
-/// operands). Warpgroup w owns keys 64w .. 64w+63 of the tile (its own K and V tiles; the
-/// chunk's Q and dO are shared), warp i of it keys 16i .. 16i+15 of those. Grid
-/// wg_dkdv_tiles<NW>(a)·NKV, 128·NW threads, wg_dkdv_smem<D, NW>() bytes of shared memory.
-/// Fixed chunk order, one writer per element: bit-reproducible.
-template <int D, int NW>
-__global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_dkdv_kernel(const Args a) {
+/// dK, dV of one tile of 64 keys of KV head g (FlashAttention-2 Algorithm 2's dk/dv half, in
+/// FlashAttention-3's transposed form): per chunk of 64 query rows of the tile's span, Sᵀ = K·Qᵀ
+/// and dPᵀ = V·dOᵀ (wgmma SS, 64 keys × 64 rows), Pᵀ and dSᵀ = Pᵀ ∘ (dPᵀ − Δ), then dV += Pᵀ·dO
+/// and dK += dSᵀ·Q (wgmma RS, dO and Q as MN-major operands); warp i owns keys 16i .. 16i+15 of
+/// the tile. Chunk c+1 loads while chunk c is computed. kV6: load_wg_chunk_v6 and
+/// dkdv_chunk_ds_v6 (v6), else load_wg_chunk and dkdv_chunk_ds (v3, v5): the same values.
+/// Grid key_tiles(a)·NKV, 128 threads, wg_dkdv_smem<D>() bytes of shared memory. Fixed chunk
+/// order, one writer per element: bit-reproducible.
+template <int D, bool kV6>
+__global__ void __launch_bounds__(kWgThreads) attn_wg_dkdv_kernel(const Args a) {
   constexpr int C = D / 8, TB = tile_bytes<D>();
   DFLASH_DYNAMIC_SMEM(smem);
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const uint32_t kv_at = (base + 1023) & ~1023u;  // K, V per warpgroup, then the chunk stages
+  const uint32_t kv_at = (base + 1023) & ~1023u;  // K, V, then the chunk stages
   char* kv = smem + (kv_at - base);
-  char* stages = kv + 2 * NW * TB;
-  const uint32_t stages_at = kv_at + 2 * NW * TB;
+  char* stages = kv + 2 * TB;
+  const uint32_t stages_at = kv_at + 2 * TB;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gr = lane >> 2, tq = lane & 3;
-  const int wg = warp >> 2;
-  const uint32_t kt = kv_at + 2 * wg * TB, vt = kt + TB;  // this warpgroup's K and V tiles
+  const uint32_t kt = kv_at, vt = kt + TB;
   // 1-D grid, the KV heads of one key tile adjacent (as attn_tc_dkdv_kernel).
   const int tile = blockIdx.x / a.NKV, g = blockIdx.x % a.NKV;
-  const int j0 = tile * NW * kKeys;
-  const int kw = j0 + wg * kKeys + (warp & 3) * kRows;  // this warp's keys [kw, kw_end)
+  const int j0 = tile * kKeys;
+  const int kw = j0 + warp * kRows;  // this warp's keys [kw, kw_end)
   const int kw_end = min(kw + kRows, a.Tk);
-  for (int e = threadIdx.x; e < NW * kKeys * C; e += wg_threads<NW>()) {
+  for (int e = threadIdx.x; e < kKeys * C; e += kWgThreads) {
     const int j = e / C, cc = e % C, key = j0 + j;
     const bool ok = key < a.Tk;
     const int64_t off = ok ? (static_cast<int64_t>(key) * a.NKV + g) * D + cc * 8 : 0;
-    char* to = kv + 2 * (j / kKeys) * TB + sw128(j % kKeys, cc);
-    cp_async16(to, a.k + off, ok);
-    cp_async16(to + TB, a.v + off, ok);
+    cp_async16(kv + sw128(j, cc), a.k + off, ok);
+    cp_async16(kv + TB + sw128(j, cc), a.v + off, ok);
   }
-  // The span of the CTA's 64-key tiles (span: INT_MAX / −1 for a tile no row touches).
-  int q_first = INT_MAX, q_last = -1;
-  const int tiles64 = (a.Tk + kKeys - 1) / kKeys;  // key_tiles(a), the span's tiles
-  for (int i = 0; i < NW && tile * NW + i < tiles64; ++i) {
-    q_first = min(q_first, a.span[2 * (tile * NW + i)]);
-    q_last = max(q_last, a.span[2 * (tile * NW + i) + 1]);
-  }
+  // The tile's span (INT_MAX / −1 for a tile no row touches).
+  const int q_first = a.span[2 * tile], q_last = a.span[2 * tile + 1];
   ItemList L{0, 0};
   if (q_first <= q_last) {
     L.tg_lo = q_first / kRows;
     L.n = (q_last / kRows - L.tg_lo + 1) * a.rep;
   }
+  auto load_chunk = [&](char* st, int chunk) {
+    if constexpr (kV6)
+      load_wg_chunk_v6<D>(st, a, L, chunk, g);
+    else
+      load_wg_chunk<D>(st, a, L, chunk, g);
+  };
   const int n_chunks = (L.n + kWarps - 1) / kWarps;
-  if (n_chunks > 0) load_wg_chunk<D, NW>(stages, a, L, 0, g);
+  if (n_chunks > 0) load_chunk(stages, 0);
   mma::cp_async_commit();
 
   float dk[D / 2], dv[D / 2];
   uint32_t pa[4][4] = {}, da[4][4] = {};
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
-  // Stage st's Q and dO tiles (shared addresses) and its rows' statistics.
-  auto q_tile = [&](int st) { return stages_at + st * wg_chunk_bytes<D>(); };
-  auto stats = [&](int st) {
-    return reinterpret_cast<const float*>(stages + st * wg_chunk_bytes<D>() + 2 * TB);
-  };
-  if constexpr (NW == 1) {
-    for (int ch = 0; ch < n_chunks; ++ch) {
-      const int stg = ch & 1;
-      if (ch + 1 < n_chunks)
-        load_wg_chunk<D, NW>(stages + (stg ^ 1) * wg_chunk_bytes<D>(), a, L, ch + 1, g);
-      mma::cp_async_commit();
-      mma::cp_async_wait<1>();
-      cutlass::arch::fence_view_async_shared();
-      __syncthreads();
-      const uint32_t qt = q_tile(stg), dot = qt + TB;
-      const float* lse2 = stats(stg);
-      // Fresh accumulators (ScaleOut::Zero also ignores them): not live across chunks.
-      float s[32], dp[32];
-#pragma unroll
-      for (int i = 0; i < 32; ++i) s[i] = dp[i] = 0.f;
-      cute::warpgroup_arrive();
-      issue_qk<D>(s, kt, qt);    // Sᵀ = K·Qᵀ
-      issue_qk<D>(dp, vt, dot);  // dPᵀ = V·dOᵀ
-      cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<0>();
-      fence_regs(s), fence_regs(dp);
-      dkdv_chunk_ds(s, dp, reinterpret_cast<const Rng*>(lse2 + 2 * kCtaRows), lse2, lse2 + kCtaRows,
-                    kw, kw_end, a.Tk, a.scale_log2, lane);
-      pack_p(pa, s);
-      pack_p(da, dp);
-      fence_regs(dv), fence_regs(dk), fence_regs(pa), fence_regs(da);
-      cute::warpgroup_arrive();
-      issue_pv<D>(dv, pa, dot);  // dV += Pᵀ·dO
-      issue_pv<D>(dk, da, qt);   // dK += dSᵀ·Q
-      cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<0>();
-      fence_regs(dv), fence_regs(dk), fence_regs(pa), fence_regs(da);
-      __syncthreads();  // stage stg is refilled next
-    }
-  } else {
-    // Step c: chunk c (stage c % 3) has landed; after the barrier every warpgroup is done with
-    // chunk c−2, whose stage takes chunk c+1. HS: chunk c exists (Sᵀ_c, dPᵀ_c); HP: chunk c−1's
-    // Pᵀ, dSᵀ are pending (dV += Pᵀ·dO_{c−1}, dK += dSᵀ·Q_{c−1}), run while chunk c's Pᵀ and dSᵀ
-    // are computed. A template per case keeps each wgmma batch free of branches.
-    constexpr int CST = wg_dkdv_cstages<NW>();
+  for (int ch = 0; ch < n_chunks; ++ch) {
+    const int stg = ch & 1;
+    if (ch + 1 < n_chunks) load_chunk(stages + (stg ^ 1) * wg_chunk_bytes<D>(), ch + 1);
+    mma::cp_async_commit();
+    mma::cp_async_wait<1>();
+    cutlass::arch::fence_view_async_shared();
+    __syncthreads();
+    const uint32_t qt = stages_at + stg * wg_chunk_bytes<D>(), dot = qt + TB;
+    const float* lse2 = reinterpret_cast<const float*>(stages + stg * wg_chunk_bytes<D>() + 2 * TB);
+    const float* dl = lse2 + kCtaRows;
+    const Rng* crs = reinterpret_cast<const Rng*>(lse2 + 2 * kCtaRows);
+    // Fresh accumulators (ScaleOut::Zero also ignores them): not live across chunks.
     float s[32], dp[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) s[i] = dp[i] = 0.f;
-    auto step = [&]<bool HS, bool HP>(int ch) {
-      mma::cp_async_wait<0>();
-      cutlass::arch::fence_view_async_shared();
-      __syncthreads();
-      if (ch + 1 < n_chunks)
-        load_wg_chunk<D, NW>(stages + (ch + 1) % CST * wg_chunk_bytes<D>(), a, L, ch + 1, g);
-      mma::cp_async_commit();
-      const int cur = ch % CST, prev = (ch + CST - 1) % CST;
-      fence_regs(s), fence_regs(dp), fence_regs(dv), fence_regs(dk), fence_regs(pa), fence_regs(da);
-      cute::warpgroup_arrive();
-      if constexpr (HS) {
-        issue_qk<D>(s, kt, q_tile(cur));        // Sᵀ = K·Qᵀ
-        issue_qk<D>(dp, vt, q_tile(cur) + TB);  // dPᵀ = V·dOᵀ
-      }
-      cute::warpgroup_commit_batch();
-      if constexpr (HP) {
-        issue_pv<D>(dv, pa, q_tile(prev) + TB);  // dV += Pᵀ·dO
-        issue_pv<D>(dk, da, q_tile(prev));       // dK += dSᵀ·Q
-      }
-      cute::warpgroup_commit_batch();
-      if constexpr (HS) {
-        cute::warpgroup_wait<1>();  // Sᵀ_c and dPᵀ_c have landed; chunk c−1's products may run
-        fence_regs(s), fence_regs(dp);
-        const float* lse2 = stats(cur);
-        dkdv_chunk_ds(s, dp, reinterpret_cast<const Rng*>(lse2 + 2 * kCtaRows), lse2,
-                      lse2 + kCtaRows, kw, kw_end, a.Tk, a.scale_log2, lane);
-      }
-      cute::warpgroup_wait<0>();
-      fence_regs(dv), fence_regs(dk), fence_regs(pa), fence_regs(da);
-      if constexpr (HS) {
-        pack_p(pa, s);
-        pack_p(da, dp);
-      }
-    };
-    if (n_chunks > 0) {
-      step.template operator()<true, false>(0);
-      for (int ch = 1; ch < n_chunks; ++ch) step.template operator()<true, true>(ch);
-      step.template operator()<false, true>(n_chunks);
+    cute::warpgroup_arrive();
+    issue_qk<D>(s, kt, qt);    // Sᵀ = K·Qᵀ
+    issue_qk<D>(dp, vt, dot);  // dPᵀ = V·dOᵀ
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+    fence_regs(s), fence_regs(dp);
+    if constexpr (kV6) {
+      // Every row of the chunk sees all 16 of this warp's keys: no mask (one vote per chunk).
+      const bool full =
+          kw_end - kw == kRows && __all_sync(0xffffffffu, sees_all(crs[lane], kw, kw_end) &&
+                                                              sees_all(crs[lane + 32], kw, kw_end));
+      if (full)
+        dkdv_chunk_ds_v6<false>(s, dp, crs, lse2, dl, kw, a.Tk, a.scale_log2, lane);
+      else
+        dkdv_chunk_ds_v6<true>(s, dp, crs, lse2, dl, kw, a.Tk, a.scale_log2, lane);
+    } else {
+      dkdv_chunk_ds(s, dp, crs, lse2, dl, kw, kw_end, a.Tk, a.scale_log2, lane);
     }
+    pack_p(pa, s);
+    pack_p(da, dp);
+    fence_regs(dv), fence_regs(dk), fence_regs(pa), fence_regs(da);
+    cute::warpgroup_arrive();
+    issue_pv<D>(dv, pa, dot);  // dV += Pᵀ·dO
+    issue_pv<D>(dk, da, qt);   // dK += dSᵀ·Q
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+    fence_regs(dv), fence_regs(dk), fence_regs(pa), fence_regs(da);
+    __syncthreads();  // stage stg is refilled next
   }
   mma::cp_async_wait<0>();
 #pragma unroll
@@ -872,42 +919,36 @@ __global__ void __launch_bounds__(wg_threads<NW>()) attn_wg_dkdv_kernel(const Ar
   }
 }
 
-template <int D, int NW>
+template <int D>
 void fwd_d(const Args& a, cudaStream_t s) {
-  const dim3 grid(static_cast<unsigned>(query_ctas(a, NW)), static_cast<unsigned>(a.NKV));
-  launch_attn_kernel(attn_wg_fwd_kernel<D, NW>, grid, wg_threads<NW>(), wg_fwd_smem<D, NW>(), a, s);
+  const dim3 grid(static_cast<unsigned>(query_ctas(a, 1)), static_cast<unsigned>(a.NKV));
+  launch_attn_kernel(attn_wg_fwd_kernel<D>, grid, kWgThreads, wg_fwd_smem<D>(), a, s);
 }
 
-template <int D, int NW, bool kDqOverlap>
+/// The backward of one version: dq with or without the overlap (v5, v6 / v3), dq's dS part and
+/// dk/dv of v6 (kV6) or of v3 (v3, v5).
+template <int D, bool kDqOverlap, bool kV6>
 void bwd_d(const Args& a, float* delta, int* span, cudaStream_t s) {
   launch_attn_delta<D>(a, delta, s);
   if (a.dq) {
-    const dim3 grid(static_cast<unsigned>(query_ctas(a, NW)), static_cast<unsigned>(a.NKV));
-    launch_attn_kernel(attn_wg_dq_kernel<D, NW, kDqOverlap>, grid, wg_threads<NW>(),
-                       wg_dq_smem<D, NW, kDqOverlap>(), a, s);
+    const dim3 grid(static_cast<unsigned>(query_ctas(a, 1)), static_cast<unsigned>(a.NKV));
+    launch_attn_kernel(attn_wg_dq_kernel<D, kDqOverlap, kV6>, grid, kWgThreads,
+                       wg_dq_smem<D, kDqOverlap>(), a, s);
   }
   if ((a.dk || a.dv) && a.Tk > 0) {
     launch_attn_spans(a, span, s);
-    launch_attn_kernel(attn_wg_dkdv_kernel<D, NW>,
-                       dim3(static_cast<unsigned>(wg_dkdv_tiles<NW>(a) * a.NKV)), wg_threads<NW>(),
-                       wg_dkdv_smem<D, NW>(), a, s);
+    launch_attn_kernel(attn_wg_dkdv_kernel<D, kV6>,
+                       dim3(static_cast<unsigned>(key_tiles(a) * a.NKV)), kWgThreads,
+                       wg_dkdv_smem<D>(), a, s);
   }
 }
 
-template <int NW>
-void fwd_nw(const Args& a, int64_t D, cudaStream_t s) {
+template <bool kDqOverlap, bool kV6>
+void bwd_v(const Args& a, int64_t D, float* delta, int* span, cudaStream_t s) {
   if (D == 64)
-    fwd_d<64, NW>(a, s);
+    bwd_d<64, kDqOverlap, kV6>(a, delta, span, s);
   else
-    fwd_d<128, NW>(a, s);
-}
-
-template <int NW, bool kDqOverlap>
-void bwd_nw(const Args& a, int64_t D, float* delta, int* span, cudaStream_t s) {
-  if (D == 64)
-    bwd_d<64, NW, kDqOverlap>(a, delta, span, s);
-  else
-    bwd_d<128, NW, kDqOverlap>(a, delta, span, s);
+    bwd_d<128, kDqOverlap, kV6>(a, delta, span, s);
 }
 
 }  // namespace
@@ -916,13 +957,13 @@ namespace launch {
 
 void attention_wgmma_fwd(uint16_t* o, float* lse, const uint16_t* q, const uint16_t* k,
                          const uint16_t* v, const AttnRange* ranges, const AttnParams& p,
-                         WgmmaVariant var, cudaStream_t s) {
+                         cudaStream_t s) {
   if (p.Tq == 0) return;
   const Args a = attn_fwd_args(o, lse, q, k, v, ranges, p);
-  if (var == WgmmaVariant::pair)
-    fwd_nw<2>(a, p.D, s);
+  if (p.D == 64)
+    fwd_d<64>(a, s);
   else
-    fwd_nw<1>(a, p.D, s);  // v3 and v5 share the forward
+    fwd_d<128>(a, s);
 }
 
 void attention_wgmma_bwd(uint16_t* dq, uint16_t* dk, uint16_t* dv, const uint16_t* dout,
@@ -933,13 +974,13 @@ void attention_wgmma_bwd(uint16_t* dq, uint16_t* dk, uint16_t* dv, const uint16_
   const Args a = attn_bwd_args(dq, dk, dv, dout, q, k, v, o, lse, ranges, p, delta_ws, span_ws);
   switch (var) {
     case WgmmaVariant::v3:
-      bwd_nw<1, false>(a, p.D, delta_ws, span_ws, s);
+      bwd_v<false, false>(a, p.D, delta_ws, span_ws, s);
       break;
     case WgmmaVariant::v5:
-      bwd_nw<1, true>(a, p.D, delta_ws, span_ws, s);
+      bwd_v<true, false>(a, p.D, delta_ws, span_ws, s);
       break;
-    case WgmmaVariant::pair:
-      bwd_nw<2, true>(a, p.D, delta_ws, span_ws, s);
+    case WgmmaVariant::v6:
+      bwd_v<true, true>(a, p.D, delta_ws, span_ws, s);
       break;
   }
 }
