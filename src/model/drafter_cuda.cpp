@@ -507,7 +507,7 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
     dflash2_head_cuda(ctx_, c, layout_, in.objective, a2);
     dflash2_alpha_ = in.objective.dflash2_selector_alpha;
     if (d2_base_in_head) {  // {Σ w·base, Σ w} where fetch_results reads the base
-      DFLASH_CUDA_CHECK(cudaMemcpyAsync(sums_, dflash2_sums_ + 1, 2 * sizeof(double),
+      DFLASH_CUDA_CHECK(cudaMemcpyAsync(sums_, dflash2_sums_, 2 * sizeof(double),
                                         cudaMemcpyDeviceToDevice, s));
     }
   }

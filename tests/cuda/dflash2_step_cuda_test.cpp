@@ -46,7 +46,7 @@ DrafterConfig config(int T = 0, int group = 0, double m = 1.0, double cap = 0.0)
   c.mask_token_id = 300;
   c.target_layer_ids = {0, 2};
   c.num_target_layers = 3;
-  if (T > 0) c.dflash2 = {true, T, group, 4, 8, m, cap};
+  if (T > 0) c.dflash2 = {true, T, group, 4, 64, m, cap};  // about a fifth of golds in the top-64
   c.validate();
   return c;
 }
