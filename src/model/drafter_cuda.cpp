@@ -53,7 +53,7 @@ DrafterCuda::DrafterCuda(cuda::CudaContext& ctx, const DrafterConfig& cfg,
       head_(lm_head),
       rope_scaling_(static_cast<float>(rope_attention_scaling(cfg.rope))) {
   cfg.validate();
-  const std::vector<std::string> unsupported = cuda_drafter_step_unsupported(cfg);
+  const std::vector<std::string> unsupported = cuda_drafter_unsupported(cfg);
   DFLASH_CHECK(unsupported.empty(), "{}", fmt::join(unsupported, "; "));
   DFLASH_CHECK(max_ctx > 0 && max_block_rows > 0 && max_block_rows % cfg.block_size == 0 &&
                    ce_chunk_rows > 0,
