@@ -70,6 +70,15 @@ void run_bench_command(BenchArgs& a) {
     a.o.objective = objective_of(t);
     a.o.objective.domino_lambda = 0.5;  // mid-run; the step's cost does not depend on λ
   }
+  const BenchOptions defaults;
+  DFLASH_CHECK(a.objective == "dflash2" ||
+                   (a.o.dflash2_conv_kernel_size == defaults.dflash2_conv_kernel_size &&
+                    a.o.dflash2_conv_group_size == defaults.dflash2_conv_group_size &&
+                    a.o.dflash2_selector_rank == defaults.dflash2_selector_rank &&
+                    a.o.dflash2_selector_top_k == defaults.dflash2_selector_top_k &&
+                    a.dflash2_alpha == BenchArgs{}.dflash2_alpha),
+               "--dflash2-* options apply only to --objective dflash2 (got --objective {})",
+               a.objective);
   if (a.objective == "dflash2") {  // training.objective dflash2 with the bench's sizes and α_sel
     DFLASH_CHECK(a.loss_type == "dflash",
                  "--objective dflash2 takes the dflash loss: drop --loss-type");
