@@ -1,8 +1,7 @@
 // The host side of DFlash2 on the CUDA backend, without a GPU: the predecessor index the selector
 // head reads (dflash2_prev_tokens), the step plan's conv and selector buffers (plan_drafter_step,
 // their sizes in both activation modes), and what the CUDA paths refuse of a DFlash2 drafter
-// (cuda_drafter_unsupported for the trainer, cuda_drafter_step_unsupported for DrafterCuda with
-// the selector's limits).
+// (cuda_drafter_unsupported: the selector's limits, nothing within them).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -128,11 +127,8 @@ TEST(Dflash2Plan, StepPlanHoldsTheConvAndSelectorBuffers) {
 }
 
 TEST(Dflash2Plan, CudaRefusalsNameWhatIsMissing) {
-  const std::vector<std::string> trainer = cuda_drafter_unsupported(config());
-  ASSERT_EQ(trainer.size(), 1u);
-  EXPECT_THAT(trainer[0], ::testing::HasSubstr("the CUDA trainer does not run DFlash2"));
-  EXPECT_TRUE(cuda_drafter_step_unsupported(config()).empty());
-  const std::vector<std::string> big = cuda_drafter_step_unsupported(config(1025, 1025));
+  EXPECT_TRUE(cuda_drafter_unsupported(config()).empty());
+  const std::vector<std::string> big = cuda_drafter_unsupported(config(1025, 1025));
   ASSERT_EQ(big.size(), 2u);
   EXPECT_THAT(big[0], ::testing::HasSubstr("selector_top_k up to 1024"));
   EXPECT_THAT(big[1], ::testing::HasSubstr("selector_rank up to 1024"));

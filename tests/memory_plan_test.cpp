@@ -577,6 +577,27 @@ TEST(MemoryPlan, BenchTargetOnlyPlanCommandExitsZeroWhenItFitsAndOneWithTheShort
       << no.err;
 }
 
+// `dflash bench --objective dflash2 --plan`: the recipes' sizes fit the reference batch; a size out
+// of range and a --dflash2-* option without --objective dflash2 are refused by name.
+TEST(MemoryPlan, BenchPlansDflash2AndRefusesItsOptionsElsewhere) {
+  const test::RunResult ok = test::run_dflash({"bench", "--objective", "dflash2", "--plan"});
+  EXPECT_EQ(ok.exit_code, 0) << ok.out << ok.err;
+  EXPECT_NE(ok.out.find(": fits"), std::string::npos) << ok.out;
+  const test::RunResult group = test::run_dflash(
+      {"bench", "--objective", "dflash2", "--dflash2-conv-group-size", "7", "--plan"});
+  EXPECT_EQ(group.exit_code, 1) << group.out << group.err;
+  EXPECT_NE(group.err.find("conv_group_size 7 must be >= 1 and divide hidden_size 4096"),
+            std::string::npos)
+      << group.err;
+  const test::RunResult stray = test::run_dflash(
+      {"bench", "--objective", "domino", "--dflash2-selector-rank", "8", "--plan"});
+  EXPECT_EQ(stray.exit_code, 1) << stray.out << stray.err;
+  EXPECT_NE(stray.err.find("--dflash2-* options apply only to --objective dflash2 (got "
+                           "--objective domino)"),
+            std::string::npos)
+      << stray.err;
+}
+
 TEST(PipelineMemoryPlan, GpusHoldingANcclRankPlanItsReserve) {
   const ModelPreset& t = model_preset("qwen3-8b");
   const DrafterConfig d = qwen3_8b_drafter();

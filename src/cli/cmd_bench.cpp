@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <cmath>
 #include <fstream>
 #include <optional>
 
@@ -25,6 +26,7 @@ struct BenchArgs {
   std::string loss_type = "dflash";
   std::string objective = "dflash";
   std::string markov_head_type = "vanilla";
+  double dflash2_alpha = 1.0;  ///< --dflash2-alpha: α_sel of the timed steps
   bool plan = false;
   int mask = -1;
 };
@@ -45,8 +47,9 @@ void run_bench_command(BenchArgs& a) {
                "dpace-continuation-value-only (got '{}')",
                a.loss_type);
   a.o.objective.loss = *loss;
-  DFLASH_CHECK(a.objective == "dflash" || a.objective == "dspark" || a.objective == "domino",
-               "--objective must be dflash, dspark or domino (got '{}')", a.objective);
+  DFLASH_CHECK(a.objective == "dflash" || a.objective == "dspark" || a.objective == "domino" ||
+                   a.objective == "dflash2",
+               "--objective must be dflash, dspark, domino or dflash2 (got '{}')", a.objective);
   if (a.objective == "dspark") {  // training.objective dspark with its default alphas
     DFLASH_CHECK(a.loss_type == "dflash", "--objective dspark has its own loss: drop --loss-type");
     TrainingSection t;
@@ -66,6 +69,25 @@ void run_bench_command(BenchArgs& a) {
     t.shift_label = a.o.domino_shift_label;
     a.o.objective = objective_of(t);
     a.o.objective.domino_lambda = 0.5;  // mid-run; the step's cost does not depend on λ
+  }
+  const BenchOptions defaults;
+  DFLASH_CHECK(a.objective == "dflash2" ||
+                   (a.o.dflash2_conv_kernel_size == defaults.dflash2_conv_kernel_size &&
+                    a.o.dflash2_conv_group_size == defaults.dflash2_conv_group_size &&
+                    a.o.dflash2_selector_rank == defaults.dflash2_selector_rank &&
+                    a.o.dflash2_selector_top_k == defaults.dflash2_selector_top_k &&
+                    a.dflash2_alpha == BenchArgs{}.dflash2_alpha),
+               "--dflash2-* options apply only to --objective dflash2 (got --objective {})",
+               a.objective);
+  if (a.objective == "dflash2") {  // training.objective dflash2 with the bench's sizes and α_sel
+    DFLASH_CHECK(a.loss_type == "dflash",
+                 "--objective dflash2 takes the dflash loss: drop --loss-type");
+    DFLASH_CHECK(std::isfinite(a.dflash2_alpha) && a.dflash2_alpha >= 0,
+                 "--dflash2-alpha must be a finite number >= 0 (got {})", a.dflash2_alpha);
+    TrainingSection t;
+    t.objective = "dflash2";
+    a.o.objective = objective_of(t);
+    a.o.objective.dflash2_selector_alpha = a.dflash2_alpha;
   }
   DFLASH_CHECK(a.o.objective.dpace_alpha >= 0 && a.o.objective.dpace_alpha <= 1,
                "--dpace-alpha must be in [0, 1] (got {})", a.o.objective.dpace_alpha);
@@ -132,7 +154,8 @@ void add_bench_command(CLI::App& app) {
   b->add_option("--objective", a->objective,
                 "The objective, as training.objective: dflash, dspark (its default alphas; "
                 "the Markov head of --markov-rank and --markov-head-type, the confidence head) "
-                "or domino (the head of --domino-*, λ 0.5)")
+                "domino (the head of --domino-*, λ 0.5) or dflash2 (the conv and selector of "
+                "--dflash2-*, α_sel --dflash2-alpha)")
       ->capture_default_str();
   b->add_option("--markov-rank", a->o.markov_rank,
                 "DSpark's Markov rank r, as training.markov_rank")
@@ -151,6 +174,21 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   b->add_option("--domino-shift-label", a->o.domino_shift_label,
                 "Domino's shift_label, as training.shift_label (true or false)")
+      ->capture_default_str();
+  b->add_option("--dflash2-conv-kernel-size", a->o.dflash2_conv_kernel_size,
+                "DFlash2's conv taps T, as training.conv_kernel_size")
+      ->capture_default_str();
+  b->add_option("--dflash2-conv-group-size", a->o.dflash2_conv_group_size,
+                "DFlash2's channels per conv group, as training.conv_group_size")
+      ->capture_default_str();
+  b->add_option("--dflash2-selector-rank", a->o.dflash2_selector_rank,
+                "DFlash2's selector rank r, as training.selector_rank")
+      ->capture_default_str();
+  b->add_option("--dflash2-selector-top-k", a->o.dflash2_selector_top_k,
+                "DFlash2's candidates K per slot, as training.selector_top_k")
+      ->capture_default_str();
+  b->add_option("--dflash2-alpha", a->dflash2_alpha,
+                "DFlash2's α_sel (the selector CE's weight; the same kernels run at every α)")
       ->capture_default_str();
   b->add_option("--dpace-alpha", a->o.objective.dpace_alpha, "D-PACE's α, as training.dpace_alpha")
       ->capture_default_str();

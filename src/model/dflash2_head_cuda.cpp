@@ -95,7 +95,7 @@ void dflash2_head_cuda(cuda::CudaContext& ctx, const DrafterConfig& cfg,
   DFLASH_CHECK(R >= 0 && a.chunk_rows > 0, "dflash2_head_cuda: {} rows in chunks of {}", R,
                a.chunk_rows);
   DFLASH_CHECK(a.params && a.grads && a.lm_head && a.hf && a.labels && a.weights && a.prev &&
-                   a.dhf && a.sums && a.workspace && a.rows,
+                   a.alpha && a.dhf && a.sums && a.workspace && a.rows,
                "dflash2_head_cuda: null pointer");
   const uint64_t need_ws = dflash2_head_cuda_workspace_bytes(cfg, R, a.chunk_rows);
   const uint64_t need_rows = dflash2_head_cuda_rows_bytes(cfg, R);
@@ -137,8 +137,8 @@ void dflash2_head_cuda(cuda::CudaContext& ctx, const DrafterConfig& cfg,
   rows.argmax = a.argmax;
   const Dflash2Offsets& o = layout.dflash2;
   const float* Ph = a.params + o.hidden_proj;
-  // Without the base, α_sel = 0 leaves no gradient to compute (the warmup's steps).
-  const bool grads = a.base_in_head || obj.dflash2_selector_alpha != 0;
+  // α_sel is read on the device, so the gradients are computed at every α (at α_sel = 0 without
+  // the base they are zeros added: the warmup's steps cost the selector's GEMMs anyway).
   for (int64_t r0 = 0; r0 < R; r0 += C) {
     const int64_t cn = std::min(C, R - r0);
     const uint16_t* hf = a.hf + r0 * H;
@@ -162,7 +162,7 @@ void dflash2_head_cuda(cuda::CudaContext& ctx, const DrafterConfig& cfg,
     in.m = static_cast<float>(cfg.dflash2.output_multiplier);
     in.cap = static_cast<float>(cfg.dflash2.final_logit_softcapping);
     in.grad_scale = static_cast<float>(a.grad_scale);
-    in.alpha = static_cast<float>(obj.dflash2_selector_alpha);
+    in.alpha = a.alpha;
     in.stop = obj.dflash2_stop_gradient;
     in.with_base = a.base_in_head;
     cuda::launch::Dflash2SelRows at = rows;
@@ -171,7 +171,6 @@ void dflash2_head_cuda(cuda::CudaContext& ctx, const DrafterConfig& cfg,
     at.e += r0 * r, at.dproj += r0 * r, at.da += r0 * r;
     at.cand += r0 * K, at.ds += r0 * K;
     cuda::launch::dflash2_selector_rows(in, at, s);
-    if (!grads) continue;
     // dhf [cn, H] (=, or += without the base) dl·LMhead, + P_hᵀ·∂(P_h·h) unless stop_gradient.
     float* dhf = a.dhf + r0 * H;
     cuda::gemm_bf16(ctx, dhf, DType::f32, H, dl, V, false, a.lm_head, H, false, cn, H, V, 1.0f,
@@ -180,8 +179,7 @@ void dflash2_head_cuda(cuda::CudaContext& ctx, const DrafterConfig& cfg,
       cuda::launch::dflash2_dh_add(dhf, at.dproj, Ph, cn, H, r, s);
     }
   }
-  cuda::launch::dflash2_sums(a.sums, rows, a.weights, R, obj.dflash2_selector_alpha, s);
-  if (!grads) return;
+  cuda::launch::dflash2_sums(a.sums, rows, a.weights, R, a.alpha, s);
   // dP_h += Σ_rows ∂(P_h·h) ⊗ h; dA[prev] += the rows' da; dBs[c] += ds·e per candidate.
   cuda::launch::dflash2_dph(a.grads + o.hidden_proj, rows.dproj, a.hf, R, H, r, s);
   const size_t sort_bytes = sort_bound(static_cast<int64_t>(n) * K);

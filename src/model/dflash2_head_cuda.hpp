@@ -53,6 +53,9 @@ struct Dflash2CudaArgs {
   const int32_t* labels = nullptr;    ///< [R]
   const float* weights = nullptr;     ///< [R]
   const int32_t* prev = nullptr;      ///< [R] dflash2_prev_tokens
+  /// [1] α_sel of the step (dflash2_selector_alpha), on the device so that a replayed CUDA graph
+  /// reads each step's; the objective's dflash2_selector_alpha is not read.
+  const double* alpha = nullptr;
   /// [R, H] f32: grad_scale·∂loss/∂hf, overwritten with base_in_head; without, the selector's
   /// part is added to the base CE's gradient already there (ū = U: the fused CE's).
   float* dhf = nullptr;
@@ -68,11 +71,11 @@ struct Dflash2CudaArgs {
   int64_t chunk_rows = 0;
 };
 
-/// The DFlash2 loss of the step (objective `obj`: α_sel, stop_gradient) and its gradient: the
-/// selector's parameter gradients +=, dhf overwritten (or += without base_in_head), argmax and
-/// sums written (the base CE's too; the sums' first entry uses them). Without base_in_head at
-/// α_sel = 0 no gradient is computed (dhf and the selector's gradients stay as they are). Enqueue
-/// only.
+/// The DFlash2 loss of the step (α_sel = *a.alpha on the device; stop_gradient from `obj`) and its
+/// gradient: the selector's parameter gradients +=, dhf overwritten (or += without base_in_head),
+/// argmax and sums written (the base CE's too; the sums' first entry uses them). The same kernels
+/// run at every α_sel (at 0 without base_in_head they add zeros), so one captured graph serves the
+/// warmup, the ramp and the rest. Enqueue only.
 /// Throws dflash::Error when the drafter is not DFlash2, the objective is not dflash2, a size is
 /// outside dflash2_cuda_unsupported's limits, a pointer is null or a buffer is too small (naming
 /// it).

@@ -53,7 +53,7 @@ DrafterCuda::DrafterCuda(cuda::CudaContext& ctx, const DrafterConfig& cfg,
       head_(lm_head),
       rope_scaling_(static_cast<float>(rope_attention_scaling(cfg.rope))) {
   cfg.validate();
-  const std::vector<std::string> unsupported = cuda_drafter_step_unsupported(cfg);
+  const std::vector<std::string> unsupported = cuda_drafter_unsupported(cfg);
   DFLASH_CHECK(unsupported.empty(), "{}", fmt::join(unsupported, "; "));
   DFLASH_CHECK(max_ctx > 0 && max_block_rows > 0 && max_block_rows % cfg.block_size == 0 &&
                    ce_chunk_rows > 0,
@@ -261,8 +261,9 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   DFLASH_CHECK(in.objective.dflash2() == c.dflash2.enabled,
                "DrafterCuda::forward_backward: the {} objective for a drafter {} DFlash2's conv",
                objective_kind_name(in.objective.kind), c.dflash2.enabled ? "with" : "without");
-  DFLASH_CHECK(!c.dflash2.enabled || in.dflash2_prev,
-               "DrafterCuda::forward_backward: a DFlash2 step without its predecessor tokens");
+  DFLASH_CHECK(!c.dflash2.enabled || (in.dflash2_prev && in.dflash2_alpha),
+               "DrafterCuda::forward_backward: a DFlash2 step without its predecessor tokens or "
+               "its α_sel");
   DFLASH_CHECK(!c.dspark.enabled || (in.dspark_prev && in.dspark_teacher_pos &&
                                      in.dspark_w1_order && in.dspark_w1_seg),
                "DrafterCuda::forward_backward: a DSpark step without its row index");
@@ -494,6 +495,7 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
     a2.labels = in.labels;
     a2.weights = in.weights;
     a2.prev = in.dflash2_prev;
+    a2.alpha = in.dflash2_alpha;
     a2.dhf = d_hf_;
     a2.base_in_head = d2_base_in_head;
     a2.argmax = d2_base_in_head ? argmax_ : nullptr;  // else the fused CE's
@@ -505,7 +507,7 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
     a2.grad_scale = grad_scale;
     a2.chunk_rows = ce_chunk_rows_;
     dflash2_head_cuda(ctx_, c, layout_, in.objective, a2);
-    dflash2_alpha_ = in.objective.dflash2_selector_alpha;
+    dflash2_alpha_ = in.dflash2_alpha;
     if (d2_base_in_head) {  // {Σ w·base, Σ w} where fetch_results reads the base
       DFLASH_CUDA_CHECK(cudaMemcpyAsync(sums_, dflash2_sums_, 2 * sizeof(double),
                                         cudaMemcpyDeviceToDevice, s));
@@ -609,8 +611,12 @@ DrafterCuda::Results DrafterCuda::fetch_results(int64_t NK) {
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(dm, domino_sums_, sizeof dm, cudaMemcpyDeviceToHost, s));
   }
   double d2[5] = {0, 0, 0, 0, 0};  // DFlash2's sums (dflash2_head_cuda)
+  double alpha = 0;                // DFlash2's α_sel, as the step read it
   if (cfg_.dflash2.enabled) {
+    DFLASH_CHECK(dflash2_alpha_, "DrafterCuda::fetch_results: no DFlash2 step was enqueued");
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(d2, dflash2_sums_, sizeof d2, cudaMemcpyDeviceToHost, s));
+    DFLASH_CUDA_CHECK(
+        cudaMemcpyAsync(&alpha, dflash2_alpha_, sizeof alpha, cudaMemcpyDeviceToHost, s));
   }
   ctx_.synchronize();
   r.loss_sum = sums[0];
@@ -628,7 +634,7 @@ DrafterCuda::Results DrafterCuda::fetch_results(int64_t NK) {
     r.dflash2_base_sum = sums[0];
     r.dflash2_selector_sum = d2[2];
     r.dflash2_in_topk_weight = d2[3];
-    r.loss_sum = sums[0] + dflash2_alpha_ * d2[2];
+    r.loss_sum = sums[0] + alpha * d2[2];
   }
   return r;
 }

@@ -65,8 +65,11 @@ struct DrafterCudaInputs {
   const int32_t* domino_gru_tok = nullptr;
   const double* domino_lambda = nullptr;
   /// DFlash2 only: the predecessor token of each block row [NK] (dflash2_prev_tokens,
-  /// model/dflash2_head_cuda.hpp).
+  /// model/dflash2_head_cuda.hpp) and the step's α_sel [1] (dflash2_selector_alpha; on the device,
+  /// so that a captured graph reads each step's; the objective's dflash2_selector_alpha is not
+  /// read).
   const int32_t* dflash2_prev = nullptr;
+  const double* dflash2_alpha = nullptr;
 };
 
 /// Drafter weights, optimizer state and the activation workspace on one GPU.
@@ -198,11 +201,12 @@ class DrafterCuda {
   uint64_t domino_ws_bytes_ = 0, domino_rows_bytes_ = 0;
   double* domino_sums_ = nullptr;
   // DFlash2's selector head (model/dflash2_head_cuda.hpp): chunk workspace, row buffers, sums
-  // [5], and α_sel of the last step (fetch_results' loss = base + α_sel·selector).
+  // [5], and where the last step read α_sel on the device (fetch_results' loss = base +
+  // α_sel·selector: the staged input stays at its place across graph replays).
   void *dflash2_ws_ = nullptr, *dflash2_rows_ = nullptr;
   uint64_t dflash2_ws_bytes_ = 0, dflash2_rows_bytes_ = 0;
   double* dflash2_sums_ = nullptr;
-  double dflash2_alpha_ = 0;
+  const double* dflash2_alpha_ = nullptr;
   // Backward scratch.
   float *dh_, *dhn2_, *dx_, *dctx_, *dctx_pre_;
   uint16_t *dh_bf_, *d_act_, *d_gu_, *d_o_, *dq_, *dq_raw_, *dk_, *dk_raw_, *dv_, *dctx_bf_;

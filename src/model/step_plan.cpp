@@ -81,20 +81,6 @@ std::vector<std::string> cuda_drafter_unsupported(const DrafterConfig& c) {
     out.push_back(fmt::format("the CUDA drafter supports head_dim 64 or 128 (drafter head_dim {})",
                               c.head_dim));
   }
-  if (c.dflash2.enabled) {
-    out.push_back(
-        "the CUDA trainer does not run DFlash2 yet (DrafterCuda steps its conv and selector; "
-        "the GPU pipeline stage, its CUDA graphs and bench do not stage it): train and decode "
-        "DFlash2 (training.objective dflash2, architectures DFlash2DraftModel) on the cpu "
-        "backend");
-  }
-  return out;
-}
-
-std::vector<std::string> cuda_drafter_step_unsupported(const DrafterConfig& c) {
-  DrafterConfig without = c;
-  without.dflash2.enabled = false;  // DrafterCuda steps DFlash2 within the selector's limits
-  std::vector<std::string> out = cuda_drafter_unsupported(without);
   for (std::string& d : dflash2_cuda_unsupported(c)) out.push_back(std::move(d));
   return out;
 }

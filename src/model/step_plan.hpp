@@ -92,13 +92,11 @@ inline constexpr const char* kGroupInputs = "step inputs";
 /// expert width not a multiple of 8 (the expert GEMMs), more than 1024 experts or top-k above 32
 /// (the router). TargetCuda refuses these at construction; the memory plans report them first.
 std::vector<std::string> cuda_target_unsupported(const ModelConfig& c);
-/// The same for a drafter: head_dim other than 64 or 128 (DrafterCuda's attention), or DFlash2
-/// (DrafterCuda steps it; the CUDA trainer, its graphs and bench do not stage it yet). Every
-/// DSpark head and the Domino head (model/domino_head_cuda.hpp) run on CUDA.
+/// The same for a drafter (DrafterCuda's constructor refuses these; the memory plans report them
+/// first): head_dim other than 64 or 128 (DrafterCuda's attention), and for a DFlash2 drafter the
+/// CUDA selector's limits (dflash2_cuda_unsupported). Every objective's head (DSpark, Domino,
+/// DFlash2's conv and selector) runs on CUDA.
 std::vector<std::string> cuda_drafter_unsupported(const DrafterConfig& c);
-/// What DrafterCuda itself cannot step (its constructor refuses these): cuda_drafter_unsupported
-/// less the DFlash2 entry, plus the CUDA selector's limits (dflash2_cuda_unsupported).
-std::vector<std::string> cuda_drafter_step_unsupported(const DrafterConfig& c);
 
 /// Columns per context row of the features a target forward hands the drafter step: the taps
 /// [n_taps·H], and for a DSpark drafter (cfg.dspark.enabled) also the target's final-norm hidden

@@ -12,6 +12,7 @@
 
 #include "core/error.hpp"
 #include "core/rng.hpp"
+#include "model/dflash2_head_cuda.hpp"
 #include "model/domino_head_cuda.hpp"
 #include "model/drafter_batch.hpp"
 #include "model/drafter_io.hpp"
@@ -96,6 +97,16 @@ BenchSetup bench_setup(const BenchOptions& o) {
     s.drafter.domino = {true, o.domino_emb_dim, o.domino_gru_dim, o.domino_prefix_len,
                         o.objective.domino_shift_label};
     s.drafter.validate();
+  }
+  if (o.objective.dflash2()) {
+    s.drafter.dflash2 = {true,
+                         o.dflash2_conv_kernel_size,
+                         o.dflash2_conv_group_size,
+                         o.dflash2_selector_rank,
+                         o.dflash2_selector_top_k,
+                         1.0,
+                         0.0};
+    s.drafter.validate();  // names the size out of range
   }
   s.docs_per_row = o.token_budget / o.doc_length;
   const int64_t per_doc = std::min<int64_t>(o.anchors, o.doc_length - 1);
@@ -371,8 +382,9 @@ struct StagedStep {
   std::vector<int32_t> tokens, pos, block_tokens, labels;
   std::vector<AttnRange> context_ranges, block_ranges;
   std::vector<float> weights;
-  DsparkRowIndex dspark;  // DSpark only: the step's row index
-  DominoRowIndex domino;  // Domino only: the step's row index
+  DsparkRowIndex dspark;              // DSpark only: the step's row index
+  DominoRowIndex domino;              // Domino only: the step's row index
+  std::vector<int32_t> dflash2_prev;  // DFlash2 only: the predecessor tokens [NK]
 };
 
 // Samples anchors for step `step`, builds its DrafterBatch and stages it (what the trainer and the
@@ -409,6 +421,9 @@ StagedStep stage_bench_step(HostBatch& b, const BenchSetup& s, const BenchOption
                        st.labels, st.weights});
   if (o.objective.dspark()) st.dspark = dspark_row_index(d, st.NK, s.drafter.vocab_size);
   if (o.objective.domino()) st.domino = domino_row_index(s.drafter, d, st.NK);
+  if (o.objective.dflash2()) {
+    st.dflash2_prev = dflash2_prev_tokens(d, st.NK, s.drafter.vocab_size);
+  }
   return st;
 }
 
@@ -438,10 +453,34 @@ double domino_head_flops(const DrafterConfig& d, int64_t rows) {
   return 2.0 * n * (2 * V * H + 3 * V * E + 3 * E * (H + G) + 6 * G * H + 9 * G * G);
 }
 
-// The head phase's name and FLOPs in the bench table: the objective's head, else the fused CE's.
+// FLOPs of DFlash2's selector head over `rows` block rows (dflash2_head_cuda with ū = U, the fused
+// CE computing the base): [H, V] twice (U again, dhf += dl·LM head), and P_h [r, H] three times
+// (P_h·h, its ∂h, dP_h); the K scores and their gradients (O(K·r) a row) are left out.
+double dflash2_head_flops(const DrafterConfig& d, int64_t rows) {
+  const double n = static_cast<double>(rows), V = static_cast<double>(d.vocab_size);
+  const double H = static_cast<double>(d.hidden_size), r = d.dflash2.selector_rank;
+  return 2.0 * n * (2 * V * H + 3 * r * H);
+}
+
+// FLOPs of DFlash2's kernel projections over `rows` block rows, forward (one GEMM δ = u·W_kpᵀ of
+// [H] → [2·T·Gc] per sublayer, two sublayers a layer) or backward (twice that: du and dW_kp). The
+// convs themselves (O(T·H) a row) are left out.
+double dflash2_conv_flops(const DrafterConfig& d, int64_t rows, bool backward) {
+  if (!d.dflash2.enabled) return 0;
+  const double H = static_cast<double>(d.hidden_size);
+  const double width = 2.0 * d.dflash2.conv_kernel_size * (H / d.dflash2.conv_group_size);
+  const double fwd = 2.0 * static_cast<double>(rows) * H * width * 2 * d.num_layers;
+  return backward ? 2 * fwd : fwd;
+}
+
+// The head phase's name and FLOPs in the bench table: the objective's head, else the fused CE's
+// (DFlash2: the fused CE's base and the selector head).
 std::pair<const char*, double> head_phase(const DrafterConfig& d, int64_t rows, double ce_flops) {
   if (d.dspark.enabled) return {"DSpark head (+ final norm)", dspark_head_flops(d, rows)};
   if (d.domino.enabled) return {"Domino head (+ final norm)", domino_head_flops(d, rows)};
+  if (d.dflash2.enabled) {
+    return {"LM-head CE + DFlash2 selector (+ final norm)", ce_flops + dflash2_head_flops(d, rows)};
+  }
   return {"LM-head CE (+ final norm)", ce_flops};
 }
 
@@ -777,6 +816,13 @@ BenchReport run_bench(const BenchOptions& o) {
     dm_tok = std::make_unique<Staged>(arena, kInputDominoGruTok, NK * 4);
     dm_lambda = std::make_unique<Staged>(arena, kInputDominoLambda, sizeof(double));
   }
+  // DFlash2: the predecessor tokens and α_sel.
+  const bool dflash2 = s.drafter.dflash2.enabled;
+  std::unique_ptr<Staged> d2_prev, d2_alpha;
+  if (dflash2) {
+    d2_prev = std::make_unique<Staged>(arena, kInputDflash2Prev, NK * 4);
+    d2_alpha = std::make_unique<Staged>(arena, kInputDflash2Alpha, sizeof(double));
+  }
   const uint64_t pool = arena.planned_bytes("workspace.op_scratch");
   ctx.allocator().use_pool(arena.get_bytes("workspace.op_scratch", pool), pool);
   const std::vector<std::string> unused = arena.untaken();
@@ -802,6 +848,14 @@ BenchReport run_bench(const BenchOptions& o) {
         "lambda {})",
         h.emb_dim, h.gru_hidden_dim, h.pure_draft_prefix_len, h.shift_label,
         o.objective.domino_lambda);
+  }
+  if (dflash2) {
+    const Dflash2Heads& h = s.drafter.dflash2;
+    r.loss_type = fmt::format(
+        "dflash2 (conv_kernel_size {}, conv_group_size {}, selector_rank {}, selector_top_k {}, "
+        "alpha_sel {})",
+        h.conv_kernel_size, h.conv_group_size, h.selector_rank, h.selector_top_k,
+        o.objective.dflash2_selector_alpha);
   }
   r.documents = o.rows * s.docs_per_row;
   r.doc_length = o.doc_length;
@@ -863,6 +917,12 @@ BenchReport run_bench(const BenchOptions& o) {
       in.domino_gru_tok = static_cast<int32_t*>(dm_tok->dev);
       in.domino_lambda = static_cast<double*>(dm_lambda->dev);
     }
+    if (dflash2) {
+      d2_prev->upload<int32_t>(st, 0, nk);
+      d2_alpha->upload<double>(st, 0, 1);
+      in.dflash2_prev = static_cast<int32_t*>(d2_prev->dev);
+      in.dflash2_alpha = static_cast<double*>(d2_alpha->dev);
+    }
     drafter.forward_backward(in, 1.0);
   };
   enum Ev { kStart, kTarget, kForward, kHead, kBackward, kOptStart, kOptEnd, kNumEv };
@@ -894,6 +954,10 @@ BenchReport run_bench(const BenchOptions& o) {
     if (domino) {
       dm_tok->fill(packed.domino.gru_tok);
       dm_lambda->fill(std::vector<double>{packed.domino.lambda});
+    }
+    if (dflash2) {
+      d2_prev->fill(packed.dflash2_prev);
+      d2_alpha->fill(std::vector<double>{o.objective.dflash2_selector_alpha});
     }
     const double total_w = packed.loss_normaliser;
     const auto w2 = Clock::now();
@@ -963,10 +1027,12 @@ BenchReport run_bench(const BenchOptions& o) {
         target_forward_flops(s.target, plan.target_layers, packed.T, causal_visible_keys(s, o));
     r.phases = {
         {"target forward", m[kTgt], tgt_flops, 0},
-        {"drafter forward", m[kFwd], fv.fwd_gemm + fv.attn_fwd, 0},
+        {"drafter forward", m[kFwd],
+         fv.fwd_gemm + fv.attn_fwd + dflash2_conv_flops(s.drafter, packed.NK, false), 0},
         {head_phase(s.drafter, packed.NK, fv.head).first, m[kHd],
          head_phase(s.drafter, packed.NK, fv.head).second, 0},
-        {"drafter backward", m[kBwd], fv.bwd_gemm + fv.attn_bwd, 0},
+        {"drafter backward", m[kBwd],
+         fv.bwd_gemm + fv.attn_bwd + dflash2_conv_flops(s.drafter, packed.NK, true), 0},
         {"optimizer (AdamW, bf16)", m[kOpt], 0, 30.0 * static_cast<double>(layout.total)},
     };
     r.step_ms_off = m[kWall];
@@ -1189,6 +1255,42 @@ BenchReport run_bench(const BenchOptions& o) {
                                static_cast<const float*>(weights.dev), cp, ws, ws_bytes);
     });
     r.kernels.push_back(ce);
+  }
+  if (d.dflash2.enabled) {
+    // DFlash2's selector with its gradients over the step's block rows (dflash2_head_cuda with
+    // ū = U: the fused CE row above times the base CE), random hidden states and selector
+    // weights, the step's labels, weights, predecessor tokens and α_sel.
+    DeviceMemory hid(Tq * H * 2), dhid(Tq * H * 4), sums(5 * 8);
+    DeviceMemory pp(layout.total * 4), pg(layout.total * 4);
+    fill_uniform_cuda(ctx, hid.as<uint16_t>(), Tq * H, 0.0f, 1.0f, 31);
+    fill_uniform_cuda(ctx, pp.as<float>(), layout.total, 0.0f, 0.02f, 35);
+    Dflash2CudaArgs da;
+    da.R = Tq;
+    da.params = pp.as<float>();
+    da.grads = pg.as<float>();
+    da.lm_head = target.lm_head();
+    da.hf = hid.as<uint16_t>();
+    da.labels = static_cast<const int32_t*>(labels.dev);
+    da.weights = static_cast<const float*>(weights.dev);
+    da.prev = static_cast<const int32_t*>(d2_prev->dev);
+    da.alpha = static_cast<const double*>(d2_alpha->dev);
+    da.dhf = dhid.as<float>();
+    da.base_in_head = false;
+    da.sums = sums.as<double>();
+    da.workspace_bytes = dflash2_head_cuda_workspace_bytes(d, Tq, kDrafterCeChunkRows);
+    da.workspace = arena.get_bytes("drafter.dflash2.workspace", da.workspace_bytes);
+    da.rows_bytes = dflash2_head_cuda_rows_bytes(d, Tq);
+    da.rows = arena.get_bytes("drafter.dflash2.rows", da.rows_bytes);  // idle outside the head
+    da.grad_scale = 1.0;
+    da.chunk_rows = kDrafterCeChunkRows;
+    const double sel_flops = dflash2_head_flops(d, Tq);
+    BenchKernel dk_sel{"DFlash2 selector + grads",
+                       fmt::format("{} rows, H {}, V {}, r {}, top-{}", Tq, H, V,
+                                   d.dflash2.selector_rank, d.dflash2.selector_top_k),
+                       NAN, sel_flops, sel_flops / kPeakBf16Flops * 1e3};
+    dk_sel.ms = time_kernel(ctx, o.kernel_reps,
+                            [&] { dflash2_head_cuda(ctx, d, layout, o.objective, da); });
+    r.kernels.push_back(dk_sel);
   }
   // AdamW over min(P, 2^28) parameters on zeroed state (the time does not depend on the values):
   // the step's single pass that also writes the bf16 copy, against the path before the fusion

@@ -75,6 +75,13 @@ struct BenchOptions {
   int64_t domino_emb_dim = 256, domino_gru_dim = 1024;
   int domino_prefix_len = 1;
   bool domino_shift_label = true;
+  /// objective dflash2: the conv's taps and group width and the selector's rank and candidates,
+  /// as training.conv_kernel_size, conv_group_size, selector_rank and selector_top_k (defaults:
+  /// the public recipes'), ū = U (output_multiplier 1, no softcap); α_sel is
+  /// objective.dflash2_selector_alpha (the same kernels run at every α, so the step's cost does
+  /// not depend on it).
+  int dflash2_conv_kernel_size = 2, dflash2_conv_group_size = 16;
+  int dflash2_selector_rank = 256, dflash2_selector_top_k = 16;
   uint64_t seed = 0;
   /// Where new cuBLASLt GEMM plans come from (backend/cuda/gemm.hpp, GemmPlanSource): "table"
   /// (the measured table, the heuristic for shapes it lacks) or "heuristic" (the table ignored).

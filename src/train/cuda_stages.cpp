@@ -54,6 +54,7 @@
 #include "backend/cuda/graph.hpp"
 #include "backend/cuda/pinned.hpp"
 #include "core/dtype.hpp"
+#include "model/dflash2_head_cuda.hpp"
 #include "model/domino_head_cuda.hpp"
 #include "model/drafter_cuda.hpp"
 #include "model/dspark_head_cuda.hpp"
@@ -339,6 +340,10 @@ class CudaDrafterStage final : public DrafterStage {
       domino_tok_ = Staged(a, kInputDominoGruTok, NK * sizeof(int32_t));
       domino_lambda_ = Staged(a, kInputDominoLambda, sizeof(double));
     }
+    if (cfg.dflash2.enabled) {
+      dflash2_prev_ = Staged(a, kInputDflash2Prev, NK * sizeof(int32_t));
+      dflash2_alpha_ = Staged(a, kInputDflash2Alpha, sizeof(double));
+    }
     arena_finish(*ctx_, a, "cuda drafter stage");
     if (group) collective_ = cuda_collective_member(group, replica, ctx_->stream());
     for (cudaEvent_t* e : {&ev_step_start_, &ev_step_end_, &ev_opt_start_, &ev_opt_end_}) {
@@ -349,14 +354,18 @@ class CudaDrafterStage final : public DrafterStage {
   void step(const DrafterBatch& b, const TargetFeatures& features) override {
     DFLASH_CHECK(!queue_.waiting_for_update(),
                  "cuda drafter stage: step() called twice without update() in between");
-    // The loss is part of the captured step graphs: one per run. Domino's λ changes per step and
-    // is read on the device (staged with the row index), so it is not part of it.
+    // The loss is part of the captured step graphs: one per run. Domino's λ and DFlash2's α_sel
+    // change per step and are read on the device (staged with the step's inputs), so they are not
+    // part of it; every other field (kind, loss, D-PACE's γ, DSpark's weights, stop_gradient) is.
     if (!objective_) objective_ = b.objective;
     Objective fixed = b.objective;
     fixed.domino_lambda = objective_->domino_lambda;
+    fixed.dflash2_selector_alpha = objective_->dflash2_selector_alpha;
     DFLASH_CHECK(fixed == *objective_,
-                 "cuda drafter stage: a batch with loss {} after batches with loss {}",
-                 loss_type_name(b.objective.loss), loss_type_name(objective_->loss));
+                 "cuda drafter stage: a batch with objective {} (loss {}) after batches with "
+                 "objective {} (loss {}): one objective per run",
+                 objective_kind_name(b.objective.kind), loss_type_name(b.objective.loss),
+                 objective_kind_name(objective_->kind), loss_type_name(objective_->loss));
     DFLASH_CHECK(b.block_size == cfg_.block_size,
                  "cuda drafter stage: a batch of block size {} for a drafter of block size {}",
                  b.block_size, cfg_.block_size);
@@ -510,6 +519,12 @@ class CudaDrafterStage final : public DrafterStage {
       std::memcpy(domino_tok_.host.as<int32_t>(), x.gru_tok.data(), NKs * sizeof(int32_t));
       std::memcpy(domino_lambda_.host.as<double>(), &x.lambda, sizeof(double));
     }
+    if (cfg_.dflash2.enabled) {  // teacher-forced predecessors; α_sel read on the device
+      const std::vector<int32_t> prev = dflash2_prev_tokens(b, NK, cfg_.vocab_size);
+      const double alpha = b.objective.dflash2_selector_alpha;
+      std::memcpy(dflash2_prev_.host.as<int32_t>(), prev.data(), NKs * sizeof(int32_t));
+      std::memcpy(dflash2_alpha_.host.as<double>(), &alpha, sizeof(double));
+    }
     if (!cfg_.dspark.enabled) return;
     const DsparkRowIndex x = dspark_row_index(b, NK, cfg_.vocab_size);
     std::memcpy(dspark_prev_.host.as<int32_t>(), x.prev.data(), NKs * sizeof(int32_t));
@@ -552,6 +567,12 @@ class CudaDrafterStage final : public DrafterStage {
       in.domino_gru_tok = domino_tok_.device<int32_t>();
       in.domino_lambda = domino_lambda_.device<double>();
     }
+    if (cfg_.dflash2.enabled) {
+      dflash2_prev_.upload(s, static_cast<size_t>(NK) * sizeof(int32_t));
+      dflash2_alpha_.upload(s, sizeof(double));
+      in.dflash2_prev = dflash2_prev_.device<int32_t>();
+      in.dflash2_alpha = dflash2_alpha_.device<double>();
+    }
     drafter_->forward_backward(in, 1.0);  // unscaled: the step's 1/Σw is applied by adamw()
   }
 
@@ -592,6 +613,7 @@ class CudaDrafterStage final : public DrafterStage {
   Staged pos_, block_tokens_, block_ranges_, labels_, weights_;
   Staged dspark_prev_, dspark_tpos_, dspark_order_, dspark_seg_;  // DSpark's DsparkRowIndex
   Staged domino_tok_, domino_lambda_;                             // Domino's DominoRowIndex
+  Staged dflash2_prev_, dflash2_alpha_;  // DFlash2's predecessor tokens and the step's α_sel
   cuda::GraphCache<std::pair<int64_t, int64_t>> graphs_;
   std::map<int, std::string> peers_;
   std::unique_ptr<Collective> collective_;

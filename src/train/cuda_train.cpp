@@ -20,6 +20,7 @@
 #include "backend/cuda/device.hpp"
 #include "backend/cuda/graph.hpp"
 #include "backend/cuda/pinned.hpp"
+#include "model/dflash2_head_cuda.hpp"
 #include "model/domino_head_cuda.hpp"
 #include "model/drafter_cuda.hpp"
 #include "model/dspark_head_cuda.hpp"
@@ -73,6 +74,7 @@ struct CudaTrainBackend::Inputs {
   Staged tokens, target_ranges, pos, block_tokens, block_ranges, labels, weights;
   Staged dspark_prev, dspark_tpos, dspark_order, dspark_seg;  // DSpark's DsparkRowIndex
   Staged domino_tok, domino_lambda;                           // Domino's DominoRowIndex
+  Staged dflash2_prev, dflash2_alpha;  // DFlash2's predecessor tokens and the step's α_sel
   float* final_norm = nullptr;  // DSpark: the target's final-norm weight [H] (the teacher)
   Objective objective;          // the staged batch's loss
   cudaEvent_t start = nullptr, after_target = nullptr, end = nullptr;
@@ -138,6 +140,10 @@ CudaTrainBackend::CudaTrainBackend(int device, const TargetModel& target, const 
   if (cfg.domino.enabled) {
     in_->domino_tok = make_staged(a, kInputDominoGruTok, NK * sizeof(int32_t));
     in_->domino_lambda = make_staged(a, kInputDominoLambda, sizeof(double));
+  }
+  if (cfg.dflash2.enabled) {
+    in_->dflash2_prev = make_staged(a, kInputDflash2Prev, NK * sizeof(int32_t));
+    in_->dflash2_alpha = make_staged(a, kInputDflash2Alpha, sizeof(double));
   }
   const char* pool = "workspace.op_scratch";
   const uint64_t pool_bytes = a.planned_bytes(pool);
@@ -231,6 +237,12 @@ void CudaTrainBackend::enqueue_drafter(int64_t T, int64_t NK) {
     di.domino_gru_tok = static_cast<int32_t*>(in_->domino_tok.dev);
     di.domino_lambda = static_cast<double*>(in_->domino_lambda.dev);
   }
+  if (cfg_.dflash2.enabled) {
+    in_->dflash2_prev.upload<int32_t>(s, 0, NK);
+    in_->dflash2_alpha.upload<double>(s, 0, 1);
+    di.dflash2_prev = static_cast<int32_t*>(in_->dflash2_prev.dev);
+    di.dflash2_alpha = static_cast<double*>(in_->dflash2_alpha.dev);
+  }
   drafter_->forward_backward(di, 1.0);  // unscaled: the step's 1/Σw is applied by adamw()
 }
 
@@ -273,6 +285,10 @@ std::unique_ptr<TargetFeatures> CudaTrainBackend::forward_taps(const DrafterBatc
     const DominoRowIndex x = domino_row_index(cfg_, b, NK);
     in_->domino_tok.fill(x.gru_tok);
     in_->domino_lambda.fill(std::vector<double>{x.lambda});
+  }
+  if (cfg_.dflash2.enabled) {  // teacher-forced predecessors; α_sel read on the device
+    in_->dflash2_prev.fill(dflash2_prev_tokens(b, NK, cfg_.vocab_size));
+    in_->dflash2_alpha.fill(std::vector<double>{b.objective.dflash2_selector_alpha});
   }
   staged_T_ = T;
   staged_NK_ = NK;

@@ -43,6 +43,13 @@ void plan_domino_inputs(ArenaPlanner& p, const DrafterConfig& drafter, uint64_t 
   p.add(kInputDominoGruTok, kGroupInputs, NK * 4, step_all_phases());
   p.add(kInputDominoLambda, kGroupInputs, sizeof(double), step_all_phases());
 }
+// The predecessor tokens and α_sel of a DFlash2 step (model/dflash2_head_cuda.hpp), staged as
+// inputs.
+void plan_dflash2_inputs(ArenaPlanner& p, const DrafterConfig& drafter, uint64_t NK) {
+  if (!drafter.dflash2.enabled) return;
+  p.add(kInputDflash2Prev, kGroupInputs, NK * 4, step_all_phases());
+  p.add(kInputDflash2Alpha, kGroupInputs, sizeof(double), step_all_phases());
+}
 }  // namespace
 
 TrainMemoryPlan plan_train_memory(const ModelConfig& target, const DrafterConfig& drafter,
@@ -82,6 +89,7 @@ TrainMemoryPlan plan_train_memory(const ModelConfig& target, const DrafterConfig
   p.add("inputs.weights", kGroupInputs, NK * 4, all);
   plan_dspark_inputs(p, drafter, NK);
   plan_domino_inputs(p, drafter, NK);
+  plan_dflash2_inputs(p, drafter, NK);
   plan.arena = p.finish();
   return plan;
 }
@@ -183,6 +191,7 @@ TrainMemoryPlan plan_drafter_worker_memory(const ModelConfig& target, const Draf
   p.add("inputs.weights", kGroupInputs, NK * 4, all);
   plan_dspark_inputs(p, drafter, NK);
   plan_domino_inputs(p, drafter, NK);
+  plan_dflash2_inputs(p, drafter, NK);
   plan.arena = p.finish();
   return plan;
 }

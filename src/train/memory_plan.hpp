@@ -106,6 +106,11 @@ inline constexpr const char* kInputDsparkW1Seg = "inputs.dspark_w1_seg";
 /// f64), in the plans of a drafter step (Domino drafters only).
 inline constexpr const char* kInputDominoGruTok = "inputs.domino_gru_tok";
 inline constexpr const char* kInputDominoLambda = "inputs.domino_lambda";
+/// Names of a DFlash2 step's staged inputs (dflash2_prev_tokens [NK] int32, the step's α_sel [1]
+/// f64: dflash2_selector_alpha on the device, so that a replayed graph reads each step's), in the
+/// plans of a drafter step (DFlash2 drafters only).
+inline constexpr const char* kInputDflash2Prev = "inputs.dflash2_prev";
+inline constexpr const char* kInputDflash2Alpha = "inputs.dflash2_alpha";
 
 /// Name and group of the tap features in a plan of the target forward alone.
 inline constexpr const char* kTargetOnlyFeatures = "taps.features";

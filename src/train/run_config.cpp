@@ -419,10 +419,6 @@ void RunConfig::validate() const {
                "training.dpace_alpha must be in [0, 1], got {}", training.dpace_alpha);
   dspark_heads_of(training);   // or that no DSpark key is set for dflash
   dflash2_heads_of(training);  // the DFlash2 keys, or that none is set for another objective
-  DFLASH_CHECK(runtime.backend != "cuda" || training.objective != "dflash2",
-               "training.objective dflash2 is implemented on the cpu backend only "
-               "(runtime.backend: cuda has no DFlash2 conv or selector yet); use runtime.backend: "
-               "cpu");
   domino_head_of(training);  // the Domino keys, or that none is set for another objective
   DFLASH_CHECK(runtime.backend == "cpu" || runtime.backend == "cuda",
                "runtime.backend must be cpu or cuda, got '{}'", runtime.backend);

@@ -11,18 +11,11 @@
 
 namespace dflash {
 
-void cuda_check_objective(const DrafterConfig& cfg) {
-  DFLASH_CHECK(!cfg.dflash2.enabled,
-               "training.objective dflash2 is implemented on the cpu backend only "
-               "(runtime.backend: cuda has no DFlash2 conv, selector or loss yet)");
-}
-
 TrainBackend train_backend_create(const TrainBackendOptions& opts, const TargetModel& target,
                                   const DrafterConfig& cfg, const DrafterLayout& layout) {
   train_backend_check(opts);
   if (opts.backend == "cpu") return cpu_train_backend_create(opts, target, cfg, layout);
   if (opts.backend == "cuda") {
-    cuda_check_objective(cfg);
     return cuda_train_backend_create(opts, target, cfg, layout);
   }
   fail("runtime.backend '{}' is not known (cpu or cuda)", opts.backend);
@@ -39,7 +32,6 @@ std::unique_ptr<TargetStage> target_stage_create(const TrainBackendOptions& opts
                                                  const DrafterConfig& cfg) {
   if (opts.backend == "cpu") return cpu_target_stage_create(target, cfg);
   if (opts.backend == "cuda") {
-    cuda_check_objective(cfg);
     return cuda_target_stage_create(opts, device, target, cfg);
   }
   fail("runtime.backend '{}' is not known (cpu or cuda)", opts.backend);
@@ -57,7 +49,6 @@ std::unique_ptr<DrafterStage> drafter_stage_create(const TrainBackendOptions& op
     return cpu_drafter_stage_create(opts, target, cfg, layout, std::move(member));
   }
   if (opts.backend == "cuda") {
-    cuda_check_objective(cfg);
     return cuda_drafter_stage_create(opts, device, target, cfg, layout, group, replica);
   }
   fail("runtime.backend '{}' is not known (cpu or cuda)", opts.backend);

@@ -185,10 +185,6 @@ struct TrainBackend {
 TrainBackend train_backend_create(const TrainBackendOptions& opts, const TargetModel& target,
                                   const DrafterConfig& cfg, const DrafterLayout& layout);
 
-/// Throws dflash::Error naming training.objective when `cfg` is a DSpark or DFlash2 drafter: the
-/// CUDA stages (the train backend, the pipeline's GPU stages) compute the dflash objective only.
-/// train_backend_create and the stage factories call it for cuda before creating anything.
-void cuda_check_objective(const DrafterConfig& cfg);
 /// Checks, before anything is loaded, that `opts` names a backend this build has and devices that
 /// exist; throws dflash::Error naming runtime.backend or runtime.devices otherwise.
 void train_backend_check(const TrainBackendOptions& opts);

@@ -123,6 +123,7 @@ void run(double m, double cap, bool stop, uint32_t seed) {
   a.labels = device_copy(ctx, keep, b.targets.labels);
   a.weights = device_copy(ctx, keep, b.targets.weights);
   a.prev = device_copy(ctx, keep, dflash2_prev_tokens(b, R, V));
+  a.alpha = device_copy(ctx, keep, std::vector<double>{obj.dflash2_selector_alpha});
   a.dhf = device_copy(ctx, keep, std::vector<float>(sz(R * H), 0.0f));
   a.argmax = device_copy(ctx, keep, std::vector<int32_t>(sz(R), 0));
   a.sums = device_copy(ctx, keep, std::vector<double>(5, 0.0));

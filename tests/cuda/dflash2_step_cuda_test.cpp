@@ -192,6 +192,8 @@ struct Step {
     in.objective = whole.objective;
     if (cfg.dflash2.enabled) {
       in.dflash2_prev = device_copy(ctx, keep, dflash2_prev_tokens(whole, NK, cfg.vocab_size));
+      in.dflash2_alpha =
+          device_copy(ctx, keep, std::vector<double>{whole.objective.dflash2_selector_alpha});
     }
     Out first;
     for (int k = 0; k < runs; ++k) {

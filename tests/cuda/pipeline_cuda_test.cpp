@@ -124,8 +124,8 @@ std::string master_bytes(const fs::path& ckpt) {
 namespace {
 
 // A target stage and a drafter stage against the one-context CudaTrainBackend over 3 steps of
-// `obj` (Domino: λ changes every step, as the trainer sets it): the same sums, metrics, gradient
-// norm and state bit for bit.
+// `obj` (Domino's λ and DFlash2's α_sel change every step, as the trainer sets them): the same
+// sums, metrics, gradient norm and state bit for bit.
 void expect_split_stages_match_one_context(const DrafterConfig& cfg, Objective obj) {
   const DrafterLayout layout(cfg);
   TrainBackendOptions opts;
@@ -145,6 +145,7 @@ void expect_split_stages_match_one_context(const DrafterConfig& cfg, Objective o
   drafter->load_state(s0);
   for (uint32_t step = 0; step < 3; ++step) {
     obj.domino_lambda = obj.domino() ? 1.0 - 0.4 * step : 0.0;
+    obj.dflash2_selector_alpha = obj.dflash2() ? 0.5 * step : 0.0;  // 0 (captured), 0.5, 1
     const DrafterBatch b = make_batch(100 + step, obj);
     const auto f1 = one.forward_taps(b);
     one.step(b, *f1);
@@ -189,6 +190,19 @@ TEST(PipelineCuda, DominoSplitStagesComputeWhatTheOneContextBackendComputes) {
   Objective obj;
   obj.kind = ObjectiveKind::domino;
   obj.domino_shift_label = true;
+  expect_split_stages_match_one_context(cfg, obj);
+}
+
+// The same for training.objective dflash2 (conv T 2 over groups of 16, selector r 8, top-64):
+// the stage's captured graphs read each step's predecessor tokens and α_sel from the device, as
+// CudaTrainBackend's.
+TEST(PipelineCuda, Dflash2SplitStagesComputeWhatTheOneContextBackendComputes) {
+  DFLASH_REQUIRE_GPU();
+  DrafterConfig cfg = tiny_drafter();
+  cfg.dflash2 = Dflash2Heads{true, 2, 16, 8, 64, 1.0, 0.0};
+  cfg.validate();
+  Objective obj;
+  obj.kind = ObjectiveKind::dflash2;
   expect_split_stages_match_one_context(cfg, obj);
 }
 

@@ -1,11 +1,13 @@
 // `dflash train` on the CUDA backend (runtime.backend: cuda): an interrupted and resumed GPU run
 // equals an uninterrupted one bit for bit (the device step is deterministic and the checkpoint
-// holds the whole state), replayed CUDA graphs give the same bits as the op-by-op path, and the GPU run's loss follows the CPU run's from the same seed (same
-// batches, same anchors) within 2 % at every step. Tiny runs: a 200-conversation slice of the
-// corpus, two 256-token rows per step, 2 anchors per document.
+// holds the whole state), replayed CUDA graphs give the same bits as the op-by-op path, and the GPU
+// run's loss follows the CPU run's from the same seed (same batches, same anchors) within 2 % at
+// every step; the same for each objective (dspark, domino, dflash2) with its own terms. Tiny runs:
+// a 200-conversation slice of the corpus, two 256-token rows per step, 2 anchors per document.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -117,47 +119,74 @@ TEST(TrainerCuda, ResumedRunIsBitIdenticalAndFollowsTheCpuRun) {
 
 namespace {
 
-// training.objective dspark on the CUDA backend with the DSpark options `dspark`: an interrupted
-// and resumed run equals an uninterrupted one bit for bit (the heads' parameters and moments are
-// in the checkpoint with the rest), metrics.jsonl carries the DSpark terms, and the loss follows
-// the CPU run's within 2 % at every step.
-void expect_dspark_resumes_and_follows_cpu(const std::vector<std::string>& dspark) {
-  test::TempDir tmp;
+// The metrics of the runs of expect_resumes_and_follows_cpu, for an objective's own checks.
+struct RunMetrics {
+  std::vector<json> gpu, cpu;  // the uninterrupted CUDA run's (graphs on) and the CPU run's
+};
+
+// 6-step runs of training with `overrides` (an objective and its keys) in `dir`: on the CUDA
+// backend an interrupted (at step 3) and resumed run equals an uninterrupted one bit for bit (the
+// master weights of checkpoint-6, and the metrics `keys` at every step: every parameter of the
+// objective and its moments are in the checkpoint), the run enqueued op by op without graphs gives
+// the same master bits, and the loss follows the CPU run's (same seed, batches and anchors) within
+// 2 % at every step. Returns the CUDA run's and the CPU run's metrics.
+RunMetrics expect_resumes_and_follows_cpu(const fs::path& dir,
+                                          const std::vector<std::string>& overrides,
+                                          const std::vector<std::string>& keys) {
   TrainOptions a;
-  a.config = config_for(tmp / "a", 6, "cuda", true, dspark);
+  a.config = config_for(dir / "a", 6, "cuda", true, overrides);
   EXPECT_EQ(train(a).steps_done, 6);
   TrainOptions b;
-  b.config = config_for(tmp / "b", 6, "cuda", true, dspark);
+  b.config = config_for(dir / "b", 6, "cuda", true, overrides);
   b.halt_at_step = 3;
   EXPECT_TRUE(train(b).interrupted);
   TrainOptions c;
-  c.config = RunConfig::load((tmp / "b" / "config.resolved.yaml").string());
-  c.resume_dir = (tmp / "b").string();
+  c.config = RunConfig::load((dir / "b" / "config.resolved.yaml").string());
+  c.resume_dir = (dir / "b").string();
   EXPECT_EQ(train(c).steps_done, 6);
-  EXPECT_EQ(master_bytes(tmp / "a" / "checkpoint-6"), master_bytes(tmp / "b" / "checkpoint-6"));
-  const auto ma = metrics(tmp / "a"), mb = metrics(tmp / "b");
-  ASSERT_EQ(ma.size(), 6u);
-  ASSERT_EQ(mb.size(), 6u);
-  for (size_t i = 0; i < ma.size(); ++i) {
-    for (const char* k : {"loss", "dspark_ce", "dspark_l1", "dspark_bce", "dspark_acc"}) {
-      ASSERT_TRUE(ma[i].contains(k)) << k;
-      EXPECT_EQ(ma[i][k].get<double>(), mb[i][k].get<double>()) << k << " step " << i + 1;
+  EXPECT_EQ(master_bytes(dir / "a" / "checkpoint-6"), master_bytes(dir / "b" / "checkpoint-6"));
+  RunMetrics m;
+  m.gpu = metrics(dir / "a");
+  const auto mb = metrics(dir / "b");
+  EXPECT_EQ(m.gpu.size(), 6u);
+  EXPECT_EQ(mb.size(), 6u);
+  for (size_t i = 0; i < std::min(m.gpu.size(), mb.size()); ++i) {
+    for (const std::string& k : keys) {
+      EXPECT_TRUE(m.gpu[i].contains(k) && mb[i].contains(k)) << k;
+      if (!m.gpu[i].contains(k) || !mb[i].contains(k)) continue;
+      EXPECT_EQ(m.gpu[i][k].get<double>(), mb[i][k].get<double>()) << k << " step " << i + 1;
     }
-    const double acc = ma[i]["dspark_acc"].get<double>();
-    EXPECT_TRUE(acc >= 0.0 && acc <= 1.0) << acc;
   }
+  TrainOptions d;  // enqueued op by op: the same bits as the replayed graphs
+  d.config = config_for(dir / "d", 6, "cuda", false, overrides);
+  EXPECT_EQ(train(d).steps_done, 6);
+  EXPECT_EQ(master_bytes(dir / "a" / "checkpoint-6"), master_bytes(dir / "d" / "checkpoint-6"));
   TrainOptions cpu;
-  cpu.config = config_for(tmp / "cpu", 6, "cpu", true, dspark);
+  cpu.config = config_for(dir / "cpu", 6, "cpu", true, overrides);
   EXPECT_EQ(train(cpu).steps_done, 6);
-  const auto mc = metrics(tmp / "cpu");
-  ASSERT_EQ(mc.size(), 6u);
-  for (size_t i = 0; i < mc.size(); ++i) {
-    const double lc = mc[i]["loss"].get<double>(), lg = ma[i]["loss"].get<double>();
+  m.cpu = metrics(dir / "cpu");
+  EXPECT_EQ(m.cpu.size(), 6u);
+  for (size_t i = 0; i < std::min(m.cpu.size(), m.gpu.size()); ++i) {
+    const double lc = m.cpu[i]["loss"].get<double>(), lg = m.gpu[i]["loss"].get<double>();
     EXPECT_NEAR(lg, lc, 0.02 * lc) << "step " << i + 1;
-    const double ac = mc[i]["dspark_acc"].get<double>(), ag = ma[i]["dspark_acc"].get<double>();
+    std::printf("step %zu: loss cpu %.5f gpu %.5f\n", i + 1, lc, lg);
+  }
+  return m;
+}
+
+// training.objective dspark on the CUDA backend with the DSpark options `dspark`: resumed, without
+// graphs and against the CPU run as expect_resumes_and_follows_cpu, metrics.jsonl carrying the
+// DSpark terms, the draft accuracy in [0, 1] and within 0.02 of the CPU run's.
+void expect_dspark_resumes_and_follows_cpu(const std::vector<std::string>& dspark) {
+  test::TempDir tmp;
+  const RunMetrics m = expect_resumes_and_follows_cpu(
+      tmp.path(), dspark, {"loss", "dspark_ce", "dspark_l1", "dspark_bce", "dspark_acc"});
+  for (size_t i = 0; i < std::min(m.cpu.size(), m.gpu.size()); ++i) {
+    const double ac = m.cpu[i]["dspark_acc"].get<double>();
+    const double ag = m.gpu[i]["dspark_acc"].get<double>();
+    EXPECT_TRUE(ag >= 0.0 && ag <= 1.0) << ag;
     EXPECT_NEAR(ag, ac, 0.02) << "step " << i + 1;
-    std::printf("step %zu: dspark loss cpu %.5f gpu %.5f, acc cpu %.4f gpu %.4f\n", i + 1, lc, lg,
-                ac, ag);
+    std::printf("step %zu: dspark acc cpu %.4f gpu %.4f\n", i + 1, ac, ag);
   }
 }
 
@@ -180,51 +209,98 @@ TEST(TrainerCuda, DsparkRnnHeadResumedRunIsBitIdenticalAndFollowsTheCpuRun) {
 }
 
 // training.objective domino on the CUDA backend (shift_label true, P 1): λ decays from 1 to 0
-// within the run (read on the device, so a replayed graph sees each step's), an interrupted and
-// resumed run equals an uninterrupted one bit for bit (the head's parameters and moments are in
-// the checkpoint with the rest), the run without graphs gives the same bits, and the loss follows
-// the CPU run's within 2 % at every step.
+// within the run (read on the device, so a replayed graph sees each step's); resumed, without
+// graphs and against the CPU run as expect_resumes_and_follows_cpu, with Domino's two CE terms,
+// CE(F) within 2 % of the CPU run's.
 TEST(TrainerCuda, DominoResumedRunIsBitIdenticalAndFollowsTheCpuRun) {
   DFLASH_REQUIRE_GPU();
-  const std::vector<std::string> domino = {
-      "training.objective=domino", "training.emb_dim=16", "training.gru_hidden_dim=24",
-      "training.pure_draft_prefix_len=1", "training.shift_label=true"};
   test::TempDir tmp;
-  TrainOptions a;
-  a.config = config_for(tmp / "a", 6, "cuda", true, domino);
-  EXPECT_EQ(train(a).steps_done, 6);
+  const RunMetrics m = expect_resumes_and_follows_cpu(
+      tmp.path(),
+      {"training.objective=domino", "training.emb_dim=16", "training.gru_hidden_dim=24",
+       "training.pure_draft_prefix_len=1", "training.shift_label=true"},
+      {"loss", "domino_ce_final", "domino_ce_base"});
+  for (size_t i = 0; i < std::min(m.cpu.size(), m.gpu.size()); ++i) {
+    const double fc = m.cpu[i]["domino_ce_final"].get<double>();
+    EXPECT_NEAR(m.gpu[i]["domino_ce_final"].get<double>(), fc, 0.02 * fc) << "step " << i + 1;
+  }
+}
+
+namespace {
+
+// DFlash2 in the tiny runs: conv of 2 taps over groups of 16 channels (H 384), a selector of rank
+// 8 over the top-512 of 8192 (wide enough that golds land among the candidates from the first
+// steps), α_sel `alpha` after a warmup of 0.34 · 6 steps (steps 1 and 2 at α 0, 3 to 6 at α: no
+// ramp).
+std::vector<std::string> dflash2_overrides(double alpha) {
+  return {"training.objective=dflash2",
+          "training.conv_kernel_size=2",
+          "training.conv_group_size=16",
+          "training.selector_rank=8",
+          "training.selector_top_k=512",
+          fmt::format("training.dflash2_selector_loss_alpha={}", alpha),
+          "training.dflash2_selector_warmup_ratio=0.34",
+          "training.dflash2_selector_ramp_ratio=0"};
+}
+
+// A run with `overrides` halted after step 3 on `first` backend, resumed on `second`; returns its
+// metrics.
+std::vector<json> halted_and_resumed(const fs::path& dir, const std::vector<std::string>& overrides,
+                                     const std::string& first, const std::string& second) {
   TrainOptions b;
-  b.config = config_for(tmp / "b", 6, "cuda", true, domino);
+  b.config = config_for(dir, 6, first, true, overrides);
   b.halt_at_step = 3;
   EXPECT_TRUE(train(b).interrupted);
   TrainOptions c;
-  c.config = RunConfig::load((tmp / "b" / "config.resolved.yaml").string());
-  c.resume_dir = (tmp / "b").string();
+  c.config = RunConfig::load((dir / "config.resolved.yaml").string());
+  c.config.runtime.backend = second;
+  c.resume_dir = dir.string();
   EXPECT_EQ(train(c).steps_done, 6);
-  EXPECT_EQ(master_bytes(tmp / "a" / "checkpoint-6"), master_bytes(tmp / "b" / "checkpoint-6"));
-  const auto ma = metrics(tmp / "a"), mb = metrics(tmp / "b");
-  ASSERT_EQ(ma.size(), 6u);
-  ASSERT_EQ(mb.size(), 6u);
-  for (size_t i = 0; i < ma.size(); ++i) {
-    for (const char* k : {"loss", "domino_ce_final", "domino_ce_base"}) {
-      ASSERT_TRUE(ma[i].contains(k)) << k;
-      EXPECT_EQ(ma[i][k].get<double>(), mb[i][k].get<double>()) << k << " step " << i + 1;
-    }
+  return metrics(dir);
+}
+
+}  // namespace
+
+// training.objective dflash2 on the CUDA backend: resumed, without graphs and against the CPU run
+// as expect_resumes_and_follows_cpu (the conv's β and W_kp per sublayer and the selector's A, Bs
+// and P_h are in the checkpoint with their moments). α_sel's schedule reaches the device: the
+// warmup's steps have no selector term (the same loss bits as a run at α 0), and at step 3, the
+// first after the warmup (the same weights in both runs), the loss rises over the α-0 run's by
+// α·CE_sel, as much as on the CPU (a graph that kept the warmup's α would add nothing). A CUDA
+// checkpoint resumes on the CPU backend and a CPU one on the CUDA backend, the steps after
+// following the CPU run.
+TEST(TrainerCuda, Dflash2ResumedRunIsBitIdenticalAndFollowsTheCpuRun) {
+  DFLASH_REQUIRE_GPU();
+  test::TempDir tmp;
+  const RunMetrics m =
+      expect_resumes_and_follows_cpu(tmp.path(), dflash2_overrides(1.0), {"loss", "accuracy"});
+  ASSERT_EQ(m.gpu.size(), 6u);
+  ASSERT_EQ(m.cpu.size(), 6u);
+  TrainOptions g0, c0;  // α 0 throughout
+  g0.config = config_for(tmp / "gpu0", 6, "cuda", true, dflash2_overrides(0.0));
+  c0.config = config_for(tmp / "cpu0", 6, "cpu", true, dflash2_overrides(0.0));
+  EXPECT_EQ(train(g0).steps_done, 6);
+  EXPECT_EQ(train(c0).steps_done, 6);
+  const auto mg0 = metrics(tmp / "gpu0"), mc0 = metrics(tmp / "cpu0");
+  ASSERT_EQ(mg0.size(), 6u);
+  ASSERT_EQ(mc0.size(), 6u);
+  auto loss = [](const std::vector<json>& r, size_t step) {
+    return r[step - 1]["loss"].get<double>();
+  };
+  for (const size_t step : {size_t{1}, size_t{2}}) {
+    EXPECT_EQ(loss(m.gpu, step), loss(mg0, step)) << "step " << step << " is in the warmup";
   }
-  TrainOptions d;  // enqueued op by op: the same bits as the replayed graphs
-  d.config = config_for(tmp / "d", 6, "cuda", false, domino);
-  EXPECT_EQ(train(d).steps_done, 6);
-  EXPECT_EQ(master_bytes(tmp / "a" / "checkpoint-6"), master_bytes(tmp / "d" / "checkpoint-6"));
-  TrainOptions cpu;
-  cpu.config = config_for(tmp / "cpu", 6, "cpu", true, domino);
-  EXPECT_EQ(train(cpu).steps_done, 6);
-  const auto mc = metrics(tmp / "cpu");
-  ASSERT_EQ(mc.size(), 6u);
-  for (size_t i = 0; i < mc.size(); ++i) {
-    const double lc = mc[i]["loss"].get<double>(), lg = ma[i]["loss"].get<double>();
-    EXPECT_NEAR(lg, lc, 0.02 * lc) << "step " << i + 1;
-    const double fc = mc[i]["domino_ce_final"].get<double>();
-    EXPECT_NEAR(ma[i]["domino_ce_final"].get<double>(), fc, 0.02 * fc) << "step " << i + 1;
-    std::printf("step %zu: domino loss cpu %.5f gpu %.5f\n", i + 1, lc, lg);
+  const double sel_gpu = loss(m.gpu, 3) - loss(mg0, 3), sel_cpu = loss(m.cpu, 3) - loss(mc0, 3);
+  std::printf("step 3: alpha_sel * CE_sel cpu %.5f gpu %.5f\n", sel_cpu, sel_gpu);
+  EXPECT_GT(sel_cpu, 0.01 * loss(m.cpu, 3));  // the test's precondition: a visible selector term
+  EXPECT_NEAR(sel_gpu, sel_cpu, 0.1 * sel_cpu);
+  // Across backends: the resumed steps follow the CPU run.
+  const auto to_cpu = halted_and_resumed(tmp / "to_cpu", dflash2_overrides(1.0), "cuda", "cpu");
+  const auto to_gpu = halted_and_resumed(tmp / "to_gpu", dflash2_overrides(1.0), "cpu", "cuda");
+  ASSERT_EQ(to_cpu.size(), 6u);
+  ASSERT_EQ(to_gpu.size(), 6u);
+  for (size_t step = 4; step <= 6; ++step) {
+    EXPECT_NEAR(loss(to_cpu, step), loss(m.cpu, step), 0.02 * loss(m.cpu, step)) << step;
+    EXPECT_NEAR(loss(to_gpu, step), loss(m.cpu, step), 0.02 * loss(m.cpu, step)) << step;
   }
 }

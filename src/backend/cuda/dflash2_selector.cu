@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(kThreads)
   const float base = mx + logf(z) - u[y];
   // The selector term.
   float sel = 0.f, found = 0.f;
-  const float scale = in.grad_scale * in.alpha * w;
+  const float scale = in.grad_scale * static_cast<float>(*in.alpha) * w;
   bool grad_sel = false;
   if (term) {
     top_k(u, V, K, sh);
@@ -349,8 +349,9 @@ int key_bits(int64_t V) {
 }
 
 __global__ void sums_kernel(double* sums, Dflash2SelRows rows, const float* weights, int64_t R,
-                            double alpha) {
+                            const double* alpha_in) {
   __shared__ double sh[kThreads / 32];
+  const double alpha = *alpha_in;
   double loss = 0, ws = 0, base = 0, sel = 0, hit = 0;
   for (int64_t i = threadIdx.x; i < R; i += kThreads) {
     const double w = weights[i];
@@ -421,7 +422,7 @@ void dflash2_keyed_scatter(float* grad, const int32_t* keys, const float* coef, 
 }
 
 void dflash2_sums(double* sums, const Dflash2SelRows& rows, const float* weights, int64_t R,
-                  double alpha, cudaStream_t s) {
+                  const double* alpha, cudaStream_t s) {
   sums_kernel<<<1, kThreads, 0, s>>>(sums, rows, weights, R, alpha);
   DFLASH_CUDA_LAUNCH_CHECK();
 }

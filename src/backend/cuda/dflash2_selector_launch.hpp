@@ -28,7 +28,10 @@ struct Dflash2SelIn {
   const float *A = nullptr, *Bs = nullptr, *Ph = nullptr;  ///< f32 [V, r], [V, r], [r, H]
   int64_t n = 0, V = 0, H = 0, r = 0;
   int K = 0;
-  float m = 1, cap = 0, grad_scale = 0, alpha = 0;
+  float m = 1, cap = 0, grad_scale = 0;
+  /// [1] α_sel on the device (read by the kernel, so that a replayed CUDA graph uses each step's;
+  /// cast to f32 as the CPU step's scale).
+  const double* alpha = nullptr;
   bool stop = false;      ///< stop_gradient: no ∂ū (and no ∂h) from the selector
   bool with_base = true;  ///< dl includes the base CE's gradient (false: the fused CE's job)
 };
@@ -75,8 +78,8 @@ void dflash2_keyed_scatter(float* grad, const int32_t* keys, const float* coef, 
                            size_t sort_bytes, cudaStream_t s);
 
 /// sums[0..4] = Σ w·base, Σ w, Σ w·sel, Σ w·in_topk, Σ w·(base + α·sel) over the R rows, in
-/// double, in a fixed order (one block).
+/// double, in a fixed order (one block); α = *alpha, read on the device.
 void dflash2_sums(double* sums, const Dflash2SelRows& rows, const float* weights, int64_t R,
-                  double alpha, cudaStream_t s);
+                  const double* alpha, cudaStream_t s);
 
 }  // namespace dflash::cuda::launch
