@@ -4,8 +4,8 @@
 //
 // Invariants: every matrix is row-major with a leading dimension (elements between consecutive
 // rows) ≥ its stored column count. D = alpha·op(A)·op(B) + beta·C: D is OVERWRITTEN when
-// beta = 0 and ACCUMULATES (D += alpha·op(A)·op(B) for beta = 1, C = D) otherwise. The call is
-// enqueued on the context's stream and uses its workspace; it allocates nothing once the
+// beta = 0 (C not read); beta = 1 with C = D (no c_in) ACCUMULATES, D += alpha·op(A)·op(B). The
+// call is enqueued on the context's stream and uses its workspace; it allocates nothing once the
 // shape's plan is cached. Deterministic: the same inputs give the same bits (a fixed algorithm
 // per shape, from the measured plan table ops/gemm_plan_table.hpp or cuBLASLt's heuristic, and
 // no atomic split-K reductions). No CPU entry point: the CPU backend multiplies through
@@ -28,7 +28,7 @@ class CudaContext;
 /// (op(A) = Aᵀ); B is stored [K,N] with ldb, or [N,K] when trans_b (op(B) = Bᵀ, the
 /// torch.nn.Linear weight layout: y = x·Wᵀ is trans_b with B = W). Dtypes: A and B are bf16 (raw
 /// bits); D (`d`) and C are `c_dtype`, DType::f32 or DType::bf16, both with leading dimension ldc;
-/// alpha, beta and the accumulation are fp32 (bf16 D is rounded to nearest even once, at the end).
+/// alpha, beta and the accumulation are fp32 (a bf16 D is rounded once, from the fp32 result).
 /// C is `c_in` when given (read only, the layout of D, must not overlap D: a residual added in the
 /// epilogue, y = x + A·B, without a copy of x first), else D itself (in place); C is not read
 /// when beta = 0. M, N or K may be 1; M = 0 or N = 0 does nothing. Errors (dflash::Error, the
