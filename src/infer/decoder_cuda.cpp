@@ -13,13 +13,13 @@
 #include <limits>
 
 #include "backend/cuda/check.hpp"
-#include "backend/cuda/gemm.hpp"
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "ops/decode.hpp"
 #include "ops/decode_fused.hpp"
 #include "ops/embedding.hpp"
 #include "ops/fill.hpp"
+#include "ops/gemm.hpp"
 #include "ops/linear.hpp"
 #include "ops/rmsnorm.hpp"
 #include "ops/rope.hpp"
@@ -359,8 +359,8 @@ void SpeculativeDecoderCuda::target_logits(int64_t first_row, int64_t rows, int6
   const int64_t H = tcfg_.hidden_size, V = tcfg_.vocab_size;
   rmsnorm_fwd_cuda(ctx_, fnorm_, static_cast<float*>(nullptr), target_->residual() + first_row * H,
                    final_norm_, rows, H, tcfg_.rms_norm_eps);
-  cuda::gemm_bf16(ctx_, logits_, DType::f32, V, fnorm_, H, false, target_->lm_head(), H, true,
-                  gemm_rows, V, H);
+  gemm_bf16_cuda(ctx_, logits_, DType::f32, V, fnorm_, H, false, target_->lm_head(), H, true,
+                 gemm_rows, V, H);
 }
 
 void SpeculativeDecoderCuda::target_logits_argmax(int32_t* out, int64_t first_row, int64_t rows,
@@ -410,7 +410,7 @@ void SpeculativeDecoderCuda::draft_block(int B, int K) {
     if (row_gemm)
       decode_linear_cuda(ctx_, dh_, in, w, R, IN, H, true);
     else
-      cuda::gemm_bf16(ctx_, dh_, DType::f32, H, in, IN, false, w, IN, true, R, H, IN, 1.0f, 1.0f);
+      gemm_bf16_cuda(ctx_, dh_, DType::f32, H, in, IN, false, w, IN, true, R, H, IN, 1.0f, 1.0f);
   };
   embedding_fwd_cuda(ctx_, dh_, target_->embed(), block_, R, V, H);
   for (size_t l = 0; l < dlayers_.size(); ++l) {
@@ -431,8 +431,8 @@ void SpeculativeDecoderCuda::draft_block(int B, int K) {
     project_into_h(dact_, d.wdown, Id);
   }
   rmsnorm_fwd_cuda(ctx_, fnorm_, static_cast<float*>(nullptr), dh_, dnorm_, R, H, eps);
-  cuda::gemm_bf16(ctx_, logits_, DType::f32, V, fnorm_, H, false, target_->lm_head(), H, true, R, V,
-                  H);
+  gemm_bf16_cuda(ctx_, logits_, DType::f32, V, fnorm_, H, false, target_->lm_head(), H, true, R, V,
+                 H);
   if (!sampled_) {
     draft_propose_cuda(ctx_, block_, logits_, B, K, V);
     return;

@@ -1,6 +1,6 @@
 // dflash.cpp — the Domino head on the CUDA backend (see domino_head_cuda.hpp). The row index and
 // the sizes are host code (built and tested without a GPU); the step runs cuBLASLt GEMMs
-// (backend/cuda/gemm) and the kernels of backend/cuda/domino_head.cu on the context's stream.
+// (ops/gemm.hpp) and the kernels of backend/cuda/domino_head.cu on the context's stream.
 #include "model/domino_head_cuda.hpp"
 
 #include <algorithm>
@@ -11,7 +11,7 @@
 #include "backend/cuda/check.hpp"
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/domino_head_launch.hpp"
-#include "backend/cuda/gemm.hpp"
+#include "ops/gemm.hpp"
 #endif
 
 namespace dflash {
@@ -157,25 +157,25 @@ void chunk_forward(cuda::CudaContext& ctx, const DrafterConfig& cfg, const Domin
   cudaStream_t s = ctx.stream();
   const uint16_t* hf = a.hf + r0 * H;
   // U [n, V] = hf·LMheadᵀ
-  cuda::gemm_bf16(ctx, k.u, DType::f32, V, hf, H, false, a.lm_head, H, true, n, V, H);
+  gemm_bf16_cuda(ctx, k.u, DType::f32, V, hf, H, false, a.lm_head, H, true, n, V, H);
   // XI [n, 3G] = E·W_ihᵀ over the rows that hold a GRU input (zero rows elsewhere).
   cuda::launch::domino_gather_rows(k.xe, a.embed, a.gru_tok + r0, n, H, s);
-  cuda::gemm_bf16(ctx, k.xi, DType::f32, 3 * G, k.xe, H, false, w.w_ih, H, true, n, 3 * G, H);
+  gemm_bf16_cuda(ctx, k.xi, DType::f32, 3 * G, k.xe, H, false, w.w_ih, H, true, n, 3 * G, H);
   // The recurrence: rows without a state stay 0 (they feed the GEMMs below).
   DFLASH_CUDA_CHECK(cudaMemsetAsync(k.g, 0, u(n * G) * 4, s));
   DFLASH_CUDA_CHECK(cudaMemsetAsync(k.gb, 0, u(n * G) * 2, s));
   for (int64_t j = 0; j < steps; ++j) {
     if (j > 0) {  // HH [nb, 3G] = g_{j−1}·W_hhᵀ, block b's g_{j−1} at row b·K + j − 1 + off
-      cuda::gemm_bf16(ctx, k.hh, DType::f32, 3 * G, k.gb + (j - 1 + d.off) * G, K * G, false,
-                      w.w_hh, G, true, d.nb, 3 * G, G);
+      gemm_bf16_cuda(ctx, k.hh, DType::f32, 3 * G, k.gb + (j - 1 + d.off) * G, K * G, false, w.w_hh,
+                     G, true, d.nb, 3 * G, G);
     }
     cuda::launch::domino_gru_fwd_step(k.g, k.gb, k.gates, k.xi, j > 0 ? k.hh : nullptr, d, j, s);
   }
   // A [n, E] = hf·W1[:, :H]ᵀ + g·W1[:, H:]ᵀ; Z = SiLU(A) on corrected slots; F = U + Z·W2ᵀ.
-  cuda::gemm_bf16(ctx, k.a, DType::f32, E, hf, H, false, w.w1, HG, true, n, E, H);
-  cuda::gemm_bf16(ctx, k.a, DType::f32, E, k.gb, G, false, w.w1 + H, HG, true, n, E, G, 1.0f, 1.0f);
+  gemm_bf16_cuda(ctx, k.a, DType::f32, E, hf, H, false, w.w1, HG, true, n, E, H);
+  gemm_bf16_cuda(ctx, k.a, DType::f32, E, k.gb, G, false, w.w1 + H, HG, true, n, E, G, 1.0f, 1.0f);
   cuda::launch::domino_silu_rows(k.z, k.a, n, E, K, cfg.domino.suffix_start(), s);
-  cuda::gemm_bf16(ctx, k.f, DType::f32, V, k.z, E, false, w.w2, E, true, n, V, E, 1.0f, 1.0f, k.u);
+  gemm_bf16_cuda(ctx, k.f, DType::f32, V, k.z, E, false, w.w2, E, true, n, V, E, 1.0f, 1.0f, k.u);
 }
 
 // Backward of one chunk from dU and dF: dhf, the head's and the GRU's weight gradients.
@@ -189,16 +189,15 @@ void chunk_backward(cuda::CudaContext& ctx, const DrafterConfig& cfg, const Domi
   const uint16_t* hf = a.hf + r0 * H;
   float* dhf = a.dhf + r0 * H;
   // dhf [n, H] = dU·LMhead; dZ [n, E] = dF·W2; dW2 [V, E] += dFᵀ·Z
-  cuda::gemm_bf16(ctx, dhf, DType::f32, H, k.du, V, false, a.lm_head, H, false, n, H, V);
-  cuda::gemm_bf16(ctx, k.dz, DType::f32, E, k.df, V, false, w.w2, E, false, n, E, V);
-  cuda::gemm_bf16(ctx, w.g2, DType::f32, E, k.df, V, true, k.z, E, false, V, E, n, 1.0f, 1.0f);
+  gemm_bf16_cuda(ctx, dhf, DType::f32, H, k.du, V, false, a.lm_head, H, false, n, H, V);
+  gemm_bf16_cuda(ctx, k.dz, DType::f32, E, k.df, V, false, w.w2, E, false, n, E, V);
+  gemm_bf16_cuda(ctx, w.g2, DType::f32, E, k.df, V, true, k.z, E, false, V, E, n, 1.0f, 1.0f);
   // dA = dZ ⊙ SiLU′(A); dhf += dA·W1[:, :H]; dg [n, G] = dA·W1[:, H:]; dW1 += dAᵀ·[hf | g]
   cuda::launch::domino_silu_bwd(k.da, k.dz, k.a, n, E, s);
-  cuda::gemm_bf16(ctx, dhf, DType::f32, H, k.da, E, false, w.w1, HG, false, n, H, E, 1.0f, 1.0f);
-  cuda::gemm_bf16(ctx, k.dg, DType::f32, G, k.da, E, false, w.w1 + H, HG, false, n, G, E);
-  cuda::gemm_bf16(ctx, w.g1, DType::f32, HG, k.da, E, true, hf, H, false, E, H, n, 1.0f, 1.0f);
-  cuda::gemm_bf16(ctx, w.g1 + H, DType::f32, HG, k.da, E, true, k.gb, G, false, E, G, n, 1.0f,
-                  1.0f);
+  gemm_bf16_cuda(ctx, dhf, DType::f32, H, k.da, E, false, w.w1, HG, false, n, H, E, 1.0f, 1.0f);
+  gemm_bf16_cuda(ctx, k.dg, DType::f32, G, k.da, E, false, w.w1 + H, HG, false, n, G, E);
+  gemm_bf16_cuda(ctx, w.g1, DType::f32, HG, k.da, E, true, hf, H, false, E, H, n, 1.0f, 1.0f);
+  gemm_bf16_cuda(ctx, w.g1 + H, DType::f32, HG, k.da, E, true, k.gb, G, false, E, G, n, 1.0f, 1.0f);
   // The GRU backward through time; rows without a step keep dXI = dHH = 0.
   DFLASH_CUDA_CHECK(cudaMemsetAsync(k.dxi, 0, u(n * 3 * G) * 2, s));
   DFLASH_CUDA_CHECK(cudaMemsetAsync(k.dhh, 0, u(n * 3 * G) * 2, s));
@@ -207,17 +206,17 @@ void chunk_backward(cuda::CudaContext& ctx, const DrafterConfig& cfg, const Domi
     cuda::launch::domino_gru_bwd_step(k.dxi, k.dhh, k.carry, later ? k.dprev : nullptr, k.dg, k.g,
                                       k.gates, d, j, s);
     if (j > 0) {  // dprev [nb, G] = dhh_j·W_hh, block b's dhh_j at row b·K + j + off
-      cuda::gemm_bf16(ctx, k.dprev, DType::f32, G, k.dhh + (j + d.off) * 3 * G, K * 3 * G, false,
-                      w.w_hh, G, false, d.nb, G, 3 * G);
+      gemm_bf16_cuda(ctx, k.dprev, DType::f32, G, k.dhh + (j + d.off) * 3 * G, K * 3 * G, false,
+                     w.w_hh, G, false, d.nb, G, 3 * G);
     }
   }
   // dW_ih [3G, H] += dXIᵀ·E; dW_hh [3G, G] += Σ_j dhh_jᵀ·g_{j−1}: rows r of dHH with rows r − 1
   // of g (dhh is 0 where j = 0 and on rows without a step).
-  cuda::gemm_bf16(ctx, w.g_ih, DType::f32, H, k.dxi, 3 * G, true, k.xe, H, false, 3 * G, H, n, 1.0f,
-                  1.0f);
+  gemm_bf16_cuda(ctx, w.g_ih, DType::f32, H, k.dxi, 3 * G, true, k.xe, H, false, 3 * G, H, n, 1.0f,
+                 1.0f);
   if (n > 1) {
-    cuda::gemm_bf16(ctx, w.g_hh, DType::f32, G, k.dhh + 3 * G, 3 * G, true, k.gb, G, false, 3 * G,
-                    G, n - 1, 1.0f, 1.0f);
+    gemm_bf16_cuda(ctx, w.g_hh, DType::f32, G, k.dhh + 3 * G, 3 * G, true, k.gb, G, false, 3 * G, G,
+                   n - 1, 1.0f, 1.0f);
   }
 }
 

@@ -1,5 +1,5 @@
 // dflash.cpp — the DSpark head on the CUDA backend (see dspark_head_cuda.hpp). The row index is
-// host code (built and tested without a GPU); the step runs cuBLASLt GEMMs (backend/cuda/gemm)
+// host code (built and tested without a GPU); the step runs cuBLASLt GEMMs (ops/gemm.hpp)
 // and the row kernels of backend/cuda/dspark_head.cu on the context's stream.
 #include "model/dspark_head_cuda.hpp"
 
@@ -11,7 +11,7 @@
 #ifdef DFLASH_HAVE_CUDA
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/dspark_head_launch.hpp"
-#include "backend/cuda/gemm.hpp"
+#include "ops/gemm.hpp"
 #endif
 
 namespace dflash {
@@ -205,7 +205,7 @@ void latent_fwd(cuda::CudaContext& ctx, const DrafterConfig& cfg, const DrafterL
     const uint16_t* wg = a.weights_bf16 + layout.dspark.gate_w;
     L::dspark_copy_cols(b.x, X, hf, H, n, H, s);
     L::dspark_copy_cols(b.x + H, X, b.emb, r, n, r, s);
-    cuda::gemm_bf16(ctx, b.act, DType::f32, r, b.x, X, false, wg, X, true, n, r, X);
+    gemm_bf16_cuda(ctx, b.act, DType::f32, r, b.x, X, false, wg, X, true, n, r, X);
     L::dspark_gated_fwd(b.act, a.params + layout.dspark.gate_b, b.emb, b.z2, n, r, s);
     return;
   }
@@ -214,7 +214,7 @@ void latent_fwd(cuda::CudaContext& ctx, const DrafterConfig& cfg, const DrafterL
   L::dspark_copy_cols(b.x, X, nullptr, 0, n, r, s);
   L::dspark_copy_cols(b.x + r, X, b.emb, r, n, r, s);
   L::dspark_copy_cols(b.x + 2 * r, X, hf, H, n, H, s);
-  cuda::gemm_bf16(ctx, b.act, DType::f32, 3 * r, b.x, X, false, jw, X, true, n, 3 * r, X);
+  gemm_bf16_cuda(ctx, b.act, DType::f32, 3 * r, b.x, X, false, jw, X, true, n, 3 * r, X);
   L::dspark_rnn_fwd(b.act, a.params + layout.dspark.joint_b, jw, X, b.sprev, b.x, b.z2, n,
                     cfg.block_size, r, s);
 }
@@ -230,9 +230,9 @@ void latent_bwd(cuda::CudaContext& ctx, const DrafterConfig& cfg, const DrafterL
   cudaStream_t s = ctx.stream();
   const uint16_t* w2 = a.weights_bf16 + o.markov_w2;
   // dz [n, r] = dD·W2; dW2 [V, r] += dDᵀ·z
-  cuda::gemm_bf16(ctx, b.dz, DType::f32, r, dd, ldd, false, w2, r, false, n, r, V);
-  cuda::gemm_bf16(ctx, a.grads + o.markov_w2, DType::f32, r, dd, ldd, true, b.z2, 2 * r, false, V,
-                  r, n, 1.0f, 1.0f);
+  gemm_bf16_cuda(ctx, b.dz, DType::f32, r, dd, ldd, false, w2, r, false, n, r, V);
+  gemm_bf16_cuda(ctx, a.grads + o.markov_w2, DType::f32, r, dd, ldd, true, b.z2, 2 * r, false, V, r,
+                 n, 1.0f, 1.0f);
   const bool gated = cfg.dspark.markov_type == MarkovHeadType::gated;
   const int64_t A = gated ? r : 3 * r;  // pre-activation columns
   const uint16_t* w = a.weights_bf16 + (gated ? o.gate_w : o.joint_w);
@@ -242,9 +242,9 @@ void latent_bwd(cuda::CudaContext& ctx, const DrafterConfig& cfg, const DrafterL
     L::dspark_rnn_bwd(b.dz, b.act, b.sprev, w, X, b.dact, b.dact_bf16, n, cfg.block_size, r, s);
   }
   // dx [n, X] = dact·W; dW [A, X] += dactᵀ·x; db [A] += Σ_rows dact
-  cuda::gemm_bf16(ctx, b.dx, DType::f32, X, b.dact_bf16, A, false, w, X, false, n, X, A);
-  cuda::gemm_bf16(ctx, a.grads + (gated ? o.gate_w : o.joint_w), DType::f32, X, b.dact_bf16, A,
-                  true, b.x, X, false, A, X, n, 1.0f, 1.0f);
+  gemm_bf16_cuda(ctx, b.dx, DType::f32, X, b.dact_bf16, A, false, w, X, false, n, X, A);
+  gemm_bf16_cuda(ctx, a.grads + (gated ? o.gate_w : o.joint_w), DType::f32, X, b.dact_bf16, A, true,
+                 b.x, X, false, A, X, n, 1.0f, 1.0f);
   L::dspark_col_sum(a.grads + (gated ? o.gate_b : o.joint_b), b.dact, n, A, s);
   if (gated) {  // x = [hf ; E]; demb already holds dz⊙σ(pre)
     L::dspark_markov_dx(dhf, demb, b.dx, X, 0, H, n, H, r, true, s);
@@ -297,20 +297,20 @@ void dspark_head_cuda(cuda::CudaContext& ctx, const DrafterConfig& cfg, const Dr
     const int64_t n = std::min(C, R - r0);
     const uint16_t* hf = a.hf + r0 * H;
     // D [n, V] = hf·LMheadᵀ (+ z·W2ᵀ)
-    cuda::gemm_bf16(ctx, b.d, DType::f32, V, hf, H, false, a.lm_head, H, true, n, V, H);
+    gemm_bf16_cuda(ctx, b.d, DType::f32, V, hf, H, false, a.lm_head, H, true, n, V, H);
     if (r > 0) {
       cuda::launch::dspark_gather_rows(b.emb, w1, a.prev + r0, n, r, r, s);
       if (latent) {
         latent_fwd(ctx, cfg, layout, a, b, hf, n);
-        cuda::gemm_bf16(ctx, b.d, DType::f32, V, b.z2, 2 * r, false, b.w2x2, 2 * r, true, n, V,
-                        2 * r, 1.0f, 1.0f);
+        gemm_bf16_cuda(ctx, b.d, DType::f32, V, b.z2, 2 * r, false, b.w2x2, 2 * r, true, n, V,
+                       2 * r, 1.0f, 1.0f);
       } else {
-        cuda::gemm_bf16(ctx, b.d, DType::f32, V, b.emb, r, false, w2, r, true, n, V, r, 1.0f, 1.0f);
+        gemm_bf16_cuda(ctx, b.d, DType::f32, V, b.emb, r, false, w2, r, true, n, V, r, 1.0f, 1.0f);
       }
     }
     // TL [n, V] = Hl[a+k]·LMheadᵀ
     cuda::launch::dspark_gather_rows(b.teach, a.target_final, a.teacher_pos + r0, n, H, H, s);
-    cuda::gemm_bf16(ctx, b.t, DType::f32, V, b.teach, H, false, a.lm_head, H, true, n, V, H);
+    gemm_bf16_cuda(ctx, b.t, DType::f32, V, b.teach, H, false, a.lm_head, H, true, n, V, H);
     cuda::launch::DsparkRowIn in;
     in.d = b.d;
     in.t = b.t;
@@ -335,13 +335,13 @@ void dspark_head_cuda(cuda::CudaContext& ctx, const DrafterConfig& cfg, const Dr
     float* demb = rb.demb + r0 * r;
     // dhf [n, H] = dD·LMhead, then the Markov head's parts
     const int64_t ldd = 2 * V;
-    cuda::gemm_bf16(ctx, dhf, DType::f32, H, b.dd, ldd, false, a.lm_head, H, false, n, H, V);
+    gemm_bf16_cuda(ctx, dhf, DType::f32, H, b.dd, ldd, false, a.lm_head, H, false, n, H, V);
     if (latent) {
       latent_bwd(ctx, cfg, layout, a, b, b.dd, ldd, dhf, demb, n);
     } else if (r > 0) {  // vanilla: dE [n, r] = dD·W2; dW2 [V, r] += dDᵀ·E
-      cuda::gemm_bf16(ctx, demb, DType::f32, r, b.dd, ldd, false, w2, r, false, n, r, V);
-      cuda::gemm_bf16(ctx, a.grads + layout.dspark.markov_w2, DType::f32, r, b.dd, ldd, true, b.emb,
-                      r, false, V, r, n, 1.0f, 1.0f);
+      gemm_bf16_cuda(ctx, demb, DType::f32, r, b.dd, ldd, false, w2, r, false, n, r, V);
+      gemm_bf16_cuda(ctx, a.grads + layout.dspark.markov_w2, DType::f32, r, b.dd, ldd, true, b.emb,
+                     r, false, V, r, n, 1.0f, 1.0f);
     }
     if (conf) {
       cuda::launch::dspark_conf_bwd(dhf, demb, a.grads + layout.dspark.conf_w,

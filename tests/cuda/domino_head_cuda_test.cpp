@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <functional>
 #include <memory>
 #include <string>
 
@@ -19,6 +18,7 @@
 #include "cuda/tolerances.hpp"
 #include "model/domino_head.hpp"
 #include "model/drafter.hpp"
+#include "util/head_problem.hpp"
 #include "util/test_util.hpp"
 
 using namespace dflash;
@@ -56,19 +56,7 @@ struct Problem {
 Problem make_problem(uint32_t seed, HeadOpts h, int K, int64_t H, int64_t V, int64_t pad_blocks) {
   Problem p;
   Rng rng(seed);
-  p.cfg.hidden_size = H;
-  p.cfg.intermediate_size = 32;
-  p.cfg.num_layers = 1;
-  p.cfg.num_heads = 2;
-  p.cfg.num_kv_heads = 1;
-  p.cfg.head_dim = 64;
-  p.cfg.vocab_size = V;
-  p.cfg.rms_norm_eps = 1e-6;
-  p.cfg.rope.theta = 10000.0;
-  p.cfg.block_size = K;
-  p.cfg.mask_token_id = static_cast<int32_t>(V - 1);
-  p.cfg.target_layer_ids = {0};
-  p.cfg.num_target_layers = 2;
+  p.cfg = head_test_config(H, V, K);
   p.cfg.domino.enabled = true;
   p.cfg.domino.emb_dim = h.E;
   p.cfg.domino.gru_hidden_dim = h.G;
@@ -76,30 +64,19 @@ Problem make_problem(uint32_t seed, HeadOpts h, int K, int64_t H, int64_t V, int
   p.cfg.domino.shift_label = h.shift;
   p.cfg.validate();
   p.layout = std::make_shared<DrafterLayout>(p.cfg);
-  p.params.resize(static_cast<size_t>(p.layout->total));
-  for (float& x : p.params) x = static_cast<float>(0.3 * rng.normal());
-  p.params = round_bf16(p.params);
+  p.params = head_test_params(*p.layout, rng);
   p.embed = round_bf16(randn(static_cast<size_t>(V * H), seed + 1, 0.5f));
   p.head = round_bf16(randn(static_cast<size_t>(V * H), seed + 2, 0.2f));
-  const std::vector<int32_t> docs = {0, 29, 47, 53};
-  const int64_t T = docs.back();
-  std::vector<int32_t> tokens(static_cast<size_t>(T));
+  const HeadTestRow row = head_test_row();
+  std::vector<int32_t> tokens(static_cast<size_t>(row.T()));
   for (int32_t& t : tokens) t = static_cast<int32_t>(rng.below(static_cast<uint64_t>(V - 1)));
-  std::vector<uint8_t> mask(static_cast<size_t>(T), 1);
-  mask[9] = 0;
-  std::vector<Anchor> anchors;
-  for (int32_t a = 0; a + 1 < 29; a += 2) anchors.push_back({a, 0});
-  for (int32_t a = 29; a + 1 < 47; a += 3) anchors.push_back({a, 1});
-  anchors.push_back({48, 2});
   p.batch = DrafterBatch(K);
   p.batch.objective.kind = ObjectiveKind::domino;
   p.batch.objective.domino_lambda = 0.3;
   p.batch.objective.domino_shift_label = h.shift;
-  p.batch.append_row(tokens, docs, anchors,
-                     domino_block_targets(tokens, mask, docs, anchors, K, 4.0, h.shift));
-  p.batch.weight_sum = 0;
-  for (float w : p.batch.targets.weights) p.batch.weight_sum += w;
-  p.batch.validate();
+  head_test_append_row(
+      p.batch, tokens, row,
+      domino_block_targets(tokens, row.mask, row.docs, row.anchors, K, 4.0, h.shift));
   p.NK = p.batch.N() * K;
   p.R = p.NK + pad_blocks * K;
   p.hf = round_bf16(randn(static_cast<size_t>(p.R * H), seed + 3));
@@ -116,14 +93,11 @@ struct GpuOut {
 GpuOut run_gpu(const Problem& p, int64_t chunk_rows) {
   cuda::CudaContext ctx(0);
   const DominoRowIndex idx = domino_row_index(p.cfg, p.batch, p.R);
-  std::vector<int32_t> labels(static_cast<size_t>(p.R), -5);
-  std::vector<float> weights(static_cast<size_t>(p.R), 0.0f);
-  std::copy(p.batch.targets.labels.begin(), p.batch.targets.labels.end(), labels.begin());
-  std::copy(p.batch.targets.weights.begin(), p.batch.targets.weights.end(), weights.begin());
-  DeviceGuarded<float> grads(p.params.size()), w(weights);
+  const HeadTestTargets targets = head_test_targets(p.batch, p.R);
+  DeviceGuarded<float> grads(p.params.size()), w(targets.weights);
   DeviceGuarded<uint16_t> wbf(to_bf16(p.params)), emb(to_bf16(p.embed)), head(to_bf16(p.head)),
       hf(to_bf16(p.hf));
-  DeviceGuarded<int32_t> lab(labels), tok(idx.gru_tok), argmax(static_cast<size_t>(p.R));
+  DeviceGuarded<int32_t> lab(targets.labels), tok(idx.gru_tok), argmax(static_cast<size_t>(p.R));
   DeviceGuarded<float> dhf(static_cast<size_t>(p.R * p.cfg.hidden_size));
   DeviceGuarded<double> sums(4), lambda(std::vector<double>{idx.lambda});
   const uint64_t ws_bytes = domino_head_cuda_workspace_bytes(p.cfg, p.R, chunk_rows);
@@ -164,10 +138,6 @@ GpuOut run_gpu(const Problem& p, int64_t chunk_rows) {
   EXPECT_TRUE(grads.guard_intact() && dhf.guard_intact() && argmax.guard_intact() &&
               sums.guard_intact() && ws.guard_intact() && rows.guard_intact());
   return o;
-}
-
-std::vector<float> slice(const std::vector<float>& v, int64_t offset, int64_t n) {
-  return {v.begin() + offset, v.begin() + offset + n};
 }
 
 // Relative error of `got` against `want`, printed (the measured figures of the tolerance table)
@@ -222,16 +192,14 @@ void check_parity(const Problem& p, int64_t chunk_rows) {
       continue;
     }
     ++supervised;
-    std::vector<float> row(logits.begin() + i * V, logits.begin() + (i + 1) * V);
-    std::partial_sort(row.begin(), row.begin() + 2, row.end(), std::greater<>());
-    if (row[0] - row[1] < 1e-2f) continue;
+    if (!head_test_top_two_apart(logits, i, V, 1e-2f)) continue;
     ++compared;
     EXPECT_EQ(g.argmax[k], argmax[k]) << "row " << i;
   }
   EXPECT_GT(compared, supervised / 2);
   // dhf: the batch's rows, then exact zeros on the padding rows.
-  expect_close("dhf", slice(g.dhf, 0, p.NK * H), dhf, kDhf);
-  for (int64_t j = p.NK * H; j < p.R * H; ++j) ASSERT_EQ(g.dhf[static_cast<size_t>(j)], 0.0f);
+  expect_close("dhf", head_test_slice(g.dhf, 0, p.NK * H), dhf, kDhf);
+  ASSERT_NO_FATAL_FAILURE(head_test_expect_zero_from(g.dhf, p.NK * H, "dhf"));
   // Parameter gradients: the head's tensors; every other parameter untouched (0).
   const DominoOffsets& o = p.layout->domino;
   const int64_t G = dm.gru_hidden_dim, E = dm.emb_dim;
@@ -246,18 +214,14 @@ void check_parity(const Problem& p, int64_t chunk_rows) {
                           {"W2", o.proj2, V * E, kHead}};
   std::vector<uint8_t> is_head(p.params.size(), 0);
   for (const Tensor& t : heads) {
-    const std::vector<float> want = slice(grads, t.offset, t.numel);
+    const std::vector<float> want = head_test_slice(grads, t.offset, t.numel);
     double norm = 0;
     for (float x : want) norm += static_cast<double>(x) * x;
     EXPECT_GT(norm, 0.0) << t.name << ": the CPU gradient is 0 (the test would not see it)";
-    expect_close(t.name, slice(g.grads, t.offset, t.numel), want, t.tol);
+    expect_close(t.name, head_test_slice(g.grads, t.offset, t.numel), want, t.tol);
     std::fill_n(is_head.begin() + t.offset, t.numel, 1);
   }
-  for (size_t j = 0; j < grads.size(); ++j) {
-    if (!is_head[j]) {
-      ASSERT_EQ(g.grads[j], 0.0f) << "parameter element " << j;
-    }
-  }
+  ASSERT_NO_FATAL_FAILURE(head_test_expect_untouched_zero(g.grads, is_head));
 }
 
 }  // namespace

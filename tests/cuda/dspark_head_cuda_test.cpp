@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
 #include <memory>
 #include <string>
 
@@ -19,6 +18,7 @@
 #include "cuda/tolerances.hpp"
 #include "model/drafter.hpp"
 #include "model/dspark_head.hpp"
+#include "util/head_problem.hpp"
 #include "util/test_util.hpp"
 
 using namespace dflash;
@@ -55,19 +55,7 @@ Problem make_problem(uint32_t seed, Heads h, int64_t H, int64_t V, int64_t pad) 
   Problem p;
   Rng rng(seed);
   const int K = 4;
-  p.cfg.hidden_size = H;
-  p.cfg.intermediate_size = 32;
-  p.cfg.num_layers = 1;
-  p.cfg.num_heads = 2;
-  p.cfg.num_kv_heads = 1;
-  p.cfg.head_dim = 64;
-  p.cfg.vocab_size = V;
-  p.cfg.rms_norm_eps = 1e-6;
-  p.cfg.rope.theta = 10000.0;
-  p.cfg.block_size = K;
-  p.cfg.mask_token_id = static_cast<int32_t>(V - 1);
-  p.cfg.target_layer_ids = {0};
-  p.cfg.num_target_layers = 2;
+  p.cfg = head_test_config(H, V, K);
   p.cfg.dspark.enabled = true;
   p.cfg.dspark.markov_rank = h.rank;
   p.cfg.dspark.confidence_head = h.conf;
@@ -75,27 +63,16 @@ Problem make_problem(uint32_t seed, Heads h, int64_t H, int64_t V, int64_t pad) 
   p.cfg.dspark.markov_type = h.type;
   p.cfg.validate();
   p.layout = std::make_shared<DrafterLayout>(p.cfg);
-  p.params.resize(static_cast<size_t>(p.layout->total));
-  for (float& x : p.params) x = static_cast<float>(0.3 * rng.normal());
-  p.params = round_bf16(p.params);
+  p.params = head_test_params(*p.layout, rng);
   p.head = round_bf16(randn(static_cast<size_t>(V * H), seed + 1, 0.2f));
-  const std::vector<int32_t> docs = {0, 29, 47, 53};
-  p.T = docs.back();
+  const HeadTestRow row = head_test_row();
+  p.T = row.T();
   std::vector<int32_t> tokens(static_cast<size_t>(p.T));
   // Few distinct tokens, so W1's rows collect several rows each.
   for (int32_t& t : tokens) t = static_cast<int32_t>(rng.below(11) * 7 % (V - 1));
-  std::vector<uint8_t> mask(static_cast<size_t>(p.T), 1);
-  mask[9] = 0;
-  std::vector<Anchor> anchors;
-  for (int32_t a = 0; a + 1 < 29; a += 2) anchors.push_back({a, 0});
-  for (int32_t a = 29; a + 1 < 47; a += 3) anchors.push_back({a, 1});
-  anchors.push_back({48, 2});
   p.batch.objective.kind = ObjectiveKind::dspark;
-  p.batch.append_row(tokens, docs, anchors,
-                     dspark_block_targets(tokens, mask, docs, anchors, K, 4.0));
-  p.batch.weight_sum = 0;
-  for (float w : p.batch.targets.weights) p.batch.weight_sum += w;
-  p.batch.validate();
+  head_test_append_row(p.batch, tokens, row,
+                       dspark_block_targets(tokens, row.mask, row.docs, row.anchors, K, 4.0));
   p.NK = p.batch.N() * K;
   p.R = p.NK + pad;
   p.hf = round_bf16(randn(static_cast<size_t>(p.R * H), seed + 2));
@@ -118,15 +95,12 @@ struct GpuOut {
 GpuOut run_gpu(const Problem& p, int64_t chunk_rows) {
   cuda::CudaContext ctx(0);
   const DsparkRowIndex idx = dspark_row_index(p.batch, p.R, p.cfg.vocab_size);
-  std::vector<int32_t> labels(static_cast<size_t>(p.R), -5);
-  std::vector<float> weights(static_cast<size_t>(p.R), 0.0f);
-  std::copy(p.batch.targets.labels.begin(), p.batch.targets.labels.end(), labels.begin());
-  std::copy(p.batch.targets.weights.begin(), p.batch.targets.weights.end(), weights.begin());
-  DeviceGuarded<float> params(p.params), grads(p.params.size()), w(weights);
+  const HeadTestTargets targets = head_test_targets(p.batch, p.R);
+  DeviceGuarded<float> params(p.params), grads(p.params.size()), w(targets.weights);
   DeviceGuarded<uint16_t> wbf(to_bf16(p.params)), head(to_bf16(p.head)), hf(to_bf16(p.hf)),
       fin(to_bf16(p.final_hidden));
-  DeviceGuarded<int32_t> lab(labels), prev(idx.prev), tpos(idx.teacher_pos), order(idx.w1_order),
-      seg(idx.w1_seg), argmax(static_cast<size_t>(p.R));
+  DeviceGuarded<int32_t> lab(targets.labels), prev(idx.prev), tpos(idx.teacher_pos),
+      order(idx.w1_order), seg(idx.w1_seg), argmax(static_cast<size_t>(p.R));
   DeviceGuarded<float> dhf(static_cast<size_t>(p.R * p.cfg.hidden_size));
   DeviceGuarded<double> sums(6);
   const uint64_t ws_bytes = dspark_head_cuda_workspace_bytes(p.cfg, p.R, chunk_rows);
@@ -173,10 +147,6 @@ GpuOut run_gpu(const Problem& p, int64_t chunk_rows) {
   return o;
 }
 
-std::vector<float> slice(const std::vector<float>& v, int64_t offset, int64_t n) {
-  return {v.begin() + offset, v.begin() + offset + n};
-}
-
 void check_parity(const Problem& p, int64_t chunk_rows) {
   SCOPED_TRACE(::testing::Message()
                << markov_head_type_name(p.cfg.dspark.markov_type)
@@ -220,9 +190,7 @@ void check_parity(const Problem& p, int64_t chunk_rows) {
     } else {
       EXPECT_TRUE(std::isnan(g.conf[k])) << "row " << i;
     }
-    std::vector<float> row(logits.begin() + i * V, logits.begin() + (i + 1) * V);
-    std::partial_sort(row.begin(), row.begin() + 2, row.end(), std::greater<>());
-    if (row[0] - row[1] < 1e-3f) continue;
+    if (!head_test_top_two_apart(logits, i, V, 1e-3f)) continue;
     ++compared;
     EXPECT_EQ(g.argmax[k], argmax[k]) << "row " << i;
   }
@@ -232,8 +200,8 @@ void check_parity(const Problem& p, int64_t chunk_rows) {
     EXPECT_LT(rel_error(conf_gpu, conf_ref), kRowStats);
   }
   // dhf: the batch's rows, then exact zeros on the padding rows.
-  EXPECT_LT(rel_error(slice(g.dhf, 0, p.NK * H), dhf), kGrads);
-  for (int64_t j = p.NK * H; j < p.R * H; ++j) ASSERT_EQ(g.dhf[static_cast<size_t>(j)], 0.0f);
+  EXPECT_LT(rel_error(head_test_slice(g.dhf, 0, p.NK * H), dhf), kGrads);
+  ASSERT_NO_FATAL_FAILURE(head_test_expect_zero_from(g.dhf, p.NK * H, "dhf"));
   // Parameter gradients: the heads' tensors; every other parameter untouched (0).
   const DsparkOffsets& o = p.layout->dspark;
   std::vector<std::pair<int64_t, int64_t>> heads;
@@ -256,14 +224,10 @@ void check_parity(const Problem& p, int64_t chunk_rows) {
   std::vector<uint8_t> is_head(p.params.size(), 0);
   for (auto [off, n] : heads) {
     SCOPED_TRACE(::testing::Message() << "parameter at offset " << off);
-    EXPECT_LT(rel_error(slice(g.grads, off, n), slice(grads, off, n)), kGrads);
+    EXPECT_LT(rel_error(head_test_slice(g.grads, off, n), head_test_slice(grads, off, n)), kGrads);
     std::fill_n(is_head.begin() + off, n, 1);
   }
-  for (size_t j = 0; j < grads.size(); ++j) {
-    if (!is_head[j]) {
-      ASSERT_EQ(g.grads[j], 0.0f) << "parameter element " << j;
-    }
-  }
+  ASSERT_NO_FATAL_FAILURE(head_test_expect_untouched_zero(g.grads, is_head));
 }
 
 }  // namespace
