@@ -15,7 +15,7 @@
 #ifdef DFLASH_HAVE_CUDA
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/dflash2_selector_launch.hpp"
-#include "backend/cuda/gemm.hpp"
+#include "ops/gemm.hpp"
 #endif
 
 namespace dflash {
@@ -143,7 +143,7 @@ void dflash2_head_cuda(cuda::CudaContext& ctx, const DrafterConfig& cfg,
     const int64_t cn = std::min(C, R - r0);
     const uint16_t* hf = a.hf + r0 * H;
     // U [cn, V] = hf·LMheadᵀ
-    cuda::gemm_bf16(ctx, logits, DType::f32, V, hf, H, false, a.lm_head, H, true, cn, V, H);
+    gemm_bf16_cuda(ctx, logits, DType::f32, V, hf, H, false, a.lm_head, H, true, cn, V, H);
     cuda::launch::Dflash2SelIn in;
     in.logits = logits;
     in.dl = dl;
@@ -173,8 +173,8 @@ void dflash2_head_cuda(cuda::CudaContext& ctx, const DrafterConfig& cfg,
     cuda::launch::dflash2_selector_rows(in, at, s);
     // dhf [cn, H] (=, or += without the base) dl·LMhead, + P_hᵀ·∂(P_h·h) unless stop_gradient.
     float* dhf = a.dhf + r0 * H;
-    cuda::gemm_bf16(ctx, dhf, DType::f32, H, dl, V, false, a.lm_head, H, false, cn, H, V, 1.0f,
-                    a.base_in_head ? 0.0f : 1.0f);
+    gemm_bf16_cuda(ctx, dhf, DType::f32, H, dl, V, false, a.lm_head, H, false, cn, H, V, 1.0f,
+                   a.base_in_head ? 0.0f : 1.0f);
     if (!obj.dflash2_stop_gradient) {
       cuda::launch::dflash2_dh_add(dhf, at.dproj, Ph, cn, H, r, s);
     }
