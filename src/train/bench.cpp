@@ -1019,20 +1019,12 @@ BenchReport run_bench(const BenchOptions& o) {
   const std::string dshape =
       fmt::format("q {}x{}x{}, kv {}x{}", Tq, d.num_heads, d.head_dim, Tk, d.num_kv_heads);
   // The families timed: the default (automatic: kAttnHopperKernels on sm_90, else mma.sync)
-  // first, then the other Hopper versions (on sm_90) and mma.sync for comparison, on the same
-  // inputs. Rows name the family that ran.
+  // first, then mma.sync for comparison, on the same inputs. Rows name the family that ran.
   const AttnCudaKernels fam0 = attention_kernels_cuda(ctx, AttnCudaKernels::automatic);
   std::vector<AttnCudaKernels> fams{fam0};
-  if (attention_wgmma_available_cuda(ctx))
-    for (AttnCudaKernels k :
-         {AttnCudaKernels::wgmma, AttnCudaKernels::wgmma_v5, AttnCudaKernels::wgmma_v3})
-      if (k != fam0) fams.push_back(k);
   if (fam0 != AttnCudaKernels::tensor_core) fams.push_back(AttnCudaKernels::tensor_core);
   auto fam_name = [](AttnCudaKernels k) {
-    return k == AttnCudaKernels::wgmma      ? "wgmma"
-           : k == AttnCudaKernels::wgmma_v5 ? "wgmma v5"
-           : k == AttnCudaKernels::wgmma_v3 ? "wgmma v3"
-                                            : "mma.sync";
+    return k == AttnCudaKernels::wgmma ? "wgmma" : "mma.sync";
   };
   // Causal prefill of the target (one layer), on its own q/k/v shapes.
   const ModelConfig& tc = s.target;
