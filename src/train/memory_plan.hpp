@@ -43,11 +43,13 @@ inline constexpr uint64_t kNcclReserveBytes = uint64_t{1536} << 20;
 inline constexpr uint64_t kCublasLtWorkspaceBytes = uint64_t{32} << 20;
 /// Device memory the cuDNN causal prefill takes beside the arena (runtime.target_prefill cudnn:
 /// TargetCuda::use_cudnn_prefill): its handle, the kernels cuDNN loads, and one graph's index
-/// arrays and workspace. Measured on the H200 (driver 580.159.04, cuDNN 9.14 at run time) on
-/// 2026-12-01: the device memory in use exceeded the plan without it by 0.07 GiB both in the
-/// target forward alone (16.53 against 16.46 GiB) and in the whole step (66.14 against 66.07;
-/// figures rounded to 0.01 GiB, so 65-85 MiB). Each further document bucket adds its index
-/// arrays ((4·slots + 3)·4 bytes) and workspace (TargetCuda::cudnn_prefill_bytes).
+/// arrays and workspace. Measured on the H200 (driver 580.159.04, cuDNN 9.14 at run time): on
+/// 2026-12-01 the device memory in use exceeded the plan without it by 0.07 GiB both in the
+/// target forward alone (16.53 against 16.46 GiB) and in the whole step (66.14 against 66.07);
+/// on 2026-12-02 (`dflash bench`, Qwen3-8B batch) the step with the cuDNN prefill held 72.0 MiB
+/// more than the same step with the kernels, and 0.16 MiB more than this plan (the kernels' step
+/// 4.2 MiB more than its plan). Each further document bucket adds its index arrays
+/// ((4·slots + 3)·4 bytes) and workspace (TargetCuda::cudnn_prefill_bytes).
 inline constexpr uint64_t kCudnnPrefillBytes = uint64_t{76} << 20;
 
 /// Largest shapes of a training step.

@@ -179,6 +179,10 @@ TEST(TargetCuda, ThePaddingDocumentChangesNoBitOfARealRow) {
   std::vector<AttnRange> ranges(n);
   const int64_t docs = drafter_batch_stage_context(d, 0, tokens, pos, ranges);
   ASSERT_EQ(docs, d.n_docs() + 1);
+  // Padding tokens of different ids (the staging writes one id; any ids are padding), so that the
+  // two stagings' padding rows differ: rows of one repeated token give the same values whatever
+  // they see, which would let a test that mixed up the stagings pass.
+  for (int64_t t = T; t < T_pad; ++t) tokens[static_cast<size_t>(t)] = static_cast<int32_t>(t % V);
   std::vector<int32_t> old_pos = pos;
   std::vector<AttnRange> old_ranges = ranges;
   for (int64_t t = T; t < T_pad; ++t) {
@@ -219,7 +223,7 @@ TEST(TargetCuda, ThePaddingDocumentChangesNoBitOfARealRow) {
         << (cudnn ? "cuDNN" : "kernels") << " prefill";
   }
   EXPECT_EQ(tc.cudnn_prefill_graphs(), 1);
-  EXPECT_EQ(TargetCuda::cudnn_prefill_bucket(docs), 4);
+  EXPECT_EQ(TargetCuda::cudnn_prefill_bucket(docs), 8);  // 4 documents + 1 padding
 }
 
 namespace {
