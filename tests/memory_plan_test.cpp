@@ -321,6 +321,35 @@ TEST(PipelineMemoryPlan, AGpuThatCannotHoldItsWorkersIsNamedWithTheShortfall) {
   EXPECT_TRUE(plan_pipeline_memory(one, t.config, d, layout).fits());
 }
 
+// runtime.target_prefill: cuDNN's handle, kernels and workspace (kCudnnPrefillBytes) are planned
+// beside the arena of every plan that holds the target when the prefill runs on cuDNN, and
+// nowhere with the kernels; an unknown value is an error naming the key.
+TEST(PipelineMemoryPlan, TheCudnnPrefillIsPlannedWhereTheTargetRuns) {
+  const ModelPreset& t = model_preset("qwen3-8b");
+  const DrafterConfig d = qwen3_8b_drafter();
+  const DrafterLayout layout(d);
+  const std::string devices = "  target_devices: [0]\n  drafter_devices: [1]\n";
+  const RunConfig cudnn = qwen3_8b_run(devices);
+  const RunConfig kernels = qwen3_8b_run(devices + "  target_prefill: kernels\n");
+  EXPECT_EQ(cudnn.runtime.target_prefill, "cudnn");
+  const PipelineMemoryPlan pc = plan_pipeline_memory(cudnn, t.config, d, layout);
+  const PipelineMemoryPlan pk = plan_pipeline_memory(kernels, t.config, d, layout);
+  EXPECT_EQ(pc.device_total(0), pk.device_total(0) + kCudnnPrefillBytes);
+  EXPECT_EQ(pc.device_total(1), pk.device_total(1));
+  EXPECT_NE(pc.table().find("cuDNN causal prefill"), std::string::npos) << pc.table();
+  EXPECT_EQ(pk.table().find("cuDNN causal prefill"), std::string::npos) << pk.table();
+  EXPECT_EQ(plan_train_memory(cudnn, t.config, d, layout).total_bytes(),
+            plan_train_memory(kernels, t.config, d, layout).total_bytes() + kCudnnPrefillBytes);
+  try {
+    (void)qwen3_8b_run(devices + "  target_prefill: flash\n");
+    ADD_FAILURE() << "runtime.target_prefill: flash was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("runtime.target_prefill must be cudnn or kernels"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // training.recompute: auto keeps the drafter's forward activations when that plan fits and
 // recomputes them when it does not; always and never do not look at the budget. The plan that
 // keeps them has each layer's kvin, q, k, hn2 and act of its own (and no shared layer scratch).
@@ -578,35 +607,6 @@ TEST(MemoryPlan, BenchTargetOnlyPlanCommandExitsZeroWhenItFitsAndOneWithTheShort
   EXPECT_NE(no.err.find("the target forward does not fit the device"), std::string::npos) << no.err;
   EXPECT_NE(no.err.find("no token budget fits (the target weights alone"), std::string::npos)
       << no.err;
-}
-
-// runtime.target_prefill: cuDNN's handle, kernels and workspace (kCudnnPrefillBytes) are planned
-// beside the arena of every plan that holds the target when the prefill runs on cuDNN, and
-// nowhere with the kernels; an unknown value is an error naming the key.
-TEST(PipelineMemoryPlan, TheCudnnPrefillIsPlannedWhereTheTargetRuns) {
-  const ModelPreset& t = model_preset("qwen3-8b");
-  const DrafterConfig d = qwen3_8b_drafter();
-  const DrafterLayout layout(d);
-  const std::string devices = "  target_devices: [0]\n  drafter_devices: [1]\n";
-  const RunConfig cudnn = qwen3_8b_run(devices);
-  const RunConfig kernels = qwen3_8b_run(devices + "  target_prefill: kernels\n");
-  EXPECT_EQ(cudnn.runtime.target_prefill, "cudnn");
-  const PipelineMemoryPlan pc = plan_pipeline_memory(cudnn, t.config, d, layout);
-  const PipelineMemoryPlan pk = plan_pipeline_memory(kernels, t.config, d, layout);
-  EXPECT_EQ(pc.device_total(0), pk.device_total(0) + kCudnnPrefillBytes);
-  EXPECT_EQ(pc.device_total(1), pk.device_total(1));
-  EXPECT_NE(pc.table().find("cuDNN causal prefill"), std::string::npos) << pc.table();
-  EXPECT_EQ(pk.table().find("cuDNN causal prefill"), std::string::npos) << pk.table();
-  EXPECT_EQ(plan_train_memory(cudnn, t.config, d, layout).total_bytes(),
-            plan_train_memory(kernels, t.config, d, layout).total_bytes() + kCudnnPrefillBytes);
-  try {
-    (void)qwen3_8b_run(devices + "  target_prefill: flash\n");
-    ADD_FAILURE() << "runtime.target_prefill: flash was accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("runtime.target_prefill must be cudnn or kernels"),
-              std::string::npos)
-        << e.what();
-  }
 }
 
 TEST(PipelineMemoryPlan, GpusHoldingANcclRankPlanItsReserve) {
