@@ -169,12 +169,15 @@ TEST(DrafterBatch, SharesOfABatchHoldTheWholeBatchsRowsAndAnEmptyShareStagesAsPa
       if (share.T() == 0) {
         EXPECT_EQ(share.n_docs(), 0);
         EXPECT_EQ(share.N(), 0);
+        // One padding document (8 rows, within the share's row length of 64).
+        ASSERT_GE(share.row_length, 8);
         std::vector<int32_t> tok(8), pos(8);
         std::vector<AttnRange> ranges(8);
-        drafter_batch_stage_context(share, 0, tok, pos, ranges);
+        EXPECT_EQ(drafter_batch_stage_context(share, 0, tok, pos, ranges), 1);
         for (int32_t t = 0; t < 8; ++t) {
-          EXPECT_EQ(ranges[static_cast<size_t>(t)].lo1, t);
+          EXPECT_EQ(ranges[static_cast<size_t>(t)].lo1, 0);
           EXPECT_EQ(ranges[static_cast<size_t>(t)].hi1, t + 1);
+          EXPECT_EQ(pos[static_cast<size_t>(t)], t);
         }
       }
     }
@@ -227,10 +230,16 @@ TEST(DrafterBatch, StageLayoutFollowsTheTrainingRules) {
   std::vector<int32_t> tokens(T_pad), pos(T_pad + NK_pad), btok(NK_pad), labels(NK_pad);
   std::vector<AttnRange> cr(T_pad), br(NK_pad);
   std::vector<float> weights(NK_pad);
-  drafter_batch_stage(b, MASK, 7, {tokens, cr, pos, btok, br, labels, weights});
+  const int64_t docs =
+      drafter_batch_stage(b, MASK, 7, {tokens, cr, pos, btok, br, labels, weights});
   ASSERT_EQ(b.T(), 32 + 40);
+  EXPECT_EQ(docs, b.n_docs() + 2);  // the real documents and two padding ones
   // Context rows: document-relative positions, causal ranges inside the document; padding tokens
-  // after the real ones, each its own one-token document.
+  // after the real ones, in documents of one row (40) each: [72, 112) and [112, 120).
+  ASSERT_EQ(b.row_length, 40);
+  std::vector<int32_t> tokens2(T_pad), pos2(T_pad);
+  std::vector<AttnRange> cr2(T_pad);
+  EXPECT_EQ(drafter_batch_stage_context(b, 7, tokens2, pos2, cr2), b.n_docs() + 2);
   for (int64_t t = 0; t < T_pad; ++t) {
     const auto g = static_cast<size_t>(t);
     if (t < b.T()) {
@@ -242,12 +251,17 @@ TEST(DrafterBatch, StageLayoutFollowsTheTrainingRules) {
       EXPECT_EQ(cr[g].lo1, s);
       EXPECT_EQ(cr[g].hi1, t + 1);
     } else {
+      const int64_t s = t < 112 ? 72 : 112;
       EXPECT_EQ(tokens[g], 7);
-      EXPECT_EQ(pos[g], 0);
-      EXPECT_EQ(cr[g].lo1, t);
+      EXPECT_EQ(pos[g], t - s);
+      EXPECT_EQ(cr[g].lo1, s);
       EXPECT_EQ(cr[g].hi1, t + 1);
     }
     EXPECT_EQ(cr[g].lo2, cr[g].hi2);
+    EXPECT_EQ(tokens2[g], tokens[g]);  // the context part alone stages the same rows
+    EXPECT_EQ(pos2[g], pos[g]);
+    EXPECT_EQ(cr2[g].lo1, cr[g].lo1);
+    EXPECT_EQ(cr2[g].hi1, cr[g].hi1);
   }
   // Block rows of the real blocks.
   const auto T32 = static_cast<int32_t>(T_pad);

@@ -257,9 +257,12 @@ TEST(PipelineMemoryPlan, WorkersSharingAGpuAddUpWithOneContext) {
   uint64_t sum = kCudaContextBytes;
   for (const WorkerMemoryPlan& w : plan.workers) {
     expect_no_live_overlap(w.plan.arena);
-    sum += w.plan.arena.arena_bytes + kCublasLtWorkspaceBytes;
+    sum += w.plan.arena.arena_bytes + kCublasLtWorkspaceBytes + w.plan.cudnn_bytes;
   }
   EXPECT_EQ(plan.device_total(0), sum);
+  // runtime.target_prefill's default (cudnn): cuDNN's memory on the target worker only.
+  EXPECT_EQ(plan.workers[0].plan.cudnn_bytes, kCudnnPrefillBytes);
+  EXPECT_EQ(plan.workers[1].plan.cudnn_bytes, 0u);
   EXPECT_TRUE(plan.fits()) << format_bytes(sum);
   // The target worker: layers up to the deepest tap and a feature pool of 2·(2 + 1) + 1 buffers.
   const TrainMemoryPlan& tw = plan.workers[0].plan;
@@ -316,6 +319,35 @@ TEST(PipelineMemoryPlan, AGpuThatCannotHoldItsWorkersIsNamedWithTheShortfall) {
   const RunConfig one = qwen3_8b_run("  target_devices: [0]\n  drafter_devices: [1]\n" +
                                      fmt::format("  device_memory_gib: {:.6f}", gib));
   EXPECT_TRUE(plan_pipeline_memory(one, t.config, d, layout).fits());
+}
+
+// runtime.target_prefill: cuDNN's handle, kernels and workspace (kCudnnPrefillBytes) are planned
+// beside the arena of every plan that holds the target when the prefill runs on cuDNN, and
+// nowhere with the kernels; an unknown value is an error naming the key.
+TEST(PipelineMemoryPlan, TheCudnnPrefillIsPlannedWhereTheTargetRuns) {
+  const ModelPreset& t = model_preset("qwen3-8b");
+  const DrafterConfig d = qwen3_8b_drafter();
+  const DrafterLayout layout(d);
+  const std::string devices = "  target_devices: [0]\n  drafter_devices: [1]\n";
+  const RunConfig cudnn = qwen3_8b_run(devices);
+  const RunConfig kernels = qwen3_8b_run(devices + "  target_prefill: kernels\n");
+  EXPECT_EQ(cudnn.runtime.target_prefill, "cudnn");
+  const PipelineMemoryPlan pc = plan_pipeline_memory(cudnn, t.config, d, layout);
+  const PipelineMemoryPlan pk = plan_pipeline_memory(kernels, t.config, d, layout);
+  EXPECT_EQ(pc.device_total(0), pk.device_total(0) + kCudnnPrefillBytes);
+  EXPECT_EQ(pc.device_total(1), pk.device_total(1));
+  EXPECT_NE(pc.table().find("cuDNN causal prefill"), std::string::npos) << pc.table();
+  EXPECT_EQ(pk.table().find("cuDNN causal prefill"), std::string::npos) << pk.table();
+  EXPECT_EQ(plan_train_memory(cudnn, t.config, d, layout).total_bytes(),
+            plan_train_memory(kernels, t.config, d, layout).total_bytes() + kCudnnPrefillBytes);
+  try {
+    (void)qwen3_8b_run(devices + "  target_prefill: flash\n");
+    ADD_FAILURE() << "runtime.target_prefill: flash was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("runtime.target_prefill must be cudnn or kernels"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 // training.recompute: auto keeps the drafter's forward activations when that plan fits and
@@ -612,10 +644,11 @@ TEST(PipelineMemoryPlan, GpusHoldingANcclRankPlanItsReserve) {
     if (w.device == 1) gpu1 += w.plan.arena.arena_bytes + kCublasLtWorkspaceBytes;
   }
   EXPECT_EQ(nccl.device_total(1), gpu1);
-  EXPECT_EQ(nccl.device_total(0),
-            kCudaContextBytes + nccl.workers[0].plan.arena.arena_bytes + kCublasLtWorkspaceBytes);
-  EXPECT_NE(nccl.table().find("GPU 2: drafter1 (arenas and cuBLASLt workspaces) + CUDA context "
-                              "529.0 MiB + NCCL 1.50 GiB (estimate)"),
+  EXPECT_EQ(nccl.device_total(0), kCudaContextBytes + nccl.workers[0].plan.arena.arena_bytes +
+                                      kCublasLtWorkspaceBytes + kCudnnPrefillBytes);
+  EXPECT_NE(nccl.table().find(
+                "GPU 2: drafter1 (arenas, cuBLASLt workspaces, cuDNN prefills) + CUDA context "
+                "529.0 MiB + NCCL 1.50 GiB (estimate)"),
             std::string::npos)
       << nccl.table();
   // Replicas sharing a GPU use the in-process collective (no NCCL), one replica none at all.

@@ -31,8 +31,6 @@
 #                     BM_DecodeLinear weight GB/s; tiny tokens/s at batch 1 and 64
 #   attention-bench   attention_bench (stage it): the DFlash attention kernels alone at the reference
 #                     batch, every family in one process, D 128 and 64 (forward, backward, % of floor)
-#   attention-ncu     Nsight Compute (--set full) on one launch of each attention kernel of the
-#                     wgmma and wgmma_v5 backward (and the forward before each): details and raw CSV
 #   gemm-bench[:ARGS] gemm_bench ARGS (comma-separated, e.g. gemm-bench:--only=target,--rounds=45):
 #                     every cuBLASLt GEMM shape of the reference step (ms, TFLOP/s, the plan's
 #                     tile/stages/split-K) and the heuristic's other candidates against it
@@ -330,15 +328,6 @@ for part in "$@"; do
         echo "attention bench D $d rc=$?" >> "$summary"
       done
       cat "$out/attention_bench.txt" >> "$summary" ;;
-    attention-ncu)
-      timeout 200 ncu --clock-control none --set full --import-source no -k regex:attn -c 12 \
-        -o "$work/attn" --force-overwrite "$B/attention_bench" --families wgmma,wgmma_v5 \
-        --bwd-only --reps 1 --warmup 0 > "$out/attention_ncu_run.txt" 2>&1
-      echo "attention ncu rc=$?" >> "$summary"
-      ncu --import "$work/attn.ncu-rep" --page details > "$out/attention_ncu.txt" 2>&1
-      ncu --import "$work/attn.ncu-rep" --page raw --csv 2>/dev/null | xz > "$out/attention_ncu_raw.csv.xz"
-      grep -E "^  [a-z].*attn_|Duration|Registers Per|Warp Cycles Per Issued|Issue Slots Busy" \
-        "$out/attention_ncu.txt" >> "$summary" ;;
     gemm-bench|gemm-bench:*)
       split=()
       [[ $part == *:* ]] && split_args "${part#gemm-bench:}"

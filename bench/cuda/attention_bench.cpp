@@ -7,7 +7,7 @@
 // backward 2.5× that). Small and quick, so that Nsight Compute can profile single launches of
 // each kernel:
 //
-//     build/bench/attention_bench [--reps N] [--warmup N] [--families wgmma,wgmma_v3,...]
+//     build/bench/attention_bench [--reps N] [--warmup N] [--families wgmma,tensor_core]
 //                                 [--head-dim 64|128] [--bwd-only]
 //
 // (under Nsight Compute: --reps 1 --warmup 0 --bwd-only launches each backward kernel once per
@@ -49,8 +49,6 @@ struct Family {
 };
 const Family kFamilies[] = {
     {"wgmma", AttnCudaKernels::wgmma},
-    {"wgmma_v5", AttnCudaKernels::wgmma_v5},
-    {"wgmma_v3", AttnCudaKernels::wgmma_v3},
     {"tensor_core", AttnCudaKernels::tensor_core},
 };
 

@@ -201,8 +201,9 @@ void add_bench_command(CLI::App& app) {
                 "it lacks) or from the heuristic alone (the table ignored)")
       ->capture_default_str();
   b->add_option("--prefill", a->o.prefill,
-                "The target's causal prefill: the project's attention kernels or cuDNN's fused "
-                "attention")
+                "The target's causal prefill, as runtime.target_prefill: cuDNN's fused attention "
+                "(the graph of the step's document bucket; the plan holds cuDNN's memory) or the "
+                "project's attention kernels")
       ->check(CLI::IsMember({"kernels", "cudnn"}))
       ->capture_default_str();
   b->add_option("--recompute", a->o.recompute,

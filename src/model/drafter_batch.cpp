@@ -193,29 +193,39 @@ void drafter_batch_block_rows(const DrafterBatch& b, int32_t mask_token_id, int6
   }
 }
 
-void drafter_batch_stage_context(const DrafterBatch& b, int32_t pad_id, std::span<int32_t> tokens,
-                                 std::span<int32_t> positions, std::span<AttnRange> ranges) {
+int64_t drafter_batch_stage_context(const DrafterBatch& b, int32_t pad_id,
+                                    std::span<int32_t> tokens, std::span<int32_t> positions,
+                                    std::span<AttnRange> ranges) {
   const int64_t T = b.T();
   const auto T_pad = static_cast<int64_t>(tokens.size());
   DFLASH_CHECK(T_pad >= T && positions.size() == tokens.size() && ranges.size() == tokens.size(),
                "drafter_batch_stage_context: a context of {} tokens into arrays of {}, {} and {}",
                T, tokens.size(), positions.size(), ranges.size());
-  // Real tokens, then one-token padding documents.
+  // Real tokens, then the padding documents.
   std::copy(b.tokens.begin(), b.tokens.end(), tokens.begin());
   drafter_batch_context_positions(b, positions.first(static_cast<size_t>(T)));
   // A batch without documents (a replica's empty share of an epoch's last batch) is all padding.
   if (b.n_docs() > 0) {
     attention_causal_varlen_ranges(ranges.data(), b.doc_offsets.data(), b.n_docs(), T);
   }
-  for (auto t = static_cast<int32_t>(T); t < static_cast<int32_t>(T_pad); ++t) {
-    tokens[static_cast<size_t>(t)] = pad_id;
-    positions[static_cast<size_t>(t)] = 0;
-    ranges[static_cast<size_t>(t)] = AttnRange{t, t + 1, 0, 0};
+  // Padding documents of at most one row (row_length tokens; all of the padding when the batch
+  // has no row length): a document never outgrows the rows the real ones come from.
+  const int64_t longest = b.row_length > 0 ? b.row_length : T_pad - T;
+  int64_t docs = b.n_docs();
+  for (int64_t start = T; start < T_pad; start += longest, ++docs) {
+    const int64_t end = std::min(start + longest, T_pad);
+    for (int64_t t = start; t < end; ++t) {
+      const auto i = static_cast<size_t>(t);
+      tokens[i] = pad_id;
+      positions[i] = static_cast<int32_t>(t - start);
+      ranges[i] = AttnRange{static_cast<int32_t>(start), static_cast<int32_t>(t + 1), 0, 0};
+    }
   }
+  return docs;
 }
 
-void drafter_batch_stage(const DrafterBatch& b, int32_t mask_token_id, int32_t pad_id,
-                         const DrafterStaging& out) {
+int64_t drafter_batch_stage(const DrafterBatch& b, int32_t mask_token_id, int32_t pad_id,
+                            const DrafterStaging& out) {
   b.validate();
   const int64_t T = b.T(), K = b.block_size, NK = b.N() * K;
   const auto T_pad = static_cast<int64_t>(out.tokens.size());
@@ -231,8 +241,8 @@ void drafter_batch_stage(const DrafterBatch& b, int32_t mask_token_id, int32_t p
                    static_cast<int64_t>(out.weights.size()) == NK_pad,
                "drafter_batch_stage: staging arrays disagree with {} context and {} block rows",
                T_pad, NK_pad);
-  drafter_batch_stage_context(b, pad_id, out.tokens,
-                              out.positions.first(static_cast<size_t>(T_pad)), out.context_ranges);
+  const int64_t docs = drafter_batch_stage_context(
+      b, pad_id, out.tokens, out.positions.first(static_cast<size_t>(T_pad)), out.context_ranges);
   // Blocks: real ones, then inert ones.
   auto block_pos = out.positions.subspan(static_cast<size_t>(T_pad));
   drafter_batch_block_rows(b, mask_token_id, T_pad, out.block_tokens.first(static_cast<size_t>(NK)),
@@ -251,6 +261,7 @@ void drafter_batch_stage(const DrafterBatch& b, int32_t mask_token_id, int32_t p
     out.labels[static_cast<size_t>(q)] = 0;
     out.weights[static_cast<size_t>(q)] = 0.0f;
   }
+  return docs;
 }
 
 }  // namespace dflash

@@ -160,19 +160,25 @@ struct DrafterStaging {
 
 /// The context part of drafter_batch_stage, for a stage that runs only the target: writes `b`'s
 /// tokens, positions and causal key ranges into `tokens`, `positions` and `ranges` (all of size
-/// T_pad ≥ T), the rows [T, T_pad) being one-token padding documents of `pad_id` at position 0.
-/// Throws dflash::Error when the spans differ in size or are shorter than the context.
-void drafter_batch_stage_context(const DrafterBatch& b, int32_t pad_id, std::span<int32_t> tokens,
-                                 std::span<int32_t> positions, std::span<AttnRange> ranges);
+/// T_pad ≥ T), the rows [T, T_pad) being padding documents of `pad_id`: consecutive documents of
+/// b.row_length rows (the last one shorter; all of [T, T_pad) in one when row_length is 0), so
+/// usually ONE, each seeing only itself with positions from 0 (inert: no real row sees a padding
+/// row, and a row's values depend only on the rows it sees). Returns the documents staged, real
+/// and padding (what sizes the cuDNN prefill's slots: TargetCuda::cudnn_prefill_select). Throws
+/// dflash::Error when the spans differ in size or are shorter than the context.
+int64_t drafter_batch_stage_context(const DrafterBatch& b, int32_t pad_id,
+                                    std::span<int32_t> tokens, std::span<int32_t> positions,
+                                    std::span<AttnRange> ranges);
 
-/// Writes `b` into `out` padded to its sizes: context rows [T, T_pad) hold `pad_id`, position 0
-/// and see only themselves (one-token documents); block rows [N·K, NK_pad) are inert blocks (MASK
-/// tokens, positions 0..K−1, weight 0, label 0, seeing only their own block), so padding changes
-/// no loss, no gradient and no real row. Real rows follow drafter_batch_context_positions,
-/// attention_causal_varlen_ranges and drafter_batch_block_rows with block_key_start = T_pad.
-/// Throws dflash::Error when T_pad < T, NK_pad < N·K, NK_pad is not a multiple of K or the spans'
-/// sizes disagree.
-void drafter_batch_stage(const DrafterBatch& b, int32_t mask_token_id, int32_t pad_id,
-                         const DrafterStaging& out);
+/// Writes `b` into `out` padded to its sizes: context rows [T, T_pad) are the padding documents of
+/// drafter_batch_stage_context (`pad_id` tokens, seeing only their own document); block rows [N·K,
+/// NK_pad) are inert blocks (MASK tokens, positions 0..K−1, weight 0, label 0, seeing only their
+/// own block), so padding changes no loss, no gradient and no real row. Real rows follow
+/// drafter_batch_context_positions, attention_causal_varlen_ranges and drafter_batch_block_rows
+/// with block_key_start = T_pad. Returns the documents of the staged context, real and padding
+/// (drafter_batch_stage_context). Throws dflash::Error when T_pad < T, NK_pad < N·K, NK_pad is not
+/// a multiple of K or the spans' sizes disagree.
+int64_t drafter_batch_stage(const DrafterBatch& b, int32_t mask_token_id, int32_t pad_id,
+                            const DrafterStaging& out);
 
 }  // namespace dflash

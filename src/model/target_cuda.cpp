@@ -7,6 +7,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 
@@ -462,7 +463,7 @@ void TargetCuda::forward_cached(uint16_t* taps, const int32_t* tokens, const int
              split);
 }
 
-void TargetCuda::use_cudnn_prefill(int64_t max_docs, int64_t max_doc_len) {
+void TargetCuda::use_cudnn_prefill() {
   const ModelConfig& c = cfg_;
   for (const Layer& L : layers_)
     DFLASH_CHECK(!L.sinks,
@@ -473,9 +474,43 @@ void TargetCuda::use_cudnn_prefill(int64_t max_docs, int64_t max_doc_len) {
                  "TargetCuda::use_cudnn_prefill: the target has sliding-window layers "
                  "(layer_types, sliding_window {}); the cuDNN causal graph has no window",
                  c.sliding_window);
-  cudnn_ = std::make_unique<CudnnCausalPrefill>(
-      ctx_, CudnnPrefillShape{max_docs, max_doc_len, c.num_attention_heads, c.num_key_value_heads,
-                              c.head_dim, 1.0 / std::sqrt(static_cast<double>(c.head_dim))});
+  if (!cudnn_handle_) cudnn_handle_ = std::make_shared<CudnnHandle>(ctx_);
+}
+
+void TargetCuda::use_cudnn_prefill(int64_t max_docs, int64_t max_doc_len) {
+  use_cudnn_prefill();
+  cudnn_prefill_select(max_docs, max_doc_len);
+}
+
+int64_t TargetCuda::cudnn_prefill_bucket(int64_t n_docs) {
+  DFLASH_CHECK(n_docs >= 1, "TargetCuda::cudnn_prefill_bucket: {} documents", n_docs);
+  return static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(n_docs)));
+}
+
+void TargetCuda::cudnn_prefill_select(int64_t slots, int64_t max_doc_len) {
+  DFLASH_CHECK(cudnn_handle_,
+               "TargetCuda::cudnn_prefill_select: the cuDNN prefill is off (use_cudnn_prefill)");
+  std::unique_ptr<CudnnCausalPrefill>& g = cudnn_graphs_[{slots, max_doc_len}];
+  if (!g) {
+    const ModelConfig& c = cfg_;
+    try {
+      g = std::make_unique<CudnnCausalPrefill>(
+          ctx_,
+          CudnnPrefillShape{slots, max_doc_len, c.num_attention_heads, c.num_key_value_heads,
+                            c.head_dim, 1.0 / std::sqrt(static_cast<double>(c.head_dim))},
+          cudnn_handle_);
+    } catch (...) {
+      cudnn_graphs_.erase({slots, max_doc_len});
+      throw;
+    }
+  }
+  cudnn_ = g.get();
+}
+
+int64_t TargetCuda::cudnn_prefill_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& [shape, g] : cudnn_graphs_) bytes += g->workspace_bytes() + g->index_bytes();
+  return bytes;
 }
 
 void TargetCuda::run_layers(uint16_t* taps, const int32_t* tokens, const int32_t* pos,
@@ -496,7 +531,10 @@ void TargetCuda::run_layers(uint16_t* taps, const int32_t* tokens, const int32_t
   // sliding_window_overlay), derived on the device once per forward.
   if (win_) attention_window_ranges_cuda(ctx_, win_, ranges, T, c.sliding_window);
   // The prefill on cuDNN (use_cudnn_prefill): the documents of `ranges`, once per forward.
-  const bool on_cudnn = cudnn_ && !cache;
+  const bool on_cudnn = cudnn_prefill() && !cache;
+  DFLASH_CHECK(!on_cudnn || cudnn_,
+               "TargetCuda: the cuDNN prefill is on but no graph was selected "
+               "(cudnn_prefill_select)");
   if (on_cudnn) cudnn_->set_documents(ranges, T);
   QkvPrepare prep{T, NH, NKV, D, nullptr, nullptr, eps, pos, inv_freq_, rope_scaling_};
   // The projections: decode_linear_cuda on the T rows of a decoding step (row bits independent

@@ -23,8 +23,10 @@
 #ifdef DFLASH_HAVE_CUDA
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "backend/cuda/arena.hpp"
@@ -125,15 +127,32 @@ class TargetCuda {
   /// Tokens a forward may hold.
   int64_t max_tokens() const { return max_tokens_; }
   /// From now on forward_taps and forward_taps_final run the causal prefill of every layer on
-  /// cuDNN's fused attention (ops/attention_cudnn.hpp: one graph of `max_docs` document slots of
-  /// at most `max_doc_len` rows, built here, its index arrays and workspace cudaMalloc'ed outside
-  /// the arena) instead of attention_fwd_cuda; forward_cached keeps its kernels. A forward with
-  /// more documents or a longer one traps on the device (attention_cudnn.hpp). Throws
-  /// dflash::Error when a layer has a sliding window or attention sinks (the cuDNN graph computes
-  /// neither: the config field is named) or when cuDNN cannot build the graph (its reason).
+  /// cuDNN's fused attention (ops/attention_cudnn.hpp) instead of attention_fwd_cuda, with the
+  /// graph cudnn_prefill_select picks; forward_cached keeps its kernels. Creates the cuDNN handle
+  /// the graphs share (outside the arena: the memory plan's cudnn_bytes). Throws dflash::Error
+  /// when a layer has a sliding window or attention sinks (the cuDNN graph computes neither: the
+  /// config field is named) or when cuDNN cannot create its handle (its reason).
+  void use_cudnn_prefill();
+  /// use_cudnn_prefill(), then cudnn_prefill_select(max_docs, max_doc_len): one graph of exactly
+  /// `max_docs` document slots (the bench's and the tests' fixed split).
   void use_cudnn_prefill(int64_t max_docs, int64_t max_doc_len);
+  /// The document slots of the cuDNN graph that serves a forward of `n_docs` documents: the
+  /// smallest power of two ≥ n_docs (so that a run builds few graphs). Throws dflash::Error for
+  /// n_docs < 1.
+  static int64_t cudnn_prefill_bucket(int64_t n_docs);
+  /// Makes the next forwards use the cuDNN graph of `slots` document slots of at most
+  /// `max_doc_len` rows, building it the first time this shape is asked for (one graph per shape,
+  /// kept; its index arrays and workspace cudaMalloc'ed outside the arena, planned in
+  /// cudnn_bytes). Building is not graph-capturable: select before capturing a forward, and key
+  /// the captured graph by the selection. A forward with more documents than `slots` or a longer
+  /// one traps on the device (attention_cudnn.hpp). Throws dflash::Error before
+  /// use_cudnn_prefill, or when cuDNN cannot build the graph (its reason).
+  void cudnn_prefill_select(int64_t slots, int64_t max_doc_len);
   /// True after use_cudnn_prefill.
-  bool cudnn_prefill() const { return cudnn_ != nullptr; }
+  bool cudnn_prefill() const { return cudnn_handle_ != nullptr; }
+  /// cuDNN graphs built so far, and the bytes of their workspaces and index arrays.
+  int64_t cudnn_prefill_graphs() const { return static_cast<int64_t>(cudnn_graphs_.size()); }
+  int64_t cudnn_prefill_bytes() const;
 
   /// The embedding table and LM head on the device, bf16 [V, H] (the same array when tied).
   const uint16_t* embed() const { return embed_; }
@@ -183,8 +202,11 @@ class TargetCuda {
            *o_ = nullptr;
   uint16_t *gu_ = nullptr, *act_ = nullptr, *tap_ = nullptr;  // gu_/act_ null without dense layers
   AttnRange* win_ = nullptr;  // window ranges; null without sliding layers
-  // use_cudnn_prefill's graph; null: the prefill runs attention_fwd_cuda.
-  std::unique_ptr<CudnnCausalPrefill> cudnn_;
+  // use_cudnn_prefill's handle (null: the prefill runs attention_fwd_cuda), its graphs by
+  // (slots, longest document) and the one cudnn_prefill_select chose (null: none yet).
+  std::shared_ptr<CudnnHandle> cudnn_handle_;
+  std::map<std::pair<int64_t, int64_t>, std::unique_ptr<CudnnCausalPrefill>> cudnn_graphs_;
+  CudnnCausalPrefill* cudnn_ = nullptr;
   /// MoE workspace (all null without MoE layers): R = max_tokens · top-k rows.
   struct MoeWork {
     float* logits = nullptr;                                                          // [T, E]

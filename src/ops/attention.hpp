@@ -53,11 +53,9 @@ enum class AttnCudaKernels {
                 ///< cross-check of the tensor-core kernels
   wgmma,        ///< Hopper kernels (src/backend/cuda/attention_wgmma.cu: wgmma, sm_90 only; an
                 ///< error on any other device), v6: one warpgroup per CTA, dq overlapped, the
-                ///< backward's loops cut to fewer instructions (the same values as v5); the
-                ///< default on sm_90 (kAttnHopperKernels)
-  wgmma_v5,     ///< the Hopper kernels as of v5 (dk/dv as v3's; the same values as v6), kept
-                ///< for comparison
-  wgmma_v3,     ///< the Hopper kernels as of v3b (no overlap in dq), kept for comparison
+                ///< backward's loops cut to fewer instructions; the default on sm_90
+                ///< (kAttnHopperKernels). Its earlier versions v3b, v4 and v5 were removed
+                ///< once v6 measured faster (docs/perf.md keeps their history)
 };
 
 /// Sizes and softmax scale of one attention call.
@@ -137,8 +135,7 @@ class CudaContext;
 void attention_window_ranges_cuda(cuda::CudaContext& ctx, AttnRange* out, const AttnRange* in,
                                   int64_t T, int64_t window);
 
-/// True when ctx's device can run the wgmma kernels (AttnCudaKernels::wgmma, wgmma_v5,
-/// wgmma_v3): an sm_90 GPU.
+/// True when ctx's device can run the wgmma kernels (AttnCudaKernels::wgmma): an sm_90 GPU.
 bool attention_wgmma_available_cuda(cuda::CudaContext& ctx);
 /// The family `k` names on ctx's device: automatic → kAttnHopperKernels or tensor_core (see
 /// AttnCudaKernels), any other value itself.
@@ -146,7 +143,7 @@ AttnCudaKernels attention_kernels_cuda(cuda::CudaContext& ctx, AttnCudaKernels k
 
 /// CUDA forward: q, k, v, o bf16 (raw bits), lse f32 [NH, Tq] (may be null), `ranges` [Tq] a
 /// DEVICE array. D must be 64 or 128. p.kernels picks the kernels: automatic (the default),
-/// wgmma, wgmma_v5 or wgmma_v3 (src/backend/cuda/attention_wgmma.cu, sm_90 only) or tensor_core
+/// wgmma (src/backend/cuda/attention_wgmma.cu, sm_90 only) or tensor_core
 /// (src/backend/cuda/attention_tc.cu), all with q, k, v, o 16-byte aligned, or ffma
 /// (src/backend/cuda/attention.cu; q, k, v 4-byte aligned). Ranges are clamped to [0, Tk) on the
 /// device (validate them on the host with the CPU rules when made). Tiled: memory independent of

@@ -30,6 +30,10 @@
 
 #include "ops/attention.hpp"
 
+#ifdef DFLASH_HAVE_CUDA
+struct cudnnContext;  // cudnn.h: cudnnHandle_t is a cudnnContext*
+#endif
+
 namespace dflash {
 
 /// The fixed shape of a cuDNN causal prefill graph.
@@ -47,15 +51,33 @@ namespace cuda {
 class CudaContext;
 }
 
+/// One cuDNN handle (cudnnCreate on a context's device, cudnnDestroy with the object), shared by
+/// the CudnnCausalPrefill graphs of one context (TargetCuda's document buckets). Throws
+/// dflash::Error with cuDNN's message when cudnnCreate fails (e.g. no cuDNN for this GPU).
+class CudnnHandle {
+ public:
+  explicit CudnnHandle(cuda::CudaContext& ctx);
+  ~CudnnHandle();
+  CudnnHandle(const CudnnHandle&) = delete;
+  CudnnHandle& operator=(const CudnnHandle&) = delete;
+  /// The cudnnHandle_t (a cudnnContext*).
+  ::cudnnContext* get() const { return handle_; }
+
+ private:
+  ::cudnnContext* handle_ = nullptr;
+};
+
 /// A cuDNN fused-attention graph for the causal varlen prefill of one fixed shape, with its
 /// device index arrays (slot lengths, ragged offsets; (4B + 3)·4 bytes) and cuDNN workspace, both
 /// cudaMalloc'ed by the constructor (outside any arena; sizes: index_bytes(), workspace_bytes()).
 /// Not thread-safe; bound to one context (its device and stream).
 class CudnnCausalPrefill {
  public:
-  /// Builds the graph on ctx's device. Throws dflash::Error on bad sizes (naming them) or when
-  /// cuDNN has no engine for the shape (cuDNN's message and its version).
-  CudnnCausalPrefill(cuda::CudaContext& ctx, const CudnnPrefillShape& shape);
+  /// Builds the graph on ctx's device with `handle` (a handle of ctx's device; null: a handle of
+  /// its own). Throws dflash::Error on bad sizes (naming them) or when cuDNN has no engine for the
+  /// shape (cuDNN's message and its version).
+  CudnnCausalPrefill(cuda::CudaContext& ctx, const CudnnPrefillShape& shape,
+                     std::shared_ptr<CudnnHandle> handle = nullptr);
   ~CudnnCausalPrefill();
   CudnnCausalPrefill(const CudnnCausalPrefill&) = delete;
   CudnnCausalPrefill& operator=(const CudnnCausalPrefill&) = delete;
@@ -74,6 +96,8 @@ class CudnnCausalPrefill {
   const CudnnPrefillShape& shape() const;
   /// Bytes of cuDNN workspace the graph asked for.
   int64_t workspace_bytes() const;
+  /// Bytes of the device index arrays: (4·max_docs + 3)·4.
+  int64_t index_bytes() const;
   /// The cuDNN library version loaded at run time (e.g. 91900 for 9.19.0).
   static int64_t cudnn_version();
 

@@ -53,8 +53,10 @@ namespace cuda {
 class CudaContext;
 }
 
-/// CUDA forward, same formula in fp32 (one warp per row, fixed-order sums). Y, X ∈ {float,
-/// uint16_t (bf16 bits)}; w and rstd (may be null) are f32. y may alias x when Y == X.
+/// CUDA forward, same formula in fp32 (fixed-order sums: one CTA per row with 16-byte vector
+/// loads when D is a multiple of 512, at most 16,384, and y, x, w are 16-byte aligned; else one
+/// warp per row). Y, X ∈ {float, uint16_t (bf16 bits)}; w and rstd (may be null) are f32. y may
+/// alias x when Y == X.
 template <typename Y, typename X>
 void rmsnorm_fwd_cuda(cuda::CudaContext& ctx, Y* y, float* rstd, const X* x, const float* w,
                       int64_t R, int64_t D, double eps);

@@ -21,6 +21,7 @@
 #include "model/presets.hpp"
 #include "model/step_plan.hpp"
 #include "train/optimizer.hpp"
+#include "train/run_config.hpp"
 
 #ifdef DFLASH_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -43,6 +44,7 @@
 #include "ops/linear.hpp"
 #include "ops/rmsnorm.hpp"
 #include "ops/swiglu.hpp"
+#include "train/target_prefill_cuda.hpp"
 #endif
 
 namespace dflash {
@@ -117,16 +119,21 @@ BenchSetup bench_setup(const BenchOptions& o) {
 }
 
 TrainMemoryPlan bench_plan(const BenchSetup& s, const BenchOptions& o) {
+  const TargetPrefill prefill = target_prefill_of(o.prefill);
   if (o.target_only) {
-    return plan_target_forward_memory(s.target, s.drafter.target_layer_ids, o.rows * o.token_budget,
-                                      o.device_memory_gib);
+    TrainMemoryPlan p = plan_target_forward_memory(s.target, s.drafter.target_layer_ids,
+                                                   o.rows * o.token_budget, o.device_memory_gib);
+    plan_target_prefill(p, prefill);
+    return p;
   }
   const DrafterLayout layout(s.drafter);
   return plan_with_recompute_policy<TrainMemoryPlan>(
       o.recompute,
       [&](DrafterActivations a) {
-        return plan_train_memory(s.target, s.drafter, layout, s.capacity, o.device_memory_gib,
-                                 kDrafterCeChunkRows, a);
+        TrainMemoryPlan p = plan_train_memory(s.target, s.drafter, layout, s.capacity,
+                                              o.device_memory_gib, kDrafterCeChunkRows, a);
+        plan_target_prefill(p, prefill);
+        return p;
       },
       [](const TrainMemoryPlan& p) { return p.fits(); });
 }
@@ -670,11 +677,16 @@ std::pair<int64_t, int64_t> bench_documents(const StagedStep& packed) {
   return {static_cast<int64_t>(off.size()) - 1, longest};
 }
 
-/// --prefill cudnn: the target's causal prefill on cuDNN, its graph sized for `packed`'s documents.
+/// --prefill cudnn: the target's causal prefill on cuDNN as the trainer runs it
+/// (train/target_prefill_cuda.hpp): the graph of the power-of-two bucket of `packed`'s documents,
+/// of rows up to --token-budget.
 void bench_use_prefill(TargetCuda& target, const BenchOptions& o, const StagedStep& packed) {
-  if (o.prefill != "cudnn") return;
+  if (target_prefill_of(o.prefill) != TargetPrefill::cudnn) return;
   const auto [docs, longest] = bench_documents(packed);
-  target.use_cudnn_prefill(docs, longest);
+  DFLASH_CHECK(longest <= o.token_budget, "bench: a document of {} rows in rows of {}", longest,
+               o.token_budget);
+  cuda_target_use_cudnn(target);
+  (void)cuda_target_prefill_select(target, docs, o.token_budget);
 }
 
 // `dflash bench --target-only`: the target's tap forward alone, in the plan of that forward
@@ -1073,20 +1085,12 @@ BenchReport run_bench(const BenchOptions& o) {
   const std::string dshape =
       fmt::format("q {}x{}x{}, kv {}x{}", Tq, d.num_heads, d.head_dim, Tk, d.num_kv_heads);
   // The families timed: the default (automatic: kAttnHopperKernels on sm_90, else mma.sync)
-  // first, then the other Hopper versions (on sm_90) and mma.sync for comparison, on the same
-  // inputs. Rows name the family that ran.
+  // first, then mma.sync for comparison, on the same inputs. Rows name the family that ran.
   const AttnCudaKernels fam0 = attention_kernels_cuda(ctx, AttnCudaKernels::automatic);
   std::vector<AttnCudaKernels> fams{fam0};
-  if (attention_wgmma_available_cuda(ctx))
-    for (AttnCudaKernels k :
-         {AttnCudaKernels::wgmma, AttnCudaKernels::wgmma_v5, AttnCudaKernels::wgmma_v3})
-      if (k != fam0) fams.push_back(k);
   if (fam0 != AttnCudaKernels::tensor_core) fams.push_back(AttnCudaKernels::tensor_core);
   auto fam_name = [](AttnCudaKernels k) {
-    return k == AttnCudaKernels::wgmma      ? "wgmma"
-           : k == AttnCudaKernels::wgmma_v5 ? "wgmma v5"
-           : k == AttnCudaKernels::wgmma_v3 ? "wgmma v3"
-                                            : "mma.sync";
+    return k == AttnCudaKernels::wgmma ? "wgmma" : "mma.sync";
   };
   // Causal prefill of the target (one layer), on its own q/k/v shapes.
   const ModelConfig& tc = s.target;

@@ -86,9 +86,10 @@ struct BenchOptions {
   /// Where new cuBLASLt GEMM plans come from (backend/cuda/gemm.hpp, GemmPlanSource): "table"
   /// (the measured table, the heuristic for shapes it lacks) or "heuristic" (the table ignored).
   std::string gemm_plans = "table";
-  /// The target's causal prefill: "kernels" (attention_fwd_cuda's automatic family) or "cudnn"
-  /// (TargetCuda::use_cudnn_prefill, a graph for the documents of the bench's steps).
-  std::string prefill = "kernels";
+  /// The target's causal prefill, as runtime.target_prefill: "cudnn" (TargetCuda's cuDNN graph of
+  /// the power-of-two bucket of the bench step's documents, rows of --token-budget; the plan holds
+  /// kCudnnPrefillBytes) or "kernels" (attention_fwd_cuda's automatic family).
+  std::string prefill = "cudnn";
 };
 
 /// The shapes of a bench run.

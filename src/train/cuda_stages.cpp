@@ -9,7 +9,9 @@
 // included (the context's allocator pool); a planned buffer left untaken is an error.
 //
 // Target stage: stages the batch's context (drafter_batch_stage_context) into pinned buffers, runs
-// TargetCuda::forward_taps (one CUDA graph per context length) into a fixed taps buffer, copies the
+// TargetCuda::forward_taps (one CUDA graph per context length and, with the cuDNN prefill of
+// runtime.target_prefill, per bucket of documents: cuda_target_prefill_select) into a fixed taps
+// buffer, copies the
 // taps into a free buffer of its feature pool and waits for the stream: the features it returns are
 // complete. A pool buffer goes back to the pool when its CudaFeatures object is destroyed (on any
 // thread). The pool holds opts.feature_buffers buffers, as many as the pipeline can have alive
@@ -164,7 +166,7 @@ class CudaTargetStage final : public TargetStage {
  public:
   // `plan`: plan_target_worker_memory of this worker, `buffers` its feature buffers.
   CudaTargetStage(int device, const TargetModel& model, const DrafterConfig& cfg,
-                  const TrainMemoryPlan& plan, bool graphs, int64_t buffers)
+                  const TrainMemoryPlan& plan, bool graphs, int64_t buffers, TargetPrefill prefill)
       : taps_(cfg.target_layer_ids),
         block_size_(cfg.block_size),
         tap_cols_(cfg.n_taps() * cfg.hidden_size),
@@ -176,6 +178,7 @@ class CudaTargetStage final : public TargetStage {
     arena_ = std::make_unique<cuda::DeviceArena>(*ctx_, plan.arena);
     cuda::DeviceArena& a = *arena_;
     target_ = std::make_unique<TargetCuda>(*ctx_, model, plan.T, plan.target_layers, &a);
+    if (prefill == TargetPrefill::cudnn) cuda_target_use_cudnn(*target_);
     if (cfg.dspark.enabled) {  // the teacher's final norm (features: taps, then its rows)
       const std::vector<float>& w = model.final_norm_weight();
       final_norm_ = a.get<float>(kTargetFinalNorm, static_cast<int64_t>(w.size()));
@@ -207,8 +210,10 @@ class CudaTargetStage final : public TargetStage {
                  "cuda target stage: a step of {} rows of {} tokens exceeds the planned {} tokens",
                  b.rows, b.row_length, max_ctx_);
     const auto Ts = static_cast<size_t>(T);
-    drafter_batch_stage_context(b, 0, {tokens_.host.as<int32_t>(), Ts},
-                                {pos_.host.as<int32_t>(), Ts}, {ranges_.host.as<AttnRange>(), Ts});
+    const int64_t docs = drafter_batch_stage_context(b, 0, {tokens_.host.as<int32_t>(), Ts},
+                                                     {pos_.host.as<int32_t>(), Ts},
+                                                     {ranges_.host.as<AttnRange>(), Ts});
+    const int64_t bucket = cuda_target_prefill_select(*target_, docs, b.row_length);
     const int slot = acquire();
     cudaStream_t s = ctx_->stream();
     auto enqueue = [&] {
@@ -228,7 +233,7 @@ class CudaTargetStage final : public TargetStage {
     try {
       DFLASH_CUDA_CHECK(cudaEventRecord(ev_start_, s));
       if (use_graphs_) {
-        graphs_.run(T, s, enqueue);
+        graphs_.run(std::pair<int64_t, int64_t>(T, bucket), s, enqueue);
       } else {
         enqueue();
       }
@@ -288,8 +293,8 @@ class CudaTargetStage final : public TargetStage {
   bool use_graphs_;
   Staged tokens_, pos_, ranges_;
   uint16_t* taps_out_ = nullptr;
-  cudaEvent_t ev_start_ = nullptr, ev_end_ = nullptr;  // around a forward (owned by ctx_)
-  cuda::GraphCache<int64_t> graphs_;
+  cudaEvent_t ev_start_ = nullptr, ev_end_ = nullptr;     // around a forward (owned by ctx_)
+  cuda::GraphCache<std::pair<int64_t, int64_t>> graphs_;  // by (T, document bucket)
   std::vector<uint16_t*> pool_;
   std::mutex pool_mu_;
   std::vector<int> free_;
@@ -396,9 +401,8 @@ class CudaDrafterStage final : public DrafterStage {
     if (!(b.weight_sum > 0)) {
       // This replica's share adds nothing to the step's gradient (e.g. the empty row of an
       // epoch's last batch): a zero gradient joins the all-reduce, as on the CPU stage.
-      DFLASH_CUDA_CHECK(cudaMemsetAsync(drafter_->grads(), 0,
-                                        static_cast<size_t>(params_) * sizeof(float),
-                                        ctx_->stream()));
+      DFLASH_CUDA_CHECK(cudaMemsetAsync(
+          drafter_->grads(), 0, static_cast<size_t>(params_) * sizeof(float), ctx_->stream()));
       queue_.stepped(std::move(r));
       return;
     }
@@ -603,8 +607,8 @@ class CudaDrafterStage final : public DrafterStage {
   AdamWConfig adam_;
   double clip_grad_norm_;
   int64_t updates_ = 0;
-  double pending_scale_ = 1.0;             // 1/Σw of the step waiting for update()
-  std::optional<Objective> objective_;     // the run's loss, fixed by the first batch
+  double pending_scale_ = 1.0;          // 1/Σw of the step waiting for update()
+  std::optional<Objective> objective_;  // the run's loss, fixed by the first batch
   // Around the step's forward/backward and around AdamW (owned by ctx_).
   cudaEvent_t ev_step_start_ = nullptr, ev_step_end_ = nullptr;
   cudaEvent_t ev_opt_start_ = nullptr, ev_opt_end_ = nullptr;
@@ -622,11 +626,23 @@ class CudaDrafterStage final : public DrafterStage {
 
 }  // namespace
 
+std::vector<uint16_t> cuda_features_download(const TargetFeatures& features) {
+  const auto* f = dynamic_cast<const CudaFeatures*>(&features);
+  DFLASH_CHECK(f != nullptr, "cuda_features_download: the features of another kind of stage");
+  std::vector<uint16_t> out(static_cast<size_t>(f->rows * f->cols));
+  DFLASH_CUDA_CHECK(cudaSetDevice(f->device));
+  DFLASH_CUDA_CHECK(
+      cudaMemcpy(out.data(), f->data, out.size() * sizeof(uint16_t), cudaMemcpyDeviceToHost));
+  return out;
+}
+
 std::string cuda_backend_describe(const TrainBackendOptions& opts) {
   std::set<int> devices(opts.topology.target_devices.begin(), opts.topology.target_devices.end());
   devices.insert(opts.topology.drafter_devices.begin(), opts.topology.drafter_devices.end());
   if (devices.empty()) devices.insert(opts.devices.begin(), opts.devices.end());
-  std::string s = fmt::format("cuda, CUDA graphs {}", opts.cuda_graphs ? "on" : "off");
+  std::string s =
+      fmt::format("cuda, CUDA graphs {}, target prefill {}", opts.cuda_graphs ? "on" : "off",
+                  target_prefill_name(opts.target_prefill));
   for (int d : devices) s += fmt::format("; GPU {}: {}", d, cuda::device_description(d));
   return s;
 }
@@ -639,10 +655,11 @@ std::unique_ptr<TargetStage> cuda_target_stage_create(const TrainBackendOptions&
                "cuda target stage: CUDA device {} does not exist ({} "
                "visible)",
                device, n);
-  const TrainMemoryPlan plan = plan_target_worker_memory(
-      target.config(), cfg, opts.max_context_tokens, opts.feature_buffers, opts.device_memory_gib);
+  TrainMemoryPlan plan = plan_target_worker_memory(target.config(), cfg, opts.max_context_tokens,
+                                                   opts.feature_buffers, opts.device_memory_gib);
+  plan_target_prefill(plan, opts.target_prefill);
   return std::make_unique<CudaTargetStage>(device, target, cfg, plan, opts.cuda_graphs,
-                                           opts.feature_buffers);
+                                           opts.feature_buffers, opts.target_prefill);
 }
 
 std::unique_ptr<DrafterStage> cuda_drafter_stage_create(

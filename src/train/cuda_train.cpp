@@ -70,6 +70,31 @@ uint64_t used_device_memory() {
 
 }  // namespace
 
+void cuda_target_use_cudnn(TargetCuda& target) {
+  try {
+    target.use_cudnn_prefill();
+  } catch (const Error& e) {
+    fail(
+        "runtime.target_prefill cudnn: {} (runtime.target_prefill: kernels runs the prefill on "
+        "the project's attention kernels)",
+        e.what());
+  }
+}
+
+int64_t cuda_target_prefill_select(TargetCuda& target, int64_t docs, int64_t longest) {
+  if (!target.cudnn_prefill()) return 0;
+  const int64_t bucket = TargetCuda::cudnn_prefill_bucket(docs);
+  try {
+    target.cudnn_prefill_select(bucket, longest);
+  } catch (const Error& e) {
+    fail(
+        "runtime.target_prefill cudnn: the graph of {} document slots of at most {} rows: {} "
+        "(runtime.target_prefill: kernels runs the prefill on the project's attention kernels)",
+        bucket, longest, e.what());
+  }
+  return bucket;
+}
+
 struct CudaTrainBackend::Inputs {
   Staged tokens, target_ranges, pos, block_tokens, block_ranges, labels, weights;
   Staged dspark_prev, dspark_tpos, dspark_order, dspark_seg;  // DSpark's DsparkRowIndex
@@ -79,7 +104,7 @@ struct CudaTrainBackend::Inputs {
   Objective objective;          // the staged batch's loss
   cudaEvent_t start = nullptr, after_target = nullptr, end = nullptr;
   cudaEvent_t opt_start = nullptr, opt_end = nullptr;            // around the AdamW update
-  cuda::GraphCache<int64_t> target_graphs;                       // by T
+  cuda::GraphCache<std::pair<int64_t, int64_t>> target_graphs;   // by (T, document bucket)
   cuda::GraphCache<std::pair<int64_t, int64_t>> drafter_graphs;  // by (T, NK)
 };
 
@@ -95,7 +120,8 @@ class CudaTargetFeatures final : public TargetFeatures {
 
 CudaTrainBackend::CudaTrainBackend(int device, const TargetModel& target, const DrafterConfig& cfg,
                                    const DrafterLayout& layout, const TrainMemoryPlan& plan,
-                                   bool use_graphs, const AdamWConfig& adam, double clip_grad_norm)
+                                   bool use_graphs, const AdamWConfig& adam, double clip_grad_norm,
+                                   TargetPrefill prefill)
     : cfg_(cfg),
       param_count_(layout.total),
       taps_(cfg.target_layer_ids),
@@ -108,12 +134,13 @@ CudaTrainBackend::CudaTrainBackend(int device, const TargetModel& target, const 
   const int n = cuda::device_count();
   DFLASH_CHECK(device >= 0 && device < n,
                "runtime.devices: CUDA device {} does not exist ({} visible)", device, n);
-  description_ = fmt::format("cuda:{} {}, CUDA graphs {}", device,
-                             cuda::device_description(device), use_graphs ? "on" : "off");
+  description_ = fmt::format("cuda:{} {}, CUDA graphs {}", device, cuda::device_description(device),
+                             use_graphs ? "on" : "off");
   ctx_ = std::make_unique<cuda::CudaContext>(device);
   context_bytes_ = used_device_memory();  // context, library handles, cuBLASLt workspace
   arena_ = std::make_unique<cuda::DeviceArena>(*ctx_, plan.arena);
   target_ = std::make_unique<TargetCuda>(*ctx_, target, plan.T, plan.target_layers, arena_.get());
+  if (prefill == TargetPrefill::cudnn) cuda_target_use_cudnn(*target_);
   drafter_ = std::make_unique<DrafterCuda>(*ctx_, cfg, layout, plan.T, plan.NK, target_->embed(),
                                            target_->lm_head(), arena_.get(), kDrafterCeChunkRows,
                                            plan.activations);
@@ -272,7 +299,8 @@ std::unique_ptr<TargetFeatures> CudaTrainBackend::forward_taps(const DrafterBatc
   st.block_ranges = {in_->block_ranges.host.as<AttnRange>(), NK_};
   st.labels = {in_->labels.host.as<int32_t>(), NK_};
   st.weights = {in_->weights.host.as<float>(), NK_};
-  drafter_batch_stage(b, cfg_.mask_token_id, 0, st);
+  const int64_t docs = drafter_batch_stage(b, cfg_.mask_token_id, 0, st);
+  const int64_t bucket = cuda_target_prefill_select(*target_, docs, b.row_length);
   in_->objective = b.objective;
   if (cfg_.dspark.enabled) {
     const DsparkRowIndex x = dspark_row_index(b, NK, cfg_.vocab_size);
@@ -298,7 +326,7 @@ std::unique_ptr<TargetFeatures> CudaTrainBackend::forward_taps(const DrafterBatc
   cudaStream_t s = ctx_->stream();
   DFLASH_CUDA_CHECK(cudaEventRecord(in_->start, s));
   if (use_graphs_) {
-    in_->target_graphs.run(T, s, [&] { enqueue_target(T); });
+    in_->target_graphs.run(std::pair<int64_t, int64_t>(T, bucket), s, [&] { enqueue_target(T); });
   } else {
     enqueue_target(T);
   }
@@ -442,16 +470,18 @@ TrainBackend cuda_train_backend_create(const TrainBackendOptions& opts, const Ta
                                        const DrafterConfig& cfg, const DrafterLayout& layout) {
   cuda_train_backend_check(opts);
 #ifdef DFLASH_HAVE_CUDA
-  const TrainMemoryPlan plan = plan_train_memory(
+  TrainMemoryPlan plan = plan_train_memory(
       target.config(), cfg, layout, TrainStepCapacity{opts.max_context_tokens, opts.max_blocks},
       opts.device_memory_gib, kDrafterCeChunkRows, opts.drafter_activations);
+  plan_target_prefill(plan, opts.target_prefill);
   DFLASH_CHECK(plan.fits(),
                "the training step does not fit the device: it needs {} and "
                "runtime.device_memory_gib allows {} (dflash train --plan names the largest token "
                "budget that fits)",
                format_bytes(plan.total_bytes()), format_bytes(plan.device_bytes));
   auto b = std::make_shared<CudaTrainBackend>(opts.devices[0], target, cfg, layout, plan,
-                                              opts.cuda_graphs, opts.adam, opts.clip_grad_norm);
+                                              opts.cuda_graphs, opts.adam, opts.clip_grad_norm,
+                                              opts.target_prefill);
   TrainBackend out;
   out.description = b->description();
   out.memory_report = b->memory_report();

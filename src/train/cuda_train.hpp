@@ -9,10 +9,16 @@
 // kBlockRowsMultiple blocks (train/memory_plan.hpp), so that few distinct shapes occur (GEMM plans
 // and graphs are per shape).
 //
-// Graphs: with `use_graphs`, the target forward of each context length and the drafter
-// forward/backward of each (context length, block rows) shape are captured once as CUDA graphs
-// (inputs copied from fixed pinned host buffers inside the graph) and replayed; AdamW stays outside
-// (its learning rate changes every step). The same kernels run with the same arguments either way,
+// Target prefill: with TargetPrefill::cudnn (runtime.target_prefill, the default) the target's
+// causal prefill runs on cuDNN (TargetCuda::use_cudnn_prefill), the graph of a step chosen by the
+// staged context's documents (cuda_target_prefill_select: the power-of-two bucket of the real and
+// padding documents, documents of at most one row); a target cuDNN cannot run stops the
+// construction naming the key (cuda_target_use_cudnn), never a fallback to the kernels.
+//
+// Graphs: with `use_graphs`, the target forward of each (context length, document bucket) and the
+// drafter forward/backward of each (context length, block rows) shape are captured once as CUDA
+// graphs (inputs copied from fixed pinned host buffers inside the graph) and replayed; AdamW stays
+// outside (its learning rate changes every step). The same kernels run with the same arguments either way,
 // so both paths give identical bits. Gradients are computed unscaled on the device (so that the
 // loss scale 1/Σw of a step is not baked into a graph) and the scale is applied by AdamW.
 //
@@ -37,6 +43,7 @@
 #include "model/target.hpp"
 #include "train/memory_plan.hpp"
 #include "train/optimizer.hpp"
+#include "train/target_prefill_cuda.hpp"
 #include "train/train_backend.hpp"
 
 namespace dflash {
@@ -44,9 +51,14 @@ namespace dflash {
 namespace cuda {
 class CudaContext;
 class DeviceArena;
-}
+}  // namespace cuda
 class TargetCuda;
 class DrafterCuda;
+
+/// The bf16 bits of features a CUDA target stage (cuda_target_stage_create) made, [rows, cols]
+/// row-major, downloaded (synchronous; for tests and tools). Throws dflash::Error for features of
+/// another stage kind.
+std::vector<uint16_t> cuda_features_download(const TargetFeatures& features);
 
 /// Target + drafter training step on one GPU (both stages of the step contract).
 class CudaTrainBackend final : public TargetStage, public DrafterStage {
@@ -57,7 +69,8 @@ class CudaTrainBackend final : public TargetStage, public DrafterStage {
   /// fit, or the models are not supported on CUDA.
   CudaTrainBackend(int device, const TargetModel& target, const DrafterConfig& cfg,
                    const DrafterLayout& layout, const TrainMemoryPlan& plan, bool use_graphs,
-                   const AdamWConfig& adam, double clip_grad_norm);
+                   const AdamWConfig& adam, double clip_grad_norm,
+                   TargetPrefill prefill = TargetPrefill::cudnn);
   ~CudaTrainBackend() override;
 
   /// Stages `batch` (context and block rows) into the pinned buffers and enqueues the target's tap

@@ -214,7 +214,9 @@ uint64_t PipelineMemoryPlan::device_total(int device) const {
     total += nccl_bytes;
   }
   for (const WorkerMemoryPlan& w : workers) {
-    if (w.device == device) total += w.plan.arena.arena_bytes + w.plan.cublaslt_bytes;
+    if (w.device == device) {
+      total += w.plan.arena.arena_bytes + w.plan.cublaslt_bytes + w.plan.cudnn_bytes;
+    }
   }
   return total;
 }
@@ -254,10 +256,9 @@ std::string PipelineMemoryPlan::table() const {
   s += activations_line(activations, activations_reason) + "\n";
   for (int d : devices()) {
     const uint64_t total = device_total(d);
-    const bool nccl =
-        std::find(nccl_devices.begin(), nccl_devices.end(), d) != nccl_devices.end();
+    const bool nccl = std::find(nccl_devices.begin(), nccl_devices.end(), d) != nccl_devices.end();
     s += fmt::format(
-        "GPU {}: {} (arenas and cuBLASLt workspaces) + CUDA context {}{} = {} of {} "
+        "GPU {}: {} (arenas, cuBLASLt workspaces, cuDNN prefills) + CUDA context {}{} = {} of {} "
         "(runtime.device_memory_gib): {}\n",
         d, workers_on(*this, d), format_bytes(context_bytes),
         nccl ? " + NCCL " + format_bytes(nccl_bytes) + " (estimate)" : "", format_bytes(total),
@@ -297,8 +298,13 @@ PipelineMemoryPlan plan_pipeline_memory(const RunConfig& cfg, const ModelConfig&
   return plan_with_recompute_policy<PipelineMemoryPlan>(
       cfg.training.recompute,
       [&](DrafterActivations a) {
-        return plan_pipeline_memory(topology_of(cfg.runtime), target, drafter, layout,
-                                    train_step_capacity(cfg), cfg.runtime.device_memory_gib, a);
+        PipelineMemoryPlan p =
+            plan_pipeline_memory(topology_of(cfg.runtime), target, drafter, layout,
+                                 train_step_capacity(cfg), cfg.runtime.device_memory_gib, a);
+        for (WorkerMemoryPlan& w : p.workers) {
+          plan_target_prefill(w.plan, target_prefill_of(cfg.runtime.target_prefill));
+        }
+        return p;
       },
       [](const PipelineMemoryPlan& p) { return p.fits(); });
 }
@@ -342,10 +348,18 @@ TrainMemoryPlan plan_train_memory(const RunConfig& cfg, const ModelConfig& targe
   return plan_with_recompute_policy<TrainMemoryPlan>(
       cfg.training.recompute,
       [&](DrafterActivations a) {
-        return plan_train_memory(target, drafter, layout, train_step_capacity(cfg),
-                                 cfg.runtime.device_memory_gib, kDrafterCeChunkRows, a);
+        TrainMemoryPlan p =
+            plan_train_memory(target, drafter, layout, train_step_capacity(cfg),
+                              cfg.runtime.device_memory_gib, kDrafterCeChunkRows, a);
+        plan_target_prefill(p, target_prefill_of(cfg.runtime.target_prefill));
+        return p;
       },
       [](const TrainMemoryPlan& p) { return p.fits(); });
+}
+
+void plan_target_prefill(TrainMemoryPlan& plan, TargetPrefill prefill) {
+  const bool holds_target = plan.T > 0 && plan.target_layers > 0;
+  plan.cudnn_bytes = holds_target && prefill == TargetPrefill::cudnn ? kCudnnPrefillBytes : 0;
 }
 
 void check_recompute_policy(const std::string& policy) {
@@ -420,6 +434,11 @@ std::string TrainMemoryPlan::table(bool device_totals) const {
                      "CUDA context, library handles", format_bytes(context_bytes));
   }
   s += fmt::format("  {:<58} {:>12}\n", "cuBLASLt workspace", format_bytes(cublaslt_bytes));
+  if (cudnn_bytes > 0) {
+    s += fmt::format("  {:<58} {:>12}  (measured on an H200)\n",
+                     "cuDNN causal prefill (runtime.target_prefill cudnn)",
+                     format_bytes(cudnn_bytes));
+  }
   if (device_totals) {
     s += fmt::format("  {:<58} {:>12}  of {} (runtime.device_memory_gib): {}\n", "total",
                      format_bytes(total_bytes()), format_bytes(device_bytes),

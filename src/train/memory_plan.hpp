@@ -41,6 +41,16 @@ inline constexpr uint64_t kCudaContextBytes = uint64_t{529} << 20;
 inline constexpr uint64_t kNcclReserveBytes = uint64_t{1536} << 20;
 /// cuBLASLt workspace of a CudaContext (its default).
 inline constexpr uint64_t kCublasLtWorkspaceBytes = uint64_t{32} << 20;
+/// Device memory the cuDNN causal prefill takes beside the arena (runtime.target_prefill cudnn:
+/// TargetCuda::use_cudnn_prefill): its handle, the kernels cuDNN loads, and one graph's index
+/// arrays and workspace. Measured on the H200 (driver 580.159.04, cuDNN 9.14 at run time): on
+/// 2026-12-01 the device memory in use exceeded the plan without it by 0.07 GiB both in the
+/// target forward alone (16.53 against 16.46 GiB) and in the whole step (66.14 against 66.07);
+/// on 2026-12-02 (`dflash bench`, Qwen3-8B batch) the step with the cuDNN prefill held 72.0 MiB
+/// more than the same step with the kernels, and 0.16 MiB more than this plan (the kernels' step
+/// 4.2 MiB more than its plan). Each further document bucket adds its index arrays
+/// ((4·slots + 3)·4 bytes) and workspace (TargetCuda::cudnn_prefill_bytes).
+inline constexpr uint64_t kCudnnPrefillBytes = uint64_t{76} << 20;
 
 /// Largest shapes of a training step.
 struct TrainStepCapacity {
@@ -63,14 +73,19 @@ struct TrainMemoryPlan {
   int64_t target_layers = 0;  ///< target layers uploaded (target_layers_for_drafter)
   uint64_t context_bytes = kCudaContextBytes;
   uint64_t cublaslt_bytes = kCublasLtWorkspaceBytes;
+  /// cuDNN's prefill beside the arena: kCudnnPrefillBytes when the plan holds the target and its
+  /// prefill runs on cuDNN (plan_target_prefill), else 0.
+  uint64_t cudnn_bytes = 0;
   uint64_t device_bytes = 0;  ///< the budget (runtime.device_memory_gib)
   /// What the drafter's backward does with the forward's activations (model/step_plan.hpp).
   DrafterActivations activations = DrafterActivations::recompute;
   /// Why (training.recompute and, for auto, whether keeping fits); "" when no drafter is planned.
   std::string activations_reason;
 
-  /// Arena + context + cuBLASLt workspace.
-  uint64_t total_bytes() const { return arena.arena_bytes + context_bytes + cublaslt_bytes; }
+  /// Arena + context + cuBLASLt workspace + cuDNN's prefill.
+  uint64_t total_bytes() const {
+    return arena.arena_bytes + context_bytes + cublaslt_bytes + cudnn_bytes;
+  }
   bool fits() const { return total_bytes() <= device_bytes; }
   /// The table printed by `--plan` and at the start of training: one row per group (bytes if
   /// nothing were shared), the arena, the live bytes of each phase, the total and the budget.
@@ -78,6 +93,10 @@ struct TrainMemoryPlan {
   /// context, total and budget rows are left out.
   std::string table(bool device_totals = true) const;
 };
+
+/// Sets plan.cudnn_bytes for a plan that holds the target (T > 0, target_layers > 0) whose
+/// causal prefill is `prefill`: kCudnnPrefillBytes for cudnn, 0 for kernels.
+void plan_target_prefill(TrainMemoryPlan& plan, TargetPrefill prefill);
 
 /// Plans a training step of `cap` on one device with `device_memory_gib` GiB, the drafter's
 /// backward recomputing or keeping the forward's activations as `activations` says. Throws
@@ -161,7 +180,7 @@ std::string plan_shortfall_message(const TrainMemoryPlan& plan, const FittingBud
 // With the pipeline (train/pipeline.hpp) every worker's CudaContext allocates an arena of its own
 // (train/cuda_stages.cpp), and several workers may share one GPU. The primary CUDA context (and
 // the kernels' modules) of a GPU is shared by the workers on it, so a GPU's total is its workers'
-// arenas and cuBLASLt workspaces plus ONE kCudaContextBytes.
+// arenas, cuBLASLt workspaces and cuDNN prefills (target workers) plus ONE kCudaContextBytes.
 
 /// Names of the buffers a drafter worker adds to plan_drafter_step's: its own bf16 copies of the
 /// target's embedding and (untied) LM head, [V, H] each.
@@ -220,8 +239,8 @@ struct PipelineMemoryPlan {
 
   /// The GPUs used, ascending.
   std::vector<int> devices() const;
-  /// What GPU `device` needs: its workers' arenas and cuBLASLt workspaces, plus context_bytes,
-  /// plus nccl_bytes when it holds a NCCL rank.
+  /// What GPU `device` needs: its workers' arenas, cuBLASLt workspaces and cuDNN prefills, plus
+  /// context_bytes, plus nccl_bytes when it holds a NCCL rank.
   uint64_t device_total(int device) const;
   /// Every GPU's total is within device_bytes.
   bool fits() const;
@@ -240,7 +259,8 @@ PipelineMemoryPlan plan_pipeline_memory(
 
 /// The pipeline plan of `cfg` (topology_of(cfg.runtime), train_step_capacity,
 /// runtime.device_memory_gib), its drafter activations chosen by training.recompute
-/// (plan_with_recompute_policy: auto keeps them when every GPU fits with them).
+/// (plan_with_recompute_policy: auto keeps them when every GPU fits with them), its target
+/// workers' prefill runtime.target_prefill (plan_target_prefill).
 PipelineMemoryPlan plan_pipeline_memory(const RunConfig& cfg, const ModelConfig& target,
                                         const DrafterConfig& drafter, const DrafterLayout& layout);
 

@@ -220,6 +220,7 @@ const std::vector<Field>& schema() {
         make_field("runtime", "stall_timeout_s", U, &RuntimeSection::stall_timeout_s, false));
     f.push_back(make_field("runtime", "threads", U, &RuntimeSection::threads, false));
     f.push_back(make_field("runtime", "cuda_graphs", U, &RuntimeSection::cuda_graphs, false));
+    f.push_back(make_field("runtime", "target_prefill", U, &RuntimeSection::target_prefill, false));
     f.push_back(
         make_field("runtime", "device_memory_gib", U, &RuntimeSection::device_memory_gib, false));
     // output_dir is top-level.
@@ -432,8 +433,19 @@ void RunConfig::validate() const {
   positive("runtime.stall_timeout_s", runtime.stall_timeout_s);
   topology_check_keys(runtime);
   non_negative("runtime.threads", runtime.threads);
+  target_prefill_of(runtime.target_prefill);
   positive("runtime.device_memory_gib", runtime.device_memory_gib);
   DFLASH_CHECK(!output_dir.empty(), "output_dir must name the run directory");
+}
+
+TargetPrefill target_prefill_of(const std::string& name) {
+  if (name == "cudnn") return TargetPrefill::cudnn;
+  if (name == "kernels") return TargetPrefill::kernels;
+  fail("runtime.target_prefill must be cudnn or kernels, got '{}'", name);
+}
+
+const char* target_prefill_name(TargetPrefill p) {
+  return p == TargetPrefill::cudnn ? "cudnn" : "kernels";
 }
 
 std::string RunConfig::to_yaml() const {

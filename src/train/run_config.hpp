@@ -139,10 +139,23 @@ struct RuntimeSection {
   /// cuda backend: capture each step shape once as CUDA graphs and replay them (false: enqueue the
   /// step op by op). Results are identical either way; the train log says which path runs.
   bool cuda_graphs = true;
+  /// cuda backend: the target's causal prefill in training, "cudnn" (cuDNN's fused attention,
+  /// one graph per power-of-two bucket of a step's documents) or "kernels" (the project's
+  /// attention kernels). cudnn cannot run sliding-window or attention-sink targets: such a run
+  /// stops naming this key, never falls back.
+  std::string target_prefill = "cudnn";
   /// Device memory the cuda backend may plan for, in GiB (2^30 bytes); 139 = one H200. Training
   /// refuses to start when its memory plan (train/memory_plan.hpp) needs more.
   double device_memory_gib = 139.0;
 };
+
+/// runtime.target_prefill: where the CUDA target's causal prefill runs in training.
+enum class TargetPrefill { cudnn, kernels };
+/// "cudnn" -> cudnn, "kernels" -> kernels; throws dflash::Error naming runtime.target_prefill for
+/// anything else.
+TargetPrefill target_prefill_of(const std::string& name);
+/// The key's value of `p` ("cudnn" or "kernels").
+const char* target_prefill_name(TargetPrefill p);
 
 /// The whole configuration of one training run.
 struct RunConfig {

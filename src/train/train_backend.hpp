@@ -39,6 +39,7 @@
 #include "model/step_plan.hpp"
 #include "train/collective.hpp"
 #include "train/optimizer.hpp"
+#include "train/run_config.hpp"
 #include "train/topology.hpp"
 
 namespace dflash {
@@ -95,8 +96,8 @@ struct DrafterStepResult {
   double grad_norm = std::numeric_limits<double>::quiet_NaN();
   double clip = 1.0;  ///< factor the gradient was multiplied by (1: not clipped)
   StepSkip skip = StepSkip::none;
-  std::optional<double> target_device_s;   ///< device time of the target forward, if measured
-  std::optional<double> drafter_device_s;  ///< device time of the drafter step, if measured
+  std::optional<double> target_device_s;     ///< device time of the target forward, if measured
+  std::optional<double> drafter_device_s;    ///< device time of the drafter step, if measured
   std::optional<double> optimizer_device_s;  ///< device time of the update (AdamW), if measured
   /// Host seconds the stages spent blocked on the device for this step (read-backs, the update's
   /// synchronisation), if measured: the part of the step's wall time that is device time seen
@@ -153,7 +154,9 @@ struct TrainBackendOptions {
   /// The run's workers (train/topology.hpp); when it has workers, train_backend_check checks its
   /// devices instead of `devices`.
   PipelineTopology topology;
-  bool cuda_graphs = true;         ///< runtime.cuda_graphs
+  bool cuda_graphs = true;  ///< runtime.cuda_graphs
+  /// runtime.target_prefill: the cuda target's causal prefill (cuDNN by default).
+  TargetPrefill target_prefill = TargetPrefill::cudnn;
   int64_t max_context_tokens = 0;  ///< rows_per_step·token_budget: the largest rows·L of a batch
   /// cuda target stages: feature buffers in the pool (as many as the pipeline can hold alive).
   int64_t feature_buffers = 1;
@@ -164,8 +167,8 @@ struct TrainBackendOptions {
   /// cuda drafter stages: recompute or keep the forward's activations for the backward (what the
   /// run's memory plan chose from training.recompute: plan_pipeline_memory).
   DrafterActivations drafter_activations = DrafterActivations::recompute;
-  AdamWConfig adam;                ///< training.beta1/beta2/adam_eps/weight_decay
-  double clip_grad_norm = 1.0;     ///< training.clip_grad_norm (≤ 0: no clipping)
+  AdamWConfig adam;             ///< training.beta1/beta2/adam_eps/weight_decay
+  double clip_grad_norm = 1.0;  ///< training.clip_grad_norm (≤ 0: no clipping)
 };
 
 /// A target stage and a drafter stage that belong together (they may share one object and one

@@ -60,6 +60,7 @@ TrainBackendOptions backend_options_of(const RunConfig& cfg) {
   o.topology = topology_of(cfg.runtime);
   o.feature_buffers = target_feature_buffers(o.topology);
   o.cuda_graphs = cfg.runtime.cuda_graphs;
+  o.target_prefill = target_prefill_of(cfg.runtime.target_prefill);
   o.max_context_tokens = static_cast<int64_t>(cfg.data.rows_per_step) * cfg.data.token_budget;
   o.max_blocks = train_step_capacity(cfg).blocks;
   o.device_memory_gib = cfg.runtime.device_memory_gib;

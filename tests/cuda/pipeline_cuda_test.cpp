@@ -9,11 +9,13 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <random>
 
 #include "backend/cuda/device.hpp"
 #include "cuda/cuda_test_util.hpp"
+#include "cuda/tolerances.hpp"
 #include "model/drafter.hpp"
 #include "model/drafter_batch.hpp"
 #include "model/drafter_io.hpp"
@@ -40,20 +42,20 @@ DrafterConfig tiny_drafter() {
   DrafterSizes sizes;
   sizes.intermediate_size = 128;
   sizes.block_size = 8;
-  return drafter_config_for_target(tiny_target().config(), 2, sizes, 8000,
-                                   std::vector<int>{1, 3});
+  return drafter_config_for_target(tiny_target().config(), 2, sizes, 8000, std::vector<int>{1, 3});
 }
 
-// Two rows of 128 slots with a few random documents each (tokens below 8000), 3 anchors per
-// document; the targets of objective `obj` (dflash's, or Domino's with its shift_label).
-DrafterBatch make_batch(uint32_t seed, const Objective& obj = {}) {
+// Two rows of 128 slots with random documents of the given lengths (tokens below 8000), 3 anchors
+// per document; the targets of objective `obj` (dflash's, or Domino's with its shift_label).
+DrafterBatch make_batch(uint32_t seed, const Objective& obj = {},
+                        const std::vector<std::vector<int>>& rows = {{40, 61}, {97}}) {
   std::mt19937 rng(seed);
   std::uniform_int_distribution<int32_t> tok(0, 7999);
   std::bernoulli_distribution bit(0.7);
   Rng arng(seed);
   DrafterBatch d(8);
   d.objective = obj;
-  for (const std::vector<int>& docs : {std::vector<int>{40, 61}, std::vector<int>{97}}) {
+  for (const std::vector<int>& docs : rows) {
     std::vector<int32_t> t, off{0};
     std::vector<uint8_t> m;
     for (int n : docs) {
@@ -174,6 +176,43 @@ void expect_split_stages_match_one_context(const DrafterConfig& cfg, Objective o
 }
 
 }  // namespace
+
+// The target stage with runtime.target_prefill cudnn (the default) against the same stage with
+// the kernels: the real rows' taps agree within the whole-forward tolerance (only the prefill
+// differs), over batches of two document buckets (3 documents + 1 padding: 4 slots; 6 + 1: 8).
+TEST(PipelineCuda, TheTargetStagesCudnnPrefillGivesTheKernelsTaps) {
+  DFLASH_REQUIRE_GPU();
+  const DrafterConfig cfg = tiny_drafter();
+  TrainBackendOptions opts;
+  opts.backend = "cuda";
+  opts.max_context_tokens = 256;
+  opts.max_blocks = 256;
+  opts.feature_buffers = 1;
+  opts.target_prefill = TargetPrefill::kernels;
+  const std::unique_ptr<TargetStage> kernels =
+      cuda_target_stage_create(opts, 0, tiny_target(), cfg);
+  opts.target_prefill = TargetPrefill::cudnn;
+  const std::unique_ptr<TargetStage> cudnn = cuda_target_stage_create(opts, 0, tiny_target(), cfg);
+  const int64_t cols = drafter_feature_cols(cfg);
+  int batches = 0;
+  for (const std::vector<std::vector<int>>& rows :
+       {std::vector<std::vector<int>>{{40, 61}, {97}},
+        std::vector<std::vector<int>>{{10, 30, 50}, {20, 9, 70}}}) {
+    const DrafterBatch b = make_batch(200 + static_cast<uint32_t>(batches), {}, rows);
+    const auto real = static_cast<size_t>(b.T() * cols);
+    std::vector<uint16_t> k = cuda_features_download(*kernels->forward_taps(b));
+    std::vector<uint16_t> c = cuda_features_download(*cudnn->forward_taps(b));
+    ASSERT_EQ(k.size(), c.size());
+    k.resize(real);
+    c.resize(real);
+    const double e = test::rel_error(test::from_bf16(c), test::from_bf16(k));
+    EXPECT_LT(e, test::tol::kTargetTaps) << "batch " << batches;
+    EXPECT_GT(e, 0.0) << "the two prefills gave the same bits: is cuDNN on?";
+    std::printf("batch %d (%lld documents): cuDNN vs kernels taps, relative error %.3g\n", batches,
+                static_cast<long long>(b.n_docs()), e);
+    ++batches;
+  }
+}
 
 TEST(PipelineCuda, SplitStagesComputeWhatTheOneContextBackendComputes) {
   DFLASH_REQUIRE_GPU();

@@ -125,6 +125,31 @@ TEST(RmsNormCuda, FullWidth) {
   run(129, 4096, 3);
 }
 
+// Rows of D a multiple of 512 (one CTA per row, vector loads; the target's f32 residual into
+// bf16): fp32 rows into bf16 against the CPU, and in place (y = x, fp32). D 512 (one warp per
+// CTA), 2,048 and 5,120 (10 warps); the other tests cover bf16 inputs and the warp-per-row rows.
+TEST(RmsNormCuda, WideRowsIntoBf16AndInPlace) {
+  DFLASH_REQUIRE_GPU();
+  cuda::CudaContext ctx(0);
+  const double eps = 1e-6;
+  for (const int64_t D : {512, 2048, 5120}) {
+    SCOPED_TRACE(::testing::Message() << "D=" << D);
+    const int64_t R = 37;
+    const auto x = randn(static_cast<size_t>(R * D), 40 + static_cast<uint32_t>(D), 2.0f);
+    const auto w = randn(static_cast<size_t>(D), 41 + static_cast<uint32_t>(D));
+    std::vector<float> y_ref(x.size()), rstd_ref(static_cast<size_t>(R));
+    rmsnorm_fwd_cpu(y_ref.data(), rstd_ref.data(), x.data(), w.data(), R, D, eps);
+    DeviceGuarded<float> dx(x), dw(w), rstd(static_cast<size_t>(R));
+    DeviceGuarded<uint16_t> yb(x.size());
+    rmsnorm_fwd_cuda(ctx, yb.get(), rstd.get(), dx.get(), dw.get(), R, D, eps);
+    EXPECT_LT(rel_error(from_bf16(yb.download()), y_ref), tol::kBf16);
+    EXPECT_LT(rel_error(rstd.download(), rstd_ref), tol::kF32);
+    rmsnorm_fwd_cuda(ctx, dx.get(), static_cast<float*>(nullptr), dx.get(), dw.get(), R, D, eps);
+    EXPECT_LT(rel_error(dx.download(), y_ref), tol::kF32);
+    EXPECT_TRUE(dx.guard_intact() && yb.guard_intact() && rstd.guard_intact());
+  }
+}
+
 TEST(RmsNormCuda, PerHead) {
   DFLASH_REQUIRE_GPU();
   run(17 * 3, 64, 4);    // T=17, 3 heads of 64

@@ -160,6 +160,72 @@ TEST(TargetCuda, TapsMatchCpuOnPackedRows) {
   }
 }
 
+// The staged context's padding (drafter_batch_stage_context: documents of one row, here ONE of 73
+// rows) against the staging before it (one one-token document per padding row, position 0): the
+// taps of every real row keep their bits, with the kernels' prefill and with cuDNN's (one graph of
+// 128 slots, what the one-token documents need, for both).
+TEST(TargetCuda, ThePaddingDocumentChangesNoBitOfARealRow) {
+  DFLASH_REQUIRE_GPU();
+  const TargetModel target = TargetModel::load(assets_dir() / "tiny-qwen3");
+  const int64_t H = target.hidden_size(), V = target.vocab_size();
+  const std::vector<int> taps = {1, 3};
+  const int64_t F = static_cast<int64_t>(taps.size()) * H;
+  const HostBatch b = make_batch({{1, 40, 30}, {50}}, 97, V, 4, 8, 11);
+  const DrafterBatch d = drafter_batch_of(b, 4);
+  const int64_t T = d.T(), T_pad = d.rows * d.row_length;
+  ASSERT_EQ(T_pad - T, 73);
+  const auto n = static_cast<size_t>(T_pad);
+  std::vector<int32_t> tokens(n), pos(n);
+  std::vector<AttnRange> ranges(n);
+  const int64_t docs = drafter_batch_stage_context(d, 0, tokens, pos, ranges);
+  ASSERT_EQ(docs, d.n_docs() + 1);
+  // Padding tokens of different ids (the staging writes one id; any ids are padding), so that the
+  // two stagings' padding rows differ: rows of one repeated token give the same values whatever
+  // they see, which would let a test that mixed up the stagings pass.
+  for (int64_t t = T; t < T_pad; ++t) tokens[static_cast<size_t>(t)] = static_cast<int32_t>(t % V);
+  std::vector<int32_t> old_pos = pos;
+  std::vector<AttnRange> old_ranges = ranges;
+  for (int64_t t = T; t < T_pad; ++t) {
+    const auto t32 = static_cast<int32_t>(t);
+    old_pos[static_cast<size_t>(t)] = 0;
+    old_ranges[static_cast<size_t>(t)] = AttnRange{t32, t32 + 1, 0, 0};
+  }
+  cuda::CudaContext ctx(0);
+  TargetCuda tc(ctx, target, T_pad);
+  std::vector<cuda::DeviceBuffer> keep;
+  const int32_t* tok_d = device_copy(ctx, keep, tokens);
+  const int32_t* pos_d = device_copy(ctx, keep, pos);
+  const int32_t* old_pos_d = device_copy(ctx, keep, old_pos);
+  const AttnRange* ranges_d = device_copy(ctx, keep, ranges);
+  const AttnRange* old_ranges_d = device_copy(ctx, keep, old_ranges);
+  // The taps of all T_pad rows.
+  auto run = [&](const int32_t* p, const AttnRange* r) {
+    DeviceGuarded<uint16_t> out(static_cast<size_t>(T_pad * F));
+    tc.forward_taps(out.get(), tok_d, p, r, T_pad, taps);
+    ctx.synchronize();
+    EXPECT_TRUE(out.guard_intact());
+    return out.download();
+  };
+  auto real_rows = [&](std::vector<uint16_t> v) {
+    v.resize(static_cast<size_t>(T * F));
+    return v;
+  };
+  for (const bool cudnn : {false, true}) {
+    if (cudnn) {  // one graph for both (128 slots: the one-token documents need them)
+      tc.use_cudnn_prefill();
+      tc.cudnn_prefill_select(TargetCuda::cudnn_prefill_bucket(d.n_docs() + T_pad - T),
+                              d.row_length);
+    }
+    const std::vector<uint16_t> now = run(pos_d, ranges_d);
+    const std::vector<uint16_t> before = run(old_pos_d, old_ranges_d);
+    EXPECT_NE(now, before) << "the padding rows differ (the test compares two stagings)";
+    EXPECT_TRUE(same_bits(real_rows(now), real_rows(before)))
+        << (cudnn ? "cuDNN" : "kernels") << " prefill";
+  }
+  EXPECT_EQ(tc.cudnn_prefill_graphs(), 1);
+  EXPECT_EQ(TargetCuda::cudnn_prefill_bucket(docs), 8);  // 4 documents + 1 padding
+}
+
 namespace {
 
 // DrafterCuda's step with loss `obj` against drafter_train_step summed over the rows (loss, Σw,

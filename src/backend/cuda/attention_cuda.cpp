@@ -20,16 +20,9 @@
 namespace dflash {
 
 namespace {
-/// True for the Hopper families (AttnCudaKernels::wgmma, wgmma_v5, wgmma_v3).
+/// True for the Hopper family (AttnCudaKernels::wgmma).
 bool is_wgmma(AttnCudaKernels k) {
-  return k == AttnCudaKernels::wgmma || k == AttnCudaKernels::wgmma_v5 ||
-         k == AttnCudaKernels::wgmma_v3;
-}
-/// The kernel version of a Hopper family.
-cuda::launch::WgmmaVariant wgmma_variant(AttnCudaKernels k) {
-  return k == AttnCudaKernels::wgmma_v3   ? cuda::launch::WgmmaVariant::v3
-         : k == AttnCudaKernels::wgmma_v5 ? cuda::launch::WgmmaVariant::v5
-                                          : cuda::launch::WgmmaVariant::v6;
+  return k == AttnCudaKernels::wgmma;
 }
 
 void check_attn(const char* op, const AttnParams& p) {
@@ -124,8 +117,7 @@ void attention_bwd_cuda(cuda::CudaContext& ctx, uint16_t* dq, uint16_t* dk, uint
       ctx.scratch(static_cast<size_t>(std::max<int64_t>(tiles, 1)) * 2 * sizeof(int));
   if (wg)
     cuda::launch::attention_wgmma_bwd(dq, dk, dv, dout, q, k, v, o, lse, ranges, p,
-                                      wgmma_variant(kind), delta.as<float>(), span.as<int>(),
-                                      ctx.stream());
+                                      delta.as<float>(), span.as<int>(), ctx.stream());
   else if (tc)
     cuda::launch::attention_tc_bwd(dq, dk, dv, dout, q, k, v, o, lse, ranges, p, delta.as<float>(),
                                    span.as<int>(), ctx.stream());

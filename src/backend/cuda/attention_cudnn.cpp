@@ -64,9 +64,19 @@ std::shared_ptr<fe::graph::Tensor_attributes> rows_tensor(fe::graph::Graph& g, c
 
 }  // namespace
 
+CudnnHandle::CudnnHandle(cuda::CudaContext& ctx) {
+  ctx.make_current();
+  check_cudnn(cudnnCreate(&handle_), "cudnnCreate");
+}
+
+CudnnHandle::~CudnnHandle() {
+  if (handle_) cudnnDestroy(handle_);
+}
+
 struct CudnnCausalPrefill::Impl {
   cuda::CudaContext* ctx = nullptr;
   CudnnPrefillShape shape;
+  std::shared_ptr<CudnnHandle> owner;  // keeps `handle` alive
   cudnnHandle_t handle = nullptr;
   fe::graph::Graph graph;
   void* index = nullptr;      // seq_len [B] | q_offset [B+1] | kv_offset [B+1] | doc_start [B+1]
@@ -80,7 +90,6 @@ struct CudnnCausalPrefill::Impl {
   int32_t* doc_start() const { return kv_offset() + shape.max_docs + 1; }
 
   ~Impl() {
-    if (handle) cudnnDestroy(handle);
     cudaFree(index);
     cudaFree(workspace);
   }
@@ -124,7 +133,8 @@ struct CudnnCausalPrefill::Impl {
   }
 };
 
-CudnnCausalPrefill::CudnnCausalPrefill(cuda::CudaContext& ctx, const CudnnPrefillShape& s)
+CudnnCausalPrefill::CudnnCausalPrefill(cuda::CudaContext& ctx, const CudnnPrefillShape& s,
+                                       std::shared_ptr<CudnnHandle> handle)
     : impl_(std::make_unique<Impl>()) {
   DFLASH_CHECK(s.max_docs >= 1 && s.max_doc_len >= 1 && s.NH > 0 && s.NKV > 0 &&
                    s.NH % s.NKV == 0 && s.D > 0 && std::isfinite(s.scale) && s.scale > 0,
@@ -138,10 +148,10 @@ CudnnCausalPrefill::CudnnCausalPrefill(cuda::CudaContext& ctx, const CudnnPrefil
   m.ctx = &ctx;
   m.shape = s;
   ctx.make_current();
-  check_cudnn(cudnnCreate(&m.handle), "cudnnCreate");
+  m.owner = handle ? std::move(handle) : std::make_shared<CudnnHandle>(ctx);
+  m.handle = m.owner->get();
   m.build();
-  const size_t index_bytes = static_cast<size_t>(4 * s.max_docs + 3) * sizeof(int32_t);
-  DFLASH_CUDA_CHECK(cudaMalloc(&m.index, index_bytes));
+  DFLASH_CUDA_CHECK(cudaMalloc(&m.index, static_cast<size_t>(index_bytes())));
   if (m.workspace_bytes > 0)
     DFLASH_CUDA_CHECK(cudaMalloc(&m.workspace, static_cast<size_t>(m.workspace_bytes)));
 }
@@ -153,6 +163,9 @@ const CudnnPrefillShape& CudnnCausalPrefill::shape() const {
 }
 int64_t CudnnCausalPrefill::workspace_bytes() const {
   return impl_->workspace_bytes;
+}
+int64_t CudnnCausalPrefill::index_bytes() const {
+  return (4 * impl_->shape.max_docs + 3) * static_cast<int64_t>(sizeof(int32_t));
 }
 int64_t CudnnCausalPrefill::cudnn_version() {
   return static_cast<int64_t>(cudnnGetVersion());

@@ -1,14 +1,13 @@
 // dflash.cpp — the Hopper attention kernels (sm_90a): forward and backward on wgmma, one
 // warpgroup per 64 query rows (forward, dq) or per 64 keys (dk/dv) (semantics in
 // src/ops/attention.hpp; launchers declared in attention_wgmma.hpp).
-// Versions (launch::WgmmaVariant; measurements in docs/perf.md): v3 = the backward's products
-// one after the other; v5 = v3 with dq overlapped (kOverlap: Q as register fragments, K in three
-// stages); v6 = v5 with the backward's instructions per tile cut (kV6: the dk/dv chunk loader
-// finds its 4 items once instead of per copy; dq's and dk/dv's dS parts are chosen once per tile
-// or chunk and warp as unmasked or masked), the same values bit for bit. All share the forward. A
-// CTA is one warpgroup (128 threads), the tiles are its own, and its threads issue the shared
-// copies and meet at one CTA barrier per tile or chunk. (v4, two warpgroups per CTA sharing its
-// tiles, was slower in every measurement and was removed with v6.)
+// Version v6 (measurements in docs/perf.md, "Hopper attention"): dq overlapped (Q as register
+// fragments, K in three stages), the dk/dv chunk loader finding its 4 items once per chunk, and
+// dq's and dk/dv's dS parts chosen once per tile or chunk and warp as unmasked or masked. A CTA
+// is one warpgroup (128 threads), the tiles are its own, and its threads issue the shared copies
+// and meet at one CTA barrier per tile or chunk. (The earlier versions are in perf.md's history:
+// v4, two warpgroups per CTA, was removed with v6; v3b, products one after the other, and v5,
+// v6's values without the instruction cuts, were removed once v6 had measured faster.)
 //
 // Work split: exactly the tensor-core kernels' (attention_tc.cuh): a CTA of 4 warps holds 4
 // consecutive items (16 query rows under one query head each, group-major, heads inside), so
@@ -462,50 +461,26 @@ __global__ void __launch_bounds__(kWgThreads) attn_wg_fwd_kernel(const Args a) {
 
 // ---------------------------------------------------------------- backward
 
-/// K stages of the dq kernel: two without the overlap (v3: dQ += dS_j·K_j completes before tile
-/// j+2 takes K_j's stage), three with it (v5, v6: K_{j−1} stays while dQ += dS_{j−1}·K_{j−1} runs
-/// beside tile j's products and tile j+1 lands; Q is then held as register A fragments and its
-/// shared tile serves as the third K stage, so two CTAs still fit on an SM).
-template <bool kOverlap>
-constexpr int wg_dq_kstages() {
-  return kOverlap ? 3 : 2;
-}
+/// K stages of the dq kernel: three (K_{j−1} stays while dQ += dS_{j−1}·K_{j−1} runs beside tile
+/// j's products and tile j+1 lands; Q is held as register A fragments and its shared tile serves
+/// as the third K stage, so two CTAs still fit on an SM).
+constexpr int kDqKStages = 3;
 /// Dynamic shared memory of the dq kernel: head, slack, the Q and dO tiles, the K stages that do
 /// not use Q's tile, two V tiles.
-template <int D, bool kOverlap>
+template <int D>
 constexpr int wg_dq_smem() {
-  constexpr int k_tiles = wg_dq_kstages<kOverlap>() - (kOverlap ? 1 : 0);
-  return kWgHeadBytes + 1024 + (2 + k_tiles + 2) * tile_bytes<D>();
+  return kWgHeadBytes + 1024 + (2 + (kDqKStages - 1) + 2) * tile_bytes<D>();
 }
 
-/// dS = P ∘ (dP − Δ) of the warp's 16 rows and a key tile [kb, kend), in place of s (S = Q·Kᵀ on
-/// entry), with P = exp2(S·scale·log2e − lse2) and masked entries 0 (rows `wrs`, facts `f`).
-__device__ __forceinline__ void dq_tile_ds(float (&s)[32], const float (&dp)[32], const Rng* wrs,
-                                           const TileFacts& f, const float (&lse2)[2],
-                                           const float (&dl)[2], float scale_log2, int kb, int kend,
-                                           int lane) {
-  const int gr = lane >> 2, tq = lane & 3;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    const int r = (i >> 1) & 1;
-    bool vis = f.touch;
-    if (!f.full) {
-      const int key = kb + 8 * (i >> 2) + 2 * tq + (i & 1);
-      vis = vis && key < kend && sees(wrs[gr + 8 * r], key);
-    }
-    const float p = exp2_ftz(fmaf(s[i], scale_log2, -lse2[r]));
-    s[i] = vis ? p * (dp[i] - dl[r]) : 0.f;
-  }
-}
-
-/// v6's dq_tile_ds (the same values, bit for bit) for a tile some row of the warp touches:
+/// dS = P ∘ (dP − Δ) of the warp's 16 rows and a key tile [kb, kend) some row of the warp
+/// touches, in place of s (S = Q·Kᵀ on entry), with P = exp2(S·scale·log2e − lse2) (rows `wrs`):
 /// kMasked false when every row sees every key of the tile (TileFacts::full, known per tile and
 /// warp: no test per element, no branch), true to test each element and select 0 where its row
 /// does not see its key (unseen keys may hold NaN: selected away, never multiplied).
 template <bool kMasked>
-__device__ __forceinline__ void dq_tile_ds_v6(float (&s)[32], const float (&dp)[32], const Rng* wrs,
-                                              const float (&lse2)[2], const float (&dl)[2],
-                                              float scale_log2, int kb, int kend, int lane) {
+__device__ __forceinline__ void dq_tile_ds(float (&s)[32], const float (&dp)[32], const Rng* wrs,
+                                           const float (&lse2)[2], const float (&dl)[2],
+                                           float scale_log2, int kb, int kend, int lane) {
   const int gr = lane >> 2, tq = lane & 3;
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
@@ -524,30 +499,26 @@ __device__ __forceinline__ void dq_tile_ds_v6(float (&s)[32], const float (&dp)[
 /// dQ of a CTA's 64 query rows (FlashAttention-2 Algorithm 2's dq half): per key tile of the
 /// forward's cursor, S = Q·Kᵀ and dP = dO·Vᵀ (wgmma SS, both operands K-major), then
 /// dS = P ∘ (dP − Δ) with P = exp2(S·scale·log2e − lse2) (masked entries 0), then dQ += dS·K
-/// (wgmma RS, K as the MN-major operand); dq = scale·dQ. Without kOverlap (v3): tile j+1 loads
-/// while tile j is computed, its three products one after the other. With kOverlap (v5, v6: Q
-/// as register fragments, S = Q·Kᵀ an RS product): step j issues S_j, dP_j together with
-/// dQ += dS_{j−1}·K_{j−1} and computes dS_j while that product runs (the forward's
-/// intra-warpgroup overlap), tile j+1 loading meanwhile. kV6 (with kOverlap): dS by
-/// dq_tile_ds_v6, its masked or unmasked version chosen per tile and warp. Grid query_ctas(a, 1)
-/// × NKV, 128 threads, wg_dq_smem<D, kOverlap>() bytes of shared memory.
-template <int D, bool kOverlap, bool kV6>
+/// (wgmma RS, K as the MN-major operand); dq = scale·dQ. Q is held as register fragments (S =
+/// Q·Kᵀ an RS product): step j issues S_j, dP_j together with dQ += dS_{j−1}·K_{j−1} and
+/// computes dS_j while that product runs (the forward's intra-warpgroup overlap), tile j+1
+/// loading meanwhile; dS by dq_tile_ds, its masked or unmasked version chosen per tile and warp.
+/// Grid query_ctas(a, 1) × NKV, 128 threads, wg_dq_smem<D>() bytes of shared memory.
+template <int D>
 __global__ void __launch_bounds__(kWgThreads) attn_wg_dq_kernel(const Args a) {
-  static_assert(kOverlap || !kV6, "v6 is v5's overlapped dq");
   DFLASH_DYNAMIC_SMEM(smem);
   Rng* rs = reinterpret_cast<Rng*>(smem);
   int* red = reinterpret_cast<int*>(smem + kCtaRows * 16);
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t tiles_at = (base + kWgHeadBytes + 1023) & ~1023u;
   char* tiles = smem + (tiles_at - base);
-  constexpr int TB = tile_bytes<D>(), KST = wg_dq_kstages<kOverlap>();
-  constexpr bool kQRegs = kOverlap;
-  // Q, dO, then the K stages (with kQRegs the last one is Q's tile once Q is in registers), then
-  // V stages 0 and 1.
-  constexpr int K0 = 2, V0 = 2 + (kQRegs ? KST - 1 : KST);
-  auto k_slot = [&](int st) { return kQRegs && st == KST - 1 ? 0 : K0 + st; };
+  constexpr int TB = tile_bytes<D>(), KST = kDqKStages;
+  // Q, dO, then the K stages (the last one is Q's tile once Q is in registers), then V stages 0
+  // and 1.
+  constexpr int K0 = 2, V0 = 2 + KST - 1;
+  auto k_slot = [&](int st) { return st == KST - 1 ? 0 : K0 + st; };
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const uint32_t q_at = tiles_at, do_at = tiles_at + TB;
+  const uint32_t do_at = tiles_at + TB;
   QueryCta<1> c = query_cta_begin<1, kWarps>(a, rs, red);
   const Item it = c.it[0];
   const Rng* wrs = rs + warp * kRows;
@@ -569,39 +540,7 @@ __global__ void __launch_bounds__(kWgThreads) attn_wg_dq_kernel(const Args a) {
   for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
 #pragma unroll
   for (int i = 0; i < 32; ++i) s[i] = dp[i] = 0.f;
-  if constexpr (!kOverlap) {
-    for (int st = 0; !c.tiles.done(); st ^= 1) {
-      if (!nxt.done()) {
-        load_keys<D>(tiles + (K0 + (st ^ 1)) * TB, a.k, a, c.g, nxt.kb, nxt.kend(), rs);
-        load_keys<D>(tiles + (V0 + (st ^ 1)) * TB, a.v, a, c.g, nxt.kb, nxt.kend(), rs);
-        nxt.next();
-      }
-      mma::cp_async_commit();
-      mma::cp_async_wait<1>();
-      cutlass::arch::fence_view_async_shared();
-      __syncthreads();
-      const uint32_t kt = tiles_at + (K0 + st) * TB, vt = tiles_at + (V0 + st) * TB;
-      fence_regs(s), fence_regs(dp);
-      cute::warpgroup_arrive();
-      issue_qk<D>(s, q_at, kt);
-      issue_qk<D>(dp, do_at, vt);
-      cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<0>();
-      fence_regs(s), fence_regs(dp);
-      const int kb = c.tiles.kb, kend = c.tiles.kend();
-      const TileFacts f = tile_facts<1>(wrs, kb, kend, lane);
-      dq_tile_ds(s, dp, wrs, f, lse2, dl, a.scale_log2, kb, kend, lane);
-      pack_p(ds, s);
-      fence_regs(acc), fence_regs(ds);
-      cute::warpgroup_arrive();
-      issue_pv<D>(acc, ds, kt);  // dQ += dS·K: K as the MN-major operand, like V in the forward
-      cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<0>();
-      fence_regs(acc), fence_regs(ds);
-      __syncthreads();  // stage st is refilled next
-      c.tiles.next();
-    }
-  } else {
+  {
     // Step j: tile j (K stage j % 3, V stage j % 2) has landed; after the barrier the warpgroup
     // is done with tile j−2's K and tile j−1's V, whose stages take tile j+1 (tile 2 first takes
     // Q's tile: step 0 moved Q into registers before the barrier of step 1). HS: tile j exists
@@ -633,17 +572,13 @@ __global__ void __launch_bounds__(kWgThreads) attn_wg_dq_kernel(const Args a) {
         fence_regs(s), fence_regs(dp);
         const int kb = c.tiles.kb, kend = c.tiles.kend();
         const TileFacts f = tile_facts<1>(wrs, kb, kend, lane);
-        if constexpr (kV6) {
-          if (!f.touch) {  // no row of this warp sees a key of the tile: dS = 0
+        if (!f.touch) {  // no row of this warp sees a key of the tile: dS = 0
 #pragma unroll
-            for (int i = 0; i < 32; ++i) s[i] = 0.f;
-          } else if (f.full) {
-            dq_tile_ds_v6<false>(s, dp, wrs, lse2, dl, a.scale_log2, kb, kend, lane);
-          } else {
-            dq_tile_ds_v6<true>(s, dp, wrs, lse2, dl, a.scale_log2, kb, kend, lane);
-          }
+          for (int i = 0; i < 32; ++i) s[i] = 0.f;
+        } else if (f.full) {
+          dq_tile_ds<false>(s, dp, wrs, lse2, dl, a.scale_log2, kb, kend, lane);
         } else {
-          dq_tile_ds(s, dp, wrs, f, lse2, dl, a.scale_log2, kb, kend, lane);
+          dq_tile_ds<true>(s, dp, wrs, lse2, dl, a.scale_log2, kb, kend, lane);
         }
       }
       cute::warpgroup_wait<0>();
@@ -691,36 +626,17 @@ constexpr int wg_dkdv_smem() {
   return 1024 + 2 * tile_bytes<D>() + 2 * wg_chunk_bytes<D>();
 }
 
-/// Pᵀ and dSᵀ = Pᵀ ∘ (dPᵀ − Δ) of the warp's 16 keys [kw, kw_end) and a chunk of 64 query rows
+/// Pᵀ and dSᵀ = Pᵀ ∘ (dPᵀ − Δ) of the warp's 16 keys from kw and a chunk of 64 query rows
 /// (stats lse2, dl and ranges rs of the chunk's rows), in place: s (Sᵀ on entry) becomes Pᵀ, dp
 /// (dPᵀ on entry) dSᵀ; entries a row does not see are 0. Element i: key kw + gr + 8·((i/2) % 2),
-/// query row 8·(i/4) + 2·tq + i%2 of the chunk. (v3, v5: the visibility test per element.)
-__device__ __forceinline__ void dkdv_chunk_ds(float (&s)[32], float (&dp)[32], const Rng* rs,
-                                              const float* lse2, const float* dl, int kw,
-                                              int kw_end, int Tk, float scale_log2, int lane) {
-  const int gr = lane >> 2, tq = lane & 3;
-  // Every row of the chunk sees all of this warp's keys: no per-element mask.
-  const bool full =
-      kw_end - kw == kRows && __all_sync(0xffffffffu, sees_all(rs[lane], kw, kw_end) &&
-                                                          sees_all(rs[lane + 32], kw, kw_end));
-#pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    const int qi = 8 * (i >> 2) + 2 * tq + (i & 1), key = kw + gr + 8 * ((i >> 1) & 1);
-    const bool vis = full || (key < Tk && sees(rs[qi], key));
-    const float p = vis ? exp2_ftz(fmaf(s[i], scale_log2, -lse2[qi])) : 0.f;
-    dp[i] = vis ? p * (dp[i] - dl[qi]) : 0.f;
-    s[i] = p;
-  }
-}
-
-/// v6's dkdv_chunk_ds (the same values, bit for bit): kMasked false when every row of the chunk
-/// sees all 16 of the warp's keys (chosen once per chunk and warp: no test per element, no
-/// branch); kMasked true tests each element and selects 0 where its row does not see its key
-/// (unseen keys may hold NaN: selected away, never multiplied).
+/// query row 8·(i/4) + 2·tq + i%2 of the chunk. kMasked false when every row of the chunk sees
+/// all 16 of the warp's keys (chosen once per chunk and warp: no test per element, no branch);
+/// kMasked true tests each element and selects 0 where its row does not see its key (unseen keys
+/// may hold NaN: selected away, never multiplied).
 template <bool kMasked>
-__device__ __forceinline__ void dkdv_chunk_ds_v6(float (&s)[32], float (&dp)[32], const Rng* rs,
-                                                 const float* lse2, const float* dl, int kw, int Tk,
-                                                 float scale_log2, int lane) {
+__device__ __forceinline__ void dkdv_chunk_ds(float (&s)[32], float (&dp)[32], const Rng* rs,
+                                              const float* lse2, const float* dl, int kw, int Tk,
+                                              float scale_log2, int lane) {
   const int gr = lane >> 2, tq = lane & 3;
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
@@ -740,35 +656,15 @@ __device__ __forceinline__ void dkdv_chunk_ds_v6(float (&s)[32], float (&dp)[32]
 
 /// cp.async copies, by the CTA's 128 threads, of chunk `chunk` of the list (Q, dO rows) and
 /// plain loads of its rows' lse2, Δ and ranges into stage `st` (rows past the list: zero rows,
-/// lse2 = +inf, no keys). v3, v5: each copy finds its row's item (two run-time divisions by the
-/// GQA ratio) and its 64-bit address anew.
-template <int D>
-__device__ void load_wg_chunk(char* st, const Args& a, const ItemList& L, int chunk, int g) {
-  constexpr int C = D / 8, TB = tile_bytes<D>();
-  float* lse2 = reinterpret_cast<float*>(st + 2 * TB);
-  float* dl = lse2 + kCtaRows;
-  Rng* rs = reinterpret_cast<Rng*>(dl + kCtaRows);
-  for (int e = threadIdx.x; e < kCtaRows * C; e += kWgThreads) {
-    const int i = e / C, cc = e % C;
-    const Item it = list_item(L, chunk * kWarps + i / kRows, a.rep, g);
-    const int t = it.t0 + i % kRows;
-    const bool ok = it.valid && t < a.Tq;
-    const int64_t off = ok ? (static_cast<int64_t>(t) * a.NH + it.h) * D + cc * 8 : 0;
-    cp_async16(st + sw128(i, cc), a.q + off, ok);
-    cp_async16(st + TB + sw128(i, cc), a.dout + off, ok);
-  }
-  load_chunk_stats(lse2, dl, rs, a, L, chunk, g);
-}
-
-/// v6's load_wg_chunk (the same bytes in the same places, a fraction of the instructions): thread
-/// i copies 16-byte column c = i % C (C = D/8) of chunk rows r0 + P·k, r0 = i / C, P = 128 / C
+/// lse2 = +inf, no keys). Thread i copies 16-byte column c = i % C (C = D/8) of chunk rows
+/// r0 + P·k, r0 = i / C, P = 128 / C
 /// rows per pass (8 at D 128, 16 at D 64: a multiple of 8, so the swizzle term is fixed per
 /// thread; a divisor of 16, so pass k stays inside item P·k / 16, at its token r0 + P·k % 16).
 /// The chunk's 4 items (list entries 4·chunk .. 4·chunk+3, group-major as list_item) are found
 /// once from the first (one division by the GQA ratio), each with its row-r0 offset and how many
 /// of its rows from r0 on exist.
 template <int D>
-__device__ void load_wg_chunk_v6(char* st, const Args& a, const ItemList& L, int chunk, int g) {
+__device__ void load_wg_chunk(char* st, const Args& a, const ItemList& L, int chunk, int g) {
   constexpr int C = D / 8, P = kWgThreads / C, PASSES = kCtaRows / P, TB = tile_bytes<D>();
   static_assert(P % 8 == 0 && kRows % P == 0, "a pass keeps the swizzle phase and one item");
   const int r0 = threadIdx.x / C, c = threadIdx.x % C;
@@ -805,11 +701,10 @@ __device__ void load_wg_chunk_v6(char* st, const Args& a, const ItemList& L, int
 /// FlashAttention-3's transposed form): per chunk of 64 query rows of the tile's span, Sᵀ = K·Qᵀ
 /// and dPᵀ = V·dOᵀ (wgmma SS, 64 keys × 64 rows), Pᵀ and dSᵀ = Pᵀ ∘ (dPᵀ − Δ), then dV += Pᵀ·dO
 /// and dK += dSᵀ·Q (wgmma RS, dO and Q as MN-major operands); warp i owns keys 16i .. 16i+15 of
-/// the tile. Chunk c+1 loads while chunk c is computed. kV6: load_wg_chunk_v6 and
-/// dkdv_chunk_ds_v6 (v6), else load_wg_chunk and dkdv_chunk_ds (v3, v5): the same values.
+/// the tile. Chunk c+1 loads while chunk c is computed (load_wg_chunk); dS by dkdv_chunk_ds.
 /// Grid key_tiles(a)·NKV, 128 threads, wg_dkdv_smem<D>() bytes of shared memory. Fixed chunk
 /// order, one writer per element: bit-reproducible.
-template <int D, bool kV6>
+template <int D>
 __global__ void __launch_bounds__(kWgThreads) attn_wg_dkdv_kernel(const Args a) {
   constexpr int C = D / 8, TB = tile_bytes<D>();
   DFLASH_DYNAMIC_SMEM(smem);
@@ -839,12 +734,7 @@ __global__ void __launch_bounds__(kWgThreads) attn_wg_dkdv_kernel(const Args a) 
     L.tg_lo = q_first / kRows;
     L.n = (q_last / kRows - L.tg_lo + 1) * a.rep;
   }
-  auto load_chunk = [&](char* st, int chunk) {
-    if constexpr (kV6)
-      load_wg_chunk_v6<D>(st, a, L, chunk, g);
-    else
-      load_wg_chunk<D>(st, a, L, chunk, g);
-  };
+  auto load_chunk = [&](char* st, int chunk) { load_wg_chunk<D>(st, a, L, chunk, g); };
   const int n_chunks = (L.n + kWarps - 1) / kWarps;
   if (n_chunks > 0) load_chunk(stages, 0);
   mma::cp_async_commit();
@@ -874,18 +764,14 @@ __global__ void __launch_bounds__(kWgThreads) attn_wg_dkdv_kernel(const Args a) 
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<0>();
     fence_regs(s), fence_regs(dp);
-    if constexpr (kV6) {
-      // Every row of the chunk sees all 16 of this warp's keys: no mask (one vote per chunk).
-      const bool full =
-          kw_end - kw == kRows && __all_sync(0xffffffffu, sees_all(crs[lane], kw, kw_end) &&
-                                                              sees_all(crs[lane + 32], kw, kw_end));
-      if (full)
-        dkdv_chunk_ds_v6<false>(s, dp, crs, lse2, dl, kw, a.Tk, a.scale_log2, lane);
-      else
-        dkdv_chunk_ds_v6<true>(s, dp, crs, lse2, dl, kw, a.Tk, a.scale_log2, lane);
-    } else {
-      dkdv_chunk_ds(s, dp, crs, lse2, dl, kw, kw_end, a.Tk, a.scale_log2, lane);
-    }
+    // Every row of the chunk sees all 16 of this warp's keys: no mask (one vote per chunk).
+    const bool full =
+        kw_end - kw == kRows && __all_sync(0xffffffffu, sees_all(crs[lane], kw, kw_end) &&
+                                                            sees_all(crs[lane + 32], kw, kw_end));
+    if (full)
+      dkdv_chunk_ds<false>(s, dp, crs, lse2, dl, kw, a.Tk, a.scale_log2, lane);
+    else
+      dkdv_chunk_ds<true>(s, dp, crs, lse2, dl, kw, a.Tk, a.scale_log2, lane);
     pack_p(pa, s);
     pack_p(da, dp);
     fence_regs(dv), fence_regs(dk), fence_regs(pa), fence_regs(da);
@@ -925,30 +811,19 @@ void fwd_d(const Args& a, cudaStream_t s) {
   launch_attn_kernel(attn_wg_fwd_kernel<D>, grid, kWgThreads, wg_fwd_smem<D>(), a, s);
 }
 
-/// The backward of one version: dq with or without the overlap (v5, v6 / v3), dq's dS part and
-/// dk/dv of v6 (kV6) or of v3 (v3, v5).
-template <int D, bool kDqOverlap, bool kV6>
+/// The backward: Δ, dq, then dk/dv (spans first).
+template <int D>
 void bwd_d(const Args& a, float* delta, int* span, cudaStream_t s) {
   launch_attn_delta<D>(a, delta, s);
   if (a.dq) {
     const dim3 grid(static_cast<unsigned>(query_ctas(a, 1)), static_cast<unsigned>(a.NKV));
-    launch_attn_kernel(attn_wg_dq_kernel<D, kDqOverlap, kV6>, grid, kWgThreads,
-                       wg_dq_smem<D, kDqOverlap>(), a, s);
+    launch_attn_kernel(attn_wg_dq_kernel<D>, grid, kWgThreads, wg_dq_smem<D>(), a, s);
   }
   if ((a.dk || a.dv) && a.Tk > 0) {
     launch_attn_spans(a, span, s);
-    launch_attn_kernel(attn_wg_dkdv_kernel<D, kV6>,
-                       dim3(static_cast<unsigned>(key_tiles(a) * a.NKV)), kWgThreads,
-                       wg_dkdv_smem<D>(), a, s);
+    launch_attn_kernel(attn_wg_dkdv_kernel<D>, dim3(static_cast<unsigned>(key_tiles(a) * a.NKV)),
+                       kWgThreads, wg_dkdv_smem<D>(), a, s);
   }
-}
-
-template <bool kDqOverlap, bool kV6>
-void bwd_v(const Args& a, int64_t D, float* delta, int* span, cudaStream_t s) {
-  if (D == 64)
-    bwd_d<64, kDqOverlap, kV6>(a, delta, span, s);
-  else
-    bwd_d<128, kDqOverlap, kV6>(a, delta, span, s);
 }
 
 }  // namespace
@@ -969,20 +844,13 @@ void attention_wgmma_fwd(uint16_t* o, float* lse, const uint16_t* q, const uint1
 void attention_wgmma_bwd(uint16_t* dq, uint16_t* dk, uint16_t* dv, const uint16_t* dout,
                          const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* o,
                          const float* lse, const AttnRange* ranges, const AttnParams& p,
-                         WgmmaVariant var, float* delta_ws, int* span_ws, cudaStream_t s) {
+                         float* delta_ws, int* span_ws, cudaStream_t s) {
   if (attn_bwd_without_rows(dk, dv, p, s)) return;
   const Args a = attn_bwd_args(dq, dk, dv, dout, q, k, v, o, lse, ranges, p, delta_ws, span_ws);
-  switch (var) {
-    case WgmmaVariant::v3:
-      bwd_v<false, false>(a, p.D, delta_ws, span_ws, s);
-      break;
-    case WgmmaVariant::v5:
-      bwd_v<true, false>(a, p.D, delta_ws, span_ws, s);
-      break;
-    case WgmmaVariant::v6:
-      bwd_v<true, true>(a, p.D, delta_ws, span_ws, s);
-      break;
-  }
+  if (p.D == 64)
+    bwd_d<64>(a, delta_ws, span_ws, s);
+  else
+    bwd_d<128>(a, delta_ws, span_ws, s);
 }
 
 }  // namespace launch

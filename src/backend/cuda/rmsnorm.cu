@@ -1,9 +1,15 @@
 // dflash.cpp — CUDA kernels of RMSNorm, full-width and per-head (semantics: src/ops/rmsnorm.hpp).
-// One warp per row, each lane loading four of its columns before using them (lane_cols, the same
-// order of operations as one column at a time); arithmetic in fp32 whatever the storage type. The
-// weight gradient is summed over fixed row chunks, then the chunks in order (no atomics):
-// bit-reproducible. No fmt (nvcc).
+// Forward: rows of D a multiple of kWideCols (the hidden sizes: 4096 at Qwen3-8B) with 16-byte
+// aligned rows take one CTA per row (rmsnorm_fwd_wide_kernel: each thread loads its kWideVecs
+// vectors of 4 columns at once, 16-byte loads for fp32 and 8-byte for bf16, the row's sum of
+// squares over the CTA, the row read from memory once); other rows take one warp per row, each
+// lane loading four of its columns before using them (lane_cols, the same order of operations as
+// one column at a time). Which kernel runs depends on D and the pointers' alignment only, so a
+// row's bits never depend on R. Arithmetic in fp32 whatever the storage type. The weight gradient
+// is summed over fixed row chunks, then the chunks in order (no atomics): bit-reproducible. No fmt
+// (nvcc).
 #include <cmath>
+#include <cstdint>
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/rmsnorm_launch.hpp"
@@ -13,6 +19,76 @@ namespace dflash::cuda {
 namespace {
 
 constexpr int kRowsPerBlock = 8;
+
+/// The one-CTA-per-row forward: each thread owns kWideVecs vectors of 4 columns, vector v at
+/// columns 4·(tid + threads·v) .. +3, threads = D / kWideCols · 32 (a multiple of 32, ≤ 1024).
+constexpr int kWideVecs = 4;
+constexpr int64_t kWideCols = 4 * kWideVecs * 32;  // columns per warp: D must be a multiple
+constexpr int64_t kWideMaxD = kWideCols * 32;      // 1,024 threads
+
+/// 4 consecutive elements at p (16-byte aligned for fp32, 8-byte for bf16) widened to fp32.
+__device__ __forceinline__ void load4(const float* p, float (&v)[4]) {
+  const float4 f = *reinterpret_cast<const float4*>(p);
+  v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+}
+__device__ __forceinline__ void load4(const uint16_t* p, float (&v)[4]) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  v[0] = to_f32(static_cast<uint16_t>(u.x & 0xffffu));
+  v[1] = to_f32(static_cast<uint16_t>(u.x >> 16));
+  v[2] = to_f32(static_cast<uint16_t>(u.y & 0xffffu));
+  v[3] = to_f32(static_cast<uint16_t>(u.y >> 16));
+}
+/// Stores 4 fp32 values at p as the storage type (bf16: rounded to nearest even).
+__device__ __forceinline__ void store4(float* p, const float (&v)[4]) {
+  *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+__device__ __forceinline__ void store4(uint16_t* p, const float (&v)[4]) {
+  uint2 u;
+  u.x = static_cast<uint32_t>(from_f32<uint16_t>(v[0])) |
+        (static_cast<uint32_t>(from_f32<uint16_t>(v[1])) << 16);
+  u.y = static_cast<uint32_t>(from_f32<uint16_t>(v[2])) |
+        (static_cast<uint32_t>(from_f32<uint16_t>(v[3])) << 16);
+  *reinterpret_cast<uint2*>(p) = u;
+}
+
+/// The forward of row blockIdx.x (D a multiple of kWideCols, at most kWideMaxD; rows 16-byte
+/// aligned): every load is issued before the first use, the sum of squares is each thread's
+/// (vectors in order, columns in order) then block_sum's fixed order, and y is written only after
+/// the block's barrier in block_sum, so y may alias x.
+template <typename Y, typename X>
+__global__ void rmsnorm_fwd_wide_kernel(Y* y, float* rstd, const X* x, const float* w, int64_t D,
+                                        float eps) {
+  __shared__ float sh[32];
+  const int64_t r = blockIdx.x;
+  const X* xr = x + r * D;
+  float v[kWideVecs][4];
+#pragma unroll
+  for (int i = 0; i < kWideVecs; ++i) load4(xr + 4 * (threadIdx.x + blockDim.x * i), v[i]);
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < kWideVecs; ++i)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) ss += v[i][k] * v[i][k];
+  ss = block_sum(ss, sh);
+  const float rs = 1.0f / sqrtf(ss / static_cast<float>(D) + eps);
+  Y* yr = y + r * D;
+#pragma unroll
+  for (int i = 0; i < kWideVecs; ++i) {
+    const int64_t c = 4 * (threadIdx.x + blockDim.x * i);
+    float wv[4], out[4];
+    load4(w + c, wv);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) out[k] = wv[k] * (v[i][k] * rs);
+    store4(yr + c, out);
+  }
+  if (rstd && threadIdx.x == 0) rstd[r] = rs;
+}
+
+/// True when rows of D elements of y, x and w at these addresses suit rmsnorm_fwd_wide_kernel.
+bool rmsnorm_fwd_wide(const void* y, const void* x, const float* w, int64_t D) {
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  return D % kWideCols == 0 && D <= kWideMaxD && aligned(y) && aligned(x) && aligned(w);
+}
 
 template <typename Y, typename X>
 __global__ void rmsnorm_fwd_kernel(Y* y, float* rstd, const X* x, const float* w, int64_t R,
@@ -167,13 +243,20 @@ namespace launch {
 void rmsnorm_fwd(void* y, DType yt, float* rstd, const void* x, DType xt, const float* w, int64_t R,
                  int64_t D, float eps, cudaStream_t s) {
   if (R == 0) return;
+  const bool wide = rmsnorm_fwd_wide(y, x, w, D);
   const unsigned grid = static_cast<unsigned>((R + kRowsPerBlock - 1) / kRowsPerBlock);
   dispatch_dtype(yt, [&](auto yv) {
     dispatch_dtype(xt, [&](auto xv) {
       using Y = decltype(yv);
       using X = decltype(xv);
-      rmsnorm_fwd_kernel<Y, X><<<grid, 32 * kRowsPerBlock, 0, s>>>(
-          static_cast<Y*>(y), rstd, static_cast<const X*>(x), w, R, D, eps);
+      if (wide) {
+        const auto threads = static_cast<unsigned>(D / kWideCols * 32);
+        rmsnorm_fwd_wide_kernel<Y, X><<<static_cast<unsigned>(R), threads, 0, s>>>(
+            static_cast<Y*>(y), rstd, static_cast<const X*>(x), w, D, eps);
+      } else {
+        rmsnorm_fwd_kernel<Y, X><<<grid, 32 * kRowsPerBlock, 0, s>>>(
+            static_cast<Y*>(y), rstd, static_cast<const X*>(x), w, R, D, eps);
+      }
     });
   });
   DFLASH_CUDA_LAUNCH_CHECK();
