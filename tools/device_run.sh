@@ -70,7 +70,7 @@ stage() {
         -DDFLASH_CUDA_ARCHS=90a > /dev/null
   if [[ ${#targets[@]} == 0 ]]; then
     mapfile -t targets < <(ninja -C "$build" -t targets all |
-                           grep -oE '^(tests/[a-z_]*cuda[a-z_]*_test|bench/(decode_cuda|gemm)_bench): ' |
+                           grep -oE '^(tests/[a-z0-9_]*cuda[a-z0-9_]*_test|bench/(decode_cuda|gemm)_bench): ' |
                            sed -E 's|^[a-z]+/||; s|: $||')
     targets=(dflash "${targets[@]}")
   fi
