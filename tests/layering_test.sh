@@ -5,7 +5,7 @@
 # FILE:LINE: <layer> includes <higher layer> (<header>) and the test fails. Link-level cycles are
 # caught by the dflash_layer_check_<layer> executables; this catches header-only ones too. It
 # also refuses an #include of backend/cuda/gemm.hpp from model/ or infer/ (they call the GEMM
-# through ops/gemm.hpp), but for the files it lists as not yet converted.
+# through ops/gemm.hpp).
 # Usage: layering_test.sh SOURCE_DIR
 set -euo pipefail
 src="${1:?usage: layering_test.sh SOURCE_DIR}/src"

@@ -628,6 +628,14 @@ TEST(MemoryPlan, BenchPlansDflash2AndRefusesItsOptionsElsewhere) {
                            "--objective domino)"),
             std::string::npos)
       << stray.err;
+  // An option given at its default value is still given: refused the same way.
+  const test::RunResult stray_default =
+      test::run_dflash({"bench", "--dflash2-conv-group-size", "16", "--plan"});
+  EXPECT_EQ(stray_default.exit_code, 1) << stray_default.out << stray_default.err;
+  EXPECT_NE(stray_default.err.find("--dflash2-* options apply only to --objective dflash2 (got "
+                                   "--objective dflash)"),
+            std::string::npos)
+      << stray_default.err;
 }
 
 TEST(PipelineMemoryPlan, GpusHoldingANcclRankPlanItsReserve) {

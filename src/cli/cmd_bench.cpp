@@ -27,6 +27,7 @@ struct BenchArgs {
   std::string objective = "dflash";
   std::string markov_head_type = "vanilla";
   double dflash2_alpha = 1.0;  ///< --dflash2-alpha: α_sel of the timed steps
+  bool dflash2_given = false;  ///< any --dflash2-* option on the command line (even a default)
   bool plan = false;
   int mask = -1;
 };
@@ -70,13 +71,7 @@ void run_bench_command(BenchArgs& a) {
     a.o.objective = objective_of(t);
     a.o.objective.domino_lambda = 0.5;  // mid-run; the step's cost does not depend on λ
   }
-  const BenchOptions defaults;
-  DFLASH_CHECK(a.objective == "dflash2" ||
-                   (a.o.dflash2_conv_kernel_size == defaults.dflash2_conv_kernel_size &&
-                    a.o.dflash2_conv_group_size == defaults.dflash2_conv_group_size &&
-                    a.o.dflash2_selector_rank == defaults.dflash2_selector_rank &&
-                    a.o.dflash2_selector_top_k == defaults.dflash2_selector_top_k &&
-                    a.dflash2_alpha == BenchArgs{}.dflash2_alpha),
+  DFLASH_CHECK(a.objective == "dflash2" || !a.dflash2_given,
                "--dflash2-* options apply only to --objective dflash2 (got --objective {})",
                a.objective);
   if (a.objective == "dflash2") {  // training.objective dflash2 with the bench's sizes and α_sel
@@ -218,7 +213,14 @@ void add_bench_command(CLI::App& app) {
               "tap), as tools/hf_target_forward.py times HF's");
   b->add_flag("--plan", a->plan,
               "Print the memory plan of the step and exit (0: fits, 1: does not); no GPU needed");
-  b->callback([a] { run_bench_command(*a); });
+  b->callback([a, b] {
+    for (const char* name :
+         {"--dflash2-conv-kernel-size", "--dflash2-conv-group-size", "--dflash2-selector-rank",
+          "--dflash2-selector-top-k", "--dflash2-alpha"}) {
+      a->dflash2_given = a->dflash2_given || b->count(name) > 0;
+    }
+    run_bench_command(*a);
+  });
 }
 
 }  // namespace dflash::cli

@@ -1,6 +1,6 @@
 // dflash.cpp — DFlash2's selector and loss on the CUDA backend (see dflash2_head_cuda.hpp). The
 // predecessor index and the buffer sizes are host code (built and tested without a GPU); the step
-// runs cuBLASLt GEMMs (backend/cuda/gemm) and the kernels of backend/cuda/dflash2_selector.cu on
+// runs cuBLASLt GEMMs (ops/gemm.hpp) and the kernels of backend/cuda/dflash2_selector.cu on
 // the context's stream.
 #include "model/dflash2_head_cuda.hpp"
 
