@@ -143,11 +143,10 @@ std::string bench_shortfall_message(const BenchSetup& s, const BenchOptions& o) 
   const int64_t blocks_per_row = s.blocks / o.rows;
   const FittingBudget fit =
       largest_fitting_budget(o.token_budget, blocks_per_row, [&](int64_t budget, int64_t blocks) {
-        if (o.target_only) {  // as bench_plan's, at this budget (the cuDNN prefill's bytes too)
-          TrainMemoryPlan p = plan_target_forward_memory(s.target, s.drafter.target_layer_ids,
-                                                         o.rows * budget, o.device_memory_gib);
-          plan_target_prefill(p, target_prefill_of(o.prefill));
-          return p.fits();
+        if (o.target_only) {  // bench_plan at this budget
+          BenchOptions at = o;
+          at.token_budget = budget;
+          return bench_plan(s, at).fits();
         }
         BenchSetup at = s;
         at.capacity = TrainStepCapacity{o.rows * budget, o.rows * blocks};
