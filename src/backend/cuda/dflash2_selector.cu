@@ -2,9 +2,9 @@
 // src/model/dflash2_selector.hpp, the step: src/model/dflash2_head_cuda.hpp). The row kernel runs
 // one block per block row: the unary transform in place, the argmax and base CE, the top-K
 // (backend/cuda/dflash2_topk.cuh: a radix select and a bitonic sort into the CPU's candidate
-// order, shared with the decoder's walk), the scores, the K-way CE and its gradient pieces. The parameter
-// gradients are fixed-order sums: dP_h over rows in order, dA and dBs per key over a stable radix
-// sort of the items. Deterministic: no float atomics. No fmt in this file (nvcc).
+// order, shared with the decoder's walk), the scores, the K-way CE and its gradient pieces. The
+// parameter gradients are fixed-order sums: dP_h over rows in order, dA and dBs per key over a
+// stable radix sort of the items. Deterministic: no float atomics. No fmt in this file (nvcc).
 #include <cub/device/device_radix_sort.cuh>
 
 #include "backend/cuda/common.cuh"
