@@ -415,26 +415,29 @@ void SpeculativeDecoderCuda::draft_block(int B, int K) {
     else
       linear_fwd_cuda(ctx_, y, in, w, R, IN, OUT);
   };
-  // y [R, H] f32 (=, or += when `acc`) in·Wᵀ.
-  auto project_f32 = [&](float* y, const uint16_t* in, const uint16_t* w, int64_t IN, bool acc) {
+  // y [R, H] f32 += in·Wᵀ.
+  auto project_into = [&](float* y, const uint16_t* in, const uint16_t* w, int64_t IN) {
     if (row_gemm)
-      decode_linear_cuda(ctx_, y, in, w, R, IN, H, acc);
+      decode_linear_cuda(ctx_, y, in, w, R, IN, H, true);
     else
-      gemm_bf16_cuda(ctx_, y, DType::f32, H, in, IN, false, w, IN, true, R, H, IN, 1.0f,
-                     acc ? 1.0f : 0.0f);
+      gemm_bf16_cuda(ctx_, y, DType::f32, H, in, IN, false, w, IN, true, R, H, IN, 1.0f, 1.0f);
   };
   // The residual stream h: dh_ += the sublayer's output; DFlash2 (d2_) writes h + post-conv(y)
   // into the other of dh_ and its second buffer (two sublayers a layer: each layer starts on dh_).
   float* h = dh_;
   auto sublayer_in = [&](size_t l, int sub) -> const uint16_t* {
-    return d2_ ? d2_->pre(ctx_, static_cast<int64_t>(l), sub, dhn_, B, K, row_gemm) : dhn_;
+    return d2_ ? d2_->pre(ctx_, static_cast<int64_t>(l), sub, dhn_, B, K) : dhn_;
   };
   auto sublayer_out = [&](size_t l, int sub, const uint16_t* in, const uint16_t* w, int64_t IN) {
     if (!d2_) {
-      project_f32(dh_, in, w, IN, true);
+      project_into(dh_, in, w, IN);
       return;
     }
-    project_f32(d2_->y(), in, w, IN, false);
+    // y = 0 + in·Wᵀ: the residual projection's GEMM (beta 1), whose rows have the same bits at
+    // every row count as the plain drafter's (file comment of decoder_cuda.hpp).
+    DFLASH_CUDA_CHECK(
+        cudaMemsetAsync(d2_->y(), 0, static_cast<size_t>(R * H) * sizeof(float), ctx_.stream()));
+    project_into(d2_->y(), in, w, IN);
     float* next = h == dh_ ? d2_->residual2() : dh_;
     d2_->post(ctx_, static_cast<int64_t>(l), sub, next, h, B, K);
     h = next;

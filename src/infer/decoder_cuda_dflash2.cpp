@@ -110,10 +110,10 @@ void Dflash2DecodeCuda::check_block(int K) const {
 }
 
 const uint16_t* Dflash2DecodeCuda::pre(cuda::CudaContext& ctx, int64_t l, int sub,
-                                       const uint16_t* u, int B, int K, bool row_gemm) {
+                                       const uint16_t* u, int B, int K) {
   const int64_t R = int64_t{B} * K, H = c_.hidden_size;
   const Conv& cv = conv_[static_cast<size_t>(2 * l + sub)];
-  if (row_gemm && H % 64 == 0 && W_ % 8 == 0)
+  if (H % 64 == 0 && W_ % 8 == 0)
     decode_linear_cuda(ctx, delta_, u, cv.kp, R, H, W_, false);
   else
     linear_fwd_cuda(ctx, delta_, u, cv.kp, R, H, W_);

@@ -59,11 +59,13 @@ class Dflash2DecodeCuda {
   void check_block(int K) const;
 
   /// The pre-conv of sublayer `sub` (0 attention, 1 MLP) of layer l over the B·K rows u [B·K, H]
-  /// (bf16, the sublayer's RMSNorm output): δ = u·W_kpᵀ (decode_linear_cuda when `row_gemm`, else
-  /// cuBLASLt), kept for post(); returns ũ [B·K, H] bf16 (this object's buffer).
-  const uint16_t* pre(cuda::CudaContext& ctx, int64_t l, int sub, const uint16_t* u, int B, int K,
-                      bool row_gemm);
-  /// The buffer [max_rows, H] f32 where the caller writes the sublayer's output projection y.
+  /// (bf16, the sublayer's RMSNorm output): δ = u·W_kpᵀ, kept for post(); returns ũ [B·K, H] bf16
+  /// (this object's buffer). δ runs on decode_linear_cuda (a row's bits do not depend on the row
+  /// count, so neither does a request's output on the batch) where H % 64 == 0 and 2·T·Gc % 8 ==
+  /// 0 (every recipe's shapes), else on cuBLASLt.
+  const uint16_t* pre(cuda::CudaContext& ctx, int64_t l, int sub, const uint16_t* u, int B, int K);
+  /// The buffer [max_rows, H] f32 where the caller writes the sublayer's output projection y (the
+  /// decoder zeroes it and accumulates: the GEMM of plain DFlash's residual projection, beta 1).
   float* y() const { return y_; }
   /// out [B·K, H] = h + post-conv(y) of sublayer `sub` of layer l (δ of the matching pre()).
   /// out must not be h.
