@@ -739,10 +739,8 @@ std::vector<float> SpeculativeDecoderCuda::draft_logits(std::span<const int32_t>
   return out;
 }
 
-std::vector<int32_t> SpeculativeDecoderCuda::draft_first_block(std::span<const int32_t> prompt,
-                                                               int K, const DecodeOptions& opts,
-                                                               std::vector<float>& logits,
-                                                               std::vector<float>& q) {
+SpeculativeDecoderCuda::DraftProbe SpeculativeDecoderCuda::draft_first_block(
+    std::span<const int32_t> prompt, int K, const DecodeOptions& opts) {
   check_drafter("draft_first_block");
   DFLASH_CHECK(K >= 2 && K <= dcfg_.block_size && !prompt.empty() &&
                    static_cast<int64_t>(prompt.size()) <= limits_.max_prefill &&
@@ -761,19 +759,23 @@ std::vector<int32_t> SpeculativeDecoderCuda::draft_first_block(std::span<const i
   check_sample_status(first, 0);
   decode_rows_cuda(ctx_, pos_, slots_, causal_, brange_, lens_, 1, K, 0, stride_);
   draft_block(1, K);
-  std::vector<int32_t> block(static_cast<size_t>(K));
-  DFLASH_CUDA_CHECK(cudaMemcpyAsync(block.data(), block_, block.size() * sizeof(int32_t),
-                                    cudaMemcpyDeviceToHost, ctx_.stream()));
-  logits.resize(static_cast<size_t>(K * tcfg_.vocab_size));
-  DFLASH_CUDA_CHECK(cudaMemcpyAsync(logits.data(), logits_, logits.size() * sizeof(float),
-                                    cudaMemcpyDeviceToHost, ctx_.stream()));
-  q.assign(sampled_ ? static_cast<size_t>(K * tcfg_.vocab_size) : 0, 0.0f);
-  if (sampled_) {
-    DFLASH_CUDA_CHECK(cudaMemcpyAsync(q.data(), q_, q.size() * sizeof(float),
-                                      cudaMemcpyDeviceToHost, ctx_.stream()));
-  }
+  const int64_t V = tcfg_.vocab_size, H = dcfg_.hidden_size;
+  DraftProbe p;
+  p.block.resize(static_cast<size_t>(K));
+  p.logits.resize(static_cast<size_t>(K * V));
+  std::vector<uint16_t> hf(static_cast<size_t>(K * H));
+  p.q.resize(sampled_ ? static_cast<size_t>(K * V) : 0);
+  auto fetch = [&](void* dst, const void* src, size_t bytes) {
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, ctx_.stream()));
+  };
+  fetch(p.block.data(), block_, p.block.size() * sizeof(int32_t));
+  fetch(p.logits.data(), logits_, p.logits.size() * sizeof(float));
+  fetch(hf.data(), fnorm_, hf.size() * sizeof(uint16_t));
+  if (sampled_) fetch(p.q.data(), q_, p.q.size() * sizeof(float));
   ctx_.synchronize();
-  return block;
+  p.hf.resize(hf.size());
+  for (size_t i = 0; i < hf.size(); ++i) p.hf[i] = bf16_bits_to_f32(hf[i]);
+  return p;
 }
 
 void SpeculativeDecoderCuda::bench_enqueue(BenchPart part, int B, int K) {

@@ -152,15 +152,18 @@ class SpeculativeDecoderCuda final : public Decoder {
   /// dflash::Error for a prompt outside the limits or K outside [2, trained block size] (DFlash2:
   /// below conv_kernel_size).
   std::vector<float> draft_logits(std::span<const int32_t> prompt, int K, int32_t& first);
+  /// What draft_first_block returns: the state of the drafter's first block.
+  struct DraftProbe {
+    std::vector<int32_t> block;  ///< [K]: the first token, then the proposals
+    std::vector<float> logits;   ///< [K, V] f32: the block logits, as draft_logits returns them
+    std::vector<float> hf;       ///< [K, H]: the drafter's final-norm rows (bf16 values)
+    std::vector<float> q;        ///< [K, V] f32: sampled, the q rows (row 0 unused); greedy: empty
+  };
   /// For tests: prefills `prompt` into batch slot 0 (request seed opts.seed) and drafts its first
-  /// block of size K as a step does, greedy or sampled as opts.sampling says; returns the block
-  /// [K] (the first token, then the proposals), the block logits [K, V] f32 in `logits` (as
-  /// draft_logits) and, sampled, the drafter's q rows [K, V] f32 in `q` (row 0 unused; empty when
-  /// greedy). Throws dflash::Error as draft_logits, for a bad sampling setting, and for a first
-  /// token the sampling could not draw.
-  std::vector<int32_t> draft_first_block(std::span<const int32_t> prompt, int K,
-                                         const DecodeOptions& opts, std::vector<float>& logits,
-                                         std::vector<float>& q);
+  /// block of size K as a step does, greedy or sampled as opts.sampling says. Throws dflash::Error
+  /// as draft_logits, for a bad sampling setting, and for a first token the sampling could not
+  /// draw.
+  DraftProbe draft_first_block(std::span<const int32_t> prompt, int K, const DecodeOptions& opts);
 
  private:
   struct DrafterLayer {

@@ -1,12 +1,14 @@
 // Tests of DFlash2 drafters in the CUDA decoder (infer/decoder_cuda_dflash2.hpp,
 // ops/dflash2_walk.hpp) on the tiny fixture, with random non-identity conv tensors (β and W_kp of
 // every sublayer) and selector codebooks (Bs ≠ 0, A and P_h scaled up so that the walk leaves the
-// per-slot argmax): the first step's proposals equal the CPU walk's over the CPU drafter (same
-// anchor, each slot scored from the GPU's predecessor; a different choice only at a near-tie of
-// the CPU scores), the sampled q rows equal the CPU's dflash2_sampling_probs within a bf16
-// tolerance and hold mass only on the candidates; greedy speculative == greedy target-only (bit
-// for bit) at batch 1 and 3; a request's greedy and sampled output does not depend on the batch
-// size; block sizes below the conv's taps are refused. Skipped without a GPU.
+// per-slot argmax): the first block's ū and final-norm rows follow the CPU drafter's (the conv in
+// the bf16 forward, same anchor) within a bf16 tolerance; on the GPU's own ū and final-norm rows
+// the walk is the CPU's (model/dflash2_selector.hpp's formulas): the same top-K candidates, the
+// greedy proposal at the best score from the GPU's predecessor, the sampled q rows
+// softmax(S/T) on C (log-ratios within f32 rounding, zero elsewhere) holding the drawn token;
+// greedy speculative == greedy target-only (bit for bit) at batch 1 and 3; a request's greedy and
+// sampled output does not depend on the batch size; block sizes below the conv's taps are
+// refused. Skipped without a GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -144,8 +146,8 @@ CpuBlock cpu_block(const LoadedDrafter& d, std::span<const int32_t> prompt, int3
   return b;
 }
 
-// The selector's scores of one slot (model/dflash2_selector.hpp) over the GPU's ū row (so that
-// both sides have the same candidates), with the CPU's final-norm row h and predecessor prev.
+// The selector's scores of one slot (model/dflash2_selector.hpp's formulas) over a ū row, with
+// final-norm row h and predecessor prev.
 struct Scores {
   std::vector<int32_t> cand;
   std::vector<float> score;
@@ -176,49 +178,54 @@ Scores cpu_scores(const LoadedDrafter& d, const float* unary, const float* h, in
   return s;
 }
 
-// The GPU's ū rows 1..K−1 against the CPU drafter's (the conv in the block forward, bf16 against
-// fp32: the tolerance of whole forwards).
-void expect_unary_rows_match(const LoadedDrafter& d, const std::vector<float>& gpu,
-                             const CpuBlock& b, int K, const std::string& what) {
+// The bf16 drafter forward with these random convs against the CPU's fp32 one (relative L2 of
+// the ū and final-norm rows): measured 0.020–0.035 on the H200 (session 8; the plain drafter of
+// decoder_cuda_test stays under tol::kTargetTaps); a conv that dropped δ or a tap would be off by
+// tenths (β's taps ±0.3, δ of order 1).
+constexpr double kConvForward = 0.05;
+
+// The GPU's ū rows 1..K−1 and final-norm rows against the CPU drafter's.
+void expect_forward_matches(const LoadedDrafter& d, const SpeculativeDecoderCuda::DraftProbe& p,
+                            const CpuBlock& b, int K, const std::string& what) {
   const int64_t V = d.config.vocab_size;
-  std::vector<float> g(gpu.begin() + V, gpu.begin() + K * V), want;
+  std::vector<float> g(p.logits.begin() + V, p.logits.begin() + K * V), want;
   for (int64_t i = V; i < K * V; ++i)
     want.push_back(dflash2_unary(b.logits[static_cast<size_t>(i)],
                                  d.config.dflash2.output_multiplier,
                                  d.config.dflash2.final_logit_softcapping));
-  EXPECT_LT(test::rel_error(g, want), test::tol::kTargetTaps) << what;
+  EXPECT_LT(test::rel_error(g, want), kConvForward) << what << ": ū";
+  EXPECT_LT(test::rel_error(p.hf, b.ws.hf), kConvForward) << what << ": final-norm rows";
 }
 
-// The first step's greedy proposals: a candidate of the CPU's top-K of the GPU's ū, scored by the
-// CPU at the best score (up to the bf16 tolerance of whole forwards, a near-tie).
+// The walk's scores as the GPU computes them (f32) differ from cpu_scores' (P_h·h in double) by
+// rounding only.
+double score_rounding(const Scores& s) {
+  return 1e-4 * s.top + 1e-4;
+}
+
+// The first step's greedy proposals: on the GPU's ū and final-norm rows, a candidate of the CPU's
+// top-K at the best score from the GPU's predecessor (up to rounding).
 TEST_P(Dflash2CudaDecoding, FirstStepProposalsAreTheCpuWalks) {
   const LoadedDrafter& d = *drafter_;
   const int64_t V = d.config.vocab_size, H = d.config.hidden_size;
   int moved = 0, checked = 0;
   for (int K : {6, 4}) {
     for (size_t i = 0; i < ps_.size(); ++i) {
-      std::vector<float> u, q;
-      const std::vector<int32_t> got = dec_->draft_first_block(ps_[i], K, opts_of(8, 0, 0), u, q);
-      ASSERT_EQ(got.size(), static_cast<size_t>(K));
-      EXPECT_TRUE(q.empty());
-      const CpuBlock b = cpu_block(d, ps_[i], got[0], K);
+      const auto p = dec_->draft_first_block(ps_[i], K, opts_of(8, 0, 0));
+      ASSERT_EQ(p.block.size(), static_cast<size_t>(K));
+      EXPECT_TRUE(p.q.empty());
       const std::string what = "prompt " + std::to_string(i) + " K " + std::to_string(K);
-      expect_unary_rows_match(d, u, b, K, what);
+      expect_forward_matches(d, p, cpu_block(d, ps_[i], p.block[0], K), K, what);
       for (int k = 1; k < K; ++k) {
-        const float* row = u.data() + k * V;
-        const int32_t pick = got[static_cast<size_t>(k)];
+        const float* row = p.logits.data() + k * V;
+        const int32_t pick = p.block[static_cast<size_t>(k)];
         const Scores s =
-            cpu_scores(d, row, b.ws.hf.data() + k * H, got[static_cast<size_t>(k - 1)]);
+            cpu_scores(d, row, p.hf.data() + k * H, p.block[static_cast<size_t>(k - 1)]);
         const auto j = std::find(s.cand.begin(), s.cand.end(), pick) - s.cand.begin();
         ASSERT_LT(j, static_cast<std::ptrdiff_t>(s.cand.size()))
             << what << " slot " << k << ": the proposal " << pick << " is no candidate";
-        const float gap = s.best - s.score[static_cast<size_t>(j)];
-        if (gap > 0)
-          std::printf(
-              "%s slot %d: the GPU's pick %d is %.4f below the CPU's best score (max |S| "
-              "%.2f)\n",
-              what.c_str(), k, pick, gap, s.top);
-        EXPECT_LE(gap, test::tol::kTargetTaps * s.top) << what << " slot " << k;
+        EXPECT_LE(s.best - s.score[static_cast<size_t>(j)], score_rounding(s))
+            << what << " slot " << k << ": the proposal " << pick << " is not the best";
         moved += pick != argmax_row(row, V);
         ++checked;
       }
@@ -228,26 +235,23 @@ TEST_P(Dflash2CudaDecoding, FirstStepProposalsAreTheCpuWalks) {
                                    "has little power";
 }
 
-// Sampled: q is zero off the candidates, sums to 1, holds the drawn proposal, and its log-ratios
-// are the CPU's score differences over T (softmax(S/T) on C) within the bf16 tolerance; a
-// candidate whose q underflowed to 0 lies far below the best.
+// Sampled: on the GPU's ū and final-norm rows, q is zero off the CPU's top-K, sums to 1, holds
+// the drawn proposal, and its log-ratios are the CPU's score differences over T (softmax(S/T) on
+// C) up to rounding; a candidate whose q underflowed to 0 lies far below the best.
 TEST_P(Dflash2CudaDecoding, SampledQRowsAreTheCpuWalksDistribution) {
   const LoadedDrafter& d = *drafter_;
   const int64_t V = d.config.vocab_size, H = d.config.hidden_size;
   const int K = 6;
   for (double temperature : {1.0, 0.7}) {
     for (size_t i = 0; i < 3; ++i) {
-      std::vector<float> u, q;
-      const std::vector<int32_t> got =
-          dec_->draft_first_block(ps_[i], K, opts_of(8, temperature, 100 + i), u, q);
-      ASSERT_EQ(q.size(), static_cast<size_t>(K * V));
-      const CpuBlock b = cpu_block(d, ps_[i], got[0], K);
+      const auto p = dec_->draft_first_block(ps_[i], K, opts_of(8, temperature, 100 + i));
+      ASSERT_EQ(p.q.size(), static_cast<size_t>(K * V));
       const std::string what = "T " + std::to_string(temperature) + " prompt " + std::to_string(i);
-      expect_unary_rows_match(d, u, b, K, what);
+      expect_forward_matches(d, p, cpu_block(d, ps_[i], p.block[0], K), K, what);
       for (int k = 1; k < K; ++k) {
-        const float* row = q.data() + static_cast<size_t>(k) * V;
-        const Scores s = cpu_scores(d, u.data() + k * V, b.ws.hf.data() + k * H,
-                                    got[static_cast<size_t>(k - 1)]);
+        const float* row = p.q.data() + static_cast<size_t>(k) * V;
+        const Scores s = cpu_scores(d, p.logits.data() + k * V, p.hf.data() + k * H,
+                                    p.block[static_cast<size_t>(k - 1)]);
         std::vector<char> is_cand(static_cast<size_t>(V), 0);
         size_t ref = 0;  // the candidate of the largest q
         for (size_t j = 0; j < s.cand.size(); ++j) {
@@ -261,8 +265,8 @@ TEST_P(Dflash2CudaDecoding, SampledQRowsAreTheCpuWalksDistribution) {
         }
         EXPECT_NEAR(mass, 1.0, 1e-5) << what << " slot " << k;
         EXPECT_EQ(off, 0.0) << what << " slot " << k << ": mass off the candidates";
-        EXPECT_GT(row[got[static_cast<size_t>(k)]], 0.0f) << what << " slot " << k;
-        const double tol = 2 * test::tol::kTargetTaps * s.top + 1e-3;
+        EXPECT_GT(row[p.block[static_cast<size_t>(k)]], 0.0f) << what << " slot " << k;
+        const double tol = score_rounding(s) + 1e-3;
         for (size_t j = 0; j < s.cand.size(); ++j) {
           const double ds = s.score[j] - s.score[ref];
           const float qj = row[s.cand[j]];
