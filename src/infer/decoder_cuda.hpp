@@ -81,8 +81,8 @@ class SpeculativeDecoderCuda final : public Decoder {
   /// Uploads `target` (every layer) and `drafter` to ctx's device and allocates everything for
   /// `limits`. Throws dflash::Error when the drafter does not fit the target
   /// (drafter_check_target), for what the kernels cannot run (TargetCuda's errors; a drafter
-  /// head_dim other than 64/128), bad limits, or when the device lacks the memory (naming the
-  /// bytes asked and free).
+  /// head_dim other than 64/128; a DFlash2 selector_top_k or selector_rank above the walk's 1024),
+  /// bad limits, or when the device lacks the memory (naming the bytes asked and free).
   SpeculativeDecoderCuda(cuda::CudaContext& ctx, const TargetModel& target,
                          const LoadedDrafter& drafter, const DecoderCudaLimits& limits);
   /// Target-only: uploads `target` and allocates the target's cache and the K = 1 step for
