@@ -138,14 +138,5 @@ TEST(Dflash2Decode, GreedyOutputIsTheTargetsOwn) {
   test::expect_greedy_decoding_lossless(d, 4, "dflash2");  // K−1 drafts + the bonus
 }
 
-// --backend cuda refuses a DFlash2 drafter by its architecture, before looking for a device or
-// reading a weight (so on a machine without a GPU too).
-TEST(Dflash2Decode, CudaBackendRefusesADflash2Drafter) {
-  TempDir dir;
-  const auto d = save_dflash2_drafter(dir, kHeads, 4, 2);
-  test::expect_cuda_decoding_refused(
-      d, "a DFlash2 drafter (architectures: DFlash2DraftModel) is decoded by the cpu backend only");
-}
-
 }  // namespace
 }  // namespace dflash

@@ -54,9 +54,6 @@ std::unique_ptr<Decoder> make_cuda_decoder(const TargetModel& target, const Load
   DFLASH_CHECK(!drafter.config.dspark.enabled,
                "the CUDA decoder drafts DFlash blocks only: a DSpark drafter "
                "(dflash_config.projector_type: dspark) is decoded by the cpu backend");
-  DFLASH_CHECK(!drafter.config.dflash2.enabled,
-               "the CUDA decoder drafts DFlash blocks only: a DFlash2 drafter (architectures: "
-               "DFlash2DraftModel) is decoded by the cpu backend");
   DFLASH_CHECK(!drafter.config.domino.enabled,
                "the CUDA decoder drafts DFlash blocks only: a Domino drafter "
                "(dflash_config.projector_type: domino) is decoded by the cpu backend");
@@ -72,9 +69,6 @@ std::unique_ptr<Decoder> make_cuda_decoder(const TargetModel& target, const Load
   DFLASH_CHECK(drafter == nullptr || !drafter->config.dspark.enabled,
                "the CUDA decoder drafts DFlash blocks only: a DSpark drafter "
                "(dflash_config.projector_type: dspark) is decoded by the cpu backend");
-  DFLASH_CHECK(drafter == nullptr || !drafter->config.dflash2.enabled,
-               "the CUDA decoder drafts DFlash blocks only: a DFlash2 drafter (architectures: "
-               "DFlash2DraftModel) is decoded by the cpu backend");
   DFLASH_CHECK(drafter == nullptr || !drafter->config.domino.enabled,
                "the CUDA decoder drafts DFlash blocks only: a Domino drafter "
                "(dflash_config.projector_type: domino) is decoded by the cpu backend");

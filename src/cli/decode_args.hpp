@@ -113,9 +113,8 @@ inline DecodeOptions decode_options_from(const DecodeArgs& a, const ModelConfig&
 }
 
 /// With --backend cuda, reads the drafter's config.json (no weights) and refuses a DSpark or a
-/// Domino drafter naming its dflash_config.projector_type, and a DFlash2 drafter naming its
-/// architectures: the CUDA decoder drafts DFlash blocks only. The first
-/// check of a decoding command, before the device is looked for.
+/// Domino drafter naming its dflash_config.projector_type: the CUDA decoder drafts DFlash and
+/// DFlash2 blocks only. The first check of a decoding command, before the device is looked for.
 inline void check_cuda_drafter(const DecodeArgs& a) {
   if (a.backend != "cuda") return;
   const std::filesystem::path cfg = std::filesystem::path(a.drafter) / "config.json";
@@ -123,11 +122,6 @@ inline void check_cuda_drafter(const DecodeArgs& a) {
   DFLASH_CHECK(!d.dspark.enabled,
                "{}: a DSpark drafter (dflash_config.projector_type: dspark) is decoded by the "
                "cpu backend only; --backend cuda has no Markov head or all-slot drafting yet (use "
-               "--backend cpu)",
-               cfg.string());
-  DFLASH_CHECK(!d.dflash2.enabled,
-               "{}: a DFlash2 drafter (architectures: DFlash2DraftModel) is decoded by the cpu "
-               "backend only; --backend cuda has no DFlash2 conv or selector walk yet (use "
                "--backend cpu)",
                cfg.string());
   DFLASH_CHECK(!d.domino.enabled,

@@ -157,6 +157,8 @@ void SpeculativeDecoderCuda::check_setup() {
 void SpeculativeDecoderCuda::init() {
   taps_ids_.assign(dcfg_.target_layer_ids.begin(), dcfg_.target_layer_ids.end());
   if (has_drafter_) dscaling_ = static_cast<float>(rope_attention_scaling(dcfg_.rope));
+  if (has_drafter_ && dcfg_.dflash2.enabled)
+    d2_ = std::make_unique<Dflash2DecodeCuda>(dcfg_, step_rows_);
   plan_and_take();
   const int64_t KB = int64_t{limits_.max_batch} * (dcfg_.block_size + 1);
   out_h_ = cuda::PinnedBuffer(static_cast<size_t>(KB) * sizeof(int32_t));
@@ -218,6 +220,10 @@ void SpeculativeDecoderCuda::plan_and_take() {
     w.push_back(want("decode.drafter.norm", H, &dnorm_));
     w.push_back(want("decode.drafter.inv_freq", dcfg_.head_dim / 2, &dinv_freq_));
   }
+  if (d2_)
+    d2_->plan([&](std::string n, uint64_t bytes, void** dst) {
+      w.push_back(Want{std::move(n), bytes, dst});
+    });
   w.push_back(want("decode.step.tokens", R, &tokens_));
   w.push_back(want("decode.step.block", BK, &block_));
   w.push_back(want("decode.step.pos", R, &pos_));
@@ -306,6 +312,7 @@ void SpeculativeDecoderCuda::upload_drafter(const LoadedDrafter& drafter) {
     bf16(d.wgu, o.gate_proj, 2 * Id * H);  // [gate; up]
     bf16(d.wdown, o.down_proj, H * Id);
   }
+  if (d2_) d2_->upload(up, L, P);
   const std::vector<double> f = rope_inv_freq(dcfg_.rope, D);
   const std::vector<float> ff(f.begin(), f.end());
   up.upload(dinv_freq_, ff.data(), ff.size() * sizeof(float));
@@ -336,6 +343,7 @@ void SpeculativeDecoderCuda::random_drafter(uint64_t seed) {
     matrix(d.wgu, 2 * Id * H);
     matrix(d.wdown, H * Id);
   }
+  if (d2_) d2_->randomize(ctx_, stream);
   const std::vector<double> f = rope_inv_freq(dcfg_.rope, D);
   const std::vector<float> ff(f.begin(), f.end());
   cuda::PinnedUploader up(ctx_);
@@ -389,7 +397,8 @@ void SpeculativeDecoderCuda::drafter_extend(int64_t R) {
 }
 
 // The drafter's block forward over [anchor, MASK × (K−1)] of requests [0, B) (block_), attending
-// to each request's context rows and its own block (brange_), then its proposals into block_.
+// to each request's context rows and its own block (brange_), then its proposals into block_
+// (DFlash2: the conv around each sublayer and the selector walk, infer/decoder_cuda_dflash2.hpp).
 void SpeculativeDecoderCuda::draft_block(int B, int K) {
   const int64_t H = dcfg_.hidden_size, D = dcfg_.head_dim, V = dcfg_.vocab_size;
   const int64_t NH = dcfg_.num_heads, NKV = dcfg_.num_kv_heads, Id = dcfg_.intermediate_size;
@@ -406,17 +415,38 @@ void SpeculativeDecoderCuda::draft_block(int B, int K) {
     else
       linear_fwd_cuda(ctx_, y, in, w, R, IN, OUT);
   };
-  auto project_into_h = [&](const uint16_t* in, const uint16_t* w, int64_t IN) {  // dh_ += in·Wᵀ
+  // y [R, H] f32 += in·Wᵀ.
+  auto project_into = [&](float* y, const uint16_t* in, const uint16_t* w, int64_t IN) {
     if (row_gemm)
-      decode_linear_cuda(ctx_, dh_, in, w, R, IN, H, true);
+      decode_linear_cuda(ctx_, y, in, w, R, IN, H, true);
     else
-      gemm_bf16_cuda(ctx_, dh_, DType::f32, H, in, IN, false, w, IN, true, R, H, IN, 1.0f, 1.0f);
+      gemm_bf16_cuda(ctx_, y, DType::f32, H, in, IN, false, w, IN, true, R, H, IN, 1.0f, 1.0f);
+  };
+  // The residual stream h: dh_ += the sublayer's output; DFlash2 (d2_) writes h + post-conv(y)
+  // into the other of dh_ and its second buffer (two sublayers a layer: each layer starts on dh_).
+  float* h = dh_;
+  auto sublayer_in = [&](size_t l, int sub) -> const uint16_t* {
+    return d2_ ? d2_->pre(ctx_, static_cast<int64_t>(l), sub, dhn_, B, K) : dhn_;
+  };
+  auto sublayer_out = [&](size_t l, int sub, const uint16_t* in, const uint16_t* w, int64_t IN) {
+    if (!d2_) {
+      project_into(dh_, in, w, IN);
+      return;
+    }
+    // y = 0 + in·Wᵀ: the residual projection's GEMM (beta 1), whose rows have the same bits at
+    // every row count as the plain drafter's (file comment of decoder_cuda.hpp).
+    DFLASH_CUDA_CHECK(
+        cudaMemsetAsync(d2_->y(), 0, static_cast<size_t>(R * H) * sizeof(float), ctx_.stream()));
+    project_into(d2_->y(), in, w, IN);
+    float* next = h == dh_ ? d2_->residual2() : dh_;
+    d2_->post(ctx_, static_cast<int64_t>(l), sub, next, h, B, K);
+    h = next;
   };
   embedding_fwd_cuda(ctx_, dh_, target_->embed(), block_, R, V, H);
   for (size_t l = 0; l < dlayers_.size(); ++l) {
     const DrafterLayer& d = dlayers_[l];
-    rmsnorm_fwd_cuda(ctx_, dhn_, static_cast<float*>(nullptr), dh_, d.in_norm, R, H, eps);
-    project(dqkv_, dhn_, d.wqkv, H, QD + 2 * KD);
+    rmsnorm_fwd_cuda(ctx_, dhn_, static_cast<float*>(nullptr), h, d.in_norm, R, H, eps);
+    project(dqkv_, sublayer_in(l, 0), d.wqkv, H, QD + 2 * KD);
     // q/k norms and RoPE; the block's k/v rows sit after the context in the cache for this
     // forward only (the extend of the step overwrites them with the accepted context rows).
     prep.q_norm = d.q_norm;
@@ -424,15 +454,19 @@ void SpeculativeDecoderCuda::draft_block(int B, int K) {
     qkv_prepare_cuda(ctx_, dq_, nullptr, dk_cache_[l], dv_cache_[l], slots_, dqkv_, prep);
     decode_attention_cuda(ctx_, do_, dq_, dk_cache_[l], dv_cache_[l], brange_, ap, split_.attn_part,
                           split_.max_keys);
-    project_into_h(do_, d.wo, QD);
-    rmsnorm_fwd_cuda(ctx_, dhn_, static_cast<float*>(nullptr), dh_, d.post_norm, R, H, eps);
-    project(dgu_, dhn_, d.wgu, H, 2 * Id);
+    sublayer_out(l, 0, do_, d.wo, QD);
+    rmsnorm_fwd_cuda(ctx_, dhn_, static_cast<float*>(nullptr), h, d.post_norm, R, H, eps);
+    project(dgu_, sublayer_in(l, 1), d.wgu, H, 2 * Id);
     swiglu_fwd_cuda(ctx_, dact_, dgu_, dgu_ + Id, R, Id, 2 * Id);
-    project_into_h(dact_, d.wdown, Id);
+    sublayer_out(l, 1, dact_, d.wdown, Id);
   }
-  rmsnorm_fwd_cuda(ctx_, fnorm_, static_cast<float*>(nullptr), dh_, dnorm_, R, H, eps);
+  rmsnorm_fwd_cuda(ctx_, fnorm_, static_cast<float*>(nullptr), h, dnorm_, R, H, eps);
   gemm_bf16_cuda(ctx_, logits_, DType::f32, V, fnorm_, H, false, target_->lm_head(), H, true, R, V,
                  H);
+  if (d2_) {  // the selector walk: proposals (and sampled, their q rows) from prev₁ = the anchor
+    d2_->walk(ctx_, logits_, fnorm_, block_, q_, seeds_, steps_, status_, sparams_, B, K, sampled_);
+    return;
+  }
   if (!sampled_) {
     draft_propose_cuda(ctx_, block_, logits_, B, K, V);
     return;
@@ -508,6 +542,17 @@ int32_t SpeculativeDecoderCuda::prefill(int b, std::span<const int32_t> prompt, 
 
 // ---- host loop ----
 
+void SpeculativeDecoderCuda::set_sampling(const DecodeOptions& opts) {
+  sampled_ = !opts.sampling.greedy();
+  if (!sampled_) return;
+  auto* sp = sparams_h_.as<SampleParamsDevice>();
+  sp->inv_temperature = static_cast<float>(1.0 / opts.sampling.temperature);
+  sp->top_k = static_cast<int32_t>(std::min<int64_t>(opts.sampling.top_k, tcfg_.vocab_size));
+  sp->top_p = opts.sampling.top_p;
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(sparams_, sp, sizeof(SampleParamsDevice),
+                                    cudaMemcpyHostToDevice, ctx_.stream()));
+}
+
 void SpeculativeDecoderCuda::check_sample_status(int32_t value, int64_t request) const {
   if (value >= 0) return;
   DFLASH_CHECK(value != -kSampleStatusNan,
@@ -533,6 +578,7 @@ int SpeculativeDecoderCuda::check_call(std::span<const std::vector<int32_t>> pro
     DFLASH_CHECK(K >= 2 && K <= dcfg_.block_size,
                  "block size {} is outside [2, {}] (the drafter was trained with block_size {})",
                  opts.block_size, dcfg_.block_size, dcfg_.block_size);
+    if (d2_) d2_->check_block(K);
   }
   const int B = std::min<int>(batch_size, static_cast<int>(prompts.size()));
   DFLASH_CHECK(B <= limits_.max_batch,
@@ -566,19 +612,11 @@ std::vector<DecodeResult> SpeculativeDecoderCuda::run(std::span<const std::vecto
   const int B = std::min<int>(batch_size, static_cast<int>(prompts.size()));
   // Sampling for this call only (bench_prefill and draft_logits are greedy): the settings go to
   // the device before the first prefill.
-  sampled_ = !opts.sampling.greedy();
   struct Reset {
     bool& flag;
     ~Reset() { flag = false; }
   } reset{sampled_};
-  if (sampled_) {
-    auto* sp = sparams_h_.as<SampleParamsDevice>();
-    sp->inv_temperature = static_cast<float>(1.0 / opts.sampling.temperature);
-    sp->top_k = static_cast<int32_t>(std::min<int64_t>(opts.sampling.top_k, tcfg_.vocab_size));
-    sp->top_p = opts.sampling.top_p;
-    DFLASH_CUDA_CHECK(cudaMemcpyAsync(sparams_, sp, sizeof(SampleParamsDevice),
-                                      cudaMemcpyHostToDevice, ctx_.stream()));
-  }
+  set_sampling(opts);
   std::vector<Slot> slots(static_cast<size_t>(B));
   int32_t* active = active_h_.as<int32_t>();
   size_t next = 0;
@@ -690,6 +728,7 @@ std::vector<float> SpeculativeDecoderCuda::draft_logits(std::span<const int32_t>
                "draft_logits: a prompt of {} tokens, block size {} (limits: prompt {}, context {}, "
                "block {})",
                prompt.size(), K, limits_.max_prefill, limits_.max_context, dcfg_.block_size);
+  if (d2_) d2_->check_block(K);
   first = prefill(0, prompt, K, true, 0);
   decode_rows_cuda(ctx_, pos_, slots_, causal_, brange_, lens_, 1, K, 0, stride_);
   draft_block(1, K);
@@ -700,12 +739,52 @@ std::vector<float> SpeculativeDecoderCuda::draft_logits(std::span<const int32_t>
   return out;
 }
 
+SpeculativeDecoderCuda::DraftProbe SpeculativeDecoderCuda::draft_first_block(
+    std::span<const int32_t> prompt, int K, const DecodeOptions& opts) {
+  check_drafter("draft_first_block");
+  DFLASH_CHECK(K >= 2 && K <= dcfg_.block_size && !prompt.empty() &&
+                   static_cast<int64_t>(prompt.size()) <= limits_.max_prefill &&
+                   static_cast<int64_t>(prompt.size()) + K <= limits_.max_context,
+               "draft_first_block: a prompt of {} tokens, block size {} (limits: prompt {}, "
+               "context {}, block {})",
+               prompt.size(), K, limits_.max_prefill, limits_.max_context, dcfg_.block_size);
+  if (d2_) d2_->check_block(K);
+  opts.sampling.validate();
+  struct Reset {
+    bool& flag;
+    ~Reset() { flag = false; }
+  } reset{sampled_};
+  set_sampling(opts);
+  const int32_t first = prefill(0, prompt, K, true, opts.seed);
+  check_sample_status(first, 0);
+  decode_rows_cuda(ctx_, pos_, slots_, causal_, brange_, lens_, 1, K, 0, stride_);
+  draft_block(1, K);
+  const int64_t V = tcfg_.vocab_size, H = dcfg_.hidden_size;
+  DraftProbe p;
+  p.block.resize(static_cast<size_t>(K));
+  p.logits.resize(static_cast<size_t>(K * V));
+  std::vector<uint16_t> hf(static_cast<size_t>(K * H));
+  p.q.resize(sampled_ ? static_cast<size_t>(K * V) : 0);
+  auto fetch = [&](void* dst, const void* src, size_t bytes) {
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, ctx_.stream()));
+  };
+  fetch(p.block.data(), block_, p.block.size() * sizeof(int32_t));
+  fetch(p.logits.data(), logits_, p.logits.size() * sizeof(float));
+  fetch(hf.data(), fnorm_, hf.size() * sizeof(uint16_t));
+  if (sampled_) fetch(p.q.data(), q_, p.q.size() * sizeof(float));
+  ctx_.synchronize();
+  p.hf.resize(hf.size());
+  for (size_t i = 0; i < hf.size(); ++i) p.hf[i] = bf16_bits_to_f32(hf[i]);
+  return p;
+}
+
 void SpeculativeDecoderCuda::bench_enqueue(BenchPart part, int B, int K) {
   check_drafter("bench_enqueue");
   DFLASH_CHECK(B >= 1 && B <= limits_.max_batch && K >= 1 && K <= dcfg_.block_size &&
                    (part == BenchPart::target_step || K >= 2),
                "bench_enqueue: B={} K={} for limits of {} requests, block size {}", B, K,
                limits_.max_batch, dcfg_.block_size);
+  if (d2_ && part != BenchPart::target_step) d2_->check_block(K);
   auto work = [this, part, B, K] {
     const int64_t R = int64_t{B} * K;
     decode_rows_cuda(ctx_, pos_, slots_, causal_, brange_, lens_, B, K, 0, stride_);

@@ -6,7 +6,9 @@
 // request; here every request of the batch takes it at once, each with its own length):
 //   rows:    positions lens[b] + j, cache slots and key ranges of the B·K rows (ops/decode.hpp);
 //   draft:   the drafter's block [anchor, MASK × (K−1)] over its context cache → proposals written
-//            into the block (greedy: argmax; sampling: drawn from the processed rows q_k);
+//            into the block (greedy: argmax; sampling: drawn from the processed rows q_k; a DFlash2
+//            drafter: its conv around each sublayer, then the selector walk over slots 1..K−1,
+//            infer/decoder_cuda_dflash2.hpp);
 //   verify:  the target over [anchor, d_1 … d_{K−1}] with its KV cache (causal), the taps of its
 //            tap layers, final norm and LM head of the K rows, argmax (sampling: the processed
 //            distributions p_k, in place of the logits);
@@ -54,6 +56,7 @@
 #include "backend/cuda/graph.hpp"
 #include "backend/cuda/pinned.hpp"
 #include "infer/decoder.hpp"
+#include "infer/decoder_cuda_dflash2.hpp"
 #include "model/target_cuda.hpp"
 #include "ops/sample.hpp"
 
@@ -78,8 +81,8 @@ class SpeculativeDecoderCuda final : public Decoder {
   /// Uploads `target` (every layer) and `drafter` to ctx's device and allocates everything for
   /// `limits`. Throws dflash::Error when the drafter does not fit the target
   /// (drafter_check_target), for what the kernels cannot run (TargetCuda's errors; a drafter
-  /// head_dim other than 64/128), bad limits, or when the device lacks the memory (naming the
-  /// bytes asked and free).
+  /// head_dim other than 64/128; a DFlash2 selector_top_k or selector_rank above the walk's 1024),
+  /// bad limits, or when the device lacks the memory (naming the bytes asked and free).
   SpeculativeDecoderCuda(cuda::CudaContext& ctx, const TargetModel& target,
                          const LoadedDrafter& drafter, const DecoderCudaLimits& limits);
   /// Target-only: uploads `target` and allocates the target's cache and the K = 1 step for
@@ -144,9 +147,23 @@ class SpeculativeDecoderCuda final : public Decoder {
 
   /// For tests: prefills `prompt` into batch slot 0 (speculative, block size K) and returns the
   /// drafter's block logits [K, V] f32 of its first step (block [first token, MASK × (K−1)] at
-  /// positions P..P+K−1 over the prompt's context rows), and the first token in `first`. Throws
-  /// dflash::Error for a prompt outside the limits or K outside [2, trained block size].
+  /// positions P..P+K−1 over the prompt's context rows), and the first token in `first` (a
+  /// DFlash2 drafter's rows 1..K−1 hold ū = softcap(m·U), which its walk writes in place). Throws
+  /// dflash::Error for a prompt outside the limits or K outside [2, trained block size] (DFlash2:
+  /// below conv_kernel_size).
   std::vector<float> draft_logits(std::span<const int32_t> prompt, int K, int32_t& first);
+  /// What draft_first_block returns: the state of the drafter's first block.
+  struct DraftProbe {
+    std::vector<int32_t> block;  ///< [K]: the first token, then the proposals
+    std::vector<float> logits;   ///< [K, V] f32: the block logits, as draft_logits returns them
+    std::vector<float> hf;       ///< [K, H]: the drafter's final-norm rows (bf16 values)
+    std::vector<float> q;        ///< [K, V] f32: sampled, the q rows (row 0 unused); greedy: empty
+  };
+  /// For tests: prefills `prompt` into batch slot 0 (request seed opts.seed) and drafts its first
+  /// block of size K as a step does, greedy or sampled as opts.sampling says. Throws dflash::Error
+  /// as draft_logits, for a bad sampling setting, and for a first token the sampling could not
+  /// draw.
+  DraftProbe draft_first_block(std::span<const int32_t> prompt, int K, const DecodeOptions& opts);
 
  private:
   struct DrafterLayer {
@@ -175,6 +192,8 @@ class SpeculativeDecoderCuda final : public Decoder {
   /// Throws the error of a negative step output or first token (−status, ops/sample.hpp) of
   /// `request`; no-op for value ≥ 0.
   void check_sample_status(int32_t value, int64_t request) const;
+  /// sampled_ from opts and, when sampling, its settings to the device (sparams_).
+  void set_sampling(const DecodeOptions& opts);
   /// Checks the options and the requests against the limits; returns K.
   int check_call(std::span<const std::vector<int32_t>> prompts, const DecodeOptions& opts,
                  int batch_size, bool speculative) const;
@@ -234,6 +253,8 @@ class SpeculativeDecoderCuda final : public Decoder {
   uint16_t *dgu_ = nullptr, *dact_ = nullptr, *dqkv_ = nullptr;
   // Pinned host mirrors.
   cuda::PinnedBuffer out_h_, first_h_, active_h_, tokens_h_, sparams_h_;
+  // DFlash2's conv and selector walk (infer/decoder_cuda_dflash2.hpp); null for other drafters.
+  std::unique_ptr<Dflash2DecodeCuda> d2_;
   bool has_drafter_ = true;  // false: target-only (dcfg_ is block size 1, no layers, no taps)
   bool use_graphs_ = true;
   bool sampled_ = false;  // the call in progress samples (temperature > 0)

@@ -1,16 +1,15 @@
 // dflash.cpp — CUDA kernels of DFlash2's candidate selector and loss (semantics:
 // src/model/dflash2_selector.hpp, the step: src/model/dflash2_head_cuda.hpp). The row kernel runs
-// one block per block row: the unary transform in place, the argmax and base CE, the top-K by a
-// radix select over order-preserving keys (4 passes of 8 bits; histogram counts are integers, so
-// the order of their atomic adds changes nothing), the candidates above the threshold, then those
-// equal to it in index order (a block scan), a bitonic sort by (ū descending, id ascending) — the
-// CPU's candidate order —, the scores, the K-way CE and its gradient pieces. The parameter
-// gradients are fixed-order sums: dP_h over rows in order, dA and dBs per key over a stable radix
-// sort of the items. Deterministic: no float atomics. No fmt in this file (nvcc).
+// one block per block row: the unary transform in place, the argmax and base CE, the top-K
+// (backend/cuda/dflash2_topk.cuh: a radix select and a bitonic sort into the CPU's candidate
+// order, shared with the decoder's walk), the scores, the K-way CE and its gradient pieces. The
+// parameter gradients are fixed-order sums: dP_h over rows in order, dA and dBs per key over a
+// stable radix sort of the items. Deterministic: no float atomics. No fmt in this file (nvcc).
 #include <cub/device/device_radix_sort.cuh>
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/dflash2_selector_launch.hpp"
+#include "backend/cuda/dflash2_topk.cuh"
 
 namespace dflash::cuda {
 namespace {
@@ -20,13 +19,7 @@ using launch::Dflash2SelRows;
 using launch::kDflash2MaxRank;
 using launch::kDflash2MaxTopK;
 
-constexpr int kThreads = 256;
-
-// Larger float ↔ larger key (−0 counts as +0, as the CPU's comparisons do).
-__device__ __forceinline__ uint32_t order_key(float f) {
-  const uint32_t b = __float_as_uint(f == 0.f ? 0.f : f);
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
+constexpr int kThreads = kDflash2TopKThreads;
 
 __device__ __forceinline__ float unary_of(float z, float m, float cap) {
   const float x = m * z;
@@ -66,11 +59,6 @@ __device__ float block_max(float v, float* sh) {
   return r;
 }
 
-// Whether candidate a comes before b: larger key, then lower id.
-__device__ __forceinline__ bool before(uint32_t ka, int32_t ia, uint32_t kb, int32_t ib) {
-  return ka > kb || (ka == kb && ia < ib);
-}
-
 struct RowShared {
   uint32_t key[kDflash2MaxTopK];
   int32_t id[kDflash2MaxTopK];
@@ -82,91 +70,6 @@ struct RowShared {
   uint32_t prefix, mask;
   int32_t remaining, count, gold;
 };
-
-// The top-K of ū (row u [V]) into sh.key/sh.id [K], sorted (before). All threads call it.
-__device__ void top_k(const float* u, int64_t V, int K, RowShared& sh) {
-  const int tid = threadIdx.x;
-  if (tid == 0) sh.prefix = 0, sh.mask = 0, sh.remaining = K;
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    sh.hist[tid] = 0;  // kThreads == 256 bins
-    __syncthreads();
-    const uint32_t prefix = sh.prefix, mask = sh.mask;
-    for (int64_t v = tid; v < V; v += kThreads) {
-      const uint32_t k = order_key(u[v]);
-      if ((k & mask) == prefix) atomicAdd(&sh.hist[(k >> shift) & 255u], 1u);
-    }
-    __syncthreads();
-    if (tid == 0) {  // the bin holding the remaining-th largest, from the top
-      uint32_t above = 0;
-      int b = 255;
-      for (; b > 0; --b) {
-        if (above + sh.hist[b] >= static_cast<uint32_t>(sh.remaining)) break;
-        above += sh.hist[b];
-      }
-      sh.remaining -= static_cast<int32_t>(above);
-      sh.prefix |= static_cast<uint32_t>(b) << shift;
-      sh.mask |= 255u << shift;
-    }
-    __syncthreads();
-  }
-  const uint32_t thr = sh.prefix;
-  const int take_equal = sh.remaining;  // keys == thr to take, the lowest ids first
-  if (tid == 0) sh.count = 0;
-  __syncthreads();
-  for (int64_t v = tid; v < V; v += kThreads) {
-    const uint32_t k = order_key(u[v]);
-    if (k > thr) {
-      const int p = atomicAdd(&sh.count, 1);
-      sh.key[p] = k;
-      sh.id[p] = static_cast<int32_t>(v);
-    }
-  }
-  __syncthreads();
-  const int first_equal = sh.count;  // K − take_equal
-  int taken = 0;
-  const int lane = tid & 31, warp = tid >> 5;
-  for (int64_t tile = 0; tile < V && taken < take_equal; tile += kThreads) {
-    const int64_t v = tile + tid;
-    const bool eq = v < V && order_key(u[v]) == thr;
-    const unsigned ballot = __ballot_sync(0xffffffffu, eq);
-    if (lane == 0) sh.redi[warp] = __popc(ballot);
-    __syncthreads();
-    int before_me = __popc(ballot & ((1u << lane) - 1u)), total = 0;
-    for (int w = 0; w < kThreads / 32; ++w) {
-      if (w < warp) before_me += sh.redi[w];
-      total += sh.redi[w];
-    }
-    if (eq && taken + before_me < take_equal) {
-      sh.key[first_equal + taken + before_me] = thr;
-      sh.id[first_equal + taken + before_me] = static_cast<int32_t>(v);
-    }
-    taken += total;
-    __syncthreads();
-  }
-  // Bitonic sort of the next power of two, padded with entries that sort last.
-  int Kp = 1;
-  while (Kp < K) Kp <<= 1;
-  for (int i = K + tid; i < Kp; i += kThreads) sh.key[i] = 0, sh.id[i] = 0x7fffffff;
-  __syncthreads();
-  for (int k = 2; k <= Kp; k <<= 1) {
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int i = tid; i < Kp; i += kThreads) {
-        const int o = i ^ j;
-        if (o <= i) continue;
-        const bool up = (i & k) == 0;
-        const bool swap = up ? before(sh.key[o], sh.id[o], sh.key[i], sh.id[i])
-                             : before(sh.key[i], sh.id[i], sh.key[o], sh.id[o]);
-        if (swap) {
-          const uint32_t tk = sh.key[i];
-          const int32_t ti = sh.id[i];
-          sh.key[i] = sh.key[o], sh.id[i] = sh.id[o];
-          sh.key[o] = tk, sh.id[o] = ti;
-        }
-      }
-      __syncthreads();
-    }
-  }
-}
 
 __global__ void __launch_bounds__(kThreads)
     selector_rows_kernel(Dflash2SelIn in, Dflash2SelRows out) {
@@ -212,7 +115,7 @@ __global__ void __launch_bounds__(kThreads)
   const float scale = in.grad_scale * static_cast<float>(*in.alpha) * w;
   bool grad_sel = false;
   if (term) {
-    top_k(u, V, K, sh);
+    dflash2_top_k(u, V, K, sh);
     // P_h·h: one warp per rank coordinate, lanes over columns, the warp's fixed butterfly.
     const uint16_t* h = in.hf + i * H;
     const int lane = tid & 31, warp = tid >> 5;
