@@ -112,27 +112,18 @@ inline DecodeOptions decode_options_from(const DecodeArgs& a, const ModelConfig&
   return o;
 }
 
-/// With --backend cuda, reads the drafter's config.json (no weights) and refuses a DSpark or a
-/// Domino drafter naming its dflash_config.projector_type, and a DFlash2 drafter naming its
-/// architectures: the CUDA decoder drafts DFlash blocks only. The first
+/// With --backend cuda, reads the drafter's config.json (no weights) and refuses a DFlash2
+/// drafter naming its architectures: the CUDA decoder drafts DFlash blocks and DSpark's and
+/// Domino's heads (infer/decoder_cuda_heads.hpp), not DFlash2's. The first
 /// check of a decoding command, before the device is looked for.
 inline void check_cuda_drafter(const DecodeArgs& a) {
   if (a.backend != "cuda") return;
   const std::filesystem::path cfg = std::filesystem::path(a.drafter) / "config.json";
   const DrafterConfig d = drafter_config_from_json(json_load_file(cfg), cfg.string());
-  DFLASH_CHECK(!d.dspark.enabled,
-               "{}: a DSpark drafter (dflash_config.projector_type: dspark) is decoded by the "
-               "cpu backend only; --backend cuda has no Markov head or all-slot drafting yet (use "
-               "--backend cpu)",
-               cfg.string());
   DFLASH_CHECK(!d.dflash2.enabled,
                "{}: a DFlash2 drafter (architectures: DFlash2DraftModel) is decoded by the cpu "
                "backend only; --backend cuda has no DFlash2 conv or selector walk yet (use "
                "--backend cpu)",
-               cfg.string());
-  DFLASH_CHECK(!d.domino.enabled,
-               "{}: a Domino drafter (dflash_config.projector_type: domino) is decoded by the "
-               "cpu backend only; --backend cuda has no GRU rollout yet (use --backend cpu)",
                cfg.string());
 }
 

@@ -17,6 +17,10 @@
 //   copy:    the B·(K+1) ints of the step's output (count and tokens) to pinned host memory, the
 //            step's only host transfer.
 // Target-only decoding is the same step with K = 1 and no draft/extend.
+// A DSpark or Domino drafter's proposals come from its sequential head, walked slot by slot on the
+// device after the block forward (infer/decoder_cuda_heads.hpp); DSpark drafts all K slots, so its
+// verify block is [anchor, d_0 … d_{K−1}]: K + 1 rows per request for the rows, verify, extend,
+// accept and copy parts (the drafter's rows stay K), an acceptance length in [1, K + 1].
 // A request is admitted into a free batch slot with its own prefill (the prompt through the target
 // with the causal attention over its empty cache, the first token by argmax or drawn from p, the
 // prompt's taps into the drafter's cache); the others' state stays on the device untouched.
@@ -54,6 +58,7 @@
 #include "backend/cuda/graph.hpp"
 #include "backend/cuda/pinned.hpp"
 #include "infer/decoder.hpp"
+#include "infer/decoder_cuda_heads.hpp"
 #include "model/target_cuda.hpp"
 #include "ops/sample.hpp"
 
@@ -148,6 +153,20 @@ class SpeculativeDecoderCuda final : public Decoder {
   /// dflash::Error for a prompt outside the limits or K outside [2, trained block size].
   std::vector<float> draft_logits(std::span<const int32_t> prompt, int K, int32_t& first);
 
+  /// For tests: the first step of a DSpark or Domino drafter (infer/decoder_cuda_heads.hpp) on
+  /// `prompt` in batch slot 0 with `opts` (block size, sampling; request seed opts.seed), drafted
+  /// but not verified.
+  struct DraftTrace {
+    int32_t first = 0;               ///< the prefill's token (the anchor)
+    std::vector<float> base_logits;  ///< U [K, V]: the drafter's block logits before the head
+    std::vector<float> hidden;       ///< h [K, H]: its final-norm rows (bf16 values)
+    std::vector<int32_t> proposals;  ///< the verify block after the anchor (K for DSpark, else K−1)
+    std::vector<float> q;            ///< sampled: the proposals' q rows [proposals, V]
+  };
+  /// Throws dflash::Error for a drafter without such a head, or a prompt or block size outside
+  /// the limits (as draft_logits).
+  DraftTrace draft_trace(std::span<const int32_t> prompt, const DecodeOptions& opts);
+
  private:
   struct DrafterLayer {
     float *in_norm = nullptr, *post_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
@@ -196,6 +215,10 @@ class SpeculativeDecoderCuda final : public Decoder {
   int64_t gemm_rows(int64_t rows) const;
   void draft_block(int B, int K);
   void drafter_extend(int64_t R);
+  /// Rows per request of a step's verify block of block size K (DecodeHeadsCuda::verify_width).
+  int verify_width(int K) const;
+  /// Copies the call's sampling settings to the device (sampled_ set from them).
+  void set_sampling(const DecodeOptions& opts);
 
   cuda::CudaContext& ctx_;
   ModelConfig tcfg_;
@@ -215,6 +238,7 @@ class SpeculativeDecoderCuda final : public Decoder {
   float *hidden_norm_ = nullptr, *dnorm_ = nullptr, *dinv_freq_ = nullptr;
   float dscaling_ = 1.0f;
   std::vector<DrafterLayer> dlayers_;
+  std::unique_ptr<DecodeHeadsCuda> heads_;  // a DSpark or Domino drafter's head, else null
   // Step buffers (device).
   int32_t *tokens_ = nullptr, *block_ = nullptr, *pos_ = nullptr, *slots_ = nullptr;
   AttnRange *causal_ = nullptr, *brange_ = nullptr;
