@@ -4,7 +4,7 @@
 //   - the first step's proposals (greedy) and q rows (sampled) against the CPU decoder's head
 //     functions (dspark_slot_logits, domino_feed, domino_slot_logits) applied to the same block
 //     logits and final-norm rows, fed the GPU's previous proposals: the same tokens (or a near
-//     tie), q within 1e-4; and the CPU decoder's own first step gives the same proposals up to a
+//     tie), q within 5e-4; and the CPU decoder's own first step gives the same proposals up to a
 //     near tie of its drafter's logits;
 //   - greedy speculative output == greedy target-only output (lossless) at batch 1 and 3, every
 //     acceptance length in [1, K + 1] for DSpark (all K slots draft) and [1, K] for Domino;
@@ -214,7 +214,7 @@ TEST(DecoderCudaHeads, FirstStepProposalsAndQRowsAreTheCpuHeads) {
         double err = 0;
         for (int64_t v = 0; v < V; ++v)
           err = std::max(err, std::fabs(p[static_cast<size_t>(v)] - s.q[k * V + v]));
-        EXPECT_LT(err, 1e-4) << what << " q row " << k;
+        EXPECT_LT(err, 5e-4) << what << " q row " << k;
         EXPECT_GT(s.q[k * V + s.proposals[k]], 0.0f) << what << " draft " << k;
       }
     }
