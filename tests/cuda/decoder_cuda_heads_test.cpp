@@ -1,4 +1,6 @@
-// Tests of the CUDA decoder with DSpark and Domino drafters (infer/decoder_cuda_heads.hpp,
+// Tests of the decode heads' ops (the linear layer against a double reference, the slot argmax's
+// ties, the slot draw's distribution by chi-square and its q row) and of the CUDA decoder with
+// DSpark and Domino drafters (infer/decoder_cuda_heads.hpp,
 // ops/decode_heads.hpp) on the tiny fixture, with seeded drafters whose heads are scaled up so
 // that they move the argmax (as the CPU decode tests' drafters):
 //   - the first step's proposals (greedy) and q rows (sampled) against the CPU decoder's head
@@ -9,7 +11,8 @@
 //   - greedy speculative output == greedy target-only output (lossless) at batch 1 and 3, every
 //     acceptance length in [1, K + 1] for DSpark (all K slots draft) and [1, K] for Domino;
 //   - a request's output (greedy and sampled) does not depend on the batch size, and graphs give
-//     the eager launches' tokens.
+//     the eager launches' tokens;
+//   - a DSpark head planted with the target's continuation makes steps accept K + 1 tokens.
 // Skipped without a GPU.
 #include <gtest/gtest.h>
 
@@ -21,6 +24,7 @@
 
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/device.hpp"
+#include "cuda_test_util.hpp"
 #include "data/tokenizer.hpp"
 #include "infer/decoder_cuda.hpp"
 #include "infer/sampling.hpp"
@@ -28,6 +32,7 @@
 #include "model/domino_head.hpp"
 #include "model/drafter_io.hpp"
 #include "model/dspark_head.hpp"
+#include "ops/decode_heads.hpp"
 #include "tolerances.hpp"
 #include "util/decode_fixture.hpp"
 #include "util/test_util.hpp"
@@ -153,6 +158,104 @@ void expect_argmax_or_tie(const std::vector<float>& row, int32_t got, const std:
   EXPECT_LE(row[want] - row[got], 1e-4 * top) << what << ": GPU " << got << ", CPU " << want;
 }
 
+// head_linear_cuda against a double reference: strided output and base, bias, and in place.
+TEST(DecodeHeadsOps, LinearIsTheRowsProductPlusBaseAndBias) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  cuda::CudaContext ctx(0);
+  const int64_t B = 3, IN = 37, OUT = 129, ld = 140;
+  const std::vector<float> w = test::randn(static_cast<size_t>(OUT * IN), 1);
+  const std::vector<float> x = test::randn(static_cast<size_t>(B * IN), 2);
+  const std::vector<float> bias = test::randn(static_cast<size_t>(OUT), 3);
+  const std::vector<float> base = test::randn(static_cast<size_t>(B * ld), 4);
+  test::DeviceGuarded<float> dw(w), dx(x), dbias(bias), dbase(base),
+      dy(static_cast<size_t>(B * ld));
+  head_linear_cuda(ctx, dy.get(), ld, dbase.get(), ld, dw.get(), dbias.get(), dx.get(), B, IN, OUT);
+  head_linear_cuda(ctx, dbase.get(), ld, dbase.get(), ld, dw.get(), nullptr, dx.get(), B, IN, OUT);
+  const std::vector<float> y = dy.download(), inplace = dbase.download();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t o = 0; o < OUT; ++o) {
+      double dot = 0;
+      for (int64_t i = 0; i < IN; ++i) dot += double{w[o * IN + i]} * x[b * IN + i];
+      const size_t at = static_cast<size_t>(b * ld + o);
+      EXPECT_NEAR(y[at], base[at] + bias[o] + dot, 1e-4) << b << " " << o;
+      EXPECT_NEAR(inplace[at], base[at] + dot, 1e-4) << b << " " << o;
+    }
+  for (int64_t b = 0; b < B; ++b)  // columns past OUT are not written
+    EXPECT_EQ(inplace[static_cast<size_t>(b * ld + OUT)], base[static_cast<size_t>(b * ld + OUT)]);
+  EXPECT_TRUE(dy.guard_intact() && dbase.guard_intact());
+}
+
+// decode_slot_argmax_cuda: the smallest index of the maximum of strided rows, into one column.
+TEST(DecodeHeadsOps, SlotArgmaxTakesTheSmallestIndexOfTheMaximum) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  cuda::CudaContext ctx(0);
+  const int64_t B = 3, V = 3001, ld = 3 * V;
+  std::vector<float> rows(static_cast<size_t>(B * ld), 0.0f);
+  const int64_t best[] = {7, 2999, 1500};
+  for (int64_t b = 0; b < B; ++b) {
+    rows[static_cast<size_t>(b * ld + best[b])] = 5.0f;
+    rows[static_cast<size_t>(b * ld + 3000)] = 5.0f;   // a tie at a larger index (b < 2)
+    rows[static_cast<size_t>(b * ld + V + 1)] = 9.0f;  // past the row: not read
+  }
+  test::DeviceGuarded<float> drows(rows);
+  test::DeviceGuarded<int32_t> block(static_cast<size_t>(B * 4));
+  decode_slot_argmax_cuda(ctx, block.get(), 4, 2, drows.get(), ld, B, V);
+  const std::vector<int32_t> got = block.download();
+  for (int64_t b = 0; b < B; ++b) {
+    EXPECT_EQ(got[static_cast<size_t>(b * 4 + 2)], best[b]) << b;
+    EXPECT_EQ(got[static_cast<size_t>(b * 4 + 1)], -1) << "another column was written";
+  }
+  EXPECT_TRUE(block.guard_intact());
+}
+
+// decode_slot_draw_cuda: 8,000 requests draw from the same row (seeds 0..n−1): the counts follow
+// the row (Pearson chi-square at significance 1e-4), no token of probability 0 is drawn, and each
+// request's q row is a copy of the row.
+TEST(DecodeHeadsOps, SlotDrawFollowsTheRowAndCopiesIt) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  cuda::CudaContext ctx(0);
+  const int64_t n = 8000, V = 1501, ld_block = 3, col = 2;
+  std::vector<float> row(static_cast<size_t>(V), 0.0f);
+  double sum = 0;
+  for (int64_t i = 5; i < V; i += 47) sum += row[static_cast<size_t>(i)] = 1.0f + (i % 7);
+  for (float& v : row) v = static_cast<float>(v / sum);
+  std::vector<float> probs;
+  for (int64_t b = 0; b < n; ++b) probs.insert(probs.end(), row.begin(), row.end());
+  std::vector<uint64_t> seeds(static_cast<size_t>(n));
+  for (int64_t b = 0; b < n; ++b) seeds[static_cast<size_t>(b)] = static_cast<uint64_t>(b);
+  test::DeviceGuarded<float> dprobs(probs), q(static_cast<size_t>(n * ld_block * V));
+  test::DeviceGuarded<uint64_t> dseeds(seeds);
+  test::DeviceGuarded<int32_t> steps(std::vector<int32_t>(static_cast<size_t>(n), 1));
+  test::DeviceGuarded<int32_t> block(static_cast<size_t>(n * ld_block));
+  decode_slot_draw_cuda(ctx, block.get(), ld_block, col, q.get(), dprobs.get(), dseeds.get(),
+                        steps.get(), n, V);
+  const std::vector<int32_t> got = block.download();
+  const std::vector<float> qh = q.download();
+  std::vector<int32_t> ids;
+  std::vector<double> p;
+  for (int64_t i = 0; i < V; ++i)
+    if (row[static_cast<size_t>(i)] > 0) {
+      ids.push_back(static_cast<int32_t>(i));
+      p.push_back(row[static_cast<size_t>(i)]);
+    }
+  std::vector<int64_t> counts(ids.size(), 0);
+  for (int64_t b = 0; b < n; ++b) {
+    const int32_t t = got[static_cast<size_t>(b * ld_block + col)];
+    const auto it = std::find(ids.begin(), ids.end(), t);
+    ASSERT_NE(it, ids.end()) << "request " << b << " drew token " << t << " of probability 0";
+    ++counts[static_cast<size_t>(it - ids.begin())];
+    ASSERT_EQ(got[static_cast<size_t>(b * ld_block + 1)], -1) << "another column was written";
+    const float* qr = qh.data() + (b * ld_block + col) * V;
+    ASSERT_TRUE(std::equal(row.begin(), row.end(), qr)) << "q row of request " << b;
+  }
+  const double x = test::chi2_stat(counts, p, n);
+  const int df = static_cast<int>(p.size()) - 1;
+  std::printf("slot draw: chi2 %.1f over %d categories (critical %.1f)\n", x, df + 1,
+              test::chi2_critical_1e4(df));
+  EXPECT_LT(x, test::chi2_critical_1e4(df));
+  EXPECT_TRUE(block.guard_intact() && q.guard_intact());
+}
+
 TEST(DecoderCudaHeads, FirstStepProposalsAndQRowsAreTheCpuHeads) {
   if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
   cuda::CudaContext ctx(0);
@@ -252,6 +355,61 @@ TEST(DecoderCudaHeads, GreedyOutputIsTheTargetsAtBatchOneAndThree) {
     }
     std::printf("%s: longest acceptance %d of %d\n", hc.name.c_str(), longest, max_accept);
   }
+}
+
+// A DSpark drafter whose vanilla Markov head is planted with the target's own greedy
+// continuation: W1[t_i] = e_i and W2[t_{i+1}] = 1000·e_i for the continuation's tokens t_i (the
+// first successor of a repeated token), every other W1 and W2 value 0. Then slot k, fed
+// prev = the token before it, proposes the target's next token wherever the table knows it, so
+// steps accept all K drafts and the bonus (K + 1): the acceptance of long prefixes and of DSpark's
+// extra row, which the random drafters above never reach. The output stays the target's.
+TEST(DecoderCudaHeads, PlantedDsparkHeadAcceptsAllKDraftsAndTheBonus) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  cuda::CudaContext ctx(0);
+  const auto ps = prompts();
+  const std::vector<std::vector<int32_t>> one = {ps[1]};
+  DecodeOptions o;
+  o.max_new_tokens = kMaxNew;
+  std::vector<int32_t> cont;
+  {
+    SpeculativeDecoderCuda target_only(ctx, tiny(), decoder_cuda_limits(one, kMaxNew, 1, 1));
+    cont = target_only.target_generate(one, o, 1)[0].tokens;
+  }
+  ASSERT_EQ(static_cast<int64_t>(cont.size()), kMaxNew);
+  std::vector<std::pair<int32_t, int32_t>> table;  // (t_i, its first successor)
+  for (size_t i = 0; i + 1 < cont.size(); ++i) {
+    const bool known =
+        std::any_of(table.begin(), table.end(), [&](const auto& e) { return e.first == cont[i]; });
+    if (!known) table.emplace_back(cont[i], cont[i + 1]);
+  }
+  const auto r = static_cast<int>(table.size());
+  const DsparkHeads heads{true, r, MarkovHeadType::vanilla, false, false};
+  TempDir dir;
+  const LoadedDrafter d = drafter_load(test::save_tiny_drafter(
+      dir.path(), "planted", kBlock, 9, [&](DrafterConfig& c) { c.dspark = heads; },
+      [&](const DrafterConfig& c, const DrafterLayout& layout, std::vector<float>& params) {
+        const auto w1 = static_cast<size_t>(layout.dspark.markov_w1);
+        const auto w2 = static_cast<size_t>(layout.dspark.markov_w2);
+        std::fill_n(params.begin() + static_cast<std::ptrdiff_t>(w1), c.vocab_size * r, 0.0f);
+        std::fill_n(params.begin() + static_cast<std::ptrdiff_t>(w2), c.vocab_size * r, 0.0f);
+        for (int i = 0; i < r; ++i) {
+          params[w1 + static_cast<size_t>(table[i].first) * r + i] = 1.0f;
+          params[w2 + static_cast<size_t>(table[i].second) * r + i] = 1000.0f;
+        }
+      }));
+  SpeculativeDecoderCuda dec(ctx, tiny(), d, decoder_cuda_limits(one, kMaxNew, kBlock, 1));
+  const DecodeResult res = dec.generate(one, o, 1)[0];
+  EXPECT_EQ(res.tokens, cont);
+  int full = 0;
+  for (int a : res.accept_lengths) {
+    EXPECT_GE(a, 1);
+    EXPECT_LE(a, kBlock + 1);
+    full += a == kBlock + 1 ? 1 : 0;
+  }
+  std::printf(
+      "planted DSpark head: %d distinct tokens, %zu steps, %d of them accepting K + 1 = %d\n", r,
+      res.accept_lengths.size(), full, kBlock + 1);
+  EXPECT_GT(full, 0) << "no step accepted all K drafts and the bonus";
 }
 
 TEST(DecoderCudaHeads, OutputDependsOnNeitherBatchNorGraphs) {
