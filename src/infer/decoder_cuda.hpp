@@ -32,9 +32,10 @@
 //
 // Invariants: all device memory (target weights and activations, drafter weights, both KV caches
 // for max_batch × max_context tokens, the step's buffers) is planned and allocated at
-// construction (sampling's q rows too: max_batch × block size × V floats; made without a drafter,
-// the plan holds the target's part only, block size 1); a step allocates
-// nothing. Each (B, K, speculative, sampled) step is captured once as a CUDA graph and replayed
+// construction (sampling's q rows too: max_batch × verify rows × V floats, the verify rows the
+// block size, + 1 for DSpark; a DSpark or Domino head's f32 weights and one-row-per-request
+// scratch; made without a drafter, the plan holds the target's part only, block size 1); a step
+// allocates nothing. Each (B, K, speculative, sampled) step is captured once as a CUDA graph and replayed
 // (use_graphs(false) runs the same launches eagerly); the sampling settings live in device memory,
 // so one graph serves every temperature, top-k and top-p. The target's attention in a step is the
 // split-key decode attention (ops/decode_fused.hpp), whose rows do not depend on the other rows of
