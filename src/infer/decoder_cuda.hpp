@@ -35,15 +35,15 @@
 // construction (sampling's q rows too: max_batch × verify rows × V floats, the verify rows the
 // block size, + 1 for DSpark; a DSpark or Domino head's f32 weights and one-row-per-request
 // scratch; made without a drafter, the plan holds the target's part only, block size 1); a step
-// allocates nothing. Each (B, K, speculative, sampled) step is captured once as a CUDA graph and replayed
-// (use_graphs(false) runs the same launches eagerly); the sampling settings live in device memory,
-// so one graph serves every temperature, top-k and top-p. The target's attention in a step is the
-// split-key decode attention (ops/decode_fused.hpp), whose rows do not depend on the other rows of
-// the launch, and the drafter's sees the same key tiles in any batch slot (its cache rows start on
-// a key tile), so a request's output does not depend on batch_size as long as
-// cuBLASLt's GEMM gives a row the same bits for any row count (true on the H200 for the tiny
-// fixture at 1 to 32 rows; docs/design-notes.md); greedy speculative output equals greedy
-// target-only output of this class (bit for bit on the H200, tests/cuda/decoder_cuda_test).
+// allocates nothing. Each (B, K, speculative, sampled) step is captured once as a CUDA graph and
+// replayed (use_graphs(false) runs the same launches eagerly); the sampling settings live in device
+// memory, so one graph serves every temperature, top-k and top-p. The target's attention in a step
+// is the split-key decode attention (ops/decode_fused.hpp), whose rows do not depend on the other
+// rows of the launch, and the drafter's sees the same key tiles in any batch slot (its cache rows
+// start on a key tile), so a request's output does not depend on batch_size as long as cuBLASLt's
+// GEMM gives a row the same bits for any row count (true on the H200 for the tiny fixture at 1 to
+// 32 rows; docs/design-notes.md); greedy speculative output equals greedy target-only output of
+// this class (bit for bit on the H200, tests/cuda/decoder_cuda_test).
 #pragma once
 
 #ifdef DFLASH_HAVE_CUDA
