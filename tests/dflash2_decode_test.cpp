@@ -138,5 +138,13 @@ TEST(Dflash2Decode, GreedyOutputIsTheTargetsOwn) {
   test::expect_greedy_decoding_lossless(d, 4, "dflash2");  // K−1 drafts + the bonus
 }
 
+// --backend cuda takes a DFlash2 drafter (infer/decoder_cuda_dflash2.hpp): no refusal by its
+// architecture; without a GPU the command stops for want of the device.
+TEST(Dflash2Decode, CudaBackendTakesADflash2Drafter) {
+  TempDir dir;
+  const auto d = save_dflash2_drafter(dir, kHeads, 4, 2);
+  test::expect_cuda_decoding_accepted(d, "DFlash2DraftModel) is decoded by the cpu backend");
+}
+
 }  // namespace
 }  // namespace dflash

@@ -42,7 +42,6 @@ std::string hist_str(const nlohmann::json& h) {
 void run_eval_command(const EvalArgs& a) {
   // Every argument is checked before the target's weights are loaded and a prompt is decoded.
   if (!a.output.empty()) check_file_writable(a.output, "--output");
-  check_cuda_drafter(a.d);
   if (a.d.backend == "cuda") check_cuda_backend();
   const ModelConfig target_cfg = model_config_load(a.d.target);
   const DecodeOptions opts = decode_options_from(a.d, target_cfg);

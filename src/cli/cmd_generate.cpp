@@ -68,7 +68,6 @@ void print_summary(std::span<const DecodeResult> results, double seconds) {
 
 void run_generate(const GenerateArgs& a) {
   // Every argument is checked before the target's weights are loaded.
-  check_cuda_drafter(a.d);
   if (a.d.backend == "cuda") {
     DFLASH_CHECK(!a.show_steps,
                  "--show-steps is not available with --backend cuda (the steps run on the device)");

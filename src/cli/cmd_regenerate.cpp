@@ -63,7 +63,6 @@ void run_regenerate(const RegenerateArgs& a) {
                "--max-context plans the cuda backend's memory; the cpu backend has no plan (drop "
                "it or use --backend cuda)");
   if (cuda) {
-    if (!a.d.drafter.empty()) check_cuda_drafter(a.d);
     check_cuda_backend();
   }
   const ModelConfig target_cfg = model_config_load(a.d.target);

@@ -51,12 +51,6 @@ void check_cuda_backend() {
 std::unique_ptr<Decoder> make_cuda_decoder(const TargetModel& target, const LoadedDrafter& drafter,
                                            std::span<const std::vector<int32_t>> prompts,
                                            int64_t max_new_tokens, int batch_size) {
-  DFLASH_CHECK(!drafter.config.dspark.enabled,
-               "the CUDA decoder drafts DFlash blocks only: a DSpark drafter "
-               "(dflash_config.projector_type: dspark) is decoded by the cpu backend");
-  DFLASH_CHECK(!drafter.config.domino.enabled,
-               "the CUDA decoder drafts DFlash blocks only: a Domino drafter "
-               "(dflash_config.projector_type: domino) is decoded by the cpu backend");
   check_cuda_backend();
   const DecoderCudaLimits limits =
       decoder_cuda_limits(prompts, max_new_tokens, drafter.config.block_size, batch_size);
@@ -66,12 +60,6 @@ std::unique_ptr<Decoder> make_cuda_decoder(const TargetModel& target, const Load
 std::unique_ptr<Decoder> make_cuda_decoder(const TargetModel& target, const LoadedDrafter* drafter,
                                            int64_t max_prompt, int64_t max_new_tokens,
                                            int batch_size) {
-  DFLASH_CHECK(drafter == nullptr || !drafter->config.dspark.enabled,
-               "the CUDA decoder drafts DFlash blocks only: a DSpark drafter "
-               "(dflash_config.projector_type: dspark) is decoded by the cpu backend");
-  DFLASH_CHECK(drafter == nullptr || !drafter->config.domino.enabled,
-               "the CUDA decoder drafts DFlash blocks only: a Domino drafter "
-               "(dflash_config.projector_type: domino) is decoded by the cpu backend");
   check_cuda_backend();
   DecoderCudaLimits limits;
   limits.max_batch = batch_size;

@@ -112,24 +112,6 @@ inline DecodeOptions decode_options_from(const DecodeArgs& a, const ModelConfig&
   return o;
 }
 
-/// With --backend cuda, reads the drafter's config.json (no weights) and refuses a DSpark or a
-/// Domino drafter naming its dflash_config.projector_type: the CUDA decoder drafts DFlash and
-/// DFlash2 blocks only. The first check of a decoding command, before the device is looked for.
-inline void check_cuda_drafter(const DecodeArgs& a) {
-  if (a.backend != "cuda") return;
-  const std::filesystem::path cfg = std::filesystem::path(a.drafter) / "config.json";
-  const DrafterConfig d = drafter_config_from_json(json_load_file(cfg), cfg.string());
-  DFLASH_CHECK(!d.dspark.enabled,
-               "{}: a DSpark drafter (dflash_config.projector_type: dspark) is decoded by the "
-               "cpu backend only; --backend cuda has no Markov head or all-slot drafting yet (use "
-               "--backend cpu)",
-               cfg.string());
-  DFLASH_CHECK(!d.domino.enabled,
-               "{}: a Domino drafter (dflash_config.projector_type: domino) is decoded by the "
-               "cpu backend only; --backend cuda has no GRU rollout yet (use --backend cpu)",
-               cfg.string());
-}
-
 /// The checks of the decoding commands that need the drafter and the tokenizer but not the
 /// target's weights, made before those are loaded: the drafter fits the target's config,
 /// --block-size is in [2, trained block size] (or 0), the drafter's mask id is no token of the

@@ -149,7 +149,9 @@ void SpeculativeDecoderCuda::check_setup() {
                    std::numeric_limits<int32_t>::max(),
                "SpeculativeDecoderCuda: {} requests × {} tokens of context overflow int32 slots",
                limits_.max_batch, limits_.max_context);
-  step_rows_ = int64_t{limits_.max_batch} * round_up(dcfg_.block_size, kQueryTile);
+  if (has_drafter_ && DecodeHeadsCuda::handles(dcfg_) && !heads_)
+    heads_ = std::make_unique<DecodeHeadsCuda>(dcfg_, limits_.max_batch);
+  step_rows_ = int64_t{limits_.max_batch} * round_up(verify_width(dcfg_.block_size), kQueryTile);
   max_rows_ = std::max<int64_t>(limits_.max_prefill, step_rows_);
   stride_ = round_up(limits_.max_context, kSlotAlign);
 }
@@ -160,7 +162,7 @@ void SpeculativeDecoderCuda::init() {
   if (has_drafter_ && dcfg_.dflash2.enabled)
     d2_ = std::make_unique<Dflash2DecodeCuda>(dcfg_, step_rows_);
   plan_and_take();
-  const int64_t KB = int64_t{limits_.max_batch} * (dcfg_.block_size + 1);
+  const int64_t KB = int64_t{limits_.max_batch} * (verify_width(dcfg_.block_size) + 1);
   out_h_ = cuda::PinnedBuffer(static_cast<size_t>(KB) * sizeof(int32_t));
   first_h_ = cuda::PinnedBuffer(sizeof(int32_t));
   active_h_ = cuda::PinnedBuffer(static_cast<size_t>(limits_.max_batch) * sizeof(int32_t));
@@ -178,7 +180,8 @@ void SpeculativeDecoderCuda::init() {
 
 // Every buffer of the decoder in one plan (one phase: all live for the whole decoding).
 void SpeculativeDecoderCuda::plan_and_take() {
-  const int64_t H = tcfg_.hidden_size, V = tcfg_.vocab_size, Kmax = dcfg_.block_size;
+  // Kmax: the verify rows per request of the largest step (DSpark's block size + 1).
+  const int64_t H = tcfg_.hidden_size, V = tcfg_.vocab_size, Kmax = verify_width(dcfg_.block_size);
   const int64_t KD = tcfg_.num_key_value_heads * tcfg_.head_dim;
   const int64_t QDd = dcfg_.num_heads * dcfg_.head_dim, KDd = dcfg_.num_kv_heads * dcfg_.head_dim;
   const int64_t Id = dcfg_.intermediate_size, F = dcfg_.n_taps() * H;
@@ -266,6 +269,8 @@ void SpeculativeDecoderCuda::plan_and_take() {
     w.push_back(want("decode.drafter.act", BK * Id, &dact_));
     w.push_back(want("decode.drafter.qkv", BK * (QDd + 2 * KDd), &dqkv_));
   }
+  if (heads_)
+    for (DecodeHeadBuffer& x : heads_->buffers()) w.push_back(Want{x.name, x.bytes, x.dst});
   ArenaPlanner p({"decode"});
   for (const Want& x : w) p.add(x.name, "decode", x.bytes, PhaseMask{1});
   arena_ = std::make_unique<cuda::DeviceArena>(ctx_, p.finish());
@@ -316,6 +321,7 @@ void SpeculativeDecoderCuda::upload_drafter(const LoadedDrafter& drafter) {
   const std::vector<double> f = rope_inv_freq(dcfg_.rope, D);
   const std::vector<float> ff(f.begin(), f.end());
   up.upload(dinv_freq_, ff.data(), ff.size() * sizeof(float));
+  if (heads_) heads_->upload(up, drafter);
   up.finish();
 }
 
@@ -349,6 +355,22 @@ void SpeculativeDecoderCuda::random_drafter(uint64_t seed) {
   cuda::PinnedUploader up(ctx_);
   up.upload(dinv_freq_, ff.data(), ff.size() * sizeof(float));
   up.finish();
+  if (heads_) heads_->randomize(ctx_, stream);
+}
+
+int SpeculativeDecoderCuda::verify_width(int K) const {
+  return has_drafter_ ? DecodeHeadsCuda::verify_width(dcfg_, K) : K;
+}
+
+void SpeculativeDecoderCuda::set_sampling(const DecodeOptions& opts) {
+  sampled_ = !opts.sampling.greedy();
+  if (!sampled_) return;
+  auto* sp = sparams_h_.as<SampleParamsDevice>();
+  sp->inv_temperature = static_cast<float>(1.0 / opts.sampling.temperature);
+  sp->top_k = static_cast<int32_t>(std::min<int64_t>(opts.sampling.top_k, tcfg_.vocab_size));
+  sp->top_p = opts.sampling.top_p;
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(sparams_, sp, sizeof(SampleParamsDevice),
+                                    cudaMemcpyHostToDevice, ctx_.stream()));
 }
 
 void SpeculativeDecoderCuda::pad_gemm_rows(int multiple) {
@@ -442,7 +464,9 @@ void SpeculativeDecoderCuda::draft_block(int B, int K) {
     d2_->post(ctx_, static_cast<int64_t>(l), sub, next, h, B, K);
     h = next;
   };
-  embedding_fwd_cuda(ctx_, dh_, target_->embed(), block_, R, V, H);
+  const int32_t* input = heads_ ? heads_->drafter_input(ctx_, block_, B, K, dcfg_.mask_token_id)
+                                : block_;  // DSpark: [anchor, MASK…] from its K + 1 verify rows
+  embedding_fwd_cuda(ctx_, dh_, target_->embed(), input, R, V, H);
   for (size_t l = 0; l < dlayers_.size(); ++l) {
     const DrafterLayer& d = dlayers_[l];
     rmsnorm_fwd_cuda(ctx_, dhn_, static_cast<float*>(nullptr), h, d.in_norm, R, H, eps);
@@ -467,6 +491,12 @@ void SpeculativeDecoderCuda::draft_block(int B, int K) {
     d2_->walk(ctx_, logits_, fnorm_, block_, q_, seeds_, steps_, status_, sparams_, B, K, sampled_);
     return;
   }
+  if (heads_) {  // DSpark's or Domino's sequential head: the proposals slot by slot
+    heads_->walk(ctx_, B, K,
+                 HeadWalkIo{logits_, fnorm_, target_->embed(), block_, sampled_, q_, seeds_, steps_,
+                            sparams_, status_});
+    return;
+  }
   if (!sampled_) {
     draft_propose_cuda(ctx_, block_, logits_, B, K, V);
     return;
@@ -475,10 +505,13 @@ void SpeculativeDecoderCuda::draft_block(int B, int K) {
   sample_drafts_cuda(ctx_, block_, q_, seeds_, steps_, B, K, V);
 }
 
-void SpeculativeDecoderCuda::enqueue_step_eager(int B, int K, bool speculative) {
+void SpeculativeDecoderCuda::enqueue_step_eager(int B, int Kd, bool speculative) {
+  // Kd: the drafter's block; K: the verify rows per request (Kd + 1 for DSpark, else Kd).
+  const int K = speculative ? verify_width(Kd) : Kd;
   const int64_t R = int64_t{B} * K;
-  decode_rows_cuda(ctx_, pos_, slots_, causal_, brange_, lens_, B, K, 0, stride_);
-  if (speculative) draft_block(B, K);
+  decode_rows_cuda(ctx_, pos_, slots_, causal_, brange_, lens_, B, Kd, 0, stride_);
+  if (speculative) draft_block(B, Kd);
+  if (K != Kd) decode_rows_cuda(ctx_, pos_, slots_, causal_, nullptr, lens_, B, K, 0, stride_);
   const std::span<const int> taps =
       speculative ? std::span<const int>(taps_ids_) : std::span<const int>();
   const int64_t Rg = gemm_rows(R);
@@ -533,7 +566,8 @@ int32_t SpeculativeDecoderCuda::prefill(int b, std::span<const int32_t> prompt, 
     target_logits_argmax(first_, P - 1, 1, 1);
   }
   if (speculative) drafter_extend(P);
-  decode_admit_cuda(ctx_, lens_, active_, block_, first_, b, K, P, dcfg_.mask_token_id);
+  decode_admit_cuda(ctx_, lens_, active_, block_, first_, b, speculative ? verify_width(K) : K, P,
+                    dcfg_.mask_token_id);
   DFLASH_CUDA_CHECK(cudaMemcpyAsync(first_h_.as<int32_t>(), first_, sizeof(int32_t),
                                     cudaMemcpyDeviceToHost, ctx_.stream()));
   ctx_.synchronize();
@@ -541,17 +575,6 @@ int32_t SpeculativeDecoderCuda::prefill(int b, std::span<const int32_t> prompt, 
 }
 
 // ---- host loop ----
-
-void SpeculativeDecoderCuda::set_sampling(const DecodeOptions& opts) {
-  sampled_ = !opts.sampling.greedy();
-  if (!sampled_) return;
-  auto* sp = sparams_h_.as<SampleParamsDevice>();
-  sp->inv_temperature = static_cast<float>(1.0 / opts.sampling.temperature);
-  sp->top_k = static_cast<int32_t>(std::min<int64_t>(opts.sampling.top_k, tcfg_.vocab_size));
-  sp->top_p = opts.sampling.top_p;
-  DFLASH_CUDA_CHECK(cudaMemcpyAsync(sparams_, sp, sizeof(SampleParamsDevice),
-                                    cudaMemcpyHostToDevice, ctx_.stream()));
-}
 
 void SpeculativeDecoderCuda::check_sample_status(int32_t value, int64_t request) const {
   if (value >= 0) return;
@@ -662,6 +685,7 @@ std::vector<DecodeResult> SpeculativeDecoderCuda::run(std::span<const std::vecto
     admit(b);
   }
   const int32_t* out = out_h_.as<int32_t>();
+  const int Kv = speculative ? verify_width(K) : K;  // verify rows per request
   for (;;) {
     if (std::none_of(active, active + B, [](int32_t a) { return a != 0; })) break;
     if (active_dirty) {
@@ -673,9 +697,9 @@ std::vector<DecodeResult> SpeculativeDecoderCuda::run(std::span<const std::vecto
     ctx_.synchronize();
     for (int b = 0; b < B; ++b) {
       if (!active[b]) continue;
-      const int32_t* o = out + static_cast<size_t>(b) * (K + 1);
+      const int32_t* o = out + static_cast<size_t>(b) * (Kv + 1);
       check_sample_status(o[0], slots[static_cast<size_t>(b)].request);
-      DFLASH_CHECK(o[0] >= 1 && o[0] <= K, "CUDA decoder: step output count {} for slot {}", o[0],
+      DFLASH_CHECK(o[0] >= 1 && o[0] <= Kv, "CUDA decoder: step output count {} for slot {}", o[0],
                    b);
       if (speculative)
         results[static_cast<size_t>(slots[static_cast<size_t>(b)].request)]
@@ -780,6 +804,9 @@ SpeculativeDecoderCuda::DraftProbe SpeculativeDecoderCuda::draft_first_block(
 
 void SpeculativeDecoderCuda::bench_enqueue(BenchPart part, int B, int K) {
   check_drafter("bench_enqueue");
+  DFLASH_CHECK(!heads_,
+               "bench_enqueue: the bench parts time DFlash blocks; a DSpark or Domino drafter's "
+               "head walk is timed only inside decoding");
   DFLASH_CHECK(B >= 1 && B <= limits_.max_batch && K >= 1 && K <= dcfg_.block_size &&
                    (part == BenchPart::target_step || K >= 2),
                "bench_enqueue: B={} K={} for limits of {} requests, block size {}", B, K,

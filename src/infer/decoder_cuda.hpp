@@ -19,6 +19,10 @@
 //   copy:    the B·(K+1) ints of the step's output (count and tokens) to pinned host memory, the
 //            step's only host transfer.
 // Target-only decoding is the same step with K = 1 and no draft/extend.
+// A DSpark or Domino drafter's proposals come from its sequential head, walked slot by slot on the
+// device after the block forward (infer/decoder_cuda_heads.hpp); DSpark drafts all K slots, so its
+// verify block is [anchor, d_0 … d_{K−1}]: K + 1 rows per request for the rows, verify, extend,
+// accept and copy parts (the drafter's rows stay K), an acceptance length in [1, K + 1].
 // A request is admitted into a free batch slot with its own prefill (the prompt through the target
 // with the causal attention over its empty cache, the first token by argmax or drawn from p, the
 // prompt's taps into the drafter's cache); the others' state stays on the device untouched.
@@ -30,17 +34,18 @@
 //
 // Invariants: all device memory (target weights and activations, drafter weights, both KV caches
 // for max_batch × max_context tokens, the step's buffers) is planned and allocated at
-// construction (sampling's q rows too: max_batch × block size × V floats; made without a drafter,
-// the plan holds the target's part only, block size 1); a step allocates
-// nothing. Each (B, K, speculative, sampled) step is captured once as a CUDA graph and replayed
-// (use_graphs(false) runs the same launches eagerly); the sampling settings live in device memory,
-// so one graph serves every temperature, top-k and top-p. The target's attention in a step is the
-// split-key decode attention (ops/decode_fused.hpp), whose rows do not depend on the other rows of
-// the launch, and the drafter's sees the same key tiles in any batch slot (its cache rows start on
-// a key tile), so a request's output does not depend on batch_size as long as
-// cuBLASLt's GEMM gives a row the same bits for any row count (true on the H200 for the tiny
-// fixture at 1 to 32 rows; docs/design-notes.md); greedy speculative output equals greedy
-// target-only output of this class (bit for bit on the H200, tests/cuda/decoder_cuda_test).
+// construction (sampling's q rows too: max_batch × verify rows × V floats, the verify rows the
+// block size, + 1 for DSpark; a DSpark or Domino head's f32 weights and one-row-per-request
+// scratch; made without a drafter, the plan holds the target's part only, block size 1); a step
+// allocates nothing. Each (B, K, speculative, sampled) step is captured once as a CUDA graph and
+// replayed (use_graphs(false) runs the same launches eagerly); the sampling settings live in device
+// memory, so one graph serves every temperature, top-k and top-p. The target's attention in a step
+// is the split-key decode attention (ops/decode_fused.hpp), whose rows do not depend on the other
+// rows of the launch, and the drafter's sees the same key tiles in any batch slot (its cache rows
+// start on a key tile), so a request's output does not depend on batch_size as long as cuBLASLt's
+// GEMM gives a row the same bits for any row count (true on the H200 for the tiny fixture at 1 to
+// 32 rows; docs/design-notes.md); greedy speculative output equals greedy target-only output of
+// this class (bit for bit on the H200, tests/cuda/decoder_cuda_test).
 #pragma once
 
 #ifdef DFLASH_HAVE_CUDA
@@ -57,6 +62,7 @@
 #include "backend/cuda/pinned.hpp"
 #include "infer/decoder.hpp"
 #include "infer/decoder_cuda_dflash2.hpp"
+#include "infer/decoder_cuda_heads.hpp"
 #include "model/target_cuda.hpp"
 #include "ops/sample.hpp"
 
@@ -165,6 +171,20 @@ class SpeculativeDecoderCuda final : public Decoder {
   /// draw.
   DraftProbe draft_first_block(std::span<const int32_t> prompt, int K, const DecodeOptions& opts);
 
+  /// For tests: the first step of a DSpark or Domino drafter (infer/decoder_cuda_heads.hpp) on
+  /// `prompt` in batch slot 0 with `opts` (block size, sampling; request seed opts.seed), drafted
+  /// but not verified.
+  struct DraftTrace {
+    int32_t first = 0;               ///< the prefill's token (the anchor)
+    std::vector<float> base_logits;  ///< U [K, V]: the drafter's block logits before the head
+    std::vector<float> hidden;       ///< h [K, H]: its final-norm rows (bf16 values)
+    std::vector<int32_t> proposals;  ///< the verify block after the anchor (K for DSpark, else K−1)
+    std::vector<float> q;            ///< sampled: the proposals' q rows [proposals, V]
+  };
+  /// Throws dflash::Error for a drafter without such a head, or a prompt or block size outside
+  /// the limits (as draft_logits).
+  DraftTrace draft_trace(std::span<const int32_t> prompt, const DecodeOptions& opts);
+
  private:
   struct DrafterLayer {
     float *in_norm = nullptr, *post_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
@@ -215,6 +235,8 @@ class SpeculativeDecoderCuda final : public Decoder {
   int64_t gemm_rows(int64_t rows) const;
   void draft_block(int B, int K);
   void drafter_extend(int64_t R);
+  /// Rows per request of a step's verify block of block size K (DecodeHeadsCuda::verify_width).
+  int verify_width(int K) const;
 
   cuda::CudaContext& ctx_;
   ModelConfig tcfg_;
@@ -234,6 +256,7 @@ class SpeculativeDecoderCuda final : public Decoder {
   float *hidden_norm_ = nullptr, *dnorm_ = nullptr, *dinv_freq_ = nullptr;
   float dscaling_ = 1.0f;
   std::vector<DrafterLayer> dlayers_;
+  std::unique_ptr<DecodeHeadsCuda> heads_;  // a DSpark or Domino drafter's head, else null
   // Step buffers (device).
   int32_t *tokens_ = nullptr, *block_ = nullptr, *pos_ = nullptr, *slots_ = nullptr;
   AttnRange *causal_ = nullptr, *brange_ = nullptr;
