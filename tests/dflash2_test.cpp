@@ -4,6 +4,9 @@
 // DFlash2 parameter (and a few of the backbone's) through the whole step, and the selector's
 // properties of ../shared/OBJECTIVES.md §4 (top-K of the transformed logits = top-K of the raw
 // ones; K = 1 gives selector CE 0 when the gold is the top-1; identity ⇒ walk = per-slot argmax).
+// The step's tests run for each training.loss_type: with a D-PACE one the base is plain D-PACE on
+// ū and the selector's CE takes the same per-slot weights (the identity start then equals plain
+// D-PACE; the gradients are those of the loss with the weights frozen; chunks hold whole blocks).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 

@@ -19,7 +19,8 @@
 // The loss is the batch's (DrafterBatch::objective): dflash weighs slots by targets.weights; the
 // D-PACE losses weigh each supervised slot by dpace_block_weights of the step's own CE values,
 // held constant (no gradient through the weights), and the caller's grad_scale is 1 / the number
-// of sequences (DrafterBatch::loss_normaliser).
+// of sequences (DrafterBatch::loss_normaliser); DFlash2 does the same on its unary logits and
+// weighs its selector's CE alike (model/dflash2_selector.hpp).
 #pragma once
 
 #include <cstdint>
