@@ -4,6 +4,9 @@
 // DFlash2 parameter (and a few of the backbone's) through the whole step, and the selector's
 // properties of ../shared/OBJECTIVES.md §4 (top-K of the transformed logits = top-K of the raw
 // ones; K = 1 gives selector CE 0 when the gold is the top-1; identity ⇒ walk = per-slot argmax).
+// The step's tests run for each training.loss_type: with a D-PACE one the base is plain D-PACE on
+// ū and the selector's CE takes the same per-slot weights (the identity start then equals plain
+// D-PACE; the gradients are those of the loss with the weights frozen; chunks hold whole blocks).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -36,9 +39,12 @@ struct Problem : test::DrafterProblem<S> {
   explicit Problem(test::DrafterProblem<S> base) : test::DrafterProblem<S>(std::move(base)) {}
   double gamma = 4.0;
 
+  // dflash's targets; a D-PACE loss ignores γ (drafter_row_targets): its static weights are the
+  // mask.
   DrafterBatch batch() const {
-    return test::DrafterProblem<S>::batch(block_targets(
-        this->tokens, this->mask, this->doc_offsets, this->anchors, this->cfg.block_size, gamma));
+    return test::DrafterProblem<S>::batch(block_targets(this->tokens, this->mask, this->doc_offsets,
+                                                        this->anchors, this->cfg.block_size,
+                                                        this->obj.dpace() ? 0.0 : gamma));
   }
 };
 
@@ -73,6 +79,92 @@ Problem<S> make_problem(uint64_t seed, bool dflash2, Sizes z, bool random_dflash
 template <typename S>
 DrafterTrainResult step_of(const Problem<S>& p, std::vector<S>* grads) {
   return test::drafter_problem_step(p, p.batch(), grads);
+}
+
+// The loss types of training.loss_type; DFlash2's base takes each.
+constexpr LossType kLossTypes[] = {LossType::dflash, LossType::dpace,
+                                   LossType::dpace_cumulative_confidence_only,
+                                   LossType::dpace_continuation_value_only};
+
+// `p` with loss type `loss` (D-PACE's α 0.3).
+template <typename S>
+Problem<S> with_loss(Problem<S> p, LossType loss) {
+  p.obj.loss = loss;
+  p.obj.dpace_alpha = 0.3;
+  return p;
+}
+
+// The base CE [N·K] of every supervised slot of `b`, CE(ū_k, y_k) from drafter_block_logits (the
+// unary logits for DFlash2), 0 elsewhere.
+std::vector<double> base_ce_of(const Problem<double>& p, const DrafterBatch& b) {
+  auto ws = std::make_unique<DrafterWorkspace<double>>();
+  const std::vector<double> u = drafter_block_logits<double>(p.cfg, *p.layout, p.params.data(),
+                                                             p.tables(), b, p.features.data(), *ws);
+  const int64_t V = p.cfg.vocab_size, NK = b.N() * b.block_size;
+  std::vector<double> ce(static_cast<size_t>(NK), 0.0);
+  for (int64_t i = 0; i < NK; ++i) {
+    if (!b.targets.counted[i]) continue;
+    const double* ui = u.data() + i * V;
+    const double mx = *std::max_element(ui, ui + V);
+    double z = 0;
+    for (int64_t v = 0; v < V; ++v) z += std::exp(ui[v] - mx);
+    ce[i] = mx + std::log(z) - ui[b.targets.labels[i]];
+  }
+  return ce;
+}
+
+// Each slot's loss weight [N·K] written out from OBJECTIVES.md §1.1 for a D-PACE loss type (per
+// block: s_k = (1−α)·exp(−CE_k) + α on supervised slots, P_k = Π_{j≤k} s_j, R_k = Σ_{j≥k,
+// supervised} P_j; w_k = R_k | P_k | R_k/P_k), the static weight for dflash; 0 on unsupervised
+// slots.
+std::vector<double> slot_weights_of(const DrafterBatch& b, const std::vector<double>& ce) {
+  const int64_t K = b.block_size, NK = b.N() * K;
+  const Objective& o = b.objective;
+  std::vector<double> w(static_cast<size_t>(NK), 0.0);
+  for (int64_t blk = 0; blk < b.N(); ++blk) {
+    std::vector<double> P(static_cast<size_t>(K)), R(static_cast<size_t>(K));
+    double prefix = 1, suffix = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t i = blk * K + k;
+      if (b.targets.counted[i]) prefix *= (1 - o.dpace_alpha) * std::exp(-ce[i]) + o.dpace_alpha;
+      P[k] = prefix;
+    }
+    for (int64_t k = K - 1; k >= 0; --k) {
+      const int64_t i = blk * K + k;
+      if (b.targets.counted[i]) suffix += P[k];
+      R[k] = suffix;
+      if (!b.targets.counted[i]) continue;
+      switch (o.loss) {
+        case LossType::dflash:
+          w[i] = b.targets.weights[i];
+          break;
+        case LossType::dpace:
+          w[i] = R[k];
+          break;
+        case LossType::dpace_cumulative_confidence_only:
+          w[i] = P[k];
+          break;
+        case LossType::dpace_continuation_value_only:
+          w[i] = R[k] / P[k];
+          break;
+      }
+    }
+  }
+  return w;
+}
+
+// `b` as a dflash-loss batch whose static weights are `w` (rounded to float): the DFlash2 loss
+// with the weights held fixed (the sequences stay the D-PACE losses' denominator through
+// loss_normaliser of `b`).
+DrafterBatch frozen_batch(const DrafterBatch& b, const std::vector<double>& w) {
+  DrafterBatch f = b;
+  f.objective.loss = LossType::dflash;
+  f.weight_sum = 0;
+  for (size_t i = 0; i < w.size(); ++i) {
+    f.targets.weights[i] = static_cast<float>(w[i]);
+    f.weight_sum += f.targets.weights[i];
+  }
+  return f;
 }
 
 // The conv written as the formula reads, one output at a time (model/dflash2_conv.hpp).
@@ -150,78 +242,101 @@ TEST(Dflash2Conv, PerturbingARowLeavesEarlierSlotsAndOtherBlocksUnchanged) {
 
 // OBJECTIVES.md §4: at the identity start (β = e₀, W_kp = 0, Bs = 0, m = 1, no softcap) the
 // forward and the base loss are plain DFlash's, whatever A and P_h hold (the selector's CE adds
-// to the loss, not to the base).
-TEST(Dflash2, IdentityStartEqualsPlainDflash) {
-  const auto d2 = make_problem<double>(7, true, Sizes{}, /*random_dflash2=*/false);
-  const auto d1 = make_problem<double>(7, false, Sizes{});
-  ASSERT_EQ(d2.layout->find("norm.weight").offset, d1.layout->find("norm.weight").offset);
-  for (int64_t i = 0; i < d1.layout->total; ++i) ASSERT_EQ(d2.params[i], d1.params[i]) << i;
-  auto ws1 = std::make_unique<DrafterWorkspace<double>>();
-  auto ws2 = std::make_unique<DrafterWorkspace<double>>();
-  const std::vector<double> l1 = drafter_block_logits<double>(
-      d1.cfg, *d1.layout, d1.params.data(), d1.tables(), d1.batch(), d1.features.data(), *ws1);
-  const std::vector<double> l2 = drafter_block_logits<double>(
-      d2.cfg, *d2.layout, d2.params.data(), d2.tables(), d2.batch(), d2.features.data(), *ws2);
-  EXPECT_EQ(l1, l2);  // bit for bit: the identity conv adds exact zeros
-  std::vector<double> g1(d1.layout->total, 0.0), g2(d2.layout->total, 0.0);
-  const DrafterTrainResult r1 = step_of(d1, &g1);
-  const DrafterTrainResult r2 = step_of(d2, &g2);
-  EXPECT_NEAR(r2.dflash2_base_sum, r1.loss_sum, 1e-12 * r1.loss_sum);
-  EXPECT_EQ(r2.weight_sum, r1.weight_sum);
-  EXPECT_EQ(r2.argmax, r1.argmax);
-  EXPECT_GT(r2.dflash2_selector_sum, 0.0);
-  // With α_sel = 0 the whole step is DFlash's: the backbone's gradients agree.
-  auto d0 = make_problem<double>(7, true, Sizes{}, false, /*alpha=*/0.0);
-  std::vector<double> g0(d0.layout->total, 0.0);
-  const DrafterTrainResult r0 = step_of(d0, &g0);
-  EXPECT_NEAR(r0.loss_sum, r1.loss_sum, 1e-12 * r1.loss_sum);
-  for (int64_t i = 0; i < d1.layout->total; ++i) {
-    EXPECT_NEAR(g0[i], g1[i], 1e-12 + 1e-9 * std::abs(g1[i])) << i;
+// to the loss, not to the base); with a D-PACE loss type the base is plain D-PACE's (the same
+// weights of the same CE, the same denominator), so that with α_sel = 0 the whole step is.
+TEST(Dflash2, IdentityStartEqualsPlainDflashAndDpace) {
+  for (const LossType loss : kLossTypes) {
+    SCOPED_TRACE(loss_type_name(loss));
+    const auto d2 = with_loss(make_problem<double>(7, true, Sizes{}, false), loss);
+    const auto d1 = with_loss(make_problem<double>(7, false, Sizes{}), loss);
+    ASSERT_EQ(d2.layout->find("norm.weight").offset, d1.layout->find("norm.weight").offset);
+    for (int64_t i = 0; i < d1.layout->total; ++i) ASSERT_EQ(d2.params[i], d1.params[i]) << i;
+    auto ws1 = std::make_unique<DrafterWorkspace<double>>();
+    auto ws2 = std::make_unique<DrafterWorkspace<double>>();
+    const std::vector<double> l1 = drafter_block_logits<double>(
+        d1.cfg, *d1.layout, d1.params.data(), d1.tables(), d1.batch(), d1.features.data(), *ws1);
+    const std::vector<double> l2 = drafter_block_logits<double>(
+        d2.cfg, *d2.layout, d2.params.data(), d2.tables(), d2.batch(), d2.features.data(), *ws2);
+    EXPECT_EQ(l1, l2);  // bit for bit: the identity conv adds exact zeros
+    std::vector<double> g1(d1.layout->total, 0.0), g2(d2.layout->total, 0.0);
+    const DrafterTrainResult r1 = step_of(d1, &g1);
+    const DrafterTrainResult r2 = step_of(d2, &g2);
+    EXPECT_NEAR(r2.dflash2_base_sum, r1.loss_sum, 1e-12 * r1.loss_sum);
+    EXPECT_NEAR(r2.weight_sum, r1.weight_sum, 1e-12 * r1.weight_sum);
+    EXPECT_EQ(r2.argmax, r1.argmax);
+    EXPECT_GT(r2.dflash2_selector_sum, 0.0);
+    EXPECT_EQ(d2.batch().loss_normaliser(), d1.batch().loss_normaliser());
+    // With α_sel = 0 the whole step is DFlash's (D-PACE's): the backbone's gradients agree.
+    auto d0 = with_loss(make_problem<double>(7, true, Sizes{}, false, /*alpha=*/0.0), loss);
+    std::vector<double> g0(d0.layout->total, 0.0);
+    const DrafterTrainResult r0 = step_of(d0, &g0);
+    EXPECT_NEAR(r0.loss_sum, r1.loss_sum, 1e-12 * r1.loss_sum);
+    for (int64_t i = 0; i < d1.layout->total; ++i) {
+      EXPECT_NEAR(g0[i], g1[i], 1e-12 + 1e-9 * std::abs(g1[i])) << i;
+    }
   }
+  // The D-PACE base is not the dflash one: its weights differ from γ's (the check above can fail).
+  const auto a = with_loss(make_problem<double>(7, true, Sizes{}, false), LossType::dflash);
+  const auto b = with_loss(make_problem<double>(7, true, Sizes{}, false), LossType::dpace);
+  EXPECT_GT(
+      std::abs(step_of<double>(a, nullptr).weight_sum - step_of<double>(b, nullptr).weight_sum),
+      1e-3);
 }
 
 // The whole drafter + DFlash2 loss against central differences in float64: every coordinate of
 // the conv tensors of layer 0 and of the selector's P_h, the rows of A of the predecessors the
 // batch reads, the rows of Bs of the candidates, and a few of every other tensor; with and
-// without the softcap and multiplier.
+// without the softcap and multiplier; for each loss type. D-PACE's weights are constants of the
+// step: its gradient is that of the loss with the weights frozen at the step's values (slot
+// weights written out here from the base CE), over the sequences; the step's loss is that loss.
 TEST(Dflash2, GradientsMatchFiniteDifferencesInFloat64) {
-  for (const Sizes z : {Sizes{}, Sizes{2, 8, 2, 4, 0.7, 1.5}}) {
-    auto p = make_problem<double>(11, true, z);
-    std::vector<double> g(p.layout->total, 0.0);
-    const DrafterTrainResult base = step_of(p, &g);
-    ASSERT_GT(base.weight_sum, 0);
-    ASSERT_GT(base.dflash2_in_topk_weight, 0);
-    auto loss = [&] {
-      const DrafterTrainResult r = step_of<double>(p, nullptr);
-      return r.loss_sum / base.weight_sum;
-    };
-    Rng pick(13);
-    double worst = 0;
-    int nonzero = 0;
-    for (const auto& info : p.layout->params) {
-      const bool conv0 =
-          info.name.rfind("layers.0.", 0) == 0 && info.name.find("_conv.") != std::string::npos;
-      const bool all = conv0 || info.name.rfind("candidate_selector", 0) == 0;
-      const int64_t n = all ? info.numel : 3;
-      for (int64_t s = 0; s < n; ++s) {
-        const int64_t i = info.offset + (all ? s : static_cast<int64_t>(pick.below(info.numel)));
-        const double eps = 1e-5, old = p.params[i];
-        p.params[i] = old + eps;
-        const double lp = loss();
-        p.params[i] = old - eps;
-        const double lm = loss();
-        p.params[i] = old;
-        const double fd = (lp - lm) / (2 * eps);
-        // Relative error, with a floor of 1e-5 on the scale (the FD's rounding noise is ~1e-10).
-        const double err = std::abs(fd - g[i]) / (std::abs(fd) + std::abs(g[i]) + 1e-5);
-        worst = std::max(worst, err);
-        nonzero += std::abs(g[i]) > 1e-8;
-        EXPECT_LT(err, 1e-5) << info.name << " [" << i - info.offset << "] fd " << fd
-                             << " analytic " << g[i];
+  for (const LossType lt : kLossTypes) {
+    for (const Sizes z : {Sizes{}, Sizes{2, 8, 2, 4, 0.7, 1.5}}) {
+      SCOPED_TRACE(loss_type_name(lt));
+      auto p = with_loss(make_problem<double>(11, true, z), lt);
+      const DrafterBatch b = p.batch();
+      // The loss with the weights frozen: a dflash batch whose static weights are the step's.
+      const DrafterBatch frozen = frozen_batch(b, slot_weights_of(b, base_ce_of(p, b)));
+      const double denom = b.loss_normaliser();
+      std::vector<double> g(p.layout->total, 0.0);
+      const DrafterTrainResult base = step_of(p, &g);
+      ASSERT_GT(base.weight_sum, 0);
+      ASSERT_GT(base.dflash2_in_topk_weight, 0);
+      const DrafterTrainResult fr = test::drafter_problem_step<double>(p, frozen, nullptr);
+      EXPECT_NEAR(base.loss_sum, fr.loss_sum, 1e-6 * fr.loss_sum);  // float-rounded frozen weights
+      EXPECT_NEAR(base.weight_sum, fr.weight_sum, 1e-6 * fr.weight_sum);
+      auto loss = [&] {
+        const DrafterTrainResult r = test::drafter_problem_step<double>(p, frozen, nullptr);
+        return r.loss_sum / denom;
+      };
+      Rng pick(13);
+      double worst = 0;
+      int nonzero = 0;
+      for (const auto& info : p.layout->params) {
+        const bool conv0 =
+            info.name.rfind("layers.0.", 0) == 0 && info.name.find("_conv.") != std::string::npos;
+        const bool all = conv0 || info.name.rfind("candidate_selector", 0) == 0;
+        const int64_t n = all ? info.numel : 3;
+        for (int64_t s = 0; s < n; ++s) {
+          const int64_t i = info.offset + (all ? s : static_cast<int64_t>(pick.below(info.numel)));
+          const double eps = 1e-5, old = p.params[i];
+          p.params[i] = old + eps;
+          const double lp = loss();
+          p.params[i] = old - eps;
+          const double lm = loss();
+          p.params[i] = old;
+          const double fd = (lp - lm) / (2 * eps);
+          // Relative error, with a floor of 1e-5 on the scale (the FD's rounding noise is ~1e-10).
+          const double err = std::abs(fd - g[i]) / (std::abs(fd) + std::abs(g[i]) + 1e-5);
+          worst = std::max(worst, err);
+          nonzero += std::abs(g[i]) > 1e-8;
+          EXPECT_LT(err, 1e-5) << info.name << " [" << i - info.offset << "] fd " << fd
+                               << " analytic " << g[i];
+        }
       }
+      EXPECT_LT(worst, 1e-5);
+      EXPECT_GT(nonzero, 100);
     }
-    EXPECT_LT(worst, 1e-5);
-    EXPECT_GT(nonzero, 100);
   }
 }
 
@@ -347,62 +462,103 @@ TEST(Dflash2Selector, IdentityWalkIsThePerSlotArgmax) {
 
 // The selector's sums against the formula written out per slot: ū from the step's final-norm rows,
 // C_k by a full sort, the teacher-forced predecessor x[a+k−1] read from the row's tokens, the
-// K-way CE when the gold is a candidate and nothing otherwise.
+// K-way CE when the gold is a candidate and nothing otherwise, each slot weighted by the loss
+// type's weight (dflash's static one, or D-PACE's of the block's base CE, written out here).
 TEST(Dflash2Selector, SumsMatchTheFormulaPerSlot) {
-  const Sizes z{2, 8, 3, 4, 0.7, 1.5};
-  auto p = make_problem<double>(37, true, z);
-  const DrafterBatch b = p.batch();
-  auto ws = std::make_unique<DrafterWorkspace<double>>();
-  const std::vector<double> u = drafter_block_logits<double>(p.cfg, *p.layout, p.params.data(),
-                                                             p.tables(), b, p.features.data(), *ws);
-  const DrafterTrainResult r = step_of<double>(p, nullptr);
-  const int64_t K = p.cfg.block_size, V = p.cfg.vocab_size, H = p.cfg.hidden_size;
-  const int64_t rank = z.rank;
-  const double* A = p.params.data() + p.layout->dflash2.predecessor;
-  const double* Bs = p.params.data() + p.layout->dflash2.successor;
-  const double* Ph = p.params.data() + p.layout->dflash2.hidden_proj;
-  double sel = 0, in_topk = 0, base = 0;
-  int outside = 0;
-  for (int64_t i = 0; i < b.N() * K; ++i) {
-    if (!b.targets.counted[i]) continue;
-    const double w = b.targets.weights[i];
-    const double* ui = u.data() + i * V;
-    const int32_t gold = b.targets.labels[i];
-    double z_all = 0;
-    for (int64_t v = 0; v < V; ++v) z_all += std::exp(ui[v]);
-    base += w * (std::log(z_all) - ui[gold]);
-    std::vector<int32_t> order(V);
-    for (int32_t v = 0; v < V; ++v) order[v] = v;
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int32_t x, int32_t y) { return ui[x] > ui[y]; });
-    order.resize(z.top_k);
-    if (std::find(order.begin(), order.end(), gold) == order.end()) {
-      ++outside;
-      continue;
-    }
-    const Anchor& a = b.anchors[i / K];
-    const int32_t prev = p.tokens[a.pos + i % K - 1];
-    const double* h = ws->hf.data() + i * H;
-    double zs = 0, s_gold = 0;
-    for (int32_t c : order) {
-      double s = ui[c];
-      for (int64_t q = 0; q < rank; ++q) {
-        double ph = 0;
-        for (int64_t e = 0; e < H; ++e) ph += Ph[q * H + e] * h[e];
-        s += A[prev * rank + q] * ph * Bs[c * rank + q];
+  for (const LossType lt : kLossTypes) {
+    SCOPED_TRACE(loss_type_name(lt));
+    const Sizes z{2, 8, 3, 4, 0.7, 1.5};
+    auto p = with_loss(make_problem<double>(37, true, z), lt);
+    const DrafterBatch b = p.batch();
+    const std::vector<double> weights = slot_weights_of(b, base_ce_of(p, b));
+    auto ws = std::make_unique<DrafterWorkspace<double>>();
+    const std::vector<double> u = drafter_block_logits<double>(
+        p.cfg, *p.layout, p.params.data(), p.tables(), b, p.features.data(), *ws);
+    const DrafterTrainResult r = step_of<double>(p, nullptr);
+    const int64_t K = p.cfg.block_size, V = p.cfg.vocab_size, H = p.cfg.hidden_size;
+    const int64_t rank = z.rank;
+    const double* A = p.params.data() + p.layout->dflash2.predecessor;
+    const double* Bs = p.params.data() + p.layout->dflash2.successor;
+    const double* Ph = p.params.data() + p.layout->dflash2.hidden_proj;
+    double sel = 0, in_topk = 0, base = 0;
+    int outside = 0;
+    for (int64_t i = 0; i < b.N() * K; ++i) {
+      if (!b.targets.counted[i]) continue;
+      const double w = weights[i];
+      const double* ui = u.data() + i * V;
+      const int32_t gold = b.targets.labels[i];
+      double z_all = 0;
+      for (int64_t v = 0; v < V; ++v) z_all += std::exp(ui[v]);
+      base += w * (std::log(z_all) - ui[gold]);
+      std::vector<int32_t> order(V);
+      for (int32_t v = 0; v < V; ++v) order[v] = v;
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int32_t x, int32_t y) { return ui[x] > ui[y]; });
+      order.resize(z.top_k);
+      if (std::find(order.begin(), order.end(), gold) == order.end()) {
+        ++outside;
+        continue;
       }
-      zs += std::exp(s);
-      if (c == gold) s_gold = s;
+      const Anchor& a = b.anchors[i / K];
+      const int32_t prev = p.tokens[a.pos + i % K - 1];
+      const double* h = ws->hf.data() + i * H;
+      double zs = 0, s_gold = 0;
+      for (int32_t c : order) {
+        double s = ui[c];
+        for (int64_t q = 0; q < rank; ++q) {
+          double ph = 0;
+          for (int64_t e = 0; e < H; ++e) ph += Ph[q * H + e] * h[e];
+          s += A[prev * rank + q] * ph * Bs[c * rank + q];
+        }
+        zs += std::exp(s);
+        if (c == gold) s_gold = s;
+      }
+      sel += w * (std::log(zs) - s_gold);
+      in_topk += w;
     }
-    sel += w * (std::log(zs) - s_gold);
-    in_topk += w;
+    ASSERT_GT(outside, 0);  // some golds are outside C_k: they must add nothing
+    ASSERT_GT(in_topk, 0);
+    EXPECT_NEAR(r.dflash2_base_sum, base, 1e-10 * base);
+    EXPECT_NEAR(r.dflash2_selector_sum, sel, 1e-10 * sel);
+    EXPECT_DOUBLE_EQ(r.dflash2_in_topk_weight, in_topk);
+    EXPECT_NEAR(r.loss_sum, base + p.obj.dflash2_selector_alpha * sel, 1e-10 * r.loss_sum);
   }
-  ASSERT_GT(outside, 0);  // some golds are outside C_k: they must add nothing
-  ASSERT_GT(in_topk, 0);
-  EXPECT_NEAR(r.dflash2_base_sum, base, 1e-10 * base);
-  EXPECT_NEAR(r.dflash2_selector_sum, sel, 1e-10 * sel);
-  EXPECT_DOUBLE_EQ(r.dflash2_in_topk_weight, in_topk);
-  EXPECT_NEAR(r.loss_sum, base + p.obj.dflash2_selector_alpha * sel, 1e-10 * r.loss_sum);
+}
+
+// Chunks of the LM head hold whole blocks: the step's loss (bit for bit) and gradients (to
+// rounding) are the same at every chunk size, including sizes that do not divide the block rows
+// (a D-PACE block split across two chunks would get the weights of its halves).
+TEST(Dflash2, ChunkSizeChangesNoBitOfTheLoss) {
+  for (const LossType lt : kLossTypes) {
+    SCOPED_TRACE(loss_type_name(lt));
+    const auto p = with_loss(make_problem<double>(41, true, Sizes{2, 8, 3, 4, 0.7, 1.5}), lt);
+    const DrafterBatch b = p.batch();
+    auto run = [&](int64_t chunk_rows, std::vector<double>& g) {
+      auto ws = std::make_unique<DrafterWorkspace<double>>();
+      ws->dflash2.chunk_rows = chunk_rows;
+      return drafter_train_step<double>(p.cfg, *p.layout, p.params.data(), g.data(), p.tables(), b,
+                                        p.features.data(), 1.0 / b.loss_normaliser(), *ws);
+    };
+    std::vector<double> g0(p.layout->total, 0.0);
+    const DrafterTrainResult r0 = run(0, g0);  // one chunk
+    const int64_t K = p.cfg.block_size;
+    for (const int64_t chunk : {K, K + 1, 2 * K - 1}) {
+      std::vector<double> g(p.layout->total, 0.0);
+      const DrafterTrainResult r = run(chunk, g);
+      EXPECT_EQ(r.loss_sum, r0.loss_sum) << chunk;
+      EXPECT_EQ(r.weight_sum, r0.weight_sum) << chunk;
+      EXPECT_EQ(r.dflash2_selector_sum, r0.dflash2_selector_sum) << chunk;
+      EXPECT_EQ(r.argmax, r0.argmax) << chunk;
+      // The LM head's GEMMs over chunks of other row counts may round differently (their
+      // blocking): the gradients agree to rounding.
+      double diff = 0, scale = 0;
+      for (size_t i = 0; i < g.size(); ++i) {
+        diff = std::max(diff, std::abs(g[i] - g0[i]));
+        scale = std::max(scale, std::abs(g0[i]));
+      }
+      EXPECT_LE(diff, 1e-13 * scale) << chunk;
+    }
+  }
 }
 
 // α_sel: 0 through the warmup, then a linear ramp (the public trainer's schedule: warmup 0.2 and

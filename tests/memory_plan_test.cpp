@@ -609,12 +609,18 @@ TEST(MemoryPlan, BenchTargetOnlyPlanCommandExitsZeroWhenItFitsAndOneWithTheShort
       << no.err;
 }
 
-// `dflash bench --objective dflash2 --plan`: the recipes' sizes fit the reference batch; a size out
-// of range and a --dflash2-* option without --objective dflash2 are refused by name.
+// `dflash bench --objective dflash2 --plan`: the recipes' sizes fit the reference batch, with the
+// dflash base or a D-PACE one; a size out of range and a --dflash2-* option without --objective
+// dflash2 are refused by name.
 TEST(MemoryPlan, BenchPlansDflash2AndRefusesItsOptionsElsewhere) {
   const test::RunResult ok = test::run_dflash({"bench", "--objective", "dflash2", "--plan"});
   EXPECT_EQ(ok.exit_code, 0) << ok.out << ok.err;
   EXPECT_NE(ok.out.find(": fits"), std::string::npos) << ok.out;
+  // Its base takes a D-PACE loss (the selector weighted alike).
+  const test::RunResult dpace = test::run_dflash({"bench", "--objective", "dflash2", "--loss-type",
+                                                  "dpace", "--dpace-alpha", "0.3", "--plan"});
+  EXPECT_EQ(dpace.exit_code, 0) << dpace.out << dpace.err;
+  EXPECT_NE(dpace.out.find(": fits"), std::string::npos) << dpace.out;
   const test::RunResult group = test::run_dflash(
       {"bench", "--objective", "dflash2", "--dflash2-conv-group-size", "7", "--plan"});
   EXPECT_EQ(group.exit_code, 1) << group.out << group.err;

@@ -281,3 +281,39 @@ TEST(DPace, BadArgumentsAreErrors) {
   std::vector<double> short_w(2);
   EXPECT_THROW(dpace_block_weights(short_w, ce, m, Objective{LossType::dpace, 0.5}), Error);
 }
+
+// dpace_row_weights over a packed list of block rows (what a loss head computed): each listed row
+// gets dpace_block_weights' weight in its own block (unlisted slots count as unsupervised), an
+// unsupervised listed row 0; rows out of order or out of range are errors naming the row.
+TEST(DPace, RowWeightsArePerBlockWeightsOfThePackedRows) {
+  const int64_t K = 4;
+  // Blocks 0 and 2 (rows 0..3 and 8..11); row 2 listed but not counted, rows 0 and 9 not listed.
+  const std::vector<uint8_t> counted = {0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1};
+  const std::vector<int32_t> rows = {1, 2, 3, 10, 11};
+  const std::vector<double> ce = {0.3, 9.0, 1.2, 0.7, 2.5};
+  const Objective obj{LossType::dpace, 0.25};
+  std::vector<double> w(rows.size());
+  dpace_row_weights(w, rows, ce, counted, K, obj);
+  std::vector<double> b0(K), b2(K);
+  dpace_block_weights(b0, std::vector<double>{0, 0.3, 0, 1.2}, std::vector<uint8_t>{0, 1, 0, 1},
+                      obj);
+  dpace_block_weights(b2, std::vector<double>{0, 0, 0.7, 2.5}, std::vector<uint8_t>{0, 0, 1, 1},
+                      obj);
+  EXPECT_EQ(w, (std::vector<double>{b0[1], 0.0, b0[3], b2[2], b2[3]}));
+  EXPECT_GT(w[0], w[2]);  // R_1 = P_1 + P_3 > R_3 = P_3
+  const std::vector<int32_t> unordered = {3, 1, 2, 10, 11}, outside = {1, 2, 3, 10, 12};
+  auto err = [&](const std::vector<int32_t>& r) {
+    try {
+      dpace_row_weights(w, r, ce, counted, K, obj);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  EXPECT_NE(err(unordered).find("row 1 (entry 1) is out of [0, 12) or not ascending"),
+            std::string::npos)
+      << err(unordered);
+  EXPECT_NE(err(outside).find("row 12 (entry 4) is out of [0, 12) or not ascending"),
+            std::string::npos)
+      << err(outside);
+}

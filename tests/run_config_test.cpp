@@ -198,9 +198,21 @@ TEST(RunConfig, Dflash2KeysAreValidatedNamingTheKey) {
   EXPECT_NE(err(with({"training.dflash2_selector_ramp_ratio=1.5"}))
                 .find("training.dflash2_selector_ramp_ratio must be in [0, 1], got 1.5"),
             std::string::npos);
-  EXPECT_NE(err(with({"training.loss_type=dpace"}))
-                .find("training.loss_type dpace is not implemented for training.objective dflash2"),
-            std::string::npos);
+  // The base loss takes each D-PACE loss type (plain D-PACE's weights and denominator), on both
+  // backends.
+  for (const char* loss :
+       {"dpace", "dpace-cumulative-confidence-only", "dpace-continuation-value-only"}) {
+    SCOPED_TRACE(loss);
+    const RunConfig d = RunConfig::from_yaml(
+        kYaml, "run.yaml",
+        with({std::string("training.loss_type=") + loss, "training.dpace_alpha=0.25"}));
+    const Objective od = objective_of(d.training);
+    EXPECT_TRUE(od.dflash2());
+    EXPECT_EQ(od.loss, *loss_type_parse(loss));
+    EXPECT_EQ(od.dpace_alpha, 0.25);
+    EXPECT_EQ(err(with({std::string("training.loss_type=") + loss, "runtime.backend=cuda"})),
+              "(no error)");
+  }
   // DFlash2 trains on the cuda backend too.
   EXPECT_EQ(err(with({"runtime.backend=cuda"})), "(no error)");
 }

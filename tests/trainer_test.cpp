@@ -221,6 +221,21 @@ TEST(Trainer, InterruptedAndResumedDflash2RunIsBitIdenticalToAnUninterruptedOne)
   };
   EXPECT_TRUE(any_nonzero(kp));
   EXPECT_TRUE(any_nonzero(bs));
+  // D-PACE as the base: resumed bit for bit; the run optimised it (the log says so, and its first
+  // loss is not the dflash base's).
+  std::vector<std::string> d2p = d2;
+  d2p.push_back("training.loss_type=dpace");
+  expect_resume_bit_identical(d2p);
+  TrainOptions op;
+  op.config = config_for(tmp / "p", 2, d2p);  // the α_sel schedule of run s
+  train(op);
+  const std::string log = test::read_file(tmp / "p" / "log.txt");
+  EXPECT_NE(log.find("objective: dflash2, Σ w·(CE(ū) + α_sel·CE_sel) / sequences (w: D-PACE's"),
+            std::string::npos);
+  EXPECT_NE(log.find("loss: dpace (alpha 0.5)"), std::string::npos);
+  const double l_dflash = test::deterministic_metrics(tmp / "s").at(0)["loss"];
+  const double l_dpace = test::deterministic_metrics(tmp / "p").at(0)["loss"];
+  EXPECT_GT(std::abs(l_dpace - l_dflash), 0.1 * l_dflash);
 }
 
 // Domino: the head is in the optimizer state and the checkpoint like the rest of the drafter, λ

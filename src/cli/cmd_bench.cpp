@@ -75,12 +75,12 @@ void run_bench_command(BenchArgs& a) {
                "--dflash2-* options apply only to --objective dflash2 (got --objective {})",
                a.objective);
   if (a.objective == "dflash2") {  // training.objective dflash2 with the bench's sizes and α_sel
-    DFLASH_CHECK(a.loss_type == "dflash",
-                 "--objective dflash2 takes the dflash loss: drop --loss-type");
     DFLASH_CHECK(std::isfinite(a.dflash2_alpha) && a.dflash2_alpha >= 0,
                  "--dflash2-alpha must be a finite number >= 0 (got {})", a.dflash2_alpha);
-    TrainingSection t;
+    TrainingSection t;  // the base loss is --loss-type's (dflash or a D-PACE loss)
     t.objective = "dflash2";
+    t.loss_type = a.loss_type;
+    t.dpace_alpha = a.o.objective.dpace_alpha;
     a.o.objective = objective_of(t);
     a.o.objective.dflash2_selector_alpha = a.dflash2_alpha;
   }

@@ -13,9 +13,11 @@
 #include "core/error.hpp"
 
 #ifdef DFLASH_HAVE_CUDA
+#include "backend/cuda/check.hpp"
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/dflash2_selector_launch.hpp"
 #include "ops/gemm.hpp"
+#include "ops/loss_weights.hpp"
 #endif
 
 namespace dflash {
@@ -86,10 +88,14 @@ void dflash2_head_cuda(cuda::CudaContext& ctx, const DrafterConfig& cfg,
   DFLASH_CHECK(cfg.dflash2.enabled, "DFlash2 head step for a drafter without DFlash2's selector");
   const std::vector<std::string> bad = dflash2_cuda_unsupported(cfg);
   DFLASH_CHECK(bad.empty(), "{}", fmt::join(bad, "; "));
-  DFLASH_CHECK(obj.dflash2() && !obj.dpace(),
-               "DFlash2 head step with the {} objective and loss type {} (dflash2 takes the "
-               "dflash loss)",
-               objective_kind_name(obj.kind), loss_type_name(obj.loss));
+  DFLASH_CHECK(obj.dflash2(), "DFlash2 head step with the {} objective",
+               objective_kind_name(obj.kind));
+  DFLASH_CHECK(obj.dpace() == (a.dpace_w != nullptr && a.dpace_sums != nullptr),
+               "dflash2_head_cuda: loss type {} {} the D-PACE weight and sum buffers",
+               loss_type_name(obj.loss), obj.dpace() ? "needs" : "takes no");
+  DFLASH_CHECK(!obj.dpace() || a.R % cfg.block_size == 0,
+               "dflash2_head_cuda: {} rows are not whole blocks of {} (D-PACE's weights)", a.R,
+               cfg.block_size);
   const int64_t R = a.R, H = cfg.hidden_size, V = cfg.vocab_size;
   const int64_t r = cfg.dflash2.selector_rank, K = cfg.dflash2.selector_top_k;
   DFLASH_CHECK(R >= 0 && a.chunk_rows > 0, "dflash2_head_cuda: {} rows in chunks of {}", R,
@@ -179,7 +185,23 @@ void dflash2_head_cuda(cuda::CudaContext& ctx, const DrafterConfig& cfg,
       cuda::launch::dflash2_dh_add(dhf, at.dproj, Ph, cn, H, r, s);
     }
   }
-  cuda::launch::dflash2_sums(a.sums, rows, a.weights, R, a.alpha, s);
+  // D-PACE: the rows ran with unit weights; each row's weight w (its block's, from the base CE)
+  // scales everything linear in it before the reductions.
+  const float* weights = a.weights;
+  if (obj.dpace()) {
+    if (a.base_in_head) {
+      DFLASH_CUDA_CHECK(
+          cudaMemcpyAsync(a.dpace_w, rows.base, u(R) * sizeof(float), cudaMemcpyDeviceToDevice, s));
+    }
+    dpace_weights_cuda(ctx, a.dpace_w, a.dpace_sums, a.weights, R / cfg.block_size, cfg.block_size,
+                       obj);
+    rows_scale_cuda(ctx, a.dhf, a.dpace_w, R, H);
+    rows_scale_cuda(ctx, rows.ds, a.dpace_w, R, K);
+    rows_scale_cuda(ctx, rows.da, a.dpace_w, R, r);
+    rows_scale_cuda(ctx, rows.dproj, a.dpace_w, R, r);
+    weights = a.dpace_w;
+  }
+  cuda::launch::dflash2_sums(a.sums, rows, weights, R, a.alpha, s);
   // dP_h += Σ_rows ∂(P_h·h) ⊗ h; dA[prev] += the rows' da; dBs[c] += ds·e per candidate.
   cuda::launch::dflash2_dph(a.grads + o.hidden_proj, rows.dproj, a.hf, R, H, r, s);
   const size_t sort_bytes = sort_bound(static_cast<int64_t>(n) * K);

@@ -67,15 +67,27 @@ struct Dflash2CudaArgs {
   uint64_t workspace_bytes = 0;
   void* rows = nullptr;  ///< dflash2_head_cuda_rows_bytes
   uint64_t rows_bytes = 0;
-  double grad_scale = 0;  ///< 1/Σw of the step
+  double grad_scale = 0;  ///< 1/Σw of the step (1/sequences for the D-PACE losses)
   int64_t chunk_rows = 0;
+  /// D-PACE loss types only (`obj.dpace()`; null otherwise): [R] f32, in-out. On entry, without
+  /// base_in_head, each row's base CE with unit weight (the fused CE's per-row loss); with
+  /// base_in_head it is ignored (the head's own base CE is used). On return each row's D-PACE
+  /// weight of its block (dpace_weights_cuda; 0 on rows of mask 0). `weights` must then be the
+  /// rows' mask (D-PACE's static weights, γ ignored), R a multiple of the block size.
+  float* dpace_w = nullptr;
+  /// D-PACE only: [2] out {Σ w·CE, Σ w} of the base (dpace_weights_cuda's sums, w unrounded).
+  double* dpace_sums = nullptr;
 };
 
 /// The DFlash2 loss of the step (α_sel = *a.alpha on the device; stop_gradient from `obj`) and its
 /// gradient: the selector's parameter gradients +=, dhf overwritten (or += without base_in_head),
 /// argmax and sums written (the base CE's too; the sums' first entry uses them). The same kernels
 /// run at every α_sel (at 0 without base_in_head they add zeros), so one captured graph serves the
-/// warmup, the ramp and the rest. Enqueue only.
+/// warmup, the ramp and the rest. With a D-PACE loss type the rows run with unit weights, then
+/// each row's D-PACE weight w (from its block's base CE, detached) scales what is linear in it:
+/// dhf's row (the base's and the selector's part, also the fused CE's without base_in_head), the
+/// selector's ∂S, ∂A and ∂(P_h·h) rows before the parameter reductions, and the sums' weights.
+/// Enqueue only.
 /// Throws dflash::Error when the drafter is not DFlash2, the objective is not dflash2, a size is
 /// outside dflash2_cuda_unsupported's limits, a pointer is null or a buffer is too small (naming
 /// it).

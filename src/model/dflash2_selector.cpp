@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <span>
 
 #include "core/error.hpp"
 #include "ops/linear.hpp"
+#include "ops/loss_weights.hpp"
 
 namespace dflash {
 
@@ -115,6 +117,18 @@ struct SelectorRow {
   }
 };
 
+// The end of the chunk of rows that starts at row j0: at most `chunk` rows (chunk ≥ K), cut at a
+// block boundary, so that a block's rows (consecutive in `rows`) share a chunk and D-PACE's
+// weights, which depend on every slot of the block, are known before any of its gradients.
+int64_t chunk_end(const std::vector<int32_t>& rows, int64_t j0, int64_t chunk, int64_t K) {
+  const auto R = static_cast<int64_t>(rows.size());
+  int64_t j1 = std::min(j0 + chunk, R);
+  if (j1 == R) return j1;
+  while (j1 > j0 && rows[j1] / K == rows[j1 - 1] / K) --j1;
+  DFLASH_CHECK(j1 > j0, "dflash2 head step: a block of more than {} rows", chunk);
+  return j1;
+}
+
 }  // namespace
 
 template <typename S>
@@ -124,10 +138,8 @@ Dflash2Sums dflash2_head_step(const DrafterConfig& cfg, const DrafterLayout& lay
                               int32_t* argmax, Dflash2Workspace<S>& ws) {
   const Objective& obj = batch.objective;
   DFLASH_CHECK(cfg.dflash2.enabled, "dflash2 head step on a drafter without DFlash2's selector");
-  DFLASH_CHECK(obj.dflash2() && !obj.dpace(),
-               "dflash2 head step on a batch of objective {} with loss type {} (dflash2 takes the "
-               "dflash loss)",
-               objective_kind_name(obj.kind), loss_type_name(obj.loss));
+  DFLASH_CHECK(obj.dflash2(), "dflash2 head step on a batch of objective {}",
+               objective_kind_name(obj.kind));
   const int64_t H = cfg.hidden_size, V = cfg.vocab_size, K = cfg.block_size;
   const int64_t NK = batch.N() * K;
   const double m = cfg.dflash2.output_multiplier, cap = cfg.dflash2.final_logit_softcapping;
@@ -141,29 +153,31 @@ Dflash2Sums dflash2_head_step(const DrafterConfig& cfg, const DrafterLayout& lay
     if (t.weights[i] != 0.0f || t.counted[i]) ws.rows.push_back(static_cast<int32_t>(i));
   }
   const int64_t R = static_cast<int64_t>(ws.rows.size());
-  const int64_t chunk = std::max<int64_t>(1, (int64_t(1) << 22) / V);
+  const int64_t chunk =
+      std::max<int64_t>(K, ws.chunk_rows > 0 ? ws.chunk_rows : (int64_t(1) << 22) / V);
   SelectorRow<S> sel{cfg, layout, params, grads, ws};
-  for (int64_t j0 = 0; j0 < R; j0 += chunk) {
-    const int64_t n = std::min(chunk, R - j0);
-    ws.hin.resize(static_cast<size_t>(n * H));
+  for (int64_t j0 = 0, j1 = 0; j0 < R; j0 = j1) {
+    j1 = chunk_end(ws.rows, j0, chunk, K);
+    const int64_t n = j1 - j0;
+    const auto nz = static_cast<size_t>(n);
+    ws.hin.resize(nz * static_cast<size_t>(H));
     for (int64_t j = 0; j < n; ++j) {
       std::copy_n(hf + ws.rows[j0 + j] * H, H, ws.hin.data() + j * H);
     }
-    ws.logits.resize(static_cast<size_t>(n * V));
+    ws.logits.resize(nz * static_cast<size_t>(V));
     linear_fwd_cpu(ws.logits.data(), ws.hin.data(), lm_head, nullptr, n, H, V);
-    ws.unary.resize(static_cast<size_t>(V));
-    ws.dunary.assign(static_cast<size_t>(n * V), S(0));
-    ws.dhsel.assign(static_cast<size_t>(n * H), S(0));
+    // Pass 1: ū in place of U, its argmax and the base CE of every row of the chunk.
+    ws.row_max.resize(nz);
+    ws.row_sum.resize(nz);
+    ws.row_ce.resize(nz);
+    ws.row_weight.resize(nz);
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t i = ws.rows[j0 + j], slot = i % K;
+      const int64_t i = ws.rows[j0 + j];
       const int32_t y = t.labels[i];
-      const double w = t.weights[i];
       DFLASH_CHECK(y >= 0 && y < V, "dflash2 head step: block row {} has label {} outside [0, {})",
                    i, y, V);
-      const S* U = ws.logits.data() + j * V;
-      S* u = ws.unary.data();
-      for (int64_t v = 0; v < V; ++v) u[v] = dflash2_unary(U[v], m, cap);
-      // Base: CE of ū, its argmax.
+      S* u = ws.logits.data() + j * V;
+      for (int64_t v = 0; v < V; ++v) u[v] = dflash2_unary(u[v], m, cap);
       int64_t best = 0;
       S mx = u[0];
       for (int64_t v = 1; v < V; ++v) {
@@ -172,12 +186,32 @@ Dflash2Sums dflash2_head_step(const DrafterConfig& cfg, const DrafterLayout& lay
       argmax[i] = static_cast<int32_t>(best);
       S z = 0;
       for (int64_t v = 0; v < V; ++v) z += std::exp(u[v] - mx);
-      const double base = static_cast<double>(mx + std::log(z) - u[y]);
-      sums.base_sum += w * base;
+      ws.row_max[j] = mx;
+      ws.row_sum[j] = z;
+      ws.row_ce[j] = static_cast<double>(mx + std::log(z) - u[y]);
+    }
+    // The rows' weights: dflash's static ones, or D-PACE's from the base CE of their blocks
+    // (constants of the step: no gradient flows through them).
+    if (obj.dpace()) {
+      const auto chunk_rows =
+          std::span<const int32_t>(ws.rows).subspan(static_cast<size_t>(j0), nz);
+      dpace_row_weights(ws.row_weight, chunk_rows, ws.row_ce, t.counted, K, obj);
+    } else {
+      for (int64_t j = 0; j < n; ++j) ws.row_weight[j] = t.weights[ws.rows[j0 + j]];
+    }
+    // Pass 2: the weighted base CE, the selector's term and the gradients.
+    ws.dunary.assign(nz * static_cast<size_t>(V), S(0));
+    ws.dhsel.assign(nz * static_cast<size_t>(H), S(0));
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t i = ws.rows[j0 + j], slot = i % K;
+      const int32_t y = t.labels[i];
+      const double w = ws.row_weight[j];
+      const S* u = ws.logits.data() + j * V;
+      sums.base_sum += w * ws.row_ce[j];
       sums.weight_sum += w;
       S* du = ws.dunary.data() + j * V;
       if (grads) {
-        const S c = static_cast<S>(grad_scale * w);
+        const S c = static_cast<S>(grad_scale * w), mx = ws.row_max[j], z = ws.row_sum[j];
         for (int64_t v = 0; v < V; ++v) du[v] = c * (std::exp(u[v] - mx) / z);
         du[y] -= c;
       }
@@ -204,7 +238,7 @@ Dflash2Sums dflash2_head_step(const DrafterConfig& cfg, const DrafterLayout& lay
       }
     }
     if (!grads) continue;
-    ws.dhin.resize(static_cast<size_t>(n * H));
+    ws.dhin.resize(nz * static_cast<size_t>(H));
     linear_bwd_cpu(ws.dhin.data(), static_cast<S*>(nullptr), static_cast<S*>(nullptr),
                    ws.dunary.data(), ws.hin.data(), lm_head, n, H, V);
     for (int64_t j = 0; j < n; ++j) {

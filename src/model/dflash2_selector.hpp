@@ -7,10 +7,15 @@
 //   ū_k = softcap(m·U_k),  softcap(z) = c·tanh(z/c) (c = final_logit_softcapping > 0; else z)
 //   C_k = topK(ū_k)                                     K = selector_top_k, by value then lower id
 //   S_k(p, c) = ū_k[c] + ⟨A[p] ⊙ (P_h·h_k), Bs[c]⟩        A, Bs [V, r], P_h [r, H]
-// Training (teacher-forced predecessor p_k = x[a+k−1], gold y_k = x[a+k], w_k dflash's weight):
+// Training (teacher-forced predecessor p_k = x[a+k−1], gold y_k = x[a+k]):
 //   base_k = CE(ū_k, y_k)
 //   sel_k  = −log softmax_{c ∈ C_k} S_k(p_k, c)[y_k]     0 when y_k ∉ C_k
-//   loss   = Σ_k w_k·(base_k + α_sel·sel_k) / Σ w      (the step's Σ w, as dflash)
+//   loss   = Σ_k w_k·(base_k + α_sel·sel_k) / D
+//   loss_type dflash: w_k dflash's static weight, D = the step's Σ w (as dflash);
+//   loss_type dpace*: w_k = dpace_block_weights of the block's base_k (q_k = exp(−base_k),
+//   detached), D = the step's sequences (as plain D-PACE), so that at the identity start with
+//   α_sel = 0 the step is plain D-PACE's (docs/design-notes.md, "D-PACE as the base").
+//   The denominator D is the caller's (grad_scale = 1/D; DrafterBatch::loss_normaliser).
 //   α_sel(t) = α·clip((t + 1 − W)/R, 0, 1), W = warmup_ratio·steps, R = ramp_ratio·steps
 //   (R = 0: α once t + 1 > W; t the 0-based optimizer step)
 // stop_gradient detaches the selector's inputs (ū and h): only A, Bs and P_h learn from sel.
@@ -45,21 +50,24 @@ S dflash2_unary(S z, double m, double c);
 template <typename S>
 void dflash2_topk(std::vector<int32_t>& cand, const S* unary, int64_t V, int K);
 
-/// Sums of a DFlash2 step (over the supervised rows, in double).
+/// Sums of a DFlash2 step (over the supervised rows, in double; w the rows' loss weights:
+/// dflash's static ones or D-PACE's).
 struct Dflash2Sums {
   double loss_sum = 0;        ///< Σ w·(base + α_sel·sel)
-  double weight_sum = 0;      ///< Σ w
+  double weight_sum = 0;      ///< Σ w (not D-PACE's denominator: that is the sequences)
   double base_sum = 0;        ///< Σ w·base
   double selector_sum = 0;    ///< Σ w·sel
   double in_topk_weight = 0;  ///< Σ w over the slots whose gold is in C_k
 };
 
-/// The DFlash2 loss over the N·K block rows of `batch` (dflash targets) and, when `grads` is not
-/// null, its gradient scaled by `grad_scale`: selector parameter gradients += (layout.dflash2),
-/// dhf [N·K, H] = ∂/∂hf (0 on unsupervised rows). hf [N·K, H] are the final-norm block rows,
-/// lm_head [V, H] the frozen head; argmax [N·K] receives argmax ū on supervised rows, −1
-/// elsewhere. Throws dflash::Error when the drafter is not DFlash2, the batch's objective is not
-/// dflash2 or uses a D-PACE loss, or a label or anchor token is outside [0, V).
+/// The DFlash2 loss over the N·K block rows of `batch` (dflash targets; with a D-PACE loss_type
+/// their weights are the mask and each row's weight is D-PACE's of its block's base CE, computed
+/// here) and, when `grads` is not null, its gradient scaled by `grad_scale` with the weights held
+/// fixed: selector parameter gradients += (layout.dflash2), dhf [N·K, H] = ∂/∂hf (0 on
+/// unsupervised rows). hf [N·K, H] are the final-norm block rows, lm_head [V, H] the frozen head;
+/// argmax [N·K] receives argmax ū on supervised rows, −1 elsewhere. Rows are processed in chunks
+/// of whole blocks. Throws dflash::Error when the drafter is not DFlash2, the batch's objective is
+/// not dflash2, or a label or anchor token is outside [0, V).
 template <typename S>
 Dflash2Sums dflash2_head_step(const DrafterConfig& cfg, const DrafterLayout& layout,
                               const S* params, S* grads, const S* lm_head,

@@ -475,40 +475,27 @@ void plan_batch(const DrafterConfig& cfg, const DrafterBatch& b, const S* featur
 
 // D-PACE (OBJECTIVES.md §1.1) after a CE pass that gave every supervised row weight 1: row j's
 // loss ws.ce_loss[j] is CE_j and its hidden gradient ws.ce_grad row j is grad_scale·∂CE_j/∂h. Each
-// block's weights follow from its CE values (dpace_block_weights: constants of the step). A row's
+// block's weights follow from its CE values (dpace_row_weights: constants of the step). A row's
 // gradient is linear in its weight, so scaling row j's gradient by w_j gives the gradient of
 // grad_scale·Σ w·CE with w frozen, from one LM-head pass. Returns {Σ w·CE, Σ w} over the rows,
 // summed in row order in double. ws.ce_rows are ascending, so a block's rows are consecutive.
 template <typename S>
 CrossEntropyStats dpace_reweight(DrafterWorkspace<S>& ws, const DrafterBatch& batch, int64_t H,
                                  bool grads) {
-  const int64_t K = batch.block_size;
-  const int64_t R = static_cast<int64_t>(ws.ce_rows.size());
-  ws.dpace_ce.resize(static_cast<size_t>(K));
-  ws.dpace_w.resize(static_cast<size_t>(K));
-  ws.dpace_mask.resize(static_cast<size_t>(K));
+  const auto R = ws.ce_rows.size();
+  ws.dpace_ce.resize(R);
+  ws.dpace_w.resize(R);
+  for (size_t j = 0; j < R; ++j) ws.dpace_ce[j] = static_cast<double>(ws.ce_loss[j]);
+  dpace_row_weights(ws.dpace_w, ws.ce_rows, ws.dpace_ce, batch.targets.counted, batch.block_size,
+                    batch.objective);
   CrossEntropyStats st;
-  for (int64_t j0 = 0; j0 < R;) {
-    const int64_t block = ws.ce_rows[j0] / K;
-    std::fill(ws.dpace_ce.begin(), ws.dpace_ce.end(), 0.0);
-    std::fill(ws.dpace_mask.begin(), ws.dpace_mask.end(), uint8_t(0));
-    int64_t j1 = j0;
-    for (; j1 < R && ws.ce_rows[j1] / K == block; ++j1) {
-      const int64_t slot = ws.ce_rows[j1] % K;
-      ws.dpace_ce[slot] = static_cast<double>(ws.ce_loss[j1]);
-      ws.dpace_mask[slot] = batch.targets.counted[ws.ce_rows[j1]];
-    }
-    dpace_block_weights(ws.dpace_w, ws.dpace_ce, ws.dpace_mask, batch.objective);
-    for (int64_t j = j0; j < j1; ++j) {
-      const int64_t slot = ws.ce_rows[j] % K;
-      const double w = ws.dpace_mask[slot] ? ws.dpace_w[slot] : 0.0;
-      st.loss_sum += w * ws.dpace_ce[slot];
-      st.weight_sum += w;
-      if (!grads) continue;
-      S* g = ws.ce_grad.data() + j * H;
-      for (int64_t h = 0; h < H; ++h) g[h] *= static_cast<S>(w);
-    }
-    j0 = j1;
+  for (size_t j = 0; j < R; ++j) {
+    const double w = ws.dpace_w[j];
+    st.loss_sum += w * ws.dpace_ce[j];
+    st.weight_sum += w;
+    if (!grads) continue;
+    S* g = ws.ce_grad.data() + static_cast<int64_t>(j) * H;
+    for (int64_t h = 0; h < H; ++h) g[h] *= static_cast<S>(w);
   }
   return st;
 }

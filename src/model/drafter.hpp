@@ -19,7 +19,8 @@
 // The loss is the batch's (DrafterBatch::objective): dflash weighs slots by targets.weights; the
 // D-PACE losses weigh each supervised slot by dpace_block_weights of the step's own CE values,
 // held constant (no gradient through the weights), and the caller's grad_scale is 1 / the number
-// of sequences (DrafterBatch::loss_normaliser).
+// of sequences (DrafterBatch::loss_normaliser); DFlash2 does the same on its unary logits and
+// weighs its selector's CE alike (model/dflash2_selector.hpp).
 #pragma once
 
 #include <cstdint>
@@ -231,8 +232,13 @@ struct DsparkWorkspace {
 /// Scratch of the DFlash2 selector (model/dflash2_selector.hpp; capacity kept between calls).
 template <typename S>
 struct Dflash2Workspace {
-  std::vector<S> logits, unary, dunary, hin, dhin, dhsel, proj, dproj, e, score;
+  std::vector<S> logits, dunary, hin, dhin, dhsel, proj, dproj, e, score;
+  std::vector<S> row_max, row_sum;         // a chunk's max ū and Σ exp(ū − max) per row
+  std::vector<double> row_ce, row_weight;  // a chunk's base CE and loss weight per row
   std::vector<int32_t> rows, cand;
+  /// Rows per LM-head chunk (at least the block size; 0: about 16 MiB of logits). Chunks hold
+  /// whole blocks, so the step's loss and gradients do not depend on it (tests vary it).
+  int64_t chunk_rows = 0;
 };
 
 /// Scratch buffers of the step (capacity kept between calls; one per thread).
@@ -246,8 +252,7 @@ struct DrafterWorkspace {
   std::vector<int32_t> ce_rows, ce_argmax;  // the supervised rows sent to the LM-head CE
   std::vector<S> ce_in, ce_grad;            // their final hidden states and gradients
   std::vector<S> ce_loss;                   // their CE (D-PACE: with weight 1)
-  std::vector<double> dpace_ce, dpace_w;    // one block's CE and D-PACE weights [K]
-  std::vector<uint8_t> dpace_mask;          // one block's supervision mask [K]
+  std::vector<double> dpace_ce, dpace_w;    // the CE rows' CE and D-PACE weights [ce_rows]
   std::vector<S> inv_freq;
   std::vector<AttnRange> ranges;
   DsparkWorkspace<S> dspark;                // the DSpark head's scratch

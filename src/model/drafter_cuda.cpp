@@ -506,14 +506,18 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
     a2.rows_bytes = dflash2_rows_bytes_;
     a2.grad_scale = grad_scale;
     a2.chunk_rows = ce_chunk_rows_;
+    // D-PACE: the fused CE's per-row CE in, each row's weight out; the base's {Σ w·CE, Σ w}
+    // where fetch_results reads them. The head scales d_hf by the weights itself.
+    a2.dpace_w = dpace ? row_w_ : nullptr;
+    a2.dpace_sums = dpace ? sums_ : nullptr;
     dflash2_head_cuda(ctx_, c, layout_, in.objective, a2);
     dflash2_alpha_ = in.dflash2_alpha;
-    if (d2_base_in_head) {  // {Σ w·base, Σ w} where fetch_results reads the base
+    if (d2_base_in_head && !dpace) {  // {Σ w·base, Σ w} where fetch_results reads the base
       DFLASH_CUDA_CHECK(cudaMemcpyAsync(sums_, dflash2_sums_, 2 * sizeof(double),
                                         cudaMemcpyDeviceToDevice, s));
     }
   }
-  if (dpace) {  // CE → D-PACE weights (and the sums), then d_hf row r ·= w_r
+  if (dpace && !c.dflash2.enabled) {  // CE → D-PACE weights (and the sums), then d_hf row r ·= w_r
     dpace_weights_cuda(ctx_, row_w_, sums_, in.weights, NK / c.block_size, c.block_size,
                        in.objective);
     rows_scale_cuda(ctx_, d_hf_, row_w_, NK, H);

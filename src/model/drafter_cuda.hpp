@@ -51,7 +51,9 @@ struct DrafterCudaInputs {
   const int32_t* labels = nullptr;       ///< [NK], each in [0, V)
   const float* weights = nullptr;        ///< [NK] loss weights (0 for slot 0 and padding)
   /// The loss. dflash: Σ weights·CE. D-PACE: `weights` is the mask m_k of each row, and the step
-  /// weighs each supervised row by dpace_weights_cuda of the rows' own CE (w held constant).
+  /// weighs each supervised row by dpace_weights_cuda of the rows' own CE (w held constant);
+  /// dflash2 with a D-PACE loss type: the CE of the unary logits, and the same weight on the row's
+  /// selector term (dflash2_head_cuda).
   /// dspark (a drafter with DSpark heads): the DSpark loss of dspark_head_cuda, its teacher the
   /// final-norm rows [T, H] that follow the taps in `features` (drafter_feature_cols).
   Objective objective;
@@ -118,7 +120,8 @@ class DrafterCuda {
   /// grad_scale = 1/DrafterBatch::loss_normaliser of the step: 1/Σw for dflash, 1/sequences for
   /// D-PACE), and the global gradient sum of squares. D-PACE: one fused CE pass with weights m_k
   /// gives each row's CE and unit-weight gradient; dpace_weights_cuda turns the CE into the weights
-  /// and rows_scale_cuda scales each row's gradient by its weight. Outputs stay on the device until
+  /// and rows_scale_cuda scales each row's gradient by its weight (DFlash2: inside
+  /// dflash2_head_cuda, its selector's row pieces too). Outputs stay on the device until
   /// fetch_results. Enqueue only.
   void forward_backward(const DrafterCudaInputs& in, double grad_scale);
 

@@ -30,8 +30,9 @@ enum class LossType {
 /// LossType) or `dspark` (OBJECTIVES.md §1.3: labels shifted by one, a prefix-contiguous mask, the
 /// drafter's logits plus a Markov bias, an L1 distance to the target's own distribution and a
 /// confidence head; its loss is always Σ w·(αce·CE + αl1·L1 + αconf·BCE) / Σ w), `dflash2`
-/// (OBJECTIVES.md §1.4: dflash's targets and loss on the selector's unary logits, plus α_sel(t)
-/// times the selector's K-way CE over the unary top-K candidates, over the same Σ w) or `domino`
+/// (OBJECTIVES.md §1.4: dflash's targets and the loss type's loss on the selector's unary logits,
+/// plus α_sel(t) times the selector's K-way CE over the unary top-K candidates with the same
+/// per-slot weights, over the same denominator: Σ w, or the sequences for D-PACE) or `domino`
 /// (OBJECTIVES.md §1.2: a GRU prefix head corrects the logits, the loss blends the corrected and
 /// the base CE by λ; model/domino_head.hpp).
 enum class ObjectiveKind { dflash, dspark, dflash2, domino };
@@ -82,6 +83,16 @@ struct Objective {
 void dpace_block_weights(std::span<double> w, std::span<const double> ce,
                          std::span<const uint8_t> supervised, const Objective& obj);
 
+/// D-PACE weights of a list of block rows (the rows a loss head computed, packed): rows [R] are
+/// indices into N·K block rows (block = row / K, slot = row % K), ascending, so that a block's
+/// rows are consecutive; ce [R] is each row's CE and counted [N·K] the batch's supervision mask
+/// (indexed by block row). w [R] out: each row's dpace_block_weights weight in its block, 0 where
+/// the row is not counted; a block's slots that are not listed count as unsupervised. Computed in
+/// double in row order. Throws dflash::Error when the spans' sizes differ, a row is out of
+/// [0, counted.size()) or not ascending, or as dpace_weights_check.
+void dpace_row_weights(std::span<double> w, std::span<const int32_t> rows,
+                       std::span<const double> ce, std::span<const uint8_t> counted, int64_t K,
+                       const Objective& obj);
 
 /// The largest block the D-PACE weight ops take (training.block_size's bound).
 inline constexpr int64_t kDpaceMaxBlock = 64;

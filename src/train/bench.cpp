@@ -865,9 +865,9 @@ BenchReport run_bench(const BenchOptions& o) {
     const Dflash2Heads& h = s.drafter.dflash2;
     r.loss_type = fmt::format(
         "dflash2 (conv_kernel_size {}, conv_group_size {}, selector_rank {}, selector_top_k {}, "
-        "alpha_sel {})",
+        "alpha_sel {}, base loss {})",
         h.conv_kernel_size, h.conv_group_size, h.selector_rank, h.selector_top_k,
-        o.objective.dflash2_selector_alpha);
+        o.objective.dflash2_selector_alpha, r.loss_type);
   }
   r.documents = o.rows * s.docs_per_row;
   r.doc_length = o.doc_length;
@@ -1287,6 +1287,14 @@ BenchReport run_bench(const BenchOptions& o) {
     da.rows = arena.get_bytes("drafter.dflash2.rows", da.rows_bytes);  // idle outside the head
     da.grad_scale = 1.0;
     da.chunk_rows = kDrafterCeChunkRows;
+    // A D-PACE base: the rows' CE in (random, then each repetition's weights: the time does not
+    // depend on the values), their weights and the base's sums out, the scaling of the row pieces.
+    DeviceMemory dpace_w(static_cast<size_t>(o.objective.dpace() ? Tq * 4 : 4)), dpace_sums(2 * 8);
+    if (o.objective.dpace()) {
+      fill_uniform_cuda(ctx, dpace_w.as<float>(), Tq, 2.0f, 2.0f, 37);  // CE in [0, 4)
+      da.dpace_w = dpace_w.as<float>();
+      da.dpace_sums = dpace_sums.as<double>();
+    }
     const double sel_flops = dflash2_head_flops(d, Tq);
     BenchKernel dk_sel{"DFlash2 selector + grads",
                        fmt::format("{} rows, H {}, V {}, r {}, top-{}", Tq, H, V,

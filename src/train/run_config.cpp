@@ -485,12 +485,8 @@ Objective objective_of(const TrainingSection& t) {
   o.kind = *kind;
   if (o.kind == ObjectiveKind::dflash) return o;
   if (o.kind == ObjectiveKind::dflash2) {
-    // The base loss is dflash's on the unary logits. The public trainers also allow D-PACE's
-    // weights there; this implementation does not have them yet, so it refuses them by name.
-    DFLASH_CHECK(o.loss == LossType::dflash,
-                 "training.loss_type {} is not implemented for training.objective dflash2 (its "
-                 "base loss is dflash's on the unary logits): set training.loss_type: dflash",
-                 t.loss_type);
+    // The base loss is loss_type's on the unary logits: dflash's, or plain D-PACE's (its weights
+    // of the base CE, its denominator); the selector's CE takes the same per-slot weights.
     // dflash2_selector_alpha holds the step's α_sel: the trainer sets it per step.
     o.dflash2_stop_gradient = t.dflash2_selector_stop_gradient;
     return o;

@@ -774,9 +774,10 @@ TrainResult train_loop(Session& s, const TrainOptions& opts, const DrafterState&
     const TrainingSection& t = s.cfg.training;
     const Dflash2Heads& h = s.dcfg.dflash2;
     s.report.log(fmt::format(
-        "objective: dflash2, Σ w·(CE(ū) + α_sel·CE_sel) / Σ w, ū = softcap({}·U, {}); conv {} taps "
+        "objective: dflash2, Σ w·(CE(ū) + α_sel·CE_sel) / {}, ū = softcap({}·U, {}); conv {} taps "
         "in groups of {}, selector rank {} over the top {}; α_sel {} after {} of the steps, "
         "ramp {}{}",
+        s.batch_opts.objective.dpace() ? "sequences (w: D-PACE's of CE(ū))" : "Σ w",
         h.output_multiplier, h.final_logit_softcapping, h.conv_kernel_size, h.conv_group_size,
         h.selector_rank, h.selector_top_k, t.dflash2_selector_loss_alpha,
         t.dflash2_selector_warmup_ratio, t.dflash2_selector_ramp_ratio,

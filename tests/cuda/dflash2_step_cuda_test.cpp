@@ -4,7 +4,8 @@
 // parameter's gradient), with the activations recomputed and kept; with random conv and selector
 // tensors the whole CUDA step follows the CPU's drafter_train_step (α_sel > 0 with ū = U, and
 // with m ≠ 1, a softcap and stop_gradient), gives the same bits on a second run and with kept
-// activations. Weights, tables and features are rounded to bf16 first, as in
+// activations; the same with each D-PACE loss type as the base (the identity start then equals
+// plain D-PACE bit for bit). Weights, tables and features are rounded to bf16 first, as in
 // train_step_cuda_test.cpp.
 #include <cuda_runtime.h>
 
@@ -59,7 +60,8 @@ struct HostRows {
   int64_t L = 61;
 };
 
-HostRows make_rows(int64_t V, int K, uint32_t seed) {
+// `gamma` the targets' slot decay (0 for the D-PACE losses: their static weights are the mask).
+HostRows make_rows(int64_t V, int K, uint32_t seed, double gamma = 7.0) {
   HostRows b;
   std::mt19937 rng(seed);
   std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(V) - 2);
@@ -76,7 +78,7 @@ HostRows make_rows(int64_t V, int K, uint32_t seed) {
       off.push_back(static_cast<int32_t>(t.size()));
     }
     b.anchors.push_back(sample_anchors(m, off, 6, arng));
-    b.targets.push_back(block_targets(t, m, off, b.anchors.back(), K, 7.0));
+    b.targets.push_back(block_targets(t, m, off, b.anchors.back(), K, gamma));
     b.tokens.push_back(std::move(t));
     b.offsets.push_back(std::move(off));
   }
@@ -94,8 +96,11 @@ DrafterBatch batch_of(const HostRows& b, int K, const Objective& obj, size_t fir
   return d;
 }
 
-Objective objective_of(const DrafterConfig& c, double alpha = 0.0, bool stop = false) {
+Objective objective_of(const DrafterConfig& c, double alpha = 0.0, bool stop = false,
+                       LossType loss = LossType::dflash) {
   Objective o;
+  o.loss = loss;
+  o.dpace_alpha = 0.3;
   if (!c.dflash2.enabled) return o;
   o.kind = ObjectiveKind::dflash2;
   o.dflash2_selector_alpha = alpha;
@@ -218,6 +223,8 @@ std::vector<float> head_of(const std::vector<float>& v, int64_t n) {
 
 }  // namespace
 
+// With a D-PACE loss type the identity start at α_sel = 0 is plain D-PACE's step bit for bit too
+// (the same fused CE, the same weights of the same CE, the head adding zeros before the scaling).
 TEST(Dflash2Cuda, IdentityConvStepIsPlainDflashBitForBit) {
   DFLASH_REQUIRE_GPU();
   cuda::CudaContext ctx(0);
@@ -226,26 +233,31 @@ TEST(Dflash2Cuda, IdentityConvStepIsPlainDflashBitForBit) {
   const std::vector<float> p1 = params_of(l1, false), p2 = params_of(l2, false);
   ASSERT_EQ(l2.find("norm.weight").offset, l1.find("norm.weight").offset);
   ASSERT_TRUE(same_bits(head_of(p2, l1.total), p1));  // the shared tensors come first
-  const HostRows rows = make_rows(c1.vocab_size, c1.block_size, 3);
-  Step step(ctx, c1, rows, objective_of(c1));
-  for (DrafterActivations acts : {DrafterActivations::recompute, DrafterActivations::keep}) {
-    SCOPED_TRACE(drafter_activations_name(acts));
-    step.whole.objective = objective_of(c1);
-    const Step::Out a = step.run(c1, l1, p1, acts);
-    step.whole.objective = objective_of(c2);  // α_sel = 0: the selector only measures
-    const Step::Out b = step.run(c2, l2, p2, acts);
-    EXPECT_EQ(b.r.loss_sum, a.r.loss_sum);
-    EXPECT_EQ(b.r.weight_sum, a.r.weight_sum);
-    EXPECT_TRUE(same_bits(b.r.argmax, a.r.argmax));
-    EXPECT_TRUE(same_bits(head_of(b.grads, l1.total), a.grads));
-    EXPECT_GT(b.r.dflash2_selector_sum, 0.0);
-    EXPECT_EQ(b.r.dflash2_base_sum, a.r.loss_sum);
-    // The conv's tensors learn (β from the first step, W_kp through dδ).
-    for (const auto& info : l2.params) {
-      if (info.name.find("_conv.") == std::string::npos) continue;
-      const std::vector<float> g(b.grads.begin() + info.offset,
-                                 b.grads.begin() + info.offset + info.numel);
-      EXPECT_TRUE(std::any_of(g.begin(), g.end(), [](float x) { return x != 0.0f; })) << info.name;
+  for (const LossType loss : {LossType::dflash, LossType::dpace}) {
+    const HostRows rows =
+        make_rows(c1.vocab_size, c1.block_size, 3, loss == LossType::dflash ? 7.0 : 0.0);
+    Step step(ctx, c1, rows, objective_of(c1, 0.0, false, loss));
+    for (DrafterActivations acts : {DrafterActivations::recompute, DrafterActivations::keep}) {
+      SCOPED_TRACE(::testing::Message()
+                   << drafter_activations_name(acts) << " " << loss_type_name(loss));
+      step.whole.objective = objective_of(c1, 0.0, false, loss);
+      const Step::Out a = step.run(c1, l1, p1, acts);
+      step.whole.objective = objective_of(c2, 0.0, false, loss);  // α_sel = 0: it only measures
+      const Step::Out b = step.run(c2, l2, p2, acts);
+      EXPECT_EQ(b.r.loss_sum, a.r.loss_sum);
+      EXPECT_EQ(b.r.weight_sum, a.r.weight_sum);
+      EXPECT_TRUE(same_bits(b.r.argmax, a.r.argmax));
+      EXPECT_TRUE(same_bits(head_of(b.grads, l1.total), a.grads));
+      EXPECT_GT(b.r.dflash2_selector_sum, 0.0);
+      EXPECT_EQ(b.r.dflash2_base_sum, a.r.loss_sum);
+      // The conv's tensors learn (β from the first step, W_kp through dδ).
+      for (const auto& info : l2.params) {
+        if (info.name.find("_conv.") == std::string::npos) continue;
+        const std::vector<float> g(b.grads.begin() + info.offset,
+                                   b.grads.begin() + info.offset + info.numel);
+        EXPECT_TRUE(std::any_of(g.begin(), g.end(), [](float x) { return x != 0.0f; }))
+            << info.name;
+      }
     }
   }
 }
@@ -255,26 +267,36 @@ struct Case {
   int T, group;
   double m, cap, alpha;
   bool stop;
+  LossType loss = LossType::dflash;
 };
 
 TEST(Dflash2Cuda, StepMatchesCpuReference) {
   DFLASH_REQUIRE_GPU();
   cuda::CudaContext ctx(0);
   // T = 2 of 4 slots with 4 groups of 32 channels, ū = U (the fused CE's base); T = b with one
-  // group of 128, m and a softcap (the head's base) and stop_gradient.
-  for (const Case& k : {Case{2, 32, 1.0, 0.0, 0.7, false}, Case{4, 128, 0.8, 5.0, 0.5, true}}) {
-    SCOPED_TRACE(::testing::Message() << "T=" << k.T << " group=" << k.group << " m=" << k.m
-                                      << " cap=" << k.cap << " stop=" << k.stop);
+  // group of 128, m and a softcap (the head's base) and stop_gradient; each with the dflash loss
+  // and a D-PACE one (the base's weights from the fused CE's or the head's CE, the selector's
+  // per-slot weight the same).
+  for (const Case& k :
+       {Case{2, 32, 1.0, 0.0, 0.7, false}, Case{4, 128, 0.8, 5.0, 0.5, true},
+        Case{2, 32, 1.0, 0.0, 0.7, false, LossType::dpace},
+        Case{4, 128, 0.8, 5.0, 0.5, false, LossType::dpace},
+        Case{4, 128, 0.8, 5.0, 0.5, true, LossType::dpace_continuation_value_only}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "T=" << k.T << " group=" << k.group << " m=" << k.m << " cap=" << k.cap
+                 << " stop=" << k.stop << " loss " << loss_type_name(k.loss));
     const DrafterConfig c = config(k.T, k.group, k.m, k.cap);
     const DrafterLayout layout(c);
     const std::vector<float> params = params_of(layout, true);
-    const HostRows rows = make_rows(c.vocab_size, c.block_size, 4);
-    Step step(ctx, c, rows, objective_of(c, k.alpha, k.stop));
+    const bool dpace = k.loss != LossType::dflash;
+    const HostRows rows = make_rows(c.vocab_size, c.block_size, 4, dpace ? 0.0 : 7.0);
+    Step step(ctx, c, rows, objective_of(c, k.alpha, k.stop, k.loss));
     const Step::Out gpu = step.run(c, layout, params, DrafterActivations::recompute, 2);
     const Step::Out kept = step.run(c, layout, params, DrafterActivations::keep);
     EXPECT_EQ(kept.r.loss_sum, gpu.r.loss_sum);
     EXPECT_TRUE(same_bits(kept.grads, gpu.grads));
-    // CPU: one drafter_train_step per row, gradients scaled by the whole step's 1/Σw.
+    // CPU: one drafter_train_step per row (no block spans two rows, so D-PACE's weights are the
+    // whole step's), gradients scaled by the whole step's 1/Σw (1/sequences for D-PACE).
     std::vector<float> cpu_grads(params.size(), 0.0f);
     DrafterTables<float> tables{step.embed.data(), step.head.data()};
     DrafterWorkspace<float> ws;
@@ -295,7 +317,8 @@ TEST(Dflash2Cuda, StepMatchesCpuReference) {
       cpu_sel += res.dflash2_selector_sum;
       cpu_hit += res.dflash2_in_topk_weight;
     }
-    EXPECT_NEAR(gpu.r.weight_sum, cpu_w, 1e-6 * cpu_w);
+    // D-PACE's weights come from each side's own CE (bf16 activations on the GPU).
+    EXPECT_NEAR(gpu.r.weight_sum, cpu_w, (dpace ? 1e-2 : 1e-6) * cpu_w);
     EXPECT_NEAR(gpu.r.loss_sum, cpu_loss, 1e-2 * std::abs(cpu_loss));
     ASSERT_GT(cpu_hit, 0.0);
     EXPECT_NEAR(gpu.r.dflash2_base_sum, cpu_base, 1e-2 * cpu_base);

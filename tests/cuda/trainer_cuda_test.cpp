@@ -2,7 +2,8 @@
 // equals an uninterrupted one bit for bit (the device step is deterministic and the checkpoint
 // holds the whole state), replayed CUDA graphs give the same bits as the op-by-op path, and the GPU
 // run's loss follows the CPU run's from the same seed (same batches, same anchors) within 2 % at
-// every step; the same for each objective (dspark, domino, dflash2) with its own terms. Tiny runs:
+// every step; the same for each objective (dspark, domino, dflash2, and dflash2 with D-PACE as its
+// base) with its own terms. Tiny runs:
 // a 200-conversation slice of the corpus, two 256-token rows per step, 2 anchors per document.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -303,4 +304,15 @@ TEST(TrainerCuda, Dflash2ResumedRunIsBitIdenticalAndFollowsTheCpuRun) {
     EXPECT_NEAR(loss(to_cpu, step), loss(m.cpu, step), 0.02 * loss(m.cpu, step)) << step;
     EXPECT_NEAR(loss(to_gpu, step), loss(m.cpu, step), 0.02 * loss(m.cpu, step)) << step;
   }
+}
+
+// DFlash2 with D-PACE as its base (training.loss_type dpace: the base's and the selector's
+// per-slot weights D-PACE's of the unary CE, the loss over the sequences): resumed, without graphs
+// and against the CPU run as expect_resumes_and_follows_cpu.
+TEST(TrainerCuda, Dflash2DpaceResumedRunIsBitIdenticalAndFollowsTheCpuRun) {
+  DFLASH_REQUIRE_GPU();
+  test::TempDir tmp;
+  std::vector<std::string> overrides = dflash2_overrides(1.0);
+  overrides.push_back("training.loss_type=dpace");
+  expect_resumes_and_follows_cpu(tmp.path(), overrides, {"loss", "accuracy"});
 }

@@ -83,7 +83,7 @@ DrafterTrainResult drafter_problem_step(const DrafterProblem<S>& p, const Drafte
                                         std::vector<S>* grads, const S* target_final) {
   auto ws = std::make_unique<DrafterWorkspace<S>>();
   return drafter_train_step<S>(p.cfg, *p.layout, p.params.data(), grads ? grads->data() : nullptr,
-                               p.tables(), b, p.features.data(), 1.0 / b.weight_sum, *ws,
+                               p.tables(), b, p.features.data(), 1.0 / b.loss_normaliser(), *ws,
                                target_final);
 }
 

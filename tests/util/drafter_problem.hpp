@@ -70,7 +70,8 @@ DrafterProblem<S> draw_drafter_problem(Rng& rng, DrafterConfig cfg, std::vector<
                                        const std::vector<float>& init = {});
 
 /// One drafter_train_step over `b` with the problem's parameters, tables and features, gradients
-/// (when `grads` is not null, += scaled by 1/Σw of `b`) into grads [layout.total]; `target_final`
+/// (when `grads` is not null, += scaled by 1/b.loss_normaliser(): 1/Σw, or 1/sequences for the
+/// D-PACE losses) into grads [layout.total]; `target_final`
 /// [T, H] the target's final-norm hidden states (DSpark's teacher), else null.
 template <typename S>
 DrafterTrainResult drafter_problem_step(const DrafterProblem<S>& p, const DrafterBatch& b,

@@ -2,6 +2,7 @@
 #include "ops/loss_weights.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <span>
@@ -36,6 +37,42 @@ void dpace_block_weights(std::span<double> w, std::span<const double> ce,
   }
 }
 
+void dpace_row_weights(std::span<double> w, std::span<const int32_t> rows,
+                       std::span<const double> ce, std::span<const uint8_t> counted, int64_t K,
+                       const Objective& obj) {
+  dpace_weights_check("dpace_row_weights", 0, K, obj);
+  DFLASH_CHECK(w.size() == rows.size() && ce.size() == rows.size(),
+               "dpace_row_weights: {} weights and {} CE values for {} rows", w.size(), ce.size(),
+               rows.size());
+  const auto k_n = static_cast<size_t>(K);
+  std::array<double, kDpaceMaxBlock> block_ce{}, block_w{};
+  std::array<uint8_t, kDpaceMaxBlock> block_mask{};
+  const std::span<double> bce(block_ce.data(), k_n), bw(block_w.data(), k_n);
+  const std::span<uint8_t> bmask(block_mask.data(), k_n);
+  const size_t R = rows.size();
+  for (size_t j0 = 0; j0 < R;) {
+    const int64_t block = rows[j0] / K;
+    std::fill(bce.begin(), bce.end(), 0.0);
+    std::fill(bmask.begin(), bmask.end(), uint8_t(0));
+    size_t j1 = j0;
+    for (; j1 < R && rows[j1] / K == block; ++j1) {
+      const int32_t row = rows[j1];
+      DFLASH_CHECK(
+          row >= 0 && static_cast<size_t>(row) < counted.size() && (j1 == 0 || row > rows[j1 - 1]),
+          "dpace_row_weights: row {} (entry {}) is out of [0, {}) or not ascending", row, j1,
+          counted.size());
+      const auto slot = static_cast<size_t>(row % K);
+      bce[slot] = ce[j1];
+      bmask[slot] = counted[static_cast<size_t>(row)];
+    }
+    dpace_block_weights(bw, bce, bmask, obj);
+    for (size_t j = j0; j < j1; ++j) {
+      const auto slot = static_cast<size_t>(rows[j] % K);
+      w[j] = bmask[slot] ? bw[slot] : 0.0;
+    }
+    j0 = j1;
+  }
+}
 
 void dpace_weights_check(const char* op, int64_t N, int64_t K, const Objective& obj) {
   DFLASH_CHECK(obj.dpace(), "{}: loss type dflash has no D-PACE weights", op);
