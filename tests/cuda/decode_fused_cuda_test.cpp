@@ -88,6 +88,8 @@ TEST(DecodeFusedCuda, QkvPrepareEqualsNormRopeScatter) {
   check_prepare(32, 8, 128, true);  // Qwen3-8B
   check_prepare(6, 2, 64, true);    // tiny-qwen3
   check_prepare(8, 8, 128, false);  // no q/k norm
+  check_prepare(64, 8, 128, true);  // 80 heads: two rounds of a 256-thread CTA
+  check_prepare(56, 4, 64, false);  // 64 heads, D 64, no norm: one full round
 }
 
 TEST(DecodeFusedCuda, QkvPrepareRejectsBadArguments) {
@@ -105,6 +107,15 @@ TEST(DecodeFusedCuda, QkvPrepareRejectsBadArguments) {
   EXPECT_THROW(
       qkv_prepare_cuda(ctx, buf.get(), nullptr, buf.get(), buf.get(), nullptr, buf.get(), p),
       Error);  // q_norm without k_norm
+  p.k_norm = w.get();
+  EXPECT_NO_THROW(
+      qkv_prepare_cuda(ctx, buf.get(), nullptr, buf.get(), buf.get(), nullptr, buf.get(), p));
+  EXPECT_THROW(
+      qkv_prepare_cuda(ctx, buf.get() + 4, nullptr, buf.get(), buf.get(), nullptr, buf.get(), p),
+      Error);  // q_out 8-byte aligned: the kernel moves 16-byte vectors
+  EXPECT_THROW(
+      qkv_prepare_cuda(ctx, buf.get(), nullptr, buf.get(), buf.get(), nullptr, buf.get() + 1, p),
+      Error);  // qkv 2-byte aligned
 }
 
 void check_attention(int64_t NH, int64_t NKV, int64_t D, bool sinks) {

@@ -52,6 +52,17 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+/// The rotate_half rotation of one RoPE pair (lo, hi) = (x_i, x_{i+D/2}) by c and s (cos and sin
+/// times the scaling; s negated for the backward): lo' = lo·c − hi·s, hi' = hi·c + lo·s, each the
+/// first product fused with the rounded second one (fma). Written with explicit roundings, not left
+/// to the compiler's contraction (which fused different products in different kernels), so that
+/// every RoPE kernel (rope.cu, decode_fused.cuh's qkv_prepare) gives the same bits.
+__device__ __forceinline__ void rope_pair(float lo, float hi, float c, float s, float& out_lo,
+                                          float& out_hi) {
+  out_lo = __fmaf_rn(lo, c, -__fmul_rn(hi, s));
+  out_hi = __fmaf_rn(hi, c, __fmul_rn(lo, s));
+}
+
 /// 1/sqrt(mean_j x_j² + eps) of one row x[0, D), computed by the calling warp (lane l sums
 /// j = l, l + 32, … in order, then warp_sum): every lane gets it. The RMSNorm kernels' statistic
 /// (rmsnorm.cu, and the fused RMSNorm + RoPE of rope.cu, which must round the same way).
