@@ -31,7 +31,12 @@ void check_prepare(int64_t NH, int64_t NKV, int64_t D, bool norm) {
                << "NH " << NH << " NKV " << NKV << " D " << D << " norm " << norm);
   cuda::CudaContext ctx(0);
   const int64_t T = 5, QD = NH * D, KD = NKV * D, W = QD + 2 * KD, rows = 9;
-  const auto qkv = to_bf16(randn(static_cast<size_t>(T * W), 3));
+  auto qkv = to_bf16(randn(static_cast<size_t>(T * W), 3));
+  // NaNs with a sign and a payload: in a q head (the norm and RoPE make the whole head NaN), a k
+  // head and a v head (copied as they are); both sides must give them the same bits.
+  qkv[static_cast<size_t>(W + 3)] = 0x7fc5;
+  qkv[static_cast<size_t>(2 * W + QD + 7)] = 0xffc1;
+  qkv[static_cast<size_t>(3 * W + QD + KD + 5)] = 0xff91;
   std::vector<uint16_t> q(static_cast<size_t>(T * QD)), k(static_cast<size_t>(T * KD)), v = k;
   for (int64_t t = 0; t < T; ++t)
     for (int64_t j = 0; j < W; ++j) {

@@ -40,12 +40,10 @@ __device__ __forceinline__ void unpack8(const uint4& v, float (&x)[8]) {
     x[2 * m + 1] = to_f32(static_cast<uint16_t>(w[m] >> 16));
   }
 }
-// 8 fp32 values rounded to bf16, in memory order.
+// 8 fp32 values rounded to bf16 (pack_bf16x2: the bits of from_f32<uint16_t>), in memory order.
 __device__ __forceinline__ uint4 pack8(const float (&x)[8]) {
   uint32_t w[4];
-  for (int m = 0; m < 4; ++m)
-    w[m] = static_cast<uint32_t>(from_f32<uint16_t>(x[2 * m])) |
-           (static_cast<uint32_t>(from_f32<uint16_t>(x[2 * m + 1])) << 16);
+  for (int m = 0; m < 4; ++m) w[m] = pack_bf16x2(x[2 * m], x[2 * m + 1]);
   return uint4{w[0], w[1], w[2], w[3]};
 }
 
@@ -98,7 +96,11 @@ __device__ __forceinline__ void qkv_prepare_head(const QkvPrepArgs& a, const flo
       const float4* wv = reinterpret_cast<const float4*>(w + 32 * r + 8 * u);
       const float4 w0 = wv[0], w1 = wv[1];
       const float ws[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-      for (int s = 0; s < 8; ++s) x[r][s] = to_f32(from_f32<uint16_t>(ws[s] * (x[r][s] * rs)));
+      for (int s = 0; s < 8; s += 2) {
+        const uint32_t b = pack_bf16x2(ws[s] * (x[r][s] * rs), ws[s + 1] * (x[r][s + 1] * rs));
+        x[r][s] = to_f32(static_cast<uint16_t>(b & 0xffffu));
+        x[r][s + 1] = to_f32(static_cast<uint16_t>(b >> 16));
+      }
     }
   uint4* dst = reinterpret_cast<uint4*>(is_q ? a.q_out + (qrow * a.NH + head) * D
                                              : a.k_out + (kvrow * a.NKV + (head - a.NH)) * D);

@@ -118,6 +118,10 @@ template <>
 inline uint16_t from_f32<uint16_t>(float v) {
   return dflash::f32_to_bf16_bits(v);
 }
+// The real header's pair of bf16 (cvt.rn.bf16x2.f32 there, the same bits as f32_to_bf16 twice).
+inline uint32_t pack_bf16x2(float lo, float hi) {
+  return static_cast<uint32_t>(f32_to_bf16(lo)) | (static_cast<uint32_t>(f32_to_bf16(hi)) << 16);
+}
 // The real header's rotation of a RoPE pair: fma as __fmaf_rn (std::fma rounds once), products
 // rounded as __fmul_rn.
 inline void rope_pair(float lo, float hi, float c, float s, float& out_lo, float& out_hi) {
