@@ -64,8 +64,10 @@ struct QkvPrepare {
 /// distinct rows, inside the outputs: the caller's plan). Arithmetic in fp32, the norm's sum of
 /// squares in the order of rmsnorm_fwd_cuda (lane j sums j, j + 32, …, then a warp reduction):
 /// the same bits as rmsnorm_fwd_cuda, rope_fwd_cuda and kv_scatter_cuda run one after the other
-/// (formulas: ops/rmsnorm.hpp, ops/rope.hpp). Throws dflash::Error for T < 0, D other than 64 or
-/// 128, NH or NKV < 1, one norm weight without the other, or a null pointer.
+/// (formulas: ops/rmsnorm.hpp, ops/rope.hpp). One CTA per token, four lanes per head moving
+/// 16-byte vectors (backend/cuda/decode_fused.cuh says how the sum keeps that order). Throws
+/// dflash::Error for T < 0, D other than 64 or 128, NH or NKV < 1, one norm weight without the
+/// other, a null pointer, or qkv, an output or a norm weight not 16-byte aligned.
 void qkv_prepare_cuda(cuda::CudaContext& ctx, uint16_t* q_out, const int32_t* q_rows,
                       uint16_t* k_out, uint16_t* v_out, const int32_t* kv_rows, const uint16_t* qkv,
                       const QkvPrepare& p);

@@ -2,19 +2,21 @@
 // tools/gemm_plan_table.py from gemm_bench's PLAN lines; do not edit by hand.
 //
 // Device: NVIDIA H200 (driver 580.159.04, 143,771 MiB), cuBLASLt 13.1.0 (cublasLtGetVersion
-// 130100), 2026-12-01. Measured by: the gemm_bench of commit 3b861b6 (branch gemmplan) through
-// 'tools/device_run.sh DIR gemm-bench', log
+// 130100), 2026-12-01 and 2026-12-02. Measured by: the gemm_bench of commit 3b861b6 (branch
+// gemmplan) through 'tools/device_run.sh DIR gemm-bench', log
 // bench/cuda/gemm_plans/h200-sm90-cublaslt130100-call1.txt, and for the target's four shapes the
-// gemm_bench of commit 0c16672 (branch prefill) through 'tools/device_run.sh DIR gemm-
-// bench:--only=target,--rounds=45', log bench/cuda/gemm_plans/h200-sm90-cublaslt130100-prefill-
-// target.txt (2 log(s); per shape the heuristic's first 8 deterministic candidates, in call 1 each
-// timed alone as the median of 9 runs after 2 warm-up runs, one candidate after the other; in the
-// prefill call 2 warm-up runs each, then 45 rounds running every candidate once in turn, the median
-// per candidate, the median over the logs; the fastest kept when it beats the heuristic's first by
-// more than 3 %, else the first). 25 entries, 10 of them not the heuristic's first. Per entry:
-// name, key {sm, cuBLASLt version, M, N, K, lda, ldb, ldc, trans_a, trans_b, out, accumulate},
-// algorithm {id, tile, stages, split-K, reduction, swizzle, custom, inner shape, cluster shape,
-// words}, the measured ms of the entry's plan and of the heuristic's first.
+// gemm_bench of commit 0c16672 (branch prefill) and of commit d8ed8ab (branch tfwd) through
+// 'tools/device_run.sh DIR gemm-bench:--only=target,--rounds=45', logs
+// bench/cuda/gemm_plans/h200-sm90-cublaslt130100-prefill-target.txt and
+// bench/cuda/gemm_plans/h200-sm90-cublaslt130100-tfwd-target.txt (3 log(s); per shape the
+// heuristic's first 8 deterministic candidates, in call 1 each timed alone as the median of 9 runs
+// after 2 warm-up runs, one candidate after the other; in the prefill and tfwd calls 2 warm-up runs
+// each, then 45 rounds running every candidate once in turn, the median per candidate, the median
+// over the logs; the fastest kept when it beats the heuristic's first by more than 3 %, else the
+// first). 25 entries, 12 of them not the heuristic's first. Per entry: name, key {sm, cuBLASLt
+// version, M, N, K, lda, ldb, ldc, trans_a, trans_b, out, accumulate}, algorithm {id, tile, stages,
+// split-K, reduction, swizzle, custom, inner shape, cluster shape, words}, the measured ms of the
+// entry's plan and of the heuristic's first.
 #include <array>
 
 #include "ops/gemm_plan_table.hpp"
@@ -39,22 +41,22 @@ const std::array<GemmPlanEntry, 25> kEntries{{
      0.0925, 0.0925},
     {"target o_proj (+= stream)",
      {90, 130100, 8192, 4096, 4096, 4096, 4096, 4096, false, true, DType::f32, true},
-     {66, 24, 35, 1, 0, 0, 7, 0, 5,
-      {0x0000001800000042ull, 0x0000000100000023ull, 0x0000000000000000ull, 0x0005000000000007ull,
+     {66, 29, 35, 1, 0, 0, 1, 0, 3,
+      {0x0000001d00000042ull, 0x0000000100000023ull, 0x0000000000000000ull, 0x0003000000000001ull,
        0x0001fc3400000001ull, 0x0000000e0000000eull, 0x0000004400000000ull, 0x0000000000000000ull}},
-     0.3983, 0.3983},
+     0.3986, 0.4173},
     {"target gate|up",
      {90, 130100, 8192, 24576, 4096, 4096, 4096, 24576, false, true, DType::bf16, false},
-     {66, 209, 35, 1, 0, 0, 4, 0, 3,
-      {0x000000d100000042ull, 0x0000000100000023ull, 0x0000000000000000ull, 0x0003000000000004ull,
+     {66, 201, 35, 1, 0, 0, 2, 0, 5,
+      {0x000000c900000042ull, 0x0000000100000023ull, 0x0000000000000000ull, 0x0005000000000002ull,
        0x0001fc3400000001ull, 0x0000000e0000000eull, 0x00000044000e000eull, 0x0000000000000000ull}},
-     2.2539, 2.2539},
+     2.2931, 2.3738},
     {"target down (+= stream)",
      {90, 130100, 8192, 4096, 12288, 12288, 12288, 4096, false, true, DType::f32, true},
      {66, 24, 35, 1, 0, 0, 7, 0, 5,
       {0x0000001800000042ull, 0x0000000100000023ull, 0x0000000000000000ull, 0x0005000000000007ull,
        0x0001fc3400000001ull, 0x0000000e0000000eull, 0x0000004400000000ull, 0x0000000000000000ull}},
-     1.2199, 1.2199},
+     1.2091, 1.2091},
     {"drafter fc",
      {90, 130100, 8192, 4096, 20480, 20480, 20480, 4096, false, true, DType::f32, false},
      {66, 24, 35, 1, 0, 0, 7, 0, 5,
@@ -174,7 +176,7 @@ const std::array<GemmPlanEntry, 25> kEntries{{
      {66, 201, 35, 1, 0, 0, 2, 0, 5,
       {0x000000c900000042ull, 0x0000000100000023ull, 0x0000000000000000ull, 0x0005000000000002ull,
        0x0001fc3400000001ull, 0x0000000e0000000eull, 0x00000044000e000eull, 0x0000000000000000ull}},
-     0.5832, 0.6168},
+     0.5752, 0.6071},
 }};
 // clang-format on
 

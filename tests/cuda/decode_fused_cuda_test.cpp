@@ -31,7 +31,12 @@ void check_prepare(int64_t NH, int64_t NKV, int64_t D, bool norm) {
                << "NH " << NH << " NKV " << NKV << " D " << D << " norm " << norm);
   cuda::CudaContext ctx(0);
   const int64_t T = 5, QD = NH * D, KD = NKV * D, W = QD + 2 * KD, rows = 9;
-  const auto qkv = to_bf16(randn(static_cast<size_t>(T * W), 3));
+  auto qkv = to_bf16(randn(static_cast<size_t>(T * W), 3));
+  // NaNs with a sign and a payload: in a q head (the norm and RoPE make the whole head NaN), a k
+  // head and a v head (copied as they are); both sides must give them the same bits.
+  qkv[static_cast<size_t>(W + 3)] = 0x7fc5;
+  qkv[static_cast<size_t>(2 * W + QD + 7)] = 0xffc1;
+  qkv[static_cast<size_t>(3 * W + QD + KD + 5)] = 0xff91;
   std::vector<uint16_t> q(static_cast<size_t>(T * QD)), k(static_cast<size_t>(T * KD)), v = k;
   for (int64_t t = 0; t < T; ++t)
     for (int64_t j = 0; j < W; ++j) {
@@ -88,6 +93,8 @@ TEST(DecodeFusedCuda, QkvPrepareEqualsNormRopeScatter) {
   check_prepare(32, 8, 128, true);  // Qwen3-8B
   check_prepare(6, 2, 64, true);    // tiny-qwen3
   check_prepare(8, 8, 128, false);  // no q/k norm
+  check_prepare(64, 8, 128, true);  // 80 heads: two rounds of a 256-thread CTA
+  check_prepare(56, 4, 64, false);  // 64 heads, D 64, no norm: one full round
 }
 
 TEST(DecodeFusedCuda, QkvPrepareRejectsBadArguments) {
@@ -105,6 +112,15 @@ TEST(DecodeFusedCuda, QkvPrepareRejectsBadArguments) {
   EXPECT_THROW(
       qkv_prepare_cuda(ctx, buf.get(), nullptr, buf.get(), buf.get(), nullptr, buf.get(), p),
       Error);  // q_norm without k_norm
+  p.k_norm = w.get();
+  EXPECT_NO_THROW(
+      qkv_prepare_cuda(ctx, buf.get(), nullptr, buf.get(), buf.get(), nullptr, buf.get(), p));
+  EXPECT_THROW(
+      qkv_prepare_cuda(ctx, buf.get() + 4, nullptr, buf.get(), buf.get(), nullptr, buf.get(), p),
+      Error);  // q_out 8-byte aligned: the kernel moves 16-byte vectors
+  EXPECT_THROW(
+      qkv_prepare_cuda(ctx, buf.get(), nullptr, buf.get(), buf.get(), nullptr, buf.get() + 1, p),
+      Error);  // qkv 2-byte aligned
 }
 
 void check_attention(int64_t NH, int64_t NKV, int64_t D, bool sinks) {

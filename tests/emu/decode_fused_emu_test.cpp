@@ -3,7 +3,8 @@
 // src/backend/cuda/decode_fused.cu:
 //   qkv_prepare against the composition it replaces (per-head RMSNorm rounded to bf16, RoPE,
 //   rows to their cache slots), computed here in the kernels' summation order: bit for bit;
-//   untouched output rows keep their poison.
+//   untouched output rows keep their poison; heads in one and several rounds of a CTA. Its
+//   four-lane sum of squares (head_rstd) against the warp-per-row order on wide-range values.
 //   decode attention against the CPU attention_fwd_cpu (two-interval ranges, empty rows, rows
 //   longer than one split, sinks), and each row alone against the same row among others: the
 //   bits must not depend on the other rows of the launch (the batch invariance of decoding).
@@ -67,8 +68,9 @@ std::vector<uint16_t> reference_head(const uint16_t* src, const float* w, int D,
     float sn, cs;
     sincosf(static_cast<float>(p) * inv_freq[i], &sn, &cs);
     const float c = cs * scaling, s = sn * scaling;
-    y[i] = f32_to_bf16_bits(x[i] * c - x[i + D / 2] * s);
-    y[i + D / 2] = f32_to_bf16_bits(x[i + D / 2] * c + x[i] * s);
+    // rope_pair (common.cuh): the first product fused with the rounded second one.
+    y[i] = f32_to_bf16_bits(std::fma(x[i], c, -(x[i + D / 2] * s)));
+    y[i + D / 2] = f32_to_bf16_bits(std::fma(x[i + D / 2], c, x[i] * s));
   }
   return y;
 }
@@ -102,9 +104,10 @@ void check_qkv_prepare(bool norm, int NH, int NKV) {
                       T,
                       NH,
                       NKV};
-  const unsigned head_ctas = static_cast<unsigned>((NH + 2 * NKV + kPrepWarps - 1) / kPrepWarps);
-  emu::launch({static_cast<unsigned>(T), head_ctas, 1}, {32 * kPrepWarps, 1, 1}, 0,
-              [&] { qkv_prepare<D>(a); });
+  const auto threads = static_cast<unsigned>(qkv_prep_threads(NH + 2 * NKV));
+  emu::launch({static_cast<unsigned>(T), 1, 1}, {threads, 1, 1},
+              static_cast<int>(sizeof(float)) * D,
+              [&] { qkv_prepare<D>(a, reinterpret_cast<float*>(emu::dynamic_smem())); });
   for (int t = 0; t < T; ++t) {
     const uint16_t* row = qkv.data() + static_cast<size_t>(t) * W;
     for (int h = 0; h < NH; ++h) {
@@ -138,6 +141,43 @@ TEST(DecodeFusedEmu, QkvPrepareEqualsNormRopeScatter) {
   check_qkv_prepare<64>(true, 6, 2);  // tiny-qwen3's heads: q/k norm
   check_qkv_prepare<128>(true, 8, 2);
   check_qkv_prepare<128>(false, 4, 4);  // no norm (Llama-style): RoPE on the projection's bits
+  check_qkv_prepare<128>(true, 60, 6);  // 72 heads: two rounds of a 256-thread CTA, 8 in the second
+  check_qkv_prepare<64>(false, 64, 8);  // 80 heads, no norm
+}
+
+// head_rstd's sum against the warp-per-row order (warp_order_sum_sq) on values whose exponents span
+// 2^-12 … 2^12, where a different association of the 32 partial sums changes the f32 result (the
+// bf16 outputs of qkv_prepare hide most one-ulp differences of the statistic): one warp, 8 heads of
+// 4 lanes, every lane's result compared bit for bit.
+template <int D>
+void check_head_rstd(uint32_t seed) {
+  constexpr int E = D / 32, kHeads = 32 / kPrepLanes;
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_int_distribution<int> ex(-12, 12);
+  std::vector<float> x(static_cast<size_t>(kHeads) * D), got(32, std::nanf(""));
+  for (auto& v : x) v = std::ldexp(nd(gen), ex(gen));
+  const float eps = 1e-6f;
+  emu::launch({1, 1, 1}, {32, 1, 1}, 0, [&] {
+    const int lane = static_cast<int>(threadIdx.x), head = lane / kPrepLanes, u = lane % kPrepLanes;
+    float mine[E][8];
+    for (int r = 0; r < E; ++r)
+      for (int s = 0; s < 8; ++s)
+        mine[r][s] = x[static_cast<size_t>(head * D + 32 * r + 8 * u + s)];
+    got[static_cast<size_t>(lane)] = head_rstd<E>(mine, D, eps);
+  });
+  for (int lane = 0; lane < 32; ++lane) {
+    const float* h = x.data() + static_cast<size_t>(lane / kPrepLanes) * D;
+    const float want = 1.0f / std::sqrt(warp_order_sum_sq(h, D) / static_cast<float>(D) + eps);
+    ASSERT_EQ(got[static_cast<size_t>(lane)], want) << "D " << D << " lane " << lane;
+  }
+}
+
+TEST(DecodeFusedEmu, HeadRstdSumsInTheWarpPerRowOrder) {
+  for (uint32_t seed = 1; seed <= 20; ++seed) {
+    check_head_rstd<64>(seed);
+    check_head_rstd<128>(seed);
+  }
 }
 
 // The launch sequence of launch::decode_attention (both kernels) for the rows of `ranges`.

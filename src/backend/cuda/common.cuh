@@ -36,6 +36,20 @@ __device__ __forceinline__ uint16_t from_f32<uint16_t>(float v) {
   return f32_to_bf16(v);
 }
 
+/// f32_to_bf16(lo) | f32_to_bf16(hi) << 16 in one cvt.rn.bf16x2.f32 (round to nearest even, as
+/// f32_to_bf16, subnormals kept) for every pair without a NaN; a pair with a NaN takes
+/// f32_to_bf16's path (it keeps the NaN's sign and payload, cvt returns the canonical NaN), so
+/// the bits are f32_to_bf16's for every input.
+inline __device__ __noinline__ uint32_t pack_bf16x2_nan(float lo, float hi) {
+  return static_cast<uint32_t>(f32_to_bf16(lo)) | (static_cast<uint32_t>(f32_to_bf16(hi)) << 16);
+}
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  if (__builtin_expect(lo != lo || hi != hi, 0)) return pack_bf16x2_nan(lo, hi);
+  uint32_t d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -50,6 +64,17 @@ __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
+}
+
+/// The rotate_half rotation of one RoPE pair (lo, hi) = (x_i, x_{i+D/2}) by c and s (cos and sin
+/// times the scaling; s negated for the backward): lo' = lo·c − hi·s, hi' = hi·c + lo·s, each the
+/// first product fused with the rounded second one (fma). Written with explicit roundings, not left
+/// to the compiler's contraction (which fused different products in different kernels), so that
+/// every RoPE kernel (rope.cu, decode_fused.cuh's qkv_prepare) gives the same bits.
+__device__ __forceinline__ void rope_pair(float lo, float hi, float c, float s, float& out_lo,
+                                          float& out_hi) {
+  out_lo = __fmaf_rn(lo, c, -__fmul_rn(hi, s));
+  out_hi = __fmaf_rn(hi, c, __fmul_rn(lo, s));
 }
 
 /// 1/sqrt(mean_j x_j² + eps) of one row x[0, D), computed by the calling warp (lane l sums

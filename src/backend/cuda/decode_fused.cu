@@ -8,9 +8,10 @@ namespace dflash::cuda {
 namespace {
 
 template <int D>
-__global__ void __launch_bounds__(32 * decode_fused::kPrepWarps)
+__global__ void __launch_bounds__(decode_fused::kPrepMaxThreads, decode_fused::kPrepMinCtas)
     qkv_prepare_kernel(decode_fused::QkvPrepArgs a) {
-  decode_fused::qkv_prepare<D>(a);
+  DFLASH_DYNAMIC_SMEM(smem);
+  decode_fused::qkv_prepare<D>(a, reinterpret_cast<float*>(smem));
 }
 
 template <int D>
@@ -77,15 +78,13 @@ void decode_linear(const decode_fused::DecodeLinearArgs& a, bool f32_out, bool a
 
 void qkv_prepare(const decode_fused::QkvPrepArgs& a, int D, cudaStream_t s) {
   if (a.T == 0) return;
-  const int nheads = a.NH + 2 * a.NKV;
-  const dim3 grid(
-      static_cast<unsigned>(a.T),
-      static_cast<unsigned>((nheads + decode_fused::kPrepWarps - 1) / decode_fused::kPrepWarps));
-  const int threads = 32 * decode_fused::kPrepWarps;
+  const auto grid = static_cast<unsigned>(a.T);
+  const int threads = decode_fused::qkv_prep_threads(a.NH + 2 * a.NKV);
+  const size_t smem = sizeof(float) * static_cast<size_t>(D);  // the token's cos and sin
   if (D == 64)
-    qkv_prepare_kernel<64><<<grid, threads, 0, s>>>(a);
+    qkv_prepare_kernel<64><<<grid, threads, smem, s>>>(a);
   else
-    qkv_prepare_kernel<128><<<grid, threads, 0, s>>>(a);
+    qkv_prepare_kernel<128><<<grid, threads, smem, s>>>(a);
   DFLASH_CUDA_LAUNCH_CHECK();
 }
 

@@ -5,9 +5,13 @@
 // Layout facts the kernels rely on (checked by the host entry points): D is 64 or 128, so a warp's
 // lane holds E = D/32 values of a head; rows of q, k, v and the caches start 16-byte aligned.
 //
-// qkv_prepare: one warp per (token, head) of the fused projection row [q heads | k heads | v
-// heads]; lane j holds elements j, j + 32, … (the order rmsnorm_fwd_cuda sums them in), RoPE pairs
-// (i, i + D/2) are then elements e and e + E/2 of the same lane.
+// qkv_prepare: one CTA per token, kPrepLanes = 4 lanes per head of the fused projection row [q
+// heads | k heads | v heads], each lane moving 16-byte vectors: lane u of a head holds vectors u +
+// 4r (r < E), elements 32r + 8u + s (s < 8), which are the elements lanes 8u … 8u + 7 of a
+// warp-per-head layout hold (lane j: j, j + 32, …, the order rmsnorm_fwd_cuda sums them in). So
+// the norm's sum keeps rmsnorm_fwd_cuda's order (head_rstd), and RoPE pairs (i, i + D/2) are
+// vectors r and r + E/2 of the same lane. The D/2 cos and sin of the token's position are computed
+// once per CTA into shared memory (sincosf of the same argument: the same bits for every head).
 //
 // decode attention: split s of row t covers its visible keys [32·s, 32·s + 32) (ranges listed
 // [lo1, hi1) then [lo2, hi2)); one warp per (row, query head, split), lane i scoring key 32·s + i
@@ -26,44 +30,119 @@
 
 namespace dflash::cuda::decode_fused {
 
-// The warp's head of token blockIdx.x (grid: T × ⌈(NH + 2·NKV) / kPrepWarps⌉).
-template <int D>
-__device__ __forceinline__ void qkv_prepare(const QkvPrepArgs& a) {
-  constexpr int E = D / 32, HALF = E / 2;
-  const int lane = threadIdx.x & 31;
-  const int head = static_cast<int>(blockIdx.y) * kPrepWarps + static_cast<int>(threadIdx.x >> 5);
-  const int nheads = a.NH + 2 * a.NKV;
-  const int64_t t = blockIdx.x;
-  if (head >= nheads) return;
-  const uint16_t* src = a.qkv + (t * nheads + head) * D;
-  const int64_t qrow = a.q_rows ? a.q_rows[t] : t, kvrow = a.kv_rows ? a.kv_rows[t] : t;
-  if (head >= a.NH + a.NKV) {  // v: a copy into its cache row
-    uint16_t* dst = a.v_out + (kvrow * a.NKV + (head - a.NH - a.NKV)) * D;
-    for (int e = 0; e < E; ++e) dst[lane + 32 * e] = src[lane + 32 * e];
-    return;
+// ---- qkv_prepare (one CTA per token; kPrepLanes lanes per head, see the file comment).
+
+// The 8 bf16 values of a 16-byte vector, widened to fp32 in memory order.
+__device__ __forceinline__ void unpack8(const uint4& v, float (&x)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  for (int m = 0; m < 4; ++m) {
+    x[2 * m] = to_f32(static_cast<uint16_t>(w[m] & 0xffffu));
+    x[2 * m + 1] = to_f32(static_cast<uint16_t>(w[m] >> 16));
   }
-  const bool is_q = head < a.NH;
-  uint16_t* dst =
-      is_q ? a.q_out + (qrow * a.NH + head) * D : a.k_out + (kvrow * a.NKV + (head - a.NH)) * D;
-  const float* w = is_q ? a.q_norm : a.k_norm;
-  float x[E];
-  for (int e = 0; e < E; ++e) x[e] = to_f32(src[lane + 32 * e]);
-  if (w) {  // RMSNorm over the head, rounded to bf16 as rmsnorm_fwd_cuda stores it
+}
+// 8 fp32 values rounded to bf16 (pack_bf16x2: the bits of from_f32<uint16_t>), in memory order.
+__device__ __forceinline__ uint4 pack8(const float (&x)[8]) {
+  uint32_t w[4];
+  for (int m = 0; m < 4; ++m) w[m] = pack_bf16x2(x[2 * m], x[2 * m + 1]);
+  return uint4{w[0], w[1], w[2], w[3]};
+}
+
+// 1/sqrt(mean x² + eps) of the head whose E·32 values the calling lane and the three other lanes
+// of its group hold (lane u: x[r][s] = element 32r + 8u + s), in the summation order of
+// row_rstd (common.cuh): warp-per-row lane j = 8u + s sums its elements j, j + 32, … in order,
+// then the butterfly xor 16, 8 (here: shuffles xor 2, 1 between the group's lanes) and xor 4, 2,
+// 1 (here: between s and s ^ 4, s ^ 2, s ^ 1 inside the lane). a + b = b + a bit for bit, so each
+// step gives the butterfly's value. All 32 lanes of the warp must call it.
+template <int E>
+__device__ __forceinline__ float head_rstd(const float (&x)[E][8], int D, float eps) {
+  float part[8];
+  for (int s = 0; s < 8; ++s) {
     float ss = 0.f;
-    for (int e = 0; e < E; ++e) ss += x[e] * x[e];
-    ss = warp_sum(ss);
-    const float rs = 1.0f / sqrtf(ss / static_cast<float>(D) + a.eps);
-    for (int e = 0; e < E; ++e) x[e] = to_f32(from_f32<uint16_t>(w[lane + 32 * e] * (x[e] * rs)));
+    for (int r = 0; r < E; ++r) ss += x[r][s] * x[r][s];
+    part[s] = ss;
   }
+  for (int s = 0; s < 8; ++s) part[s] += __shfl_xor_sync(0xffffffffu, part[s], 2);  // xor 16
+  for (int s = 0; s < 8; ++s) part[s] += __shfl_xor_sync(0xffffffffu, part[s], 1);  // xor 8
+  for (int s = 0; s < 4; ++s) part[s] += part[s + 4];                               // xor 4
+  for (int s = 0; s < 2; ++s) part[s] += part[s + 2];                               // xor 2
+  const float ss = part[0] + part[1];                                               // xor 1
+  return 1.0f / sqrtf(ss / static_cast<float>(D) + eps);
+}
+
+// Head `head` of token t: the lane's vectors in[r] (r < E) → its q, k or v output row. q/k:
+// RMSNorm (when a.q_norm), RoPE from the token's table rot = [cos D/2 | sin D/2] (pair (i, i +
+// D/2) = vectors r and r + E/2 of this lane). v heads and lanes with head ≥ nheads take part in
+// the norm's shuffles only. All 32 lanes of the warp must call it.
+template <int D>
+__device__ __forceinline__ void qkv_prepare_head(const QkvPrepArgs& a, const float* rot,
+                                                 const uint4 (&in)[D / 32], int head, int64_t qrow,
+                                                 int64_t kvrow) {
+  constexpr int E = D / 32, HALF = E / 2;
+  const int u = static_cast<int>(threadIdx.x) % kPrepLanes, nheads = a.NH + 2 * a.NKV;
+  const bool is_q = head < a.NH, is_v = head >= a.NH + a.NKV;
+  const bool live = head < nheads;
+  if (live && is_v) {  // a copy into its cache row
+    uint4* dst = reinterpret_cast<uint4*>(a.v_out + (kvrow * a.NKV + (head - a.NH - a.NKV)) * D);
+    for (int r = 0; r < E; ++r) dst[kPrepLanes * r + u] = in[r];
+  }
+  float x[E][8];
+  for (int r = 0; r < E; ++r) unpack8(in[r], x[r]);
+  const float* w = is_q ? a.q_norm : a.k_norm;
+  float rs = 0.f;
+  if (a.q_norm) rs = head_rstd<E>(x, D, a.eps);  // warp-uniform: both norms or neither
+  if (!live || is_v) return;
+  if (w)  // RMSNorm over the head, rounded to bf16 as rmsnorm_fwd_cuda stores it
+    for (int r = 0; r < E; ++r) {
+      const float4* wv = reinterpret_cast<const float4*>(w + 32 * r + 8 * u);
+      const float4 w0 = wv[0], w1 = wv[1];
+      const float ws[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+      for (int s = 0; s < 8; s += 2) {
+        const uint32_t b = pack_bf16x2(ws[s] * (x[r][s] * rs), ws[s + 1] * (x[r][s + 1] * rs));
+        x[r][s] = to_f32(static_cast<uint16_t>(b & 0xffffu));
+        x[r][s + 1] = to_f32(static_cast<uint16_t>(b >> 16));
+      }
+    }
+  uint4* dst = reinterpret_cast<uint4*>(is_q ? a.q_out + (qrow * a.NH + head) * D
+                                             : a.k_out + (kvrow * a.NKV + (head - a.NH)) * D);
+  for (int r = 0; r < HALF; ++r) {  // RoPE, rotate_half pairs (i, i + D/2), as rope_fwd_cuda
+    float lo[8], hi[8];
+    for (int s = 0; s < 8; ++s) {
+      const int i = 32 * r + 8 * u + s;
+      rope_pair(x[r][s], x[r + HALF][s], rot[i], rot[D / 2 + i], lo[s], hi[s]);
+    }
+    dst[kPrepLanes * r + u] = pack8(lo);
+    dst[kPrepLanes * (r + HALF) + u] = pack8(hi);
+  }
+}
+
+// Token blockIdx.x (grid: T CTAs of qkv_prep_threads(NH + 2·NKV) threads, D floats of dynamic
+// shared memory at `rot`). The first round's loads are issued before the cos/sin table is built.
+template <int D>
+__device__ __forceinline__ void qkv_prepare(const QkvPrepArgs& a, float* rot) {
+  constexpr int E = D / 32;
+  const int u = static_cast<int>(threadIdx.x) % kPrepLanes, nheads = a.NH + 2 * a.NKV;
+  const int per_round = static_cast<int>(blockDim.x) / kPrepLanes;
+  const int64_t t = blockIdx.x;
+  const uint4* row = reinterpret_cast<const uint4*>(a.qkv + t * nheads * D);
+  const int64_t qrow = a.q_rows ? a.q_rows[t] : t, kvrow = a.kv_rows ? a.kv_rows[t] : t;
+  auto load = [&](uint4(&in)[E], int head) {
+    for (int r = 0; r < E; ++r)
+      in[r] = head < nheads ? row[head * (D / 8) + kPrepLanes * r + u] : uint4{0u, 0u, 0u, 0u};
+  };
+  uint4 in[E];
+  int head = static_cast<int>(threadIdx.x) / kPrepLanes;
+  load(in, head);
   const float p = static_cast<float>(a.pos[t]);
-  for (int e = 0; e < HALF; ++e) {  // RoPE, rotate_half pairs (i, i + D/2), as rope_fwd_cuda
-    const int i = lane + 32 * e;
+  for (int i = static_cast<int>(threadIdx.x); i < D / 2; i += static_cast<int>(blockDim.x)) {
     float sn, cs;
     sincosf(p * a.inv_freq[i], &sn, &cs);
-    const float c = cs * a.rope_scaling, s = sn * a.rope_scaling;
-    const float lo = x[e], hi = x[e + HALF];
-    dst[i] = from_f32<uint16_t>(lo * c - hi * s);
-    dst[i + D / 2] = from_f32<uint16_t>(hi * c + lo * s);
+    rot[i] = cs * a.rope_scaling;
+    rot[D / 2 + i] = sn * a.rope_scaling;
+  }
+  __syncthreads();
+  for (int base = 0; base < nheads; base += per_round, head += per_round) {  // warp-uniform
+    if (base > 0) load(in, head);
+    qkv_prepare_head<D>(a, rot, in, head, qrow, kvrow);
   }
 }
 

@@ -9,8 +9,17 @@
 
 namespace dflash::cuda::decode_fused {
 
-constexpr int kSplitKeys = 32;  // = kDecodeSplitKeys (ops/decode_fused.hpp): one key per lane
-constexpr int kPrepWarps = 8;   // warps per CTA of qkv_prepare
+constexpr int kSplitKeys = 32;        // = kDecodeSplitKeys (ops/decode_fused.hpp): one key per lane
+constexpr int kPrepLanes = 4;         // lanes per head of qkv_prepare (16-byte vectors each)
+constexpr int kPrepMaxThreads = 256;  // more heads than kPrepMaxThreads / 4 take several rounds
+constexpr int kPrepMinCtas = 3;       // __launch_bounds__: ≤ 80 registers, no spills (sm_90a)
+
+/// Threads of qkv_prepare's CTA (one token) for `nheads` heads: kPrepLanes per head, whole warps,
+/// at most kPrepMaxThreads.
+constexpr int qkv_prep_threads(int nheads) {
+  const int t = (kPrepLanes * nheads + 31) / 32 * 32;
+  return t < kPrepMaxThreads ? t : kPrepMaxThreads;
+}
 constexpr int kCombineWarps = 8;
 
 struct QkvPrepArgs {

@@ -3,8 +3,10 @@
 // backend/cuda/decode_fused.cu run on the context's stream. Nothing allocates.
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <type_traits>
+#include <utility>
 
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/decode_fused_launch.hpp"
@@ -36,6 +38,19 @@ void qkv_prepare_cuda(cuda::CudaContext& ctx, uint16_t* q_out, const int32_t* q_
   if (p.T == 0) return;
   DFLASH_CHECK(q_out && k_out && v_out && qkv && p.pos && p.inv_freq,
                "qkv_prepare_cuda: null pointer");
+  const auto misaligned = [](const void* ptr) {
+    return reinterpret_cast<uintptr_t>(ptr) % 16 != 0;
+  };
+  for (const auto& [name, ptr] : {std::pair<const char*, const void*>{"qkv", qkv},
+                                  {"q_out", q_out},
+                                  {"k_out", k_out},
+                                  {"v_out", v_out},
+                                  {"q_norm", p.q_norm},
+                                  {"k_norm", p.k_norm}})
+    DFLASH_CHECK(!misaligned(ptr),
+                 "qkv_prepare_cuda: {} must be 16-byte aligned (it moves 16-byte "
+                 "vectors)",
+                 name);
   const cuda::decode_fused::QkvPrepArgs a{q_out,
                                           q_rows,
                                           k_out,

@@ -1,5 +1,6 @@
 // dflash.cpp — CUDA kernel of RoPE, rotate_half pairs (semantics: src/ops/rope.hpp). One thread per
-// (row, head, pair) in a grid-stride loop; angles and products in fp32, sincosf per element. The
+// (row, head, pair) in a grid-stride loop; angles and products in fp32, sincosf per element, the
+// rotation as common.cuh's rope_pair (explicit fma, the same bits in every RoPE kernel). The
 // backward is the same rotation with the sine negated (sign = −1). The fused per-head RMSNorm +
 // RoPE of the q/k path (one warp per head row) rounds the normed value to the storage type before
 // the rotation, so it gives the bits of the two kernels in a row. No fmt in this file (nvcc).
@@ -25,9 +26,10 @@ __global__ void rope_kernel(T* y, const T* x, const int32_t* pos, const float* i
     const float c = cs * scaling, s = sign * (sn * scaling);
     const T* xr = x + th * D;
     T* yr = y + th * D;
-    const float a = to_f32(xr[i]), b = to_f32(xr[i + half]);
-    yr[i] = from_f32<T>(a * c - b * s);
-    yr[i + half] = from_f32<T>(b * c + a * s);
+    float lo, hi;
+    rope_pair(to_f32(xr[i]), to_f32(xr[i + half]), c, s, lo, hi);
+    yr[i] = from_f32<T>(lo);
+    yr[i + half] = from_f32<T>(hi);
   }
 }
 
@@ -55,8 +57,10 @@ __global__ void rmsnorm_rope_kernel(Y* y, const X* x, const float* w, const int3
     float sn, cs;
     sincosf(ang, &sn, &cs);
     const float c = cs * scaling, sv = 1.0f * (sn * scaling);
-    yr[i] = from_f32<Y>(a * c - b * sv);
-    yr[i + half] = from_f32<Y>(b * c + a * sv);
+    float lo, hi;
+    rope_pair(a, b, c, sv, lo, hi);
+    yr[i] = from_f32<Y>(lo);
+    yr[i + half] = from_f32<Y>(hi);
   }
 }
 

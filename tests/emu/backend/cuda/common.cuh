@@ -27,6 +27,9 @@
 struct uint4 {
   uint32_t x, y, z, w;
 };
+struct float4 {
+  float x, y, z, w;
+};
 
 inline int min(int a, int b) {
   return a < b ? a : b;
@@ -114,6 +117,16 @@ inline float from_f32<float>(float v) {
 template <>
 inline uint16_t from_f32<uint16_t>(float v) {
   return dflash::f32_to_bf16_bits(v);
+}
+// The real header's pair of bf16 (cvt.rn.bf16x2.f32 there, the same bits as f32_to_bf16 twice).
+inline uint32_t pack_bf16x2(float lo, float hi) {
+  return static_cast<uint32_t>(f32_to_bf16(lo)) | (static_cast<uint32_t>(f32_to_bf16(hi)) << 16);
+}
+// The real header's rotation of a RoPE pair: fma as __fmaf_rn (std::fma rounds once), products
+// rounded as __fmul_rn.
+inline void rope_pair(float lo, float hi, float c, float s, float& out_lo, float& out_hi) {
+  out_lo = std::fma(lo, c, -(hi * s));
+  out_hi = std::fma(hi, c, lo * s);
 }
 // The real header's butterfly order (xor 16, 8, 4, 2, 1), so sums round as on the GPU.
 inline float warp_sum(float v) {
