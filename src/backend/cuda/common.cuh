@@ -1,11 +1,12 @@
 // dflash.cpp — device helpers shared by the .cu files: bf16 (raw uint16_t bits) loads and stores
 // with the same rounding as core/dtype.hpp (round to nearest even, NaN stays a quiet NaN with its
-// sign), warp and block reductions in a fixed order (deterministic), launch checks.
+// sign), warp and block reductions in a fixed order (deterministic; a block argmax), launch checks.
 // No fmt, no core/error.hpp here (nvcc cannot evaluate fmt's consteval checks).
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
 
 #include "backend/cuda/check.hpp"
@@ -122,6 +123,41 @@ __device__ __forceinline__ S block_sum(S v, S* sh) {
   __syncthreads();
   S r = lane < nw ? sh[lane] : S(0);
   return warp_sum(r);
+}
+
+/// The argmax of row[0, V) over the block (blockDim.x a power of two, ≤ kThreads): each thread
+/// scans a strided slice keeping (max, smallest index), then a shared-memory tree prefers the
+/// larger value and, on ties, the smaller index, so the result is the smallest index of the row's
+/// maximum (the CPU's argmax_row). A row of −inf or NaN only gives 0. Every thread must call it;
+/// the result is valid in thread 0.
+template <int kThreads>
+__device__ __forceinline__ int32_t block_argmax(const float* row, int64_t V) {
+  float best = -INFINITY;
+  int64_t idx = V;  // none yet
+  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
+    const float v = row[i];
+    if (v > best) {  // strict: the smallest index of a thread's maximum; NaN never compares
+      best = v;
+      idx = i;
+    }
+  }
+  __shared__ float sv[kThreads];
+  __shared__ int64_t si[kThreads];
+  sv[threadIdx.x] = best;
+  si[threadIdx.x] = idx;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) {
+      const float ov = sv[threadIdx.x + w];
+      const int64_t oi = si[threadIdx.x + w];
+      if (ov > sv[threadIdx.x] || (ov == sv[threadIdx.x] && oi < si[threadIdx.x])) {
+        sv[threadIdx.x] = ov;
+        si[threadIdx.x] = oi;
+      }
+    }
+    __syncthreads();
+  }
+  return static_cast<int32_t>(si[0] < V ? si[0] : 0);
 }
 
 /// Threads per block of the grid-stride elementwise kernels (embedding, RMSNorm's dw, RoPE,

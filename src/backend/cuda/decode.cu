@@ -38,38 +38,13 @@ __global__ void kv_scatter_kernel(uint16_t* cache, const uint16_t* rows, const i
 
 constexpr int kArgmaxThreads = 256;
 
-// One CTA per row: each thread scans a strided slice keeping (max, smallest index), then a
-// shared-memory reduction that prefers the larger value and, on ties, the smaller index.
+// One CTA per row: block_argmax (common.cuh), the smallest index of the row's maximum.
 __global__ void argmax_rows_kernel(int32_t* out, const float* logits, int64_t V, int skip) {
   const int64_t r = blockIdx.x;
   if (skip > 0 && r % skip == 0) return;
   const float* row = logits + r * V;
-  float best = -INFINITY;
-  int64_t idx = V;  // none yet (a row of -inf or NaN only gives 0, as the CPU's argmax_row)
-  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
-    const float v = row[i];
-    if (v > best) {  // strict: the smallest index of a thread's maximum; NaN never compares
-      best = v;
-      idx = i;
-    }
-  }
-  __shared__ float sv[kArgmaxThreads];
-  __shared__ int64_t si[kArgmaxThreads];
-  sv[threadIdx.x] = best;
-  si[threadIdx.x] = idx;
-  __syncthreads();
-  for (int w = blockDim.x / 2; w > 0; w /= 2) {
-    if (threadIdx.x < w) {
-      const float ov = sv[threadIdx.x + w];
-      const int64_t oi = si[threadIdx.x + w];
-      if (ov > sv[threadIdx.x] || (ov == sv[threadIdx.x] && oi < si[threadIdx.x])) {
-        sv[threadIdx.x] = ov;
-        si[threadIdx.x] = oi;
-      }
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) out[r] = static_cast<int32_t>(si[0] < V ? si[0] : 0);
+  const int32_t best = block_argmax<kArgmaxThreads>(row, V);
+  if (threadIdx.x == 0) out[r] = best;
 }
 
 // One thread per request.

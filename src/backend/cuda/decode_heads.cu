@@ -109,39 +109,14 @@ __global__ void head_silu_kernel(float* a, int64_t n) {
   if (t < n) a[t] = a[t] * sigmoidf(a[t]);
 }
 
-// One CTA per request: each thread keeps its strided slice's (max, smallest index), then a
-// shared-memory tree that prefers the larger value and, on ties, the smaller index.
+// One CTA per request: block_argmax (common.cuh), the smallest index of the row's maximum.
 __global__ void __launch_bounds__(kRowThreads)
     slot_argmax_kernel(int32_t* block, int64_t ld_block, int64_t col, const float* rows, int64_t ld,
                        int64_t V) {
   const int64_t b = blockIdx.x;
   const float* row = rows + b * ld;
-  float best = -INFINITY;
-  int64_t idx = V;
-  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
-    const float v = row[i];
-    if (v > best) {
-      best = v;
-      idx = i;
-    }
-  }
-  __shared__ float sv[kRowThreads];
-  __shared__ int64_t si[kRowThreads];
-  sv[threadIdx.x] = best;
-  si[threadIdx.x] = idx;
-  __syncthreads();
-  for (int w = blockDim.x / 2; w > 0; w /= 2) {
-    if (threadIdx.x < w) {
-      const float ov = sv[threadIdx.x + w];
-      const int64_t oi = si[threadIdx.x + w];
-      if (ov > sv[threadIdx.x] || (ov == sv[threadIdx.x] && oi < si[threadIdx.x])) {
-        sv[threadIdx.x] = ov;
-        si[threadIdx.x] = oi;
-      }
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) block[b * ld_block + col] = static_cast<int32_t>(si[0] < V ? si[0] : 0);
+  const int32_t best = block_argmax<kRowThreads>(row, V);
+  if (threadIdx.x == 0) block[b * ld_block + col] = best;
 }
 
 // One CTA per request: thread t sums its contiguous slice of the row (f64, in id order); thread 0
