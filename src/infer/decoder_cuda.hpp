@@ -130,7 +130,7 @@ class SpeculativeDecoderCuda final : public Decoder {
   /// Runs the layer projections of a step's target and drafter forwards on decode_linear_cuda
   /// (a row's bits do not depend on the row count, the weights stream once per 128 rows) or, off
   /// (default), on cuBLASLt, which was faster on the H200 for the Qwen3-8B shapes at batch 1 and
-  /// 8 (bench/cuda/decode_cuda_bench, docs/perf-runs.md). Part of a graph's key.
+  /// 8 (bench/cuda/decode_cuda_bench, docs/perf-runs-decoding.md). Part of a graph's key.
   void row_gemm(bool on) { split_.row_gemm = on; }
   /// Step graphs captured so far.
   size_t graphs_captured() const { return graphs_.size(); }

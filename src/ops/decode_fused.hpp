@@ -91,7 +91,7 @@ void decode_attention_cuda(cuda::CudaContext& ctx, uint16_t* o, const uint16_t* 
 /// y[M, OUT] = x[M, IN] · W[OUT, IN]ᵀ (`accumulate`: y += …, f32 only) for the few rows of a
 /// decoding step: bf16 x and W, fp32 accumulation on tensor cores (mma m16n8k16), Y f32 or bf16
 /// bits (rounded once). One pass over W per 128 rows: the weights stream at memory speed when
-/// M is small, where cuBLASLt's kernels read the skinny shapes slowly (docs/perf-runs.md). A
+/// M is small, where cuBLASLt reads the skinny shapes slowly (docs/perf-runs-decoding.md). A
 /// row's sum runs in an order fixed by IN alone (64-value chunks in four contiguous quarters, the
 /// quarters added in order), so row r of y has the same bits for every M and every other row: a
 /// verify of K rows and a one-token step agree, batch N agrees with batch 1. Needs IN a multiple of

@@ -585,7 +585,7 @@ std::vector<float> gpu_last_logits(cuda::CudaContext& ctx, TargetCuda& tc, const
 // activations) and the CUDA target's (bf16) of the two tokens must each be within the bf16
 // tolerance of whole target forwards (tol::kTargetTaps × the row's largest |logit|) of a tie: a
 // near-tie taken the other way, not a wrong token. Prints each such prompt (the τ of `dflash eval`
-// on the other prompts is compared in docs/perf-runs.md).
+// on the other prompts is compared in docs/perf-runs-decoding.md).
 TEST(DecoderCudaGreedyPaths, EvalPromptsLeaveTheCpuOnlyAtNearTies) {
   DFLASH_REQUIRE_GPU();
   cuda::CudaContext ctx(0);
