@@ -779,6 +779,12 @@ TEST(CrossEntropyFused, ChunkedEqualsUnfusedForEveryChunkSize) {
     EXPECT_NEAR(sb.loss_sum, sr.loss_sum, 1e-6 * std::abs(sr.loss_sum));
     EXPECT_LT(test::rel_error(dhb, dhr), 1e-6);
   }
+  // Skipping each block's first row is the CUDA entry's alone: the CPU refuses it.
+  FusedCeParams skip{R, H, V, 7, gscale};
+  skip.skip_first_of = 4;
+  EXPECT_THROW(cross_entropy_fused_cpu(nullptr, nullptr, nullptr, nullptr, hidden.data(),
+                                       head.data(), labels.data(), w.data(), skip),
+               Error);
 }
 
 }  // namespace

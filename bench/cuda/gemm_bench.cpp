@@ -63,9 +63,10 @@ struct Case {
   int per_step;     // calls per training step (target 34 layers, drafter 5)
 };
 
-// Sizes of the reference batch.
+// Sizes of the reference batch. CE: the fused CE's chunk of 8,192 block rows = 512 blocks, whose
+// 15 head rows each enter the GEMMs (the anchor slot is skipped: FusedCeParams::skip_first_of).
 constexpr int64_t T = 8192, NK = 32768, TK = T + NK, H = 4096, I = 12288, QD = 4096, KD = 1024;
-constexpr int64_t F = 5 * H, V = 151936, CE = 8192;
+constexpr int64_t F = 5 * H, V = 151936, CE = 8192 / 16 * 15;
 constexpr DType f32 = DType::f32, bf = DType::bf16;
 
 // linear_fwd: y[T,OUT] = x·Wᵀ → (M T, N OUT, K IN, ta false, tb true).

@@ -138,11 +138,7 @@ void DrafterCuda::take_buffers(cuda::DeviceArena& a) {
     domino_rows_ = a.get_bytes("drafter.domino.rows", domino_rows_bytes_);
     domino_sums_ = a.get<double>("drafter.domino.sums", 4);
   } else {
-    FusedCeParams cp;
-    cp.R = NK;
-    cp.H = H;
-    cp.V = c.vocab_size;
-    cp.chunk_rows = ce_chunk_rows_;
+    const FusedCeParams cp = drafter_ce_params(c, NK, ce_chunk_rows_);
     ce_ws_bytes_ = cross_entropy_fused_cuda_workspace_bytes(cp, true, false);
     ce_ws_ = a.get_bytes("drafter.ce_workspace", ce_ws_bytes_);
   }
@@ -476,11 +472,13 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
     DFLASH_CUDA_CHECK(
         cudaMemcpyAsync(sums_, domino_sums_, 2 * sizeof(double), cudaMemcpyDeviceToDevice, s));
   } else if (!d2_base_in_head) {
-    FusedCeParams cp;
-    cp.R = NK;
-    cp.H = H;
-    cp.V = c.vocab_size;
-    cp.chunk_rows = ce_chunk_rows_;
+    // Without an objective head the anchor slots never enter the LM head (drafter_ce_params):
+    // their weight is 0 by block_targets, which the objective's first supervised slot says.
+    FusedCeParams cp = drafter_ce_params(c, NK, ce_chunk_rows_);
+    DFLASH_CHECK(cp.skip_first_of == 0 || in.objective.first_slot() == 1,
+                 "DrafterCuda::forward_backward: the {} objective supervises slot 0, which the "
+                 "fused CE of this drafter skips",
+                 objective_kind_name(in.objective.kind));
     cp.grad_scale = grad_scale;
     cross_entropy_fused_cuda(ctx_, d_hf_, nullptr, argmax_, dpace ? row_w_ : nullptr, sums_, hf_,
                              head_, in.labels, in.weights, cp, ce_ws_, ce_ws_bytes_);

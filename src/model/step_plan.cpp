@@ -329,11 +329,7 @@ void plan_drafter_step(ArenaPlanner& p, const DrafterConfig& c, const DrafterLay
 
   // Final norm and the fused CE.
   const PhaseMask head = step_phases({kPhaseHead});
-  FusedCeParams cp;
-  cp.R = s.max_rows;
-  cp.H = c.hidden_size;
-  cp.V = c.vocab_size;
-  cp.chunk_rows = s.ce_chunk_rows;
+  const FusedCeParams cp = drafter_ce_params(c, s.max_rows, s.ce_chunk_rows);
   p.add("drafter.hf", kGroupHead, NK * H * kBf, head);
   p.add("drafter.d_hf", kGroupHead, NK * H * kF, head);
   if (c.dspark.enabled) {
@@ -401,6 +397,17 @@ void plan_op_scratch(ArenaPlanner& p, const ModelConfig& target, int64_t target_
   p.add("workspace.op_scratch", kGroupOpScratch, most, step_all_phases());
 }
 
+FusedCeParams drafter_ce_params(const DrafterConfig& c, int64_t rows, int64_t ce_chunk_rows) {
+  FusedCeParams cp;
+  cp.R = rows;
+  cp.H = c.hidden_size;
+  cp.V = c.vocab_size;
+  cp.chunk_rows = ce_chunk_rows;
+  const bool head = c.dspark.enabled || c.domino.enabled || c.dflash2.enabled;
+  cp.skip_first_of = head ? 0 : c.block_size;
+  return cp;
+}
+
 DrafterFlops drafter_step_flops(const DrafterConfig& c, int64_t T, int64_t NK,
                                 double visible_keys) {
   const double t = static_cast<double>(T), nk = static_cast<double>(NK), tk = t + nk;
@@ -414,7 +421,8 @@ DrafterFlops drafter_step_flops(const DrafterConfig& c, int64_t T, int64_t NK,
   const double fc = 2.0 * t * F * H;
   DrafterFlops f;
   f.fwd_gemm = fc + layers;
-  f.head = 2.0 * (2.0 * nk * H * V);
+  const auto head_rows = static_cast<double>(fused_ce_head_rows(drafter_ce_params(c, NK, 1)));
+  f.head = 2.0 * (2.0 * head_rows * H * V);
   f.bwd_gemm = fc + 2.0 * layers;  // fc: weight gradient only (the features are frozen)
   f.attn_fwd = 4.0 * static_cast<double>(c.head_dim) * static_cast<double>(c.num_heads) *
                visible_keys * static_cast<double>(c.num_layers);

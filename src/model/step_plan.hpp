@@ -29,6 +29,7 @@
 #include "core/arena_plan.hpp"
 #include "model/config.hpp"
 #include "model/drafter.hpp"
+#include "ops/cross_entropy.hpp"
 
 namespace dflash {
 
@@ -71,6 +72,13 @@ struct DrafterStepSizes {
   int64_t ce_chunk_rows = 0;  ///< rows per chunk of the fused LM-head CE
   DrafterActivations activations = DrafterActivations::recompute;
 };
+
+/// The fused LM-head CE of a drafter step over `rows` block rows (hidden size, vocabulary, chunks
+/// of `ce_chunk_rows`; grad_scale 1, the step sets its own). A drafter without an objective head
+/// (dflash and the D-PACE losses: block_targets never supervises slot 0) skips every block's
+/// first row (skip_first_of = block size: 1/K of the CE's GEMMs saved); a DSpark or Domino
+/// drafter has no fused CE, and DFlash2's selector reads every row's CE outputs: skip_first_of 0.
+FusedCeParams drafter_ce_params(const DrafterConfig& c, int64_t rows, int64_t ce_chunk_rows);
 
 /// Group names used in the tables.
 inline constexpr const char* kGroupTargetWeights = "target weights (bf16)";
@@ -175,7 +183,7 @@ void plan_op_scratch(ArenaPlanner& p, const ModelConfig& target, int64_t target_
 /// drafter_attention_flops). For throughput figures.
 struct DrafterFlops {
   double fwd_gemm = 0;  ///< fc, q/k/v/o, gate|up, down
-  double head = 0;      ///< logits GEMM + d_hidden GEMM of the fused CE
+  double head = 0;      ///< logits GEMM + d_hidden GEMM of the fused CE (its head rows only)
   double bwd_gemm = 0;  ///< input and weight gradients of every trained GEMM
   double attn_fwd = 0;  ///< useful attention FLOPs (visible keys only), forward
   double attn_bwd = 0;  ///< the same for the backward (2.5× the forward's)

@@ -1242,15 +1242,15 @@ BenchReport run_bench(const BenchOptions& o) {
     // The fused LM-head CE with its input gradient, over the step's block rows.
     DeviceMemory hid(Tq * H * 2), dhid(Tq * H * 4), amax(Tq * 4), sums(16);
     fill_uniform_cuda(ctx, hid.as<uint16_t>(), Tq * H, 0.0f, 1.0f, 31);
-    FusedCeParams cp;
-    cp.R = Tq;
-    cp.H = H;
-    cp.V = V;
-    cp.chunk_rows = kDrafterCeChunkRows;
+    // The drafter's parameters: without an objective head the anchor slots are skipped.
+    const FusedCeParams cp = drafter_ce_params(d, Tq, kDrafterCeChunkRows);
     const uint64_t ws_bytes = cross_entropy_fused_cuda_workspace_bytes(cp, true, false);
     void* ws = arena.get_bytes("drafter.ce_workspace", ws_bytes);  // idle outside the head phase
-    const double ce_flops = 4.0 * static_cast<double>(Tq * H) * static_cast<double>(V);
-    BenchKernel ce{"fused LM-head CE + grad", fmt::format("{} rows, H {}, V {}", Tq, H, V), NAN,
+    const int64_t head_rows = fused_ce_head_rows(cp);
+    const double ce_flops = 4.0 * static_cast<double>(head_rows * H) * static_cast<double>(V);
+    const std::string rows =
+        head_rows == Tq ? fmt::format("{} rows", Tq) : fmt::format("{} of {} rows", head_rows, Tq);
+    BenchKernel ce{"fused LM-head CE + grad", fmt::format("{}, H {}, V {}", rows, H, V), NAN,
                    ce_flops, ce_flops / kPeakBf16Flops * 1e3};
     ce.ms = time_kernel(ctx, o.kernel_reps, [&] {
       cross_entropy_fused_cuda(ctx, dhid.as<float>(), nullptr, amax.as<int32_t>(), nullptr,

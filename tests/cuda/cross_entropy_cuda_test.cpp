@@ -1,9 +1,12 @@
 // CUDA fused LM-head cross-entropy vs cross_entropy_fused_cpu (bf16 head, fp32 hidden rounded to
 // bf16): V not a multiple of any tile, chunks that do not divide R, zero-weight rows with garbage
-// labels, guard bytes, deterministic sums.
+// labels, guard bytes, deterministic sums; blocks whose first row is skipped (skip_first_of).
 #include <cmath>
+#include <random>
+#include <tuple>
 
 #include "backend/cuda/context.hpp"
+#include "core/error.hpp"
 #include "cuda/cuda_test_util.hpp"
 #include "cuda/tolerances.hpp"
 #include "ops/cross_entropy.hpp"
@@ -92,4 +95,114 @@ TEST(CrossEntropyCuda, NullWeightsMeanAllOnes) {
   const auto s = sums.download();
   EXPECT_NEAR(s[0], st.loss_sum, tol::kCeLoss * st.loss_sum);
   EXPECT_EQ(s[1], static_cast<double>(R));
+}
+
+namespace {
+
+// skip_first_of K: blocks of K rows whose first row (weight 0, garbage label) never enters the
+// LM head. Against the CPU fused CE over every row and against the CUDA CE without skipping: the
+// same sums, gradient and head rows' lse/argmax; a skipped row has d_hidden 0, lse NaN, argmax −1.
+void run_skip(int64_t blocks, int64_t K, int64_t H, int64_t V, int64_t chunk, uint32_t seed) {
+  const int64_t R = blocks * K;
+  SCOPED_TRACE(::testing::Message() << "blocks=" << blocks << " K=" << K << " H=" << H
+                                    << " V=" << V << " chunk=" << chunk);
+  cuda::CudaContext ctx(0);
+  const auto hidden = to_bf16(randn(static_cast<size_t>(R * H), seed));
+  const auto head = to_bf16(randn(static_cast<size_t>(V * H), seed + 1, 0.2f));
+  std::vector<int32_t> labels(static_cast<size_t>(R));
+  std::vector<float> weights(static_cast<size_t>(R));
+  std::mt19937 rng(seed + 2);
+  for (int64_t r = 0; r < R; ++r) {
+    const bool anchor = r % K == 0, pad = r % 7 == 5;
+    labels[static_cast<size_t>(r)] = anchor ? static_cast<int32_t>(V + 9) : pad ? -3
+                                                                       : static_cast<int32_t>(rng() % V);
+    weights[static_cast<size_t>(r)] = anchor || pad ? 0.0f : 0.5f + static_cast<float>(r % 3);
+  }
+  FusedCeParams p{R, H, V, chunk, 0.61};
+  const auto hf = from_bf16(hidden);
+  std::vector<float> dh_ref(static_cast<size_t>(R * H)), lse_ref(static_cast<size_t>(R));
+  std::vector<int32_t> am_ref(static_cast<size_t>(R));
+  const CrossEntropyStats st =
+      cross_entropy_fused_cpu(dh_ref.data(), lse_ref.data(), am_ref.data(), nullptr, hf.data(),
+                              head.data(), labels.data(), weights.data(), p);
+  DeviceGuarded<uint16_t> dhid(hidden), dhead(head);
+  DeviceGuarded<int32_t> dlab(labels);
+  DeviceGuarded<float> dw(weights);
+  auto fused = [&](const FusedCeParams& q, bool skip_ws) {
+    DeviceGuarded<float> dh(static_cast<size_t>(R * H)), lse(static_cast<size_t>(R)),
+        loss(static_cast<size_t>(R));
+    DeviceGuarded<int32_t> am(static_cast<size_t>(R));
+    DeviceGuarded<double> sums(2);
+    // Once with the caller's workspace of exactly the documented size, once from scratch.
+    const uint64_t bytes = cross_entropy_fused_cuda_workspace_bytes(q, true, false);
+    DeviceGuarded<uint8_t> ws(skip_ws ? 0 : static_cast<size_t>(bytes));
+    cross_entropy_fused_cuda(ctx, dh.get(), lse.get(), am.get(), loss.get(), sums.get(),
+                             dhid.get(), dhead.get(), dlab.get(), dw.get(), q,
+                             skip_ws ? nullptr : ws.get(), skip_ws ? 0 : bytes);
+    EXPECT_TRUE(dh.guard_intact() && lse.guard_intact() && loss.guard_intact() &&
+                am.guard_intact() && sums.guard_intact() && ws.guard_intact());
+    return std::make_tuple(dh.download(), lse.download(), am.download(), loss.download(),
+                           sums.download());
+  };
+  FusedCeParams q = p;
+  q.skip_first_of = K;
+  const auto [dh, lse, am, loss, s] = fused(q, false);
+  const auto [dh0, lse0, am0, loss0, s0] = fused(p, true);
+  EXPECT_NEAR(s[0], st.loss_sum, tol::kCeLoss * std::abs(st.loss_sum));
+  EXPECT_EQ(s[1], s0[1]);
+  EXPECT_NEAR(s[0], s0[0], tol::kCeLoss * std::abs(s0[0]));
+  EXPECT_LT(rel_error(dh, dh_ref), tol::kCeGrad);
+  for (int64_t r = 0; r < R; ++r) {
+    const auto i = static_cast<size_t>(r);
+    if (r % K == 0) {
+      EXPECT_EQ(am[i], -1) << "row " << r;
+      EXPECT_TRUE(std::isnan(lse[i])) << "row " << r;
+      EXPECT_EQ(loss[i], 0.0f) << "row " << r;
+      for (int64_t c = 0; c < H; ++c) ASSERT_EQ(dh[i * H + c], 0.0f) << "row " << r;
+    } else {
+      EXPECT_EQ(am[i], am_ref[i]) << "row " << r;
+      EXPECT_NEAR(lse[i], lse_ref[i], tol::kLse * (1 + std::abs(lse_ref[i]))) << "row " << r;
+      EXPECT_NEAR(loss[i], loss0[i], 1e-5f * (1 + std::abs(loss0[i]))) << "row " << r;
+    }
+  }
+  // Deterministic: a second run, from the context's scratch, gives the same bits.
+  const auto [dh2, lse2, am2, loss2, s2] = fused(q, true);
+  EXPECT_TRUE(same_bits(dh2, dh) && same_bits(s2, s) && same_bits(loss2, loss) && am2 == am);
+}
+
+}  // namespace
+
+TEST(CrossEntropyCuda, SkipFirstOfEachBlock) {
+  DFLASH_REQUIRE_GPU();
+  run_skip(7, 5, 72, 1001, 12, 11);   // 16-byte gather and scatter; 4 chunks, the last of 1 block
+  run_skip(7, 5, 36, 1024, 3, 12);    // scalar gather (H % 8 ≠ 0); chunk < K: 1 block a chunk
+  run_skip(3, 16, 42, 517, 64, 13);   // both scalar; one chunk of every block
+  run_skip(1, 2, 64, 300, 1, 14);     // K 2: one head row a block
+}
+
+TEST(CrossEntropyCuda, SkipFirstOfRefusesBadShapesAndFlagsAWeightedSkippedRow) {
+  DFLASH_REQUIRE_GPU();
+  cuda::CudaContext ctx(0);
+  const int64_t K = 4, R = 8, H = 64, V = 257;
+  const auto hidden = to_bf16(randn(static_cast<size_t>(R * H), 21));
+  const auto head = to_bf16(randn(static_cast<size_t>(V * H), 22, 0.2f));
+  std::vector<int32_t> labels(static_cast<size_t>(R), 5);
+  std::vector<float> weights(static_cast<size_t>(R), 1.0f);
+  DeviceGuarded<uint16_t> dhid(hidden), dhead(head);
+  DeviceGuarded<int32_t> dlab(labels);
+  DeviceGuarded<float> dw(weights);
+  DeviceGuarded<double> sums(2);
+  FusedCeParams p{R - 1, H, V, 4, 1.0};
+  p.skip_first_of = K;  // R − 1 is not a multiple of K
+  EXPECT_THROW(cross_entropy_fused_cuda(ctx, nullptr, nullptr, nullptr, nullptr, sums.get(),
+                                        dhid.get(), dhead.get(), dlab.get(), dw.get(), p),
+               Error);
+  p.R = R;  // null weights would mean weight 1 on the skipped rows
+  EXPECT_THROW(cross_entropy_fused_cuda(ctx, nullptr, nullptr, nullptr, nullptr, sums.get(),
+                                        dhid.get(), dhead.get(), dlab.get(), nullptr, p),
+               Error);
+  // Weight 1 on the skipped rows: their loss is NaN, so the step's loss is.
+  cross_entropy_fused_cuda(ctx, nullptr, nullptr, nullptr, nullptr, sums.get(), dhid.get(),
+                           dhead.get(), dlab.get(), dw.get(), p);
+  EXPECT_TRUE(std::isnan(sums.download()[0]));
 }

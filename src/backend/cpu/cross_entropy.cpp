@@ -196,6 +196,10 @@ CrossEntropyStats fused_impl(S* d_hidden, S* lse, int32_t* argmax, S* row_loss_o
   DFLASH_CHECK(R >= 0 && H > 0 && V > 0 && p.chunk_rows > 0,
                "cross_entropy_fused: bad sizes R={} H={} V={} chunk_rows={}", R, H, V,
                p.chunk_rows);
+  DFLASH_CHECK(p.skip_first_of <= 1,
+               "cross_entropy_fused_cpu: skip_first_of {} is CUDA only (the CPU trainer packs its "
+               "supervised rows itself)",
+               p.skip_first_of);
   check_labels("cross_entropy_fused", labels, weights, R, V);
   const int64_t C = std::min(p.chunk_rows, std::max<int64_t>(R, 1));
   S* logits = fused_workspace<S>(C * V);

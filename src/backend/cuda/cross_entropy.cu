@@ -5,7 +5,8 @@
 // gradient grad_scale·w·(softmax − onehot) (float4 loads when V % 4 == 0). Rows with w = 0 give
 // loss 0 and a zero gradient; a row with w ≠ 0 and a label outside [0, V) gives a NaN loss (the
 // caller's non-finite check stops the step; labels are validated on the host when they are made).
-// Everything is deterministic.
+// With blocks whose first row is skipped (FusedCeParams::skip_first_of), a gather of each chunk's
+// head rows before the GEMMs and a scatter of their outputs after. Everything is deterministic.
 #include <cmath>
 
 #include "backend/cuda/common.cuh"
@@ -142,9 +143,106 @@ __global__ void ce_sums_kernel(double* sums, const float* row_loss, const float*
   if (threadIdx.x == 0) sums[0] = a, sums[1] = b;
 }
 
+// Head row j of a chunk of blocks of K rows whose first row is skipped: its source row.
+__device__ __forceinline__ int64_t head_row_source(int64_t j, int64_t K) {
+  return j / (K - 1) * K + 1 + j % (K - 1);
+}
+
+// One block per head row j: hidden_c[j] = hidden[src(j)] (16-byte vectors when kVec: H % 8 == 0
+// and both row bases 16-byte aligned), and its label and weight.
+template <bool kVec>
+__global__ void ce_gather_kernel(uint16_t* hidden_c, int32_t* labels_c, float* weights_c,
+                                 const uint16_t* hidden, const int32_t* labels,
+                                 const float* weights, int64_t K, int64_t H) {
+  const int64_t j = blockIdx.x, src = head_row_source(j, K);
+  const uint16_t* from = hidden + src * H;
+  uint16_t* to = hidden_c + j * H;
+  if (kVec) {
+    const auto* f4 = reinterpret_cast<const uint4*>(from);
+    auto* t4 = reinterpret_cast<uint4*>(to);
+    for (int64_t c = threadIdx.x; c < H / 8; c += blockDim.x) t4[c] = f4[c];
+  } else {
+    for (int64_t c = threadIdx.x; c < H; c += blockDim.x) to[c] = from[c];
+  }
+  if (threadIdx.x == 0) {
+    labels_c[j] = labels[src];
+    if (weights_c) weights_c[j] = weights[src];
+  }
+}
+
+// One block per row o of the chunk's blocks: a head row takes its outputs from head row j; a
+// skipped row (o % K == 0) gets d_hidden 0, row_loss 0 (NaN when its weight is not 0), lse NaN,
+// argmax −1. kVec: H % 4 == 0 and 16-byte aligned rows.
+template <bool kVec>
+__global__ void ce_scatter_kernel(float* d_hidden, float* row_loss, float* lse, int32_t* argmax,
+                                  const float* d_hidden_c, const float* row_loss_c,
+                                  const float* lse_c, const int32_t* argmax_c,
+                                  const float* weights, int64_t K, int64_t H) {
+  const int64_t o = blockIdx.x, slot = o % K;
+  const bool skipped = slot == 0;
+  const int64_t j = o / K * (K - 1) + slot - 1;
+  if (d_hidden) {
+    float* to = d_hidden + o * H;
+    const float* from = skipped ? nullptr : d_hidden_c + j * H;
+    if (kVec) {
+      auto* t4 = reinterpret_cast<float4*>(to);
+      const auto* f4 = reinterpret_cast<const float4*>(from);
+      for (int64_t c = threadIdx.x; c < H / 4; c += blockDim.x)
+        t4[c] = skipped ? make_float4(0.f, 0.f, 0.f, 0.f) : f4[c];
+    } else {
+      for (int64_t c = threadIdx.x; c < H; c += blockDim.x) to[c] = skipped ? 0.f : from[c];
+    }
+  }
+  if (threadIdx.x != 0) return;
+  const float nan = __int_as_float(0x7fc00000);
+  if (skipped) {
+    const bool inert = !weights || weights[o] == 0.f;  // null weights are all 1: not inert
+    row_loss[o] = weights && inert ? 0.f : nan;
+    if (lse) lse[o] = nan;
+    if (argmax) argmax[o] = -1;
+  } else {
+    row_loss[o] = row_loss_c[j];
+    if (lse) lse[o] = lse_c[j];
+    if (argmax) argmax[o] = argmax_c[j];
+  }
+}
+
 }  // namespace
 
 namespace launch {
+
+void ce_gather(uint16_t* hidden_c, int32_t* labels_c, float* weights_c, const uint16_t* hidden,
+               const int32_t* labels, const float* weights, int64_t blocks, int64_t K, int64_t H,
+               cudaStream_t s) {
+  const int64_t n = blocks * (K - 1);
+  if (n == 0) return;
+  const bool vec = H % 8 == 0 && reinterpret_cast<uintptr_t>(hidden) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(hidden_c) % 16 == 0;
+  if (vec)
+    ce_gather_kernel<true><<<static_cast<unsigned>(n), kThreads, 0, s>>>(
+        hidden_c, labels_c, weights_c, hidden, labels, weights, K, H);
+  else
+    ce_gather_kernel<false><<<static_cast<unsigned>(n), kThreads, 0, s>>>(
+        hidden_c, labels_c, weights_c, hidden, labels, weights, K, H);
+  DFLASH_CUDA_LAUNCH_CHECK();
+}
+
+void ce_scatter(float* d_hidden, float* row_loss, float* lse, int32_t* argmax,
+                const float* d_hidden_c, const float* row_loss_c, const float* lse_c,
+                const int32_t* argmax_c, const float* weights, int64_t blocks, int64_t K,
+                int64_t H, cudaStream_t s) {
+  const int64_t n = blocks * K;
+  if (n == 0) return;
+  const bool vec = H % 4 == 0 && reinterpret_cast<uintptr_t>(d_hidden) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(d_hidden_c) % 16 == 0;
+  if (vec)
+    ce_scatter_kernel<true><<<static_cast<unsigned>(n), kThreads, 0, s>>>(
+        d_hidden, row_loss, lse, argmax, d_hidden_c, row_loss_c, lse_c, argmax_c, weights, K, H);
+  else
+    ce_scatter_kernel<false><<<static_cast<unsigned>(n), kThreads, 0, s>>>(
+        d_hidden, row_loss, lse, argmax, d_hidden_c, row_loss_c, lse_c, argmax_c, weights, K, H);
+  DFLASH_CUDA_LAUNCH_CHECK();
+}
 
 void ce_rows(float* row_loss, float* lse, int32_t* argmax, uint16_t* dlogits, const float* logits,
              const int32_t* labels, const float* weights, float grad_scale, int64_t n, int64_t V,
