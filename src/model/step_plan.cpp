@@ -403,7 +403,7 @@ FusedCeParams drafter_ce_params(const DrafterConfig& c, int64_t rows, int64_t ce
   cp.H = c.hidden_size;
   cp.V = c.vocab_size;
   cp.chunk_rows = ce_chunk_rows;
-  const bool head = c.dspark.enabled || c.domino.enabled || c.dflash2.enabled;
+  const bool head = c.dspark.enabled || c.domino.enabled;
   cp.skip_first_of = head ? 0 : c.block_size;
   return cp;
 }

@@ -74,10 +74,11 @@ struct DrafterStepSizes {
 };
 
 /// The fused LM-head CE of a drafter step over `rows` block rows (hidden size, vocabulary, chunks
-/// of `ce_chunk_rows`; grad_scale 1, the step sets its own). A drafter without an objective head
-/// (dflash and the D-PACE losses: block_targets never supervises slot 0) skips every block's
-/// first row (skip_first_of = block size: 1/K of the CE's GEMMs saved); a DSpark or Domino
-/// drafter has no fused CE, and DFlash2's selector reads every row's CE outputs: skip_first_of 0.
+/// of `ce_chunk_rows`; grad_scale 1, the step sets its own). Where the targets are block_targets
+/// (dflash, the D-PACE losses and DFlash2's base: slot 0 is never supervised) every block's first
+/// row is skipped (skip_first_of = block size: 1/K of the CE's GEMMs saved; DFlash2's selector
+/// reads none of the CE's outputs of that row). A DSpark or Domino drafter has no fused CE:
+/// skip_first_of 0.
 FusedCeParams drafter_ce_params(const DrafterConfig& c, int64_t rows, int64_t ce_chunk_rows);
 
 /// Group names used in the tables.

@@ -1,15 +1,12 @@
 // dflash.cpp — CUDA cross-entropy over one chunk of fp32 logits (the row part of the fused LM-head
-// CE; the GEMMs are cuBLASLt calls in the entry point). When V % 4 == 0 and V ≤ 200,000 a cluster
-// of eight CTAs per row keeps the row in shared memory (one HBM read of the logits; below), else one
-// block per row, two passes over its logits: max, first argmax and the sum of exp in one online pass (the sum rescaled when the max
+// CE; the GEMMs are cuBLASLt calls in the entry point). One block per row, two passes over its
+// logits: max, first argmax and the sum of exp in one online pass (the sum rescaled when the max
 // grows, merged in a fixed order), then lse, the weighted loss and, optionally, the bf16 logits
 // gradient grad_scale·w·(softmax − onehot) (float4 loads when V % 4 == 0). Rows with w = 0 give
 // loss 0 and a zero gradient; a row with w ≠ 0 and a label outside [0, V) gives a NaN loss (the
 // caller's non-finite check stops the step; labels are validated on the host when they are made).
 // With blocks whose first row is skipped (FusedCeParams::skip_first_of), a gather of each chunk's
 // head rows before the GEMMs and a scatter of their outputs after. Everything is deterministic.
-#include <cooperative_groups.h>
-
 #include <cmath>
 
 #include "backend/cuda/common.cuh"
@@ -133,96 +130,6 @@ __global__ void ce_rows_kernel(float* row_loss, float* lse_out, int32_t* argmax_
   }
 }
 
-// The row pass with the row read from HBM once: a cluster of kClusterCtas CTAs per row, CTA g
-// holding logits [g·S, min(V, (g + 1)·S)) (S % 4 == 0) in shared memory. Pass 1 copies its slice
-// into shared memory while it folds it into an LseState; the CTAs' states are merged in rank order
-// through distributed shared memory (each CTA the same merges: the same lse); pass 2 writes the
-// gradient from shared memory. Same outputs and conventions as ce_rows_kernel<true>.
-constexpr int kClusterCtas = 8, kClusterThreads = 512;
-// Largest slice (floats) kept in shared memory: two CTAs of 512 threads per SM.
-constexpr int64_t kClusterMaxSlice = 25000;
-
-__global__ void __launch_bounds__(kClusterThreads)
-    ce_rows_cluster_kernel(float* row_loss, float* lse_out, int32_t* argmax_out, uint16_t* dlogits,
-                           const float* logits, const int32_t* labels, const float* weights,
-                           float grad_scale, int64_t V, int64_t S) {
-  extern __shared__ float4 slice4[];
-  __shared__ LseState sh[kClusterThreads / 32];
-  __shared__ LseState cta_state, row_state;
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  const int g = static_cast<int>(cluster.block_rank());
-  const int64_t r = blockIdx.x / kClusterCtas;
-  const int64_t v0 = g * S, v1 = v0 + S < V ? v0 + S : V;
-  const int64_t n4 = v1 > v0 ? (v1 - v0) / 4 : 0;
-  const auto* z4 = reinterpret_cast<const float4*>(logits + r * V + v0);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  LseState st = lse_empty();
-  for (int64_t c = threadIdx.x; c < n4; c += blockDim.x) {
-    const float4 q = __ldcs(z4 + c);  // read once: evict first
-    slice4[c] = q;
-    const int v = static_cast<int>(v0 + 4 * c);
-    lse_add(st, q.x, v);
-    lse_add(st, q.y, v + 1);
-    lse_add(st, q.z, v + 2);
-    lse_add(st, q.w, v + 3);
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    LseState b;
-    b.m = __shfl_xor_sync(0xffffffffu, st.m, o);
-    b.s = __shfl_xor_sync(0xffffffffu, st.s, o);
-    b.bv = __shfl_xor_sync(0xffffffffu, st.bv, o);
-    b.bi = __shfl_xor_sync(0xffffffffu, st.bi, o);
-    lse_merge(st, b);
-  }
-  if (lane == 0) sh[warp] = st;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    st = sh[0];
-    for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) lse_merge(st, sh[w]);
-    cta_state = st;
-  }
-  cluster.sync();  // every CTA's state is visible
-  if (threadIdx.x == 0) {
-    LseState all = *cluster.map_shared_rank(&cta_state, 0);
-    for (int k = 1; k < kClusterCtas; ++k) lse_merge(all, *cluster.map_shared_rank(&cta_state, k));
-    row_state = all;
-  }
-  cluster.sync();  // no CTA leaves while another reads its state; row_state is visible
-  const float m = row_state.m;
-  int bi = row_state.bi;
-  if (bi == INT_MAX) bi = 0;  // all logits NaN or -inf: torch.argmax gives 0 for all -inf
-  const float lse = isinf(m) ? m : m + logf(row_state.s);
-  const float w = weights ? weights[r] : 1.0f;
-  const int32_t y = labels[r];
-  const bool label_ok = y >= 0 && y < V;
-  if (g == 0 && threadIdx.x == 0) {
-    if (lse_out) lse_out[r] = lse;
-    if (argmax_out) argmax_out[r] = bi;
-    row_loss[r] = w == 0.f ? 0.f
-                           : (label_ok ? w * (lse - logits[r * V + y]) : __int_as_float(0x7fc00000));
-  }
-  if (!dlogits) return;
-  const float ws = grad_scale * w;
-  auto grad = [&](float x, int64_t v) {
-    float gr = 0.f;
-    if (ws != 0.f) {
-      gr = ws * expf(x - lse);
-      if (v == y) gr -= ws;
-    }
-    return f32_to_bf16(gr);
-  };
-  auto* dz4 = reinterpret_cast<uint2*>(dlogits + r * V + v0);  // 4 bf16 values
-  for (int64_t c = threadIdx.x; c < n4; c += blockDim.x) {
-    const float4 q = slice4[c];
-    const int64_t v = v0 + 4 * c;
-    const uint32_t lo = grad(q.x, v) | static_cast<uint32_t>(grad(q.y, v + 1)) << 16;
-    const uint32_t hi = grad(q.z, v + 2) | static_cast<uint32_t>(grad(q.w, v + 3)) << 16;
-    dz4[c] = make_uint2(lo, hi);
-  }
-}
-
 __global__ void ce_sums_kernel(double* sums, const float* row_loss, const float* weights,
                                int64_t R) {
   __shared__ double sh[32];
@@ -343,32 +250,6 @@ void ce_rows(float* row_loss, float* lse, int32_t* argmax, uint16_t* dlogits, co
   if (n == 0) return;
   const bool vec = V % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(dlogits) % 8 == 0;
-  // The cluster kernel when a row's slices fit its shared memory (V up to 200,000).
-  const int64_t S = (V + 4 * kClusterCtas - 1) / (4 * kClusterCtas) * 4;
-  if (vec && S <= kClusterMaxSlice) {
-    static const bool attr_set = [] {
-      DFLASH_CUDA_CHECK(cudaFuncSetAttribute(ce_rows_cluster_kernel,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(kClusterMaxSlice * 4)));
-      return true;
-    }();
-    (void)attr_set;
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(static_cast<unsigned>(n * kClusterCtas));
-    cfg.blockDim = dim3(kClusterThreads);
-    cfg.dynamicSmemBytes = static_cast<size_t>(S) * sizeof(float);
-    cfg.stream = s;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = kClusterCtas;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    DFLASH_CUDA_CHECK(cudaLaunchKernelEx(&cfg, ce_rows_cluster_kernel, row_loss, lse, argmax,
-                                         dlogits, logits, labels, weights, grad_scale, V, S));
-    return;
-  }
   if (vec)
     ce_rows_kernel<true><<<static_cast<unsigned>(n), kThreads, 0, s>>>(
         row_loss, lse, argmax, dlogits, logits, labels, weights, grad_scale, V);
