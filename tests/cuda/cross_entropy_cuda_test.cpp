@@ -4,6 +4,7 @@
 #include <cmath>
 #include <random>
 #include <tuple>
+#include <utility>
 
 #include "backend/cuda/context.hpp"
 #include "core/error.hpp"
@@ -17,26 +18,57 @@ using namespace dflash::test;
 
 namespace {
 
+// cross_entropy_fused_cpu on the bf16 hidden states (as fp32): d_hidden, lse, argmax and sums.
+struct CpuCe {
+  std::vector<float> dh, lse;
+  std::vector<int32_t> argmax;
+  CrossEntropyStats st;
+};
+CpuCe cpu_ce(const std::vector<uint16_t>& hidden, const std::vector<uint16_t>& head,
+             const std::vector<int32_t>& labels, const std::vector<float>& weights,
+             const FusedCeParams& p) {
+  CpuCe c{std::vector<float>(static_cast<size_t>(p.R * p.H)),
+          std::vector<float>(static_cast<size_t>(p.R)),
+          std::vector<int32_t>(static_cast<size_t>(p.R)), {}};
+  const auto hf = from_bf16(hidden);
+  c.st = cross_entropy_fused_cpu(c.dh.data(), c.lse.data(), c.argmax.data(), nullptr, hf.data(),
+                                 head.data(), labels.data(), weights.data(), p);
+  return c;
+}
+
+// Random bf16 hidden states [R, H] and LM head [V, H]; row r's label and weight from
+// row(r, a random label in [0, V)).
+struct Inputs {
+  std::vector<uint16_t> hidden, head;
+  std::vector<int32_t> labels;
+  std::vector<float> weights;
+};
+template <class Row>
+Inputs make_inputs(int64_t R, int64_t H, int64_t V, uint32_t seed, Row row) {
+  Inputs in{to_bf16(randn(static_cast<size_t>(R * H), seed)),
+            to_bf16(randn(static_cast<size_t>(V * H), seed + 1, 0.2f)),
+            std::vector<int32_t>(static_cast<size_t>(R)), std::vector<float>(static_cast<size_t>(R))};
+  std::mt19937 rng(seed + 2);
+  for (int64_t r = 0; r < R; ++r) {
+    const auto [label, weight] = row(r, static_cast<int32_t>(rng() % V));
+    in.labels[static_cast<size_t>(r)] = label;
+    in.weights[static_cast<size_t>(r)] = weight;
+  }
+  return in;
+}
+
 void run(int64_t R, int64_t H, int64_t V, int64_t chunk, uint32_t seed) {
   SCOPED_TRACE(::testing::Message() << "R=" << R << " H=" << H << " V=" << V << " chunk=" << chunk);
   cuda::CudaContext ctx(0);
-  const auto hidden = to_bf16(randn(static_cast<size_t>(R * H), seed));
-  const auto head = to_bf16(randn(static_cast<size_t>(V * H), seed + 1, 0.2f));
-  std::vector<int32_t> labels(static_cast<size_t>(R));
-  std::vector<float> weights(static_cast<size_t>(R));
-  std::mt19937 rng(seed + 2);
-  for (int64_t r = 0; r < R; ++r) {
-    const bool pad = R > 1 && r % 5 == 3;
-    labels[static_cast<size_t>(r)] = pad ? -77 : static_cast<int32_t>(rng() % V);
-    weights[static_cast<size_t>(r)] = pad ? 0.0f : std::exp(-static_cast<float>(r % 16) / 7.0f);
-  }
+  const auto [hidden, head, labels, weights] =
+      make_inputs(R, H, V, seed, [&](int64_t r, int32_t label) {
+        const bool pad = R > 1 && r % 5 == 3;
+        return std::pair{pad ? -77 : label,
+                         pad ? 0.0f : std::exp(-static_cast<float>(r % 16) / 7.0f)};
+      });
   FusedCeParams p{R, H, V, chunk, 0.37};
-  const auto hf = from_bf16(hidden);
-  std::vector<float> dh_ref(static_cast<size_t>(R * H)), lse_ref(static_cast<size_t>(R));
-  std::vector<int32_t> am_ref(static_cast<size_t>(R));
-  const CrossEntropyStats st =
-      cross_entropy_fused_cpu(dh_ref.data(), lse_ref.data(), am_ref.data(), nullptr, hf.data(),
-                              head.data(), labels.data(), weights.data(), p);
+  const CpuCe ref = cpu_ce(hidden, head, labels, weights, p);
+  const auto& [dh_ref, lse_ref, am_ref, st] = ref;
 
   DeviceGuarded<uint16_t> dhid(hidden), dhead(head);
   DeviceGuarded<int32_t> dlab(labels);
@@ -107,24 +139,15 @@ void run_skip(int64_t blocks, int64_t K, int64_t H, int64_t V, int64_t chunk, ui
   SCOPED_TRACE(::testing::Message() << "blocks=" << blocks << " K=" << K << " H=" << H
                                     << " V=" << V << " chunk=" << chunk);
   cuda::CudaContext ctx(0);
-  const auto hidden = to_bf16(randn(static_cast<size_t>(R * H), seed));
-  const auto head = to_bf16(randn(static_cast<size_t>(V * H), seed + 1, 0.2f));
-  std::vector<int32_t> labels(static_cast<size_t>(R));
-  std::vector<float> weights(static_cast<size_t>(R));
-  std::mt19937 rng(seed + 2);
-  for (int64_t r = 0; r < R; ++r) {
-    const bool anchor = r % K == 0, pad = r % 7 == 5;
-    labels[static_cast<size_t>(r)] = anchor ? static_cast<int32_t>(V + 9) : pad ? -3
-                                                                       : static_cast<int32_t>(rng() % V);
-    weights[static_cast<size_t>(r)] = anchor || pad ? 0.0f : 0.5f + static_cast<float>(r % 3);
-  }
+  const auto [hidden, head, labels, weights] =
+      make_inputs(R, H, V, seed, [&](int64_t r, int32_t label) {
+        const bool anchor = r % K == 0, pad = r % 7 == 5;
+        return std::pair{anchor ? static_cast<int32_t>(V + 9) : pad ? -3 : label,
+                         anchor || pad ? 0.0f : 0.5f + static_cast<float>(r % 3)};
+      });
   FusedCeParams p{R, H, V, chunk, 0.61};
-  const auto hf = from_bf16(hidden);
-  std::vector<float> dh_ref(static_cast<size_t>(R * H)), lse_ref(static_cast<size_t>(R));
-  std::vector<int32_t> am_ref(static_cast<size_t>(R));
-  const CrossEntropyStats st =
-      cross_entropy_fused_cpu(dh_ref.data(), lse_ref.data(), am_ref.data(), nullptr, hf.data(),
-                              head.data(), labels.data(), weights.data(), p);
+  const CpuCe ref = cpu_ce(hidden, head, labels, weights, p);
+  const auto& [dh_ref, lse_ref, am_ref, st] = ref;
   DeviceGuarded<uint16_t> dhid(hidden), dhead(head);
   DeviceGuarded<int32_t> dlab(labels);
   DeviceGuarded<float> dw(weights);
@@ -168,6 +191,23 @@ void run_skip(int64_t blocks, int64_t K, int64_t H, int64_t V, int64_t chunk, ui
   // Deterministic: a second run, from the context's scratch, gives the same bits.
   const auto [dh2, lse2, am2, loss2, s2] = fused(q, true);
   EXPECT_TRUE(same_bits(dh2, dh) && same_bits(s2, s) && same_bits(loss2, loss) && am2 == am);
+  // The drafter's layout (no row_loss, lse or argmax: the per-row loss in the workspace, sized
+  // exactly) and the forward alone (no d_hidden) give the same bits.
+  for (const bool grad : {true, false}) {
+    SCOPED_TRACE(grad ? "row_loss in the workspace" : "forward only");
+    const uint64_t bytes = cross_entropy_fused_cuda_workspace_bytes(q, grad, false);
+    DeviceGuarded<uint8_t> ws(static_cast<size_t>(bytes));
+    DeviceGuarded<float> dh3(static_cast<size_t>(R * H));
+    DeviceGuarded<double> sums(2);
+    cross_entropy_fused_cuda(ctx, grad ? dh3.get() : nullptr, nullptr, nullptr, nullptr,
+                             sums.get(), dhid.get(), dhead.get(), dlab.get(), dw.get(), q,
+                             ws.get(), bytes);
+    EXPECT_TRUE(same_bits(sums.download(), s));
+    if (grad) {
+      EXPECT_TRUE(same_bits(dh3.download(), dh));
+    }
+    EXPECT_TRUE(ws.guard_intact() && dh3.guard_intact() && sums.guard_intact());
+  }
 }
 
 }  // namespace
