@@ -81,6 +81,11 @@ struct Dflash2Heads {
   int selector_top_k = 0;              ///< K candidates per slot, in [1, vocab_size]
   double output_multiplier = 1.0;      ///< m of the unary logits softcap(m·U); > 0
   double final_logit_softcapping = 0;  ///< c of softcap(z) = c·tanh(z/c); 0: none
+  /// Whether the unary logits ū differ from the LM head's U (m ≠ 1 or a softcap): then the CUDA
+  /// selector head computes the base CE itself, else the fused CE does (model/drafter_cuda.hpp).
+  bool base_in_head() const {
+    return enabled && (output_multiplier != 1 || final_logit_softcapping != 0);
+  }
   bool operator==(const Dflash2Heads&) const = default;
 };
 

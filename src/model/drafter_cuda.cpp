@@ -285,8 +285,7 @@ void DrafterCuda::forward_backward(const DrafterCudaInputs& in, double grad_scal
   cudaStream_t s = ctx_.stream();
   // DFlash2: with ū = U the fused CE computes the base CE (plain DFlash's bits) and the selector
   // head adds its term; otherwise the head computes both.
-  const bool d2_base_in_head = c.dflash2.enabled && (c.dflash2.output_multiplier != 1 ||
-                                                     c.dflash2.final_logit_softcapping != 0);
+  const bool d2_base_in_head = c.dflash2.base_in_head();
   // A layer's kvin holds [ctx rows T ; block rows NK] of its k/v projections; its block rows are
   // hn = norm(x_in), the input of q_proj.
   auto hn_of = [&](const LayerBuf& a) { return a.kvin + T * H; };

@@ -421,8 +421,9 @@ DrafterFlops drafter_step_flops(const DrafterConfig& c, int64_t T, int64_t NK,
   const double fc = 2.0 * t * F * H;
   DrafterFlops f;
   f.fwd_gemm = fc + layers;
+  // The fused CE's two GEMMs over its head rows; none where DFlash2's head computes the base.
   const auto head_rows = static_cast<double>(fused_ce_head_rows(drafter_ce_params(c, NK, 1)));
-  f.head = 2.0 * (2.0 * head_rows * H * V);
+  f.head = c.dflash2.base_in_head() ? 0.0 : 2.0 * (2.0 * head_rows * H * V);
   f.bwd_gemm = fc + 2.0 * layers;  // fc: weight gradient only (the features are frozen)
   f.attn_fwd = 4.0 * static_cast<double>(c.head_dim) * static_cast<double>(c.num_heads) *
                visible_keys * static_cast<double>(c.num_layers);

@@ -184,7 +184,8 @@ void plan_op_scratch(ArenaPlanner& p, const ModelConfig& target, int64_t target_
 /// drafter_attention_flops). For throughput figures.
 struct DrafterFlops {
   double fwd_gemm = 0;  ///< fc, q/k/v/o, gate|up, down
-  double head = 0;      ///< logits GEMM + d_hidden GEMM of the fused CE (its head rows only)
+  double head = 0;      ///< logits GEMM + d_hidden GEMM of the fused CE (its head rows only;
+                        ///< 0 when DFlash2's head computes the base CE: Dflash2Heads::base_in_head)
   double bwd_gemm = 0;  ///< input and weight gradients of every trained GEMM
   double attn_fwd = 0;  ///< useful attention FLOPs (visible keys only), forward
   double attn_bwd = 0;  ///< the same for the backward (2.5× the forward's)
